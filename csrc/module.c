@@ -1,0 +1,369 @@
+/* ringreduce._core: the thin Python binding over the ring.
+ *
+ * Buffers arrive through the buffer protocol (C-contiguous; Python has done
+ * every check); the GIL is released for the whole operation. A Comm is used
+ * by one operation at a time (a mutex), and after any failure it stays
+ * broken and says why on every later call.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+
+#include "reduce.h"
+#include "ring.h"
+#include "tcp.h"
+
+typedef struct {
+    PyObject_HEAD
+    rr_ring *ring;
+    pthread_mutex_t mu;
+    int closed;
+    rr_error broken; /* the first error; code RR_OK while healthy */
+} CommObject;
+
+static PyObject *error_class(const char *name)
+{
+    PyObject *mod = PyImport_ImportModule("ringreduce.errors");
+    if (!mod) return NULL;
+    PyObject *cls = PyObject_GetAttrString(mod, name);
+    Py_DECREF(mod);
+    return cls;
+}
+
+/* Raises PeerLostError(msg, rank) or RingReduceError(msg, rank); `first` is
+ * false when the error is an old one, met again on a later call. */
+static PyObject *raise_error(const rr_error *err, int first)
+{
+    if (err->code == RR_E_SYSTEM && strstr(err->msg, "out of memory")) return PyErr_NoMemory();
+    PyObject *cls = error_class(err->code == RR_E_PEER_LOST && first ? "PeerLostError" : "RingReduceError");
+    if (!cls) return NULL;
+    PyObject *msg = first ? PyUnicode_FromString(err->msg)
+                          : PyUnicode_FromFormat("communicator is unusable after an earlier error: %s", err->msg);
+    PyObject *exc = msg ? PyObject_CallFunction(cls, "Oi", msg, err->rank) : NULL;
+    Py_XDECREF(msg);
+    Py_DECREF(cls);
+    if (!exc) return NULL;
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+static int check_usable(CommObject *self)
+{
+    if (self->closed) {
+        PyObject *cls = error_class("RingReduceError");
+        if (cls) { PyErr_SetString(cls, "ringreduce is shut down: call ringreduce.init() first"); Py_DECREF(cls); }
+        return -1;
+    }
+    if (self->broken.code != RR_OK) { raise_error(&self->broken, 0); return -1; }
+    return 0;
+}
+
+static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"rank", "size", "next_fd", "prev_fd", "ctrl_fds", "timeout", "segment", NULL};
+    int rank, size, next_fd, prev_fd;
+    PyObject *ctrl;
+    double timeout;
+    Py_ssize_t segment;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn", kwlist, &rank, &size, &next_fd, &prev_fd,
+                                     &ctrl, &timeout, &segment))
+        return -1;
+    if (size < 1 || rank < 0 || rank >= size || segment <= 0) {
+        PyErr_SetString(PyExc_ValueError, "bad rank, size or segment");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(ctrl, "ctrl_fds must be a sequence");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int *fds = PyMem_Malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
+    if (!fds) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) fds[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) { PyMem_Free(fds); return -1; }
+    rr_transport *t = NULL;
+    if (size > 1) {
+        t = rr_tcp_create(rank, size, next_fd, prev_fd, fds, (int)n, timeout);
+        if (!t) { PyMem_Free(fds); PyErr_NoMemory(); return -1; }
+    }
+    PyMem_Free(fds);
+    self->ring = rr_ring_create(t, (size_t)segment);
+    if (!self->ring) {
+        if (t) t->ops->destroy(t);
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->ring->rank = rank;
+    self->ring->size = size;
+    pthread_mutex_init(&self->mu, NULL);
+    return 0;
+}
+
+static void Comm_dealloc(CommObject *self)
+{
+    if (self->ring) {
+        rr_ring_destroy(self->ring);
+        pthread_mutex_destroy(&self->mu);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Runs one ring operation with the GIL released and the lock held. */
+#define RUN_LOCKED(self, err, CALL)                                          \
+    do {                                                                     \
+        Py_BEGIN_ALLOW_THREADS                                               \
+        pthread_mutex_lock(&(self)->mu);                                     \
+        if ((self)->broken.code == RR_OK) {                                  \
+            CALL;                                                            \
+            if ((err).code != RR_OK) (self)->broken = (err);                 \
+        } else {                                                             \
+            (err) = (self)->broken;                                          \
+            (err).code = -(err).code;                                        \
+        }                                                                    \
+        pthread_mutex_unlock(&(self)->mu);                                   \
+        Py_END_ALLOW_THREADS                                                 \
+    } while (0)
+
+static PyObject *finish(rr_error *err)
+{
+    if (err->code == RR_OK) Py_RETURN_NONE;
+    if (err->code < 0) { err->code = -err->code; return raise_error(err, 0); }
+    return raise_error(err, 1);
+}
+
+static int get_writable(PyObject *obj, Py_buffer *view)
+{
+    return PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
+}
+
+static int valid_dtype_op(int dtype, int op)
+{
+    if (dtype < 0 || dtype >= RR_NUM_DTYPES || op < 0 || op >= RR_NUM_OPS) {
+        PyErr_SetString(PyExc_ValueError, "unknown dtype or op code");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *reduce_op(CommObject *self, PyObject *args, int scatter)
+{
+    PyObject *obj;
+    int dtype, op;
+    if (!PyArg_ParseTuple(args, "Oii", &obj, &dtype, &op) || !valid_dtype_op(dtype, op)) return NULL;
+    if (check_usable(self)) return NULL;
+    Py_buffer view;
+    if (get_writable(obj, &view)) return NULL;
+    size_t count = (size_t)view.len / rr_dtype_size((rr_dtype)dtype);
+    rr_error err = {0};
+    RUN_LOCKED(self, err,
+               scatter ? rr_reduce_scatter(self->ring, view.buf, count, (rr_dtype)dtype, (rr_op)op, &err)
+                       : rr_allreduce(self->ring, view.buf, count, (rr_dtype)dtype, (rr_op)op, &err));
+    PyBuffer_Release(&view);
+    return finish(&err);
+}
+
+static PyObject *Comm_allreduce(CommObject *self, PyObject *args) { return reduce_op(self, args, 0); }
+static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args) { return reduce_op(self, args, 1); }
+
+static PyObject *Comm_allgather(CommObject *self, PyObject *args)
+{
+    PyObject *obj, *sizes;
+    if (!PyArg_ParseTuple(args, "OO", &obj, &sizes)) return NULL;
+    if (check_usable(self)) return NULL;
+    const int N = self->ring->size;
+    PyObject *seq = PySequence_Fast(sizes, "nbytes must be a sequence");
+    if (!seq) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != N) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "nbytes needs one entry per rank");
+        return NULL;
+    }
+    size_t *nbytes = PyMem_Malloc(sizeof(size_t) * (size_t)N), total = 0;
+    if (!nbytes) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (int i = 0; i < N; i++) {
+        nbytes[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(seq, i));
+        total += nbytes[i];
+    }
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) { PyMem_Free(nbytes); return NULL; }
+    Py_buffer view;
+    if (get_writable(obj, &view)) { PyMem_Free(nbytes); return NULL; }
+    if ((size_t)view.len != total) {
+        PyBuffer_Release(&view);
+        PyMem_Free(nbytes);
+        PyErr_SetString(PyExc_ValueError, "buffer size differs from the sum of nbytes");
+        return NULL;
+    }
+    rr_error err = {0};
+    RUN_LOCKED(self, err, rr_allgather(self->ring, view.buf, nbytes, &err));
+    PyBuffer_Release(&view);
+    PyMem_Free(nbytes);
+    return finish(&err);
+}
+
+static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
+{
+    PyObject *obj;
+    int root;
+    if (!PyArg_ParseTuple(args, "Oi", &obj, &root)) return NULL;
+    if (check_usable(self)) return NULL;
+    if (root < 0 || root >= self->ring->size) {
+        PyErr_SetString(PyExc_ValueError, "root out of range");
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_writable(obj, &view)) return NULL;
+    rr_error err = {0};
+    RUN_LOCKED(self, err, rr_broadcast(self->ring, view.buf, (size_t)view.len, root, &err));
+    PyBuffer_Release(&view);
+    return finish(&err);
+}
+
+static PyObject *Comm_exchange_blobs(CommObject *self, PyObject *args)
+{
+    Py_buffer mine;
+    if (!PyArg_ParseTuple(args, "y*", &mine)) return NULL;
+    if (check_usable(self)) { PyBuffer_Release(&mine); return NULL; }
+    const int N = self->ring->size;
+    size_t *lens = PyMem_Malloc(sizeof(size_t) * (size_t)N);
+    if (!lens) { PyBuffer_Release(&mine); return PyErr_NoMemory(); }
+    void *all = NULL;
+    rr_error err = {0};
+    RUN_LOCKED(self, err, rr_exchange_blobs(self->ring, mine.buf, (size_t)mine.len, &all, lens, &err));
+    PyBuffer_Release(&mine);
+    PyObject *result = NULL;
+    if (err.code == RR_OK) {
+        result = PyList_New(N);
+        size_t at = 0;
+        for (int i = 0; result && i < N; i++) {
+            PyObject *b = PyBytes_FromStringAndSize((char *)all + at, (Py_ssize_t)lens[i]);
+            if (!b) { Py_CLEAR(result); break; }
+            PyList_SET_ITEM(result, i, b);
+            at += lens[i];
+        }
+    } else {
+        finish(&err);
+    }
+    free(all);
+    PyMem_Free(lens);
+    return result;
+}
+
+static PyObject *Comm_close(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->closed && self->ring) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&self->mu);
+        rr_ring_destroy(self->ring);
+        self->ring = NULL;
+        pthread_mutex_unlock(&self->mu);
+        Py_END_ALLOW_THREADS
+        pthread_mutex_destroy(&self->mu);
+    }
+    self->closed = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Comm_get_broken(CommObject *self, void *Py_UNUSED(closure))
+{
+    if (self->broken.code == RR_OK) Py_RETURN_NONE;
+    return PyUnicode_FromString(self->broken.msg);
+}
+
+static PyMethodDef Comm_methods[] = {
+    {"allreduce", (PyCFunction)Comm_allreduce, METH_VARARGS, "allreduce(buf, dtype, op): in place"},
+    {"reduce_scatter", (PyCFunction)Comm_reduce_scatter, METH_VARARGS,
+     "reduce_scatter(buf, dtype, op): in place; chunk `rank` ends reduced"},
+    {"allgather", (PyCFunction)Comm_allgather, METH_VARARGS,
+     "allgather(buf, nbytes): in place; this rank's block already filled"},
+    {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, "broadcast(buf, root): in place"},
+    {"exchange_blobs", (PyCFunction)Comm_exchange_blobs, METH_VARARGS,
+     "exchange_blobs(bytes) -> list of every rank's bytes, in rank order"},
+    {"close", (PyCFunction)Comm_close, METH_NOARGS, "say goodbye to the peers and free everything"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Comm_getset[] = {
+    {"broken", (getter)Comm_get_broken, NULL, "why the communicator is unusable, or None", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CommType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ringreduce._core.Comm",
+    .tp_basicsize = sizeof(CommObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A ring of ranks over connected sockets: Comm(rank, size, next_fd, prev_fd, ctrl_fds, timeout, segment)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Comm_init,
+    .tp_dealloc = (destructor)Comm_dealloc,
+    .tp_methods = Comm_methods,
+    .tp_getset = Comm_getset,
+};
+
+/* Local kernels, for the small-message path (reduce what every rank sent, in
+ * rank order) and for tests and benchmarks of the kernels themselves. */
+static PyObject *core_reduce(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *dst_obj;
+    Py_buffer src;
+    int dtype, op;
+    if (!PyArg_ParseTuple(args, "Oy*ii", &dst_obj, &src, &dtype, &op)) return NULL;
+    if (!valid_dtype_op(dtype, op)) { PyBuffer_Release(&src); return NULL; }
+    Py_buffer dst;
+    if (get_writable(dst_obj, &dst)) { PyBuffer_Release(&src); return NULL; }
+    if (dst.len != src.len) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError, "dst and src differ in size");
+        return NULL;
+    }
+    size_t count = (size_t)dst.len / rr_dtype_size((rr_dtype)dtype);
+    Py_BEGIN_ALLOW_THREADS
+    rr_reduce(dst.buf, src.buf, count, (rr_dtype)dtype, (rr_op)op);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_divide(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *obj;
+    int dtype, n;
+    if (!PyArg_ParseTuple(args, "Oii", &obj, &dtype, &n)) return NULL;
+    if (!valid_dtype_op(dtype, 0) || n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "bad dtype or divisor");
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_writable(obj, &view)) return NULL;
+    size_t count = (size_t)view.len / rr_dtype_size((rr_dtype)dtype);
+    Py_BEGIN_ALLOW_THREADS
+    rr_divide(view.buf, count, (rr_dtype)dtype, n);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef core_methods[] = {
+    {"reduce", core_reduce, METH_VARARGS, "reduce(dst, src, dtype, op): dst = dst OP src, elementwise"},
+    {"divide", core_divide, METH_VARARGS, "divide(buf, dtype, n): the division that finishes avg"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "_core", "ringreduce's C ring", -1, core_methods};
+
+PyMODINIT_FUNC PyInit__core(void)
+{
+    if (PyType_Ready(&CommType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&core_module);
+    if (!m) return NULL;
+    Py_INCREF(&CommType);
+    PyModule_AddObject(m, "Comm", (PyObject *)&CommType);
+    static const char *dtypes[] = {"FLOAT16", "BFLOAT16", "FLOAT32", "FLOAT64", "INT8", "UINT8", "INT32", "INT64"};
+    for (int i = 0; i < RR_NUM_DTYPES; i++) PyModule_AddIntConstant(m, dtypes[i], i);
+    static const char *ops[] = {"SUM", "PROD", "MIN", "MAX", "AVG"};
+    for (int i = 0; i < RR_NUM_OPS; i++) PyModule_AddIntConstant(m, ops[i], i);
+    return m;
+}

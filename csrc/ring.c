@@ -1,0 +1,283 @@
+/* The ring schedule.
+ *
+ *            +--> rank 1 --+          Every rank sends only to next
+ *            |             v          (rank + 1) and receives only from
+ *         rank 0        rank 2        prev (rank - 1), both at once.
+ *            ^             |
+ *            +-- rank 3 <--+
+ *
+ * The buffer is cut into N chunks (rr_chunk_count: the first count % N
+ * chunks get one extra element; with count < N some are empty). One
+ * allreduce is 2(N-1) steps g = 0 .. 2N-3 of a single formula:
+ *
+ *     at step g, rank r sends chunk (r - g - 1) mod N
+ *                   and receives chunk (r - g - 2) mod N
+ *
+ *   ScatterReduce, g = 0 .. N-2: the received chunk is reduced into ours.
+ *     After its last step (g = N-2) rank r has received chunk r for the
+ *     N-1st time: chunk r now holds the reduction over all ranks.
+ *   AllGather, g = N-1 .. 2N-3: the received chunk is copied into place.
+ *     At g = N-1 rank r sends its finished chunk r, and every later step
+ *     forwards what arrived in the step before.
+ *
+ * What rank r receives at step g is exactly what it sends at step g+1. So
+ * the two phases are one stream: each chunk moves in segments, and segment
+ * j of step g+1 leaves as soon as segment j of step g has arrived and been
+ * reduced, while the sockets carry the next one. Sending, receiving and
+ * reducing overlap, also across step and phase boundaries.
+ *
+ * Each chunk is reduced in one fixed order (the order the ring visits the
+ * ranks) and then only copied, never re-reduced: every rank ends with the
+ * same bits. Each rank sends and receives 2(N-1)/N of the buffer.
+ *
+ * Extra memory: one staging segment, whatever the tensor's size.
+ */
+#include "ring.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "reduce.h"
+
+#define MAX_BLOB ((size_t)64 << 20)
+
+static int mod(int a, int n) { return ((a % n) + n) % n; }
+
+rr_ring *rr_ring_create(rr_transport *t, size_t segment_bytes)
+{
+    rr_ring *ring = calloc(1, sizeof *ring);
+    if (!ring) return NULL;
+    segment_bytes = (segment_bytes + 63) / 64 * 64;
+    if (segment_bytes < 64) segment_bytes = 64;
+    ring->staging = malloc(segment_bytes);
+    if (!ring->staging) { free(ring); return NULL; }
+    ring->transport = t;
+    ring->rank = t ? t->rank : 0;
+    ring->size = t ? t->size : 1;
+    ring->segment = segment_bytes;
+    return ring;
+}
+
+void rr_ring_destroy(rr_ring *ring)
+{
+    if (!ring) return;
+    if (ring->transport) ring->transport->ops->destroy(ring->transport);
+    free(ring->staging);
+    free(ring);
+}
+
+size_t rr_chunk_count(size_t count, int size, int i)
+{
+    return count / (size_t)size + ((size_t)i < count % (size_t)size ? 1 : 0);
+}
+
+static int fail(rr_ring *ring, int code, rr_error *err)
+{
+    ring->transport->ops->abort(ring->transport, err);
+    return code;
+}
+
+/* Runs steps g0 .. g1-1 of the schedule above over chunks at byte offsets
+ * off[] with byte lengths len[]. Steps below `reduce_until` reduce (with
+ * `avg_at`, the step after which the owned chunk is final, dividing each
+ * finished segment); later steps copy. */
+static int ring_steps(rr_ring *ring, char *buf, const size_t *off, const size_t *len,
+                      int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank;
+    const size_t seg = ring->segment, esize = rr_dtype_size(dtype);
+    rr_transport *t = ring->transport;
+    int sg = g0, rg = g0;        /* the steps being sent and received */
+    size_t soff = 0;             /* bytes of step sg's chunk sent */
+    size_t roff = 0, rdone = 0;  /* bytes of step rg's chunk received; of those, finished */
+
+    for (;;) {
+        while (sg < g1 && soff == len[mod(r - sg - 1, N)]) { sg++; soff = 0; }
+        while (rg < g1 && rdone == len[mod(r - rg - 2, N)]) { rg++; roff = rdone = 0; }
+        if (sg >= g1 && rg >= g1) return RR_OK;
+
+        /* Send window: the rest of the current segment, but never past what
+         * has arrived, when the chunk is the one still being received. */
+        const char *sp = NULL;
+        size_t sl = 0;
+        if (sg < g1) {
+            const int sc = mod(r - sg - 1, N);
+            size_t limit = (sg > g0 && sg - 1 == rg) ? rdone : len[sc];
+            size_t seg_end = (soff / seg + 1) * seg;
+            if (seg_end > limit) seg_end = limit;
+            sp = buf + off[sc] + soff;
+            sl = seg_end > soff ? seg_end - soff : 0;
+        }
+        /* Receive window: the rest of the current segment, into staging
+         * when it must be reduced, else straight into place. */
+        const int rc = mod(r - rg - 2, N);
+        const int reducing = rg < reduce_until;
+        char *rp = NULL;
+        size_t rl = 0, rseg_end = 0;
+        if (rg < g1) {
+            rseg_end = (rdone / seg + 1) * seg;
+            if (rseg_end > len[rc]) rseg_end = len[rc];
+            rp = reducing ? (char *)ring->staging + (roff - rdone) : buf + off[rc] + roff;
+            rl = rseg_end - roff;
+        }
+
+        size_t sent = 0, rcvd = 0;
+        int rc_ = t->ops->exchange(t, sp, sl, &sent, rp, rl, &rcvd, err);
+        if (rc_ != RR_OK) return fail(ring, rc_, err);
+        soff += sent;
+        roff += rcvd;
+        if (rg < g1 && roff == rseg_end) {
+            if (reducing) {
+                char *dst = buf + off[rc] + rdone;
+                size_t n = (rseg_end - rdone) / esize;
+                rr_reduce(dst, ring->staging, n, dtype, op);
+                if (op == RR_AVG && rg == N - 2) rr_divide(dst, n, dtype, N);
+            }
+            rdone = rseg_end;
+        }
+    }
+}
+
+/* Chunk table for `count` elements: offsets and lengths in bytes. */
+static int chunk_table(int N, size_t count, size_t esize, size_t **off, size_t **len)
+{
+    *off = malloc(sizeof(size_t) * (size_t)N);
+    *len = malloc(sizeof(size_t) * (size_t)N);
+    if (!*off || !*len) { free(*off); free(*len); return -1; }
+    size_t at = 0;
+    for (int i = 0; i < N; i++) {
+        (*off)[i] = at;
+        (*len)[i] = rr_chunk_count(count, N, i) * esize;
+        at += (*len)[i];
+    }
+    return 0;
+}
+
+static int reduce_phases(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op,
+                         int g1, rr_error *err)
+{
+    const int N = ring->size;
+    if (rr_dtype_size(dtype) == 0 || op < 0 || op >= RR_NUM_OPS) {
+        rr_set_error(err, RR_E_INVALID, -1, "unsupported dtype %d or op %d", (int)dtype, (int)op);
+        return err->code;
+    }
+    if (N == 1) return RR_OK; /* avg over one rank divides by 1 */
+    size_t *off, *len;
+    if (chunk_table(N, count, rr_dtype_size(dtype), &off, &len)) {
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    int rc = ring_steps(ring, buf, off, len, 0, g1, N - 1, dtype, op, err);
+    free(off);
+    free(len);
+    return rc;
+}
+
+int rr_allreduce(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op, rr_error *err)
+{
+    return reduce_phases(ring, buf, count, dtype, op, 2 * ring->size - 2, err);
+}
+
+int rr_reduce_scatter(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op, rr_error *err)
+{
+    return reduce_phases(ring, buf, count, dtype, op, ring->size - 1, err);
+}
+
+int rr_allgather(rr_ring *ring, void *buf, const size_t *nbytes, rr_error *err)
+{
+    const int N = ring->size;
+    if (N == 1) return RR_OK;
+    size_t *off = malloc(sizeof(size_t) * (size_t)N), at = 0;
+    if (!off) {
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    for (int i = 0; i < N; i++) { off[i] = at; at += nbytes[i]; }
+    /* The AllGather steps of the schedule; uint8 so no reduction applies. */
+    int rc = ring_steps(ring, buf, off, nbytes, N - 1, 2 * N - 2, 0, RR_UINT8, RR_SUM, err);
+    free(off);
+    return rc;
+}
+
+/* Broadcast is a pipelined chain root -> root+1 -> ... -> root-1: each rank
+ * forwards every segment the moment it has it. */
+int rr_broadcast(rr_ring *ring, void *buf, size_t nbytes, int root, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank;
+    if (N == 1 || nbytes == 0) return RR_OK;
+    rr_transport *t = ring->transport;
+    const int receives = r != root, forwards = mod(r + 1, N) != root;
+    size_t sent = 0, rcvd = receives ? 0 : nbytes;
+    while ((forwards && sent < nbytes) || rcvd < nbytes) {
+        size_t s_end = (sent / ring->segment + 1) * ring->segment;
+        if (s_end > rcvd) s_end = rcvd;
+        size_t r_end = (rcvd / ring->segment + 1) * ring->segment;
+        if (r_end > nbytes) r_end = nbytes;
+        size_t ds = 0, dr = 0;
+        int rc = t->ops->exchange(t, (char *)buf + sent, forwards ? s_end - sent : 0, &ds,
+                                  (char *)buf + rcvd, r_end - rcvd, &dr, err);
+        if (rc != RR_OK) return fail(ring, rc, err);
+        sent += ds;
+        rcvd += dr;
+    }
+    return RR_OK;
+}
+
+/* Moves exactly slen bytes out and rlen bytes in, both at once. */
+static int exchange_all(rr_ring *ring, const char *sbuf, size_t slen, char *rbuf, size_t rlen, rr_error *err)
+{
+    rr_transport *t = ring->transport;
+    size_t s = 0, r = 0;
+    while (s < slen || r < rlen) {
+        size_t ds = 0, dr = 0;
+        int rc = t->ops->exchange(t, sbuf + s, slen - s, &ds, rbuf + r, rlen - r, &dr, err);
+        if (rc != RR_OK) return fail(ring, rc, err);
+        s += ds;
+        r += dr;
+    }
+    return RR_OK;
+}
+
+/* A ring allgather of variable-length blobs: at step k rank r forwards the
+ * blob of rank (r - k) and receives the blob of rank (r - k - 1), each framed
+ * by its length (u64). N-1 steps, the fewest a ring allows. */
+int rr_exchange_blobs(rr_ring *ring, const void *mine, size_t len, void **all, size_t *lens, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank;
+    char **blob = calloc((size_t)N, sizeof *blob);
+    *all = NULL;
+    if (!blob) goto oom;
+    if (!(blob[r] = malloc(len ? len : 1))) goto oom;
+    memcpy(blob[r], mine, len);
+    lens[r] = len;
+    for (int k = 0; k < N - 1; k++) {
+        const int s = mod(r - k, N), q = mod(r - k - 1, N);
+        uint64_t out_len = lens[s], in_len = 0;
+        if (exchange_all(ring, (const char *)&out_len, 8, (char *)&in_len, 8, err)) goto out;
+        if (in_len > MAX_BLOB) {
+            rr_set_error(err, RR_E_PROTOCOL, q, "malformed header from rank %d: %llu bytes", q,
+                         (unsigned long long)in_len);
+            fail(ring, RR_E_PROTOCOL, err);
+            goto out;
+        }
+        lens[q] = (size_t)in_len;
+        if (!(blob[q] = malloc(in_len ? in_len : 1))) goto oom;
+        if (exchange_all(ring, blob[s], lens[s], blob[q], lens[q], err)) goto out;
+    }
+    size_t total = 0;
+    for (int i = 0; i < N; i++) total += lens[i];
+    if (!(*all = malloc(total ? total : 1))) goto oom;
+    for (size_t i = 0, at = 0; i < (size_t)N; at += lens[i], i++) memcpy((char *)*all + at, blob[i], lens[i]);
+    for (int i = 0; i < N; i++) free(blob[i]);
+    free(blob);
+    return RR_OK;
+oom:
+    rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+out:
+    if (blob) for (int i = 0; i < N; i++) free(blob[i]);
+    free(blob);
+    free(*all);
+    *all = NULL;
+    return err->code;
+}

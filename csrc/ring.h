@@ -1,0 +1,46 @@
+/* The ring schedule: allreduce, reduce-scatter, allgather, broadcast and the
+ * small-message header exchange, over any rr_transport. See ring.c. */
+#ifndef RINGREDUCE_RING_H
+#define RINGREDUCE_RING_H
+
+#include <stddef.h>
+#include "reduce_math.h"
+#include "transport.h"
+
+typedef struct rr_ring {
+    rr_transport *transport; /* owned */
+    int rank, size;
+    size_t segment;          /* pipeline segment, bytes (a multiple of 64) */
+    void *staging;           /* one segment: where received partials land before reduction */
+} rr_ring;
+
+/* Takes ownership of the transport. NULL on out-of-memory. */
+rr_ring *rr_ring_create(rr_transport *t, size_t segment_bytes);
+void rr_ring_destroy(rr_ring *ring);
+
+/* How many elements of `count` chunk i holds: the first count % size chunks
+ * get one extra element. */
+size_t rr_chunk_count(size_t count, int size, int i);
+
+/* In place: buf holds this rank's input and ends with the reduction of every
+ * rank's input, bit-identical on all ranks. */
+int rr_allreduce(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op, rr_error *err);
+
+/* In place, ScatterReduce only: afterwards chunk `rank` of buf (see
+ * rr_chunk_count) holds the reduction; the other chunks hold partials. */
+int rr_reduce_scatter(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op, rr_error *err);
+
+/* In place, AllGather only: block i is nbytes[i] bytes at the sum of the
+ * blocks before it; this rank's block is filled, the rest get filled. */
+int rr_allgather(rr_ring *ring, void *buf, const size_t *nbytes, rr_error *err);
+
+/* Root's nbytes flow along the ring, pipelined by segment. */
+int rr_broadcast(rr_ring *ring, void *buf, size_t nbytes, int root, rr_error *err);
+
+/* Every rank contributes one blob of any length (up to 64 MiB); every rank
+ * gets all of them, in rank order. *all is one malloc'ed block holding the
+ * blobs back to back; lens[size] their lengths. Used for the headers that
+ * precede every operation, and for small operations whose data rides along. */
+int rr_exchange_blobs(rr_ring *ring, const void *mine, size_t len, void **all, size_t *lens, rr_error *err);
+
+#endif

@@ -1,0 +1,349 @@
+/* TCP transport.
+ *
+ * Data: non-blocking sockets and poll(2). exchange() first tries both
+ * directions without waiting and only sleeps in poll when neither can move,
+ * so a full-duplex transfer keeps both directions busy from one thread.
+ *
+ * Failures: a peer that dies shows up as EOF or a reset on a data socket, but
+ * only to its two neighbours. So every rank also keeps its rendezvous
+ * connection to rank 0 (the control star) and the one who first knows the
+ * culprit says so there; rank 0 relays it to everyone. A rank that sees its
+ * neighbour vanish first waits briefly on the control socket, because the
+ * neighbour may only have been passing on someone else's failure. A peer that
+ * stays silent past the timeout is judged by rank 0: every waiting rank sends
+ * it a SUSPECT; the one rank that does not is the silent one.
+ *
+ * Control messages are 8 bytes: u32 type, i32 rank, native byte order (all
+ * ranks of a job run the same build on the same kind of machine).
+ */
+#define _GNU_SOURCE
+#include "tcp.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { CTRL_BYE = 1, CTRL_LOST = 2, CTRL_SUSPECT = 3 };
+
+/* How long a rank that saw a neighbour vanish waits for the real culprit's
+ * name, and how long rank 0 collects suspicions before its verdict. */
+#define BLAME_GRACE_MS 1500
+#define VERDICT_GRACE_MS 1000
+
+typedef struct {
+    rr_transport base;
+    int next_fd, prev_fd;
+    int *ctrl;        /* rank 0: size entries by rank; others: ctrl[0] */
+    int n_ctrl;
+    char *departed;   /* peers that said BYE, by rank */
+    int timeout_ms;
+    int aborted;
+} tcp_transport;
+
+void rr_set_error(rr_error *err, int code, int rank, const char *fmt, ...)
+{
+    if (!err || err->code != RR_OK) return; /* keep the first cause */
+    va_list ap;
+    va_start(ap, fmt);
+    err->code = code;
+    err->rank = rank;
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int prev_rank(const tcp_transport *t) { return (t->base.rank + t->base.size - 1) % t->base.size; }
+static int next_rank(const tcp_transport *t) { return (t->base.rank + 1) % t->base.size; }
+/* The rank at the other end of control descriptor i. */
+static int ctrl_peer(const tcp_transport *t, int i) { return t->base.rank == 0 ? i : 0; }
+
+static void ctrl_send(int fd, uint32_t type, int32_t rank)
+{
+    if (fd < 0) return;
+    int32_t msg[2] = {(int32_t)type, rank};
+    /* 8 bytes into an idle socket never block; a failure here changes nothing. */
+    ssize_t n = send(fd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    (void)n;
+}
+
+static void ctrl_broadcast(tcp_transport *t, uint32_t type, int32_t rank)
+{
+    for (int i = 0; i < t->n_ctrl; i++) ctrl_send(t->ctrl[i], type, rank);
+}
+
+/* Reads one message from control descriptor i. Returns the type, 0 for
+ * nothing or a message that needs no action, or -1 when the peer is gone
+ * (*about is then that peer). */
+static int ctrl_read(tcp_transport *t, int i, int *about)
+{
+    int32_t msg[2];
+    ssize_t n = recv(t->ctrl[i], msg, sizeof msg, MSG_DONTWAIT | MSG_WAITALL);
+    int peer = ctrl_peer(t, i);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+    if (n != (ssize_t)sizeof msg) {
+        close(t->ctrl[i]);
+        t->ctrl[i] = -1;
+        if (t->departed[peer]) return 0;
+        *about = peer;
+        return -1;
+    }
+    if (msg[0] == CTRL_BYE) {
+        t->departed[peer] = 1;
+        return 0;
+    }
+    if (msg[1] < 0 || msg[1] >= t->base.size) return 0; /* malformed: ignore */
+    *about = msg[1];
+    if (msg[0] == CTRL_SUSPECT && t->base.rank == 0) {
+        *about = peer; /* rank 0 wants to know who reported */
+        return CTRL_SUSPECT;
+    }
+    return msg[0] == CTRL_LOST ? CTRL_LOST : 0;
+}
+
+/* Polls the control sockets for up to wait_ms. Returns the lost rank named by
+ * a notice (relaying it from rank 0), or -1 when none came. A SUSPECT seen by
+ * rank 0 starts its verdict. */
+static int arbitrate(tcp_transport *t, int first_suspect, int own_suspect);
+
+static int ctrl_poll(tcp_transport *t, int wait_ms)
+{
+    int64_t end = now_ms() + wait_ms;
+    struct pollfd pfd[t->n_ctrl > 0 ? t->n_ctrl : 1];
+    for (;;) {
+        int n = 0;
+        for (int i = 0; i < t->n_ctrl; i++) {
+            pfd[i].fd = t->ctrl[i];
+            pfd[i].events = POLLIN;
+            pfd[i].revents = 0;
+            if (t->ctrl[i] >= 0) n++;
+        }
+        if (n == 0) return -1;
+        int left = (int)(end - now_ms());
+        if (left < 0) left = 0;
+        int r = poll(pfd, t->n_ctrl, left);
+        if (r < 0 && errno != EINTR) return -1;
+        for (int i = 0; r > 0 && i < t->n_ctrl; i++) {
+            if (t->ctrl[i] < 0 || !(pfd[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+            int about = -1, kind = ctrl_read(t, i, &about);
+            if (kind == CTRL_SUSPECT) return arbitrate(t, about, -1);
+            if (kind == CTRL_LOST || kind == -1) {
+                if (t->base.rank == 0) ctrl_broadcast(t, CTRL_LOST, about);
+                return about;
+            }
+        }
+        if (now_ms() >= end) return -1;
+    }
+}
+
+/* Rank 0's verdict on a stall: collect SUSPECT reports for a moment; the
+ * silent rank is the one that did not report. */
+static int arbitrate(tcp_transport *t, int first_suspect, int own_suspect)
+{
+    int size = t->base.size, reported = 0;
+    char seen[size];
+    memset(seen, 0, (size_t)size);
+    seen[0] = 1;
+    if (first_suspect >= 0) seen[first_suspect] = 1;
+    int64_t end = now_ms() + VERDICT_GRACE_MS;
+    struct pollfd pfd[size];
+    while (now_ms() < end) {
+        for (int i = 0; i < size; i++) {
+            pfd[i].fd = t->ctrl[i];
+            pfd[i].events = POLLIN;
+            pfd[i].revents = 0;
+        }
+        int left = (int)(end - now_ms());
+        if (poll(pfd, (nfds_t)size, left > 0 ? left : 0) <= 0) continue;
+        for (int i = 1; i < size; i++) {
+            if (t->ctrl[i] < 0 || !(pfd[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+            int about = -1, kind = ctrl_read(t, i, &about);
+            if (kind == CTRL_SUSPECT) seen[about] = 1;
+            if (kind == CTRL_LOST || kind == -1) { /* a harder fact beats a guess */
+                ctrl_broadcast(t, CTRL_LOST, about);
+                return about;
+            }
+        }
+    }
+    int verdict = -1, silent = 0;
+    for (int i = 1; i < size; i++)
+        if (!seen[i] && !t->departed[i]) { silent++; if (verdict < 0) verdict = i; }
+    (void)reported;
+    if (silent != 1) verdict = own_suspect >= 0 ? own_suspect : (verdict >= 0 ? verdict : first_suspect);
+    if (verdict < 0) verdict = prev_rank(t);
+    ctrl_broadcast(t, CTRL_LOST, verdict);
+    return verdict;
+}
+
+/* A neighbour vanished (EOF, reset): name whoever really failed. */
+static int peer_failed(tcp_transport *t, int neighbour, const char *what, rr_error *err)
+{
+    int culprit;
+    if (t->departed[neighbour]) {
+        rr_set_error(err, RR_E_PEER_LOST, neighbour,
+                     "rank %d has shut down (%s) while rank %d still expected data from it",
+                     neighbour, what, t->base.rank);
+        return err->code;
+    }
+    culprit = ctrl_poll(t, BLAME_GRACE_MS);
+    if (culprit < 0) {
+        culprit = neighbour;
+        if (t->base.rank == 0) ctrl_broadcast(t, CTRL_LOST, culprit);
+        else ctrl_send(t->ctrl[0], CTRL_LOST, culprit);
+    }
+    if (culprit == neighbour)
+        rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d: %s", culprit, what);
+    else
+        rr_set_error(err, RR_E_PEER_LOST, culprit,
+                     "lost rank %d (reported through rank 0; rank %d saw: %s)", culprit,
+                     t->base.rank, what);
+    return err->code;
+}
+
+/* Nothing moved for the whole timeout. */
+static int peer_silent(tcp_transport *t, int waited_on, rr_error *err)
+{
+    int culprit;
+    if (t->base.rank == 0) {
+        culprit = arbitrate(t, -1, waited_on);
+    } else {
+        ctrl_send(t->ctrl[0], CTRL_SUSPECT, waited_on);
+        culprit = ctrl_poll(t, BLAME_GRACE_MS + VERDICT_GRACE_MS);
+        if (culprit < 0) culprit = 0; /* the judge itself does not answer */
+    }
+    rr_set_error(err, RR_E_PEER_LOST, culprit,
+                 "lost rank %d: no progress for %.1f s (RINGREDUCE_TIMEOUT); rank %d was waiting on rank %d",
+                 culprit, t->timeout_ms / 1000.0, t->base.rank, waited_on);
+    return err->code;
+}
+
+static int would_block(void) { return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR; }
+
+static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_t *sent,
+                        void *rbuf, size_t rlen, size_t *rcvd, rr_error *err)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    *sent = *rcvd = 0;
+    if (t->aborted) {
+        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
+        return err->code;
+    }
+    if (slen == 0 && rlen == 0) return RR_OK;
+    int64_t deadline = now_ms() + t->timeout_ms;
+    const int nfd = 2 + t->n_ctrl;
+    struct pollfd pfd[nfd];
+    for (;;) {
+        if (slen) {
+            ssize_t n = send(t->next_fd, sbuf, slen, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (n > 0) *sent = (size_t)n;
+            else if (n < 0 && !would_block()) {
+                char what[96];
+                snprintf(what, sizeof what, "sending to rank %d failed: %s", next_rank(t), strerror(errno));
+                return peer_failed(t, next_rank(t), what, err);
+            }
+        }
+        if (rlen) {
+            ssize_t n = recv(t->prev_fd, rbuf, rlen, MSG_DONTWAIT);
+            if (n > 0) *rcvd = (size_t)n;
+            else if (n == 0) {
+                char what[96];
+                snprintf(what, sizeof what, "rank %d closed its connection", prev_rank(t));
+                return peer_failed(t, prev_rank(t), what, err);
+            } else if (!would_block()) {
+                char what[96];
+                snprintf(what, sizeof what, "receiving from rank %d failed: %s", prev_rank(t), strerror(errno));
+                return peer_failed(t, prev_rank(t), what, err);
+            }
+        }
+        if (*sent || *rcvd) return RR_OK;
+
+        pfd[0] = (struct pollfd){.fd = slen ? t->next_fd : -1, .events = POLLOUT};
+        pfd[1] = (struct pollfd){.fd = rlen ? t->prev_fd : -1, .events = POLLIN};
+        for (int i = 0; i < t->n_ctrl; i++)
+            pfd[2 + i] = (struct pollfd){.fd = t->ctrl[i], .events = POLLIN};
+        int64_t left = deadline - now_ms();
+        if (left <= 0) return peer_silent(t, rlen ? prev_rank(t) : next_rank(t), err);
+        int r = poll(pfd, (nfds_t)nfd, (int)(left < 1000 ? left : 1000));
+        if (r < 0 && errno != EINTR) {
+            rr_set_error(err, RR_E_SYSTEM, -1, "poll failed: %s", strerror(errno));
+            return err->code;
+        }
+        for (int i = 0; r > 0 && i < t->n_ctrl; i++) {
+            if (t->ctrl[i] < 0 || !(pfd[2 + i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+            int about = -1, kind = ctrl_read(t, i, &about), culprit = -1;
+            if (kind == CTRL_SUSPECT) culprit = arbitrate(t, about, -1);
+            else if (kind == CTRL_LOST || kind == -1) {
+                culprit = about;
+                if (t->base.rank == 0) ctrl_broadcast(t, CTRL_LOST, culprit);
+            }
+            if (culprit >= 0) {
+                rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0)", culprit);
+                return err->code;
+            }
+        }
+    }
+}
+
+static void tcp_abort(rr_transport *base, const rr_error *why)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    (void)why;
+    if (t->aborted) return;
+    t->aborted = 1;
+    /* Waking the neighbours beats letting them time out; they will look on
+     * the control star for the culprit's name. */
+    if (t->next_fd >= 0) shutdown(t->next_fd, SHUT_RDWR);
+    if (t->prev_fd >= 0) shutdown(t->prev_fd, SHUT_RDWR);
+}
+
+static void tcp_destroy(rr_transport *base)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    if (!t->aborted) ctrl_broadcast(t, CTRL_BYE, t->base.rank);
+    if (t->next_fd >= 0) close(t->next_fd);
+    if (t->prev_fd >= 0 && t->prev_fd != t->next_fd) close(t->prev_fd);
+    for (int i = 0; i < t->n_ctrl; i++)
+        if (t->ctrl[i] >= 0) close(t->ctrl[i]);
+    free(t->ctrl);
+    free(t->departed);
+    free(t);
+}
+
+static const rr_transport_ops tcp_ops = {tcp_exchange, tcp_abort, tcp_destroy};
+
+rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
+                            const int *ctrl_fds, int n_ctrl, double timeout_s)
+{
+    tcp_transport *t = calloc(1, sizeof *t);
+    if (!t) return NULL;
+    t->ctrl = calloc((size_t)(n_ctrl > 0 ? n_ctrl : 1), sizeof(int));
+    t->departed = calloc((size_t)size, 1);
+    if (!t->ctrl || !t->departed) {
+        free(t->ctrl);
+        free(t->departed);
+        free(t);
+        return NULL;
+    }
+    t->base.ops = &tcp_ops;
+    t->base.rank = rank;
+    t->base.size = size;
+    t->next_fd = next_fd;
+    t->prev_fd = prev_fd;
+    t->n_ctrl = n_ctrl;
+    memcpy(t->ctrl, ctrl_fds, sizeof(int) * (size_t)n_ctrl);
+    t->timeout_ms = (int)(timeout_s * 1000.0);
+    if (t->timeout_ms < 1) t->timeout_ms = 1;
+    return &t->base;
+}

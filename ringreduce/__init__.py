@@ -1,0 +1,29 @@
+"""ringreduce: Ring AllReduce for Python.
+
+    import ringreduce as rr
+    rr.init()
+    grads = rr.allreduce(grads, op="avg")
+"""
+from .errors import MismatchError, PeerLostError, RingReduceError
+from .collectives import (
+    allgather,
+    allreduce,
+    barrier,
+    broadcast,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    reduce_scatter,
+    shutdown,
+    size,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier",
+    "RingReduceError", "MismatchError", "PeerLostError",
+]

@@ -1,0 +1,317 @@
+"""The collectives over numpy arrays: input checks, dtype mapping, the
+header that lets ranks catch a mismatch before data moves, and the calls
+into the C ring (ringreduce._core).
+
+Every operation starts with one ring pass of small blobs (rr_exchange_blobs):
+each rank's header, and for small tensors (<= SMALL_BYTES) the data itself.
+Every rank then holds every header, so a disagreement raises MismatchError on
+all of them alike. Small allreduces finish right there, reducing the blobs in
+rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import struct
+import threading
+
+import ml_dtypes
+import numpy as np
+
+from . import _core, world as _world
+from .errors import MismatchError, RingReduceError
+
+SMALL_BYTES = int(os.environ.get("RINGREDUCE_SMALL_BYTES", 64 << 10))
+SEGMENT_BYTES = int(os.environ.get("RINGREDUCE_SEGMENT_BYTES", 256 << 10))
+
+_DTYPES = {
+    np.dtype(np.float16): _core.FLOAT16,
+    np.dtype(ml_dtypes.bfloat16): _core.BFLOAT16,
+    np.dtype(np.float32): _core.FLOAT32,
+    np.dtype(np.float64): _core.FLOAT64,
+    np.dtype(np.int8): _core.INT8,
+    np.dtype(np.uint8): _core.UINT8,
+    np.dtype(np.int32): _core.INT32,
+    np.dtype(np.int64): _core.INT64,
+}
+_OPS = {"sum": _core.SUM, "prod": _core.PROD, "min": _core.MIN, "max": _core.MAX, "avg": _core.AVG}
+_OP_NAMES = {v: k for k, v in _OPS.items()}
+_DTYPE_NAMES = {v: str(k) for k, v in _DTYPES.items()}
+
+ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, BARRIER = range(5)
+_KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"]
+
+# magic, kind, op, dtype, inline?, root, ndim, name length; then shape, name.
+_HEAD = struct.Struct("<4sBBBBiII")
+_MAGIC = b"RRH1"
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.world: _world.World | None = None
+        self.comm = None
+        self.broken: str | None = None
+
+
+_state = _State()
+
+
+# --------------------------------------------------------------------------- world
+
+
+def init() -> None:
+    """Joins the ring (idempotent). See ringreduce.world for how the world is found."""
+    with _state.lock:
+        if _state.comm is not None:
+            return
+        w = _world.discover()
+        links = _world.rendezvous(w)
+        _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
+                                 w.timeout, SEGMENT_BYTES)
+        _state.world, _state.broken = w, None
+
+
+def shutdown() -> None:
+    """Leaves the ring; init() may join a new one later."""
+    with _state.lock:
+        if _state.comm is not None:
+            _state.comm.close()
+        _state.comm = _state.world = None
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    return _state.comm is not None
+
+
+def _require_world() -> _world.World:
+    if _state.world is None:
+        raise RingReduceError("ringreduce is not initialized: call ringreduce.init() first")
+    return _state.world
+
+
+def rank() -> int:
+    return _require_world().rank
+
+
+def size() -> int:
+    return _require_world().size
+
+
+def local_rank() -> int:
+    return _require_world().local_rank
+
+
+def local_size() -> int:
+    return _require_world().local_size
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    try:
+        return _DTYPES[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        supported = ", ".join(_DTYPE_NAMES.values())
+        raise TypeError(f"ringreduce does not support dtype {dtype}; supported: {supported}") from None
+
+
+def _op_code(op: str) -> int:
+    if op not in _OPS:
+        raise ValueError(f"unknown op {op!r}; choose one of {', '.join(_OPS)}")
+    return _OPS[op]
+
+
+def _as_array(x) -> np.ndarray:
+    arr = np.asarray(x)
+    _dtype_code(arr.dtype)
+    return arr
+
+
+def _header(kind, op, dtype, shape, name, root=0, inline=False) -> bytes:
+    encoded = (name or "").encode()
+    return (_HEAD.pack(_MAGIC, kind, op, dtype, int(inline), root, len(shape), len(encoded))
+            + struct.pack(f"<{len(shape)}q", *shape) + encoded)
+
+
+def _parse(blob: bytes):
+    magic, kind, op, dtype, inline, root, ndim, nlen = _HEAD.unpack_from(blob)
+    if magic != _MAGIC:
+        raise RingReduceError("malformed header from a peer")
+    at = _HEAD.size
+    shape = struct.unpack_from(f"<{ndim}q", blob, at)
+    at += 8 * ndim
+    name = blob[at:at + nlen].decode(errors="replace")
+    return {"kind": kind, "op": op, "dtype": dtype, "root": root, "shape": shape, "name": name,
+            "inline": bool(inline), "payload": memoryview(blob)[at + nlen:]}
+
+
+def _describe(field, value):
+    if field == "kind":
+        return _KIND_NAMES[value] if value < len(_KIND_NAMES) else str(value)
+    if field == "op":
+        return _OP_NAMES.get(value, str(value))
+    if field == "dtype":
+        return _DTYPE_NAMES.get(value, str(value))
+    return repr(value)
+
+
+def _check_agreement(heads, fields, what: str) -> None:
+    """Raises MismatchError on every rank alike: all hold the same headers."""
+    for f in ["kind", *fields]:
+        values = [h[f] if f != "trailing" else h["shape"][1:] for h in heads]
+        if any(v != values[0] for v in values):
+            label = "shape[1:]" if f == "trailing" else f
+            per_rank = ", ".join(f"rank {i}: {_describe(f, v)}" for i, v in enumerate(values))
+            raise MismatchError(f"ranks disagree on the {label} of {what} ({per_rank})")
+
+
+def _exchange(blob: bytes, fields, what):
+    """The header pass that starts every operation. Breaks the communicator on mismatch."""
+    if _state.broken is not None:
+        raise RingReduceError(f"communicator is unusable after an earlier error: {_state.broken}")
+    if _state.comm is None:
+        raise RingReduceError("ringreduce is not initialized: call ringreduce.init() first")
+    heads = [_parse(b) for b in _state.comm.exchange_blobs(blob)]
+    try:
+        _check_agreement(heads, fields, what)
+    except MismatchError as exc:
+        _state.broken = f"MismatchError: {exc}"
+        raise
+    return heads
+
+
+def _fresh_contiguous(x: np.ndarray) -> np.ndarray:
+    return np.array(x, order="C", copy=True)
+
+
+def _deliver(result: np.ndarray, out):
+    if out is None:
+        return result
+    if out is not result:
+        np.copyto(out, result.reshape(out.shape))
+    return out
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def allreduce(x, op: str = "sum", out=None, name: str | None = None):
+    """Reduces x over all ranks; returns a new array, or writes `out` (may be x) and returns it."""
+    x = _as_array(x)
+    code, opc = _dtype_code(x.dtype), _op_code(op)
+    if out is not None and (not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}")
+    with _state.lock:
+        _require_world()
+        small = x.nbytes <= SMALL_BYTES
+        head = _header(ALLREDUCE, opc, code, x.shape, name, inline=small)
+        heads = _exchange(head + (np.ascontiguousarray(x).tobytes() if small else b""),
+                          ["op", "dtype", "shape", "name"], f"allreduce{_named(name)}")
+        if heads[0]["inline"]:
+            return _deliver(_reduce_blobs(heads, x.dtype, code, opc, x.shape), out)
+        writable_in_place = out is not None and out.flags.c_contiguous and out.flags.writeable
+        buf = out if writable_in_place else _fresh_contiguous(x)
+        if buf is out and out is not x:
+            np.copyto(out, x)
+        _state.comm.allreduce(buf.reshape(-1).view(np.uint8), code, opc)
+        return _deliver(buf, out)
+
+
+def _named(name):
+    return f" {name!r}" if name else ""
+
+
+def _reduce_blobs(heads, dtype, code, opc, shape):
+    """Every rank reduces the same blobs in rank order: the same bits everywhere."""
+    acc = np.frombuffer(heads[0]["payload"], dtype=dtype).copy()
+    for h in heads[1:]:
+        _core.reduce(acc.view(np.uint8), h["payload"], code, opc)
+    if opc == _core.AVG:
+        _core.divide(acc.view(np.uint8), code, len(heads))
+    return acc.reshape(shape)
+
+
+def _chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
+    base, extra = divmod(count, n)
+    start = i * base + min(i, extra)
+    return start, start + base + (1 if i < extra else 0)
+
+
+def reduce_scatter(x, op: str = "sum", name: str | None = None):
+    """Returns this rank's chunk of the flattened reduction (chunks in rank order)."""
+    x = _as_array(x)
+    code, opc = _dtype_code(x.dtype), _op_code(op)
+    with _state.lock:
+        w = _require_world()
+        small = x.nbytes <= SMALL_BYTES
+        head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small)
+        heads = _exchange(head + (np.ascontiguousarray(x).tobytes() if small else b""),
+                          ["op", "dtype", "shape", "name"], f"reduce_scatter{_named(name)}")
+        lo, hi = _chunk_bounds(x.size, w.size, w.rank)
+        if heads[0]["inline"]:
+            return _reduce_blobs(heads, x.dtype, code, opc, (x.size,))[lo:hi].copy()
+        work = _fresh_contiguous(x).reshape(-1)
+        _state.comm.reduce_scatter(work.view(np.uint8), code, opc)
+        return work[lo:hi].copy()
+
+
+def allgather(x, name: str | None = None):
+    """Concatenates every rank's x along axis 0 (ranks may differ in dim 0 only)."""
+    x = _as_array(x)
+    if x.ndim == 0:
+        x = x.reshape(1)
+    code = _dtype_code(x.dtype)
+    with _state.lock:
+        w = _require_world()
+        small = x.nbytes <= SMALL_BYTES
+        mine = np.ascontiguousarray(x)
+        head = _header(ALLGATHER, 0, code, x.shape, name, inline=small)
+        heads = _exchange(head + (mine.tobytes() if small else b""),
+                          ["dtype", "trailing", "name"],
+                          f"allgather{_named(name)}")
+        rows = [h["shape"][0] for h in heads]
+        out = np.empty((sum(rows),) + x.shape[1:], dtype=x.dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        row_bytes = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
+        nbytes = [r * row_bytes for r in rows]
+        at = sum(nbytes[:w.rank])
+        if all(h["inline"] for h in heads):
+            pos = 0
+            for h, nb in zip(heads, nbytes):
+                flat[pos:pos + nb] = np.frombuffer(h["payload"], dtype=np.uint8)
+                pos += nb
+            return out
+        flat[at:at + nbytes[w.rank]] = mine.reshape(-1).view(np.uint8)
+        _state.comm.allgather(flat, nbytes)
+        return out
+
+
+def broadcast(x, root: int = 0, name: str | None = None):
+    """Returns a new array holding root's x (same shape and dtype on every rank)."""
+    x = _as_array(x)
+    code = _dtype_code(x.dtype)
+    with _state.lock:
+        w = _require_world()
+        if not 0 <= root < w.size:
+            raise ValueError(f"root {root} is not a rank of this world of {w.size}")
+        small = x.nbytes <= SMALL_BYTES
+        payload = np.ascontiguousarray(x).tobytes() if small and w.rank == root else b""
+        head = _header(BROADCAST, 0, code, x.shape, name, root=root, inline=small)
+        heads = _exchange(head + payload, ["dtype", "shape", "root", "name"], f"broadcast{_named(name)}")
+        if small:
+            return np.frombuffer(heads[root]["payload"], dtype=x.dtype).reshape(x.shape).copy()
+        buf = _fresh_contiguous(x) if w.rank == root else np.empty(x.shape, dtype=x.dtype)
+        _state.comm.broadcast(buf.reshape(-1).view(np.uint8), root)
+        return buf
+
+
+def barrier(name: str | None = None) -> None:
+    """Returns once every rank has entered the barrier."""
+    with _state.lock:
+        _require_world()
+        _exchange(_header(BARRIER, 0, 0, (), name), ["name"], "barrier")

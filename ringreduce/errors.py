@@ -1,0 +1,20 @@
+"""The exceptions ringreduce raises. Every rank of a failed operation raises."""
+
+
+class RingReduceError(RuntimeError):
+    """Base class. After one is raised by a collective, the communicator is
+    unusable: every later call raises RingReduceError saying why."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank if rank is not None and rank >= 0 else None
+
+
+class MismatchError(RingReduceError):
+    """Ranks called a collective with different op, dtype, shape, root or name.
+    Found from a small header every rank sends before any data moves."""
+
+
+class PeerLostError(RingReduceError):
+    """A peer died, closed its connection, or stayed silent past
+    RINGREDUCE_TIMEOUT seconds. `.rank` is the lost rank."""

@@ -1,0 +1,393 @@
+"""Who am I, and who are my ring neighbours.
+
+discover() reads the world from the environment, in this order:
+  1. RINGREDUCE_RANK / RINGREDUCE_SIZE / RINGREDUCE_ADDR (set by ringrun, or by hand)
+  2. mpirun: Open MPI's OMPI_COMM_WORLD_*, MPICH/Hydra's PMI_* (rank 0's address
+     and the job secret then travel over MPI, through mpi4py)
+  3. TensorFlow's TF_CONFIG (the ring is the chief, then the workers in order)
+  4. none of these: a world of one rank.
+
+rendezvous() then connects the ring: every rank dials rank 0 at
+RINGREDUCE_ADDR and gets everyone's listening address back, connects to its
+next neighbour and accepts its previous one. Every connection first proves it
+belongs to the job (see `handshake`); strays are logged and dropped. The
+connections to rank 0 stay open as the control star that spreads failure
+notices (csrc/tcp.c).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .errors import RingReduceError
+
+log = logging.getLogger("ringreduce")
+
+MAGIC = b"RRHS1"
+NONCE = 32
+SOCKET_BUFFER = 4 << 20
+HANDSHAKE_TIMEOUT = 10.0
+MAX_MESSAGE = 1 << 20
+NO_SECRET_KEY = b"ringreduce: loopback only, no job secret"
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    addr: tuple[str, int] | None = None
+    secret: bytes | None = None
+    timeout: float = 60.0
+    source: str = "single process"
+    extra: dict = field(default_factory=dict)
+
+
+def _env_int(env, *names):
+    for name in names:
+        if env.get(name, "") != "":
+            return int(env[name])
+    return None
+
+
+def _parse_addr(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RingReduceError(f"RINGREDUCE_ADDR must be host:port, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def discover(env=None) -> World:
+    env = os.environ if env is None else env
+    timeout = float(env.get("RINGREDUCE_TIMEOUT", "60"))
+    secret = env.get("RINGREDUCE_SECRET") or None
+    secret_bytes = secret.encode() if secret else None
+
+    rank = _env_int(env, "RINGREDUCE_RANK")
+    if rank is not None:
+        size = _env_int(env, "RINGREDUCE_SIZE")
+        if size is None or not 0 <= rank < size:
+            raise RingReduceError(f"RINGREDUCE_RANK={rank} needs RINGREDUCE_SIZE > rank")
+        addr = env.get("RINGREDUCE_ADDR")
+        if size > 1 and not addr:
+            raise RingReduceError("RINGREDUCE_SIZE > 1 needs RINGREDUCE_ADDR=host:port of rank 0")
+        local_rank = _env_int(env, "RINGREDUCE_LOCAL_RANK")
+        local_size = _env_int(env, "RINGREDUCE_LOCAL_SIZE")
+        return World(rank, size, rank if local_rank is None else local_rank,
+                     size if local_size is None else local_size,
+                     _parse_addr(addr) if addr else None, secret_bytes, timeout, "RINGREDUCE_* environment")
+
+    mpi_rank = _env_int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    if mpi_rank is not None:
+        size = _env_int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") or 1
+        local_rank = _env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+        local_size = _env_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+        world = World(mpi_rank, size, mpi_rank if local_rank is None else local_rank,
+                      size if local_size is None else local_size, None, secret_bytes, timeout, "mpirun")
+        if size > 1:
+            world.addr, world.secret = _bootstrap_over_mpi(world, env)
+        return world
+
+    if env.get("TF_CONFIG"):
+        return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, timeout)
+    return World(timeout=timeout)
+
+
+def _bootstrap_over_mpi(world: World, env) -> tuple[tuple[str, int], bytes]:
+    """Under mpirun, rank 0 picks the rendezvous port and the secret and
+    sends both over MPI, so no variables need setting."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise RingReduceError(
+            "ringreduce runs under mpirun but mpi4py is not importable: pip install 'ringreduce[mpi]', "
+            "or set RINGREDUCE_ADDR and RINGREDUCE_SECRET yourself") from exc
+    comm = MPI.COMM_WORLD
+    msg = None
+    if comm.Get_rank() == 0:
+        host = socket.gethostname() if env.get("RINGREDUCE_HOST") is None else env["RINGREDUCE_HOST"]
+        msg = (host, _free_port(), world.secret or secrets.token_hex(32).encode())
+    host, port, secret = comm.bcast(msg, root=0)
+    return (host, port), secret
+
+
+def _from_tf_config(cfg: dict, secret: bytes | None, timeout: float) -> World:
+    cluster = cfg.get("cluster", {})
+    members = [("chief", i, a) for i, a in enumerate(cluster.get("chief", []))]
+    members += [("worker", i, a) for i, a in enumerate(cluster.get("worker", []))]
+    task = cfg.get("task", {})
+    me = (task.get("type"), int(task.get("index", 0)))
+    ranks = [(t, i) for t, i, _ in members]
+    if me not in ranks:
+        raise RingReduceError(f"TF_CONFIG task {me} is not a chief or worker of its cluster")
+    rank = ranks.index(me)
+    hosts = [_parse_addr(a)[0] for _, _, a in members]
+    local_rank = hosts[:rank].count(hosts[rank])
+    return World(rank, len(members), local_rank, hosts.count(hosts[rank]), _parse_addr(members[0][2]),
+                 secret, timeout, "TF_CONFIG")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------
+# The handshake: a mutual challenge-response keyed by the job secret.
+#
+#   acceptor -> dialer : MAGIC, nonce_a
+#   dialer -> acceptor : MAGIC, nonce_d, HMAC(key, "dial" | nonce_a | nonce_d)
+#   acceptor -> dialer : HMAC(key, "accept" | nonce_d | nonce_a)
+#
+# then length-prefixed JSON messages. Neither side ever sees the secret on
+# the wire, and a replayed answer fails against a fresh nonce.
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("connection closed during the handshake")
+        buf += part
+    return bytes(buf)
+
+
+def send_msg(sock: socket.socket, obj) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(struct.pack("<I", len(data)) + data)
+
+
+def recv_msg(sock: socket.socket):
+    (n,) = struct.unpack("<I", _recv_exact(sock, 4))
+    if n > MAX_MESSAGE:
+        raise ConnectionError(f"message of {n} bytes is too large")
+    return json.loads(_recv_exact(sock, n))
+
+
+def accept_handshake(sock: socket.socket, key: bytes) -> None:
+    nonce_a = secrets.token_bytes(NONCE)
+    sock.sendall(MAGIC + nonce_a)
+    hello = _recv_exact(sock, len(MAGIC) + NONCE + 32)
+    if hello[:len(MAGIC)] != MAGIC:
+        raise ConnectionError("not a ringreduce handshake")
+    nonce_d, proof = hello[len(MAGIC):len(MAGIC) + NONCE], hello[len(MAGIC) + NONCE:]
+    if not hmac.compare_digest(proof, _mac(key, b"dial", nonce_a, nonce_d)):
+        raise ConnectionError("wrong job secret")
+    sock.sendall(_mac(key, b"accept", nonce_d, nonce_a))
+
+
+def dial_handshake(sock: socket.socket, key: bytes, peer: str) -> None:
+    try:
+        head = _recv_exact(sock, len(MAGIC) + NONCE)
+        if head[:len(MAGIC)] != MAGIC:
+            raise ConnectionError("not a ringreduce peer")
+        nonce_a, nonce_d = head[len(MAGIC):], secrets.token_bytes(NONCE)
+        sock.sendall(MAGIC + nonce_d + _mac(key, b"dial", nonce_a, nonce_d))
+        answer = _recv_exact(sock, 32)
+    except (OSError, ConnectionError) as exc:
+        raise RingReduceError(f"handshake with {peer} failed ({exc}): is RINGREDUCE_SECRET the same on every rank?") from exc
+    if not hmac.compare_digest(answer, _mac(key, b"accept", nonce_d, nonce_a)):
+        raise RingReduceError(f"{peer} answered the handshake with a wrong proof: not our job (RINGREDUCE_SECRET differs)")
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    _tune(s)  # accepted sockets inherit the buffer sizes
+    s.bind((host, port))
+    s.listen(64)
+    return s
+
+
+class _Acceptor:
+    """Accepts on a listener; each connection is checked on its own thread, so
+    a stray that connects and says nothing delays no one. `expect(check)`
+    returns the first connection whose hello passes `check`."""
+
+    def __init__(self, listener: socket.socket, key: bytes, who: str):
+        self.listener, self.key, self.who = listener, key, who
+        self.ready: queue.Queue = queue.Queue()
+        self.closed = False
+        listener.settimeout(0.2)
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self):
+        while not self.closed:
+            try:
+                conn, peer = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._check, args=(conn, peer), daemon=True).start()
+
+    def _check(self, conn: socket.socket, peer):
+        try:
+            conn.settimeout(HANDSHAKE_TIMEOUT)
+            accept_handshake(conn, self.key)
+            hello = recv_msg(conn)
+            if not isinstance(hello, dict):
+                raise ConnectionError("malformed hello")
+            self.ready.put((conn, peer, hello))
+        except (OSError, ConnectionError, ValueError) as exc:
+            log.warning("ringreduce: %s refused a connection from %s: %s", self.who, _fmt(peer), exc)
+            conn.close()
+
+    def expect(self, check, deadline: float, what: str):
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RingReduceError(f"{self.who}: timed out waiting for {what}")
+            try:
+                conn, peer, hello = self.ready.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            problem = check(hello)
+            if problem is None:
+                return conn, hello
+            log.warning("ringreduce: %s refused a connection from %s: %s", self.who, _fmt(peer), problem)
+            try:
+                send_msg(conn, {"error": problem})
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self):
+        self.closed = True
+        self.listener.close()
+
+
+def _fmt(peer) -> str:
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+
+def _dial(addr: tuple[str, int], deadline: float, key: bytes, hello: dict, peer: str) -> socket.socket:
+    """Connects (retrying while the peer is not up yet), authenticates, says hello."""
+    while True:
+        s = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_STREAM)
+        _tune(s)
+        s.settimeout(HANDSHAKE_TIMEOUT)
+        try:
+            s.connect(addr)
+            break
+        except OSError as exc:
+            s.close()
+            if time.monotonic() > deadline:
+                raise RingReduceError(f"could not reach {peer} at {addr[0]}:{addr[1]}: {exc}") from exc
+            time.sleep(0.05)
+    dial_handshake(s, key, peer)
+    send_msg(s, hello)
+    return s
+
+
+@dataclass
+class Links:
+    """The connected sockets a ring needs (file descriptors, owned by the caller)."""
+    next_fd: int = -1
+    prev_fd: int = -1
+    ctrl_fds: list = field(default_factory=list)
+
+
+def rendezvous(world: World) -> Links:
+    if world.size == 1:
+        return Links()
+    key = world.secret or NO_SECRET_KEY
+    host, port = world.addr
+    loopback_only = world.secret is None
+    if loopback_only:
+        log.warning("ringreduce: RINGREDUCE_SECRET is not set: listening on loopback only "
+                    "(set it, as ringrun does, to run across hosts)")
+    bind_host = "127.0.0.1" if loopback_only else ("::" if ":" in host else "0.0.0.0")
+    deadline = time.monotonic() + max(world.timeout, 60.0)
+    ring_listener = _Acceptor(_listen(bind_host, 0), key, f"rank {world.rank}")
+    my_port = ring_listener.listener.getsockname()[1]
+    try:
+        if world.rank == 0:
+            ctrl, table, job = _gather_at_root(world, key, bind_host, port, my_port, deadline)
+        else:
+            ctrl_sock = _dial((host, port), deadline, key,
+                              {"rank": world.rank, "size": world.size, "port": my_port}, "rank 0")
+            reply = recv_msg(ctrl_sock)
+            if "error" in reply:
+                raise RingReduceError(f"rank 0 refused rank {world.rank}: {reply['error']}")
+            table, job = reply["table"], reply["job"]
+            ctrl = [ctrl_sock]
+        nxt, prv = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+        to_next = _dial(tuple(table[nxt]), deadline, key, {"rank": world.rank, "job": job, "ring": True},
+                        f"rank {nxt}")
+
+        def is_prev(hello):
+            if hello.get("job") != job or not hello.get("ring"):
+                return "not from this job"
+            return None if hello.get("rank") == prv else f"claims rank {hello.get('rank')}, expected {prv}"
+
+        from_prev, _ = ring_listener.expect(is_prev, deadline, f"rank {prv} to connect")
+    finally:
+        ring_listener.close()
+    for s in [to_next, from_prev, *ctrl]:
+        if s is not None:
+            s.settimeout(None)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return Links(to_next.detach(), from_prev.detach(), [s.detach() if s is not None else -1 for s in ctrl])
+
+
+def _gather_at_root(world: World, key: bytes, bind_host: str, port: int, my_port: int, deadline: float):
+    """Rank 0 collects every rank's listening address and sends the table back."""
+    try:
+        listener = _listen(bind_host, port)
+    except OSError as exc:
+        raise RingReduceError(f"rank 0 cannot listen on {bind_host}:{port} (RINGREDUCE_ADDR): {exc}") from exc
+    acceptor = _Acceptor(listener, key, "rank 0")
+    ctrl: list = [None] * world.size
+    table: list = [None] * world.size
+    table[0] = [world.addr[0] if world.addr[0] not in ("", "0.0.0.0") else "127.0.0.1", my_port]
+    try:
+        for _ in range(world.size - 1):
+            def check(hello):
+                r = hello.get("rank")
+                if hello.get("size") != world.size:
+                    return f"world size {hello.get('size')} differs from rank 0's {world.size}"
+                if not isinstance(r, int) or not 0 < r < world.size:
+                    return f"rank {r!r} is out of range"
+                if ctrl[r] is not None:
+                    return f"rank {r} has already joined"
+                return None
+            conn, hello = acceptor.expect(check, deadline, "every rank to join")
+            r = hello["rank"]
+            ctrl[r] = conn
+            table[r] = [conn.getpeername()[0], hello["port"]]
+    except BaseException:
+        for c in ctrl:
+            if c is not None:
+                c.close()
+        raise
+    finally:
+        acceptor.close()
+    job = secrets.token_hex(8)
+    for c in ctrl[1:]:
+        send_msg(c, {"table": table, "job": job})
+    return ctrl, table, job
