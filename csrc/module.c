@@ -61,13 +61,14 @@ static int check_usable(CommObject *self)
 
 static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"rank", "size", "next_fd", "prev_fd", "ctrl_fds", "timeout", "segment", NULL};
+    static char *kwlist[] = {"rank", "size", "next_fd", "prev_fd", "ctrl_fds", "timeout", "segment", "spin", NULL};
     int rank, size, next_fd, prev_fd;
     PyObject *ctrl;
     double timeout;
     Py_ssize_t segment;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn", kwlist, &rank, &size, &next_fd, &prev_fd,
-                                     &ctrl, &timeout, &segment))
+    int spin = 20;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn|i", kwlist, &rank, &size, &next_fd, &prev_fd,
+                                     &ctrl, &timeout, &segment, &spin))
         return -1;
     if (size < 1 || rank < 0 || rank >= size || segment <= 0) {
         PyErr_SetString(PyExc_ValueError, "bad rank, size or segment");
@@ -83,7 +84,7 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
     if (PyErr_Occurred()) { PyMem_Free(fds); return -1; }
     rr_transport *t = NULL;
     if (size > 1) {
-        t = rr_tcp_create(rank, size, next_fd, prev_fd, fds, (int)n, timeout);
+        t = rr_tcp_create(rank, size, next_fd, prev_fd, fds, (int)n, timeout, spin);
         if (!t) { PyMem_Free(fds); PyErr_NoMemory(); return -1; }
     }
     PyMem_Free(fds);
@@ -219,33 +220,68 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
     return finish(&err);
 }
 
+/* Every blob in rank order, as a list of bytes. */
+static PyObject *blob_list(const void *all, const size_t *lens, int N)
+{
+    PyObject *result = PyList_New(N);
+    size_t at = 0;
+    for (int i = 0; result && i < N; i++) {
+        PyObject *b = PyBytes_FromStringAndSize((const char *)all + at, (Py_ssize_t)lens[i]);
+        if (!b) { Py_CLEAR(result); break; }
+        PyList_SET_ITEM(result, i, b);
+        at += lens[i];
+    }
+    return result;
+}
+
 static PyObject *Comm_exchange_blobs(CommObject *self, PyObject *args)
 {
-    Py_buffer mine;
-    if (!PyArg_ParseTuple(args, "y*", &mine)) return NULL;
-    if (check_usable(self)) { PyBuffer_Release(&mine); return NULL; }
-    const int N = self->ring->size;
-    size_t *lens = PyMem_Malloc(sizeof(size_t) * (size_t)N);
-    if (!lens) { PyBuffer_Release(&mine); return PyErr_NoMemory(); }
-    void *all = NULL;
-    rr_error err = {0};
-    RUN_LOCKED(self, err, rr_exchange_blobs(self->ring, mine.buf, (size_t)mine.len, &all, lens, &err));
-    PyBuffer_Release(&mine);
+    Py_buffer head, data = {0};
+    if (!PyArg_ParseTuple(args, "y*|y*", &head, &data)) return NULL;
     PyObject *result = NULL;
-    if (err.code == RR_OK) {
-        result = PyList_New(N);
-        size_t at = 0;
-        for (int i = 0; result && i < N; i++) {
-            PyObject *b = PyBytes_FromStringAndSize((char *)all + at, (Py_ssize_t)lens[i]);
-            if (!b) { Py_CLEAR(result); break; }
-            PyList_SET_ITEM(result, i, b);
-            at += lens[i];
-        }
-    } else {
-        finish(&err);
-    }
+    size_t *lens = NULL;
+    void *all = NULL;
+    if (check_usable(self)) goto done;
+    const int N = self->ring->size;
+    if (!(lens = PyMem_Malloc(sizeof(size_t) * (size_t)N))) { PyErr_NoMemory(); goto done; }
+    rr_error err = {0};
+    RUN_LOCKED(self, err, rr_exchange_blobs(self->ring, head.buf, (size_t)head.len, data.buf,
+                                            (size_t)data.len, &all, lens, &err));
+    if (err.code == RR_OK) result = blob_list(all, lens, N);
+    else finish(&err);
+done:
     free(all);
     PyMem_Free(lens);
+    PyBuffer_Release(&head);
+    if (data.obj || data.buf) PyBuffer_Release(&data);
+    return result;
+}
+
+static PyObject *Comm_allreduce_small(CommObject *self, PyObject *args)
+{
+    Py_buffer head, data, out = {0};
+    PyObject *out_obj, *result = NULL;
+    int dtype, op;
+    if (!PyArg_ParseTuple(args, "y*y*Oii", &head, &data, &out_obj, &dtype, &op)) return NULL;
+    size_t *lens = NULL;
+    void *all = NULL;
+    if (!valid_dtype_op(dtype, op) || check_usable(self) || get_writable(out_obj, &out)) goto done;
+    if (out.len != data.len) { PyErr_SetString(PyExc_ValueError, "out and data differ in size"); goto done; }
+    const int N = self->ring->size;
+    if (!(lens = PyMem_Malloc(sizeof(size_t) * (size_t)N))) { PyErr_NoMemory(); goto done; }
+    rr_error err = {0};
+    int agreed = 0;
+    RUN_LOCKED(self, err, rr_allreduce_small(self->ring, head.buf, (size_t)head.len, data.buf, (size_t)data.len,
+                                             out.buf, (rr_dtype)dtype, (rr_op)op, &agreed, &all, lens, &err));
+    if (err.code != RR_OK) finish(&err);
+    else if (agreed) { Py_INCREF(Py_None); result = Py_None; }
+    else result = blob_list(all, lens, N);
+done:
+    free(all);
+    PyMem_Free(lens);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&data);
+    if (out.obj) PyBuffer_Release(&out);
     return result;
 }
 
@@ -278,7 +314,9 @@ static PyMethodDef Comm_methods[] = {
      "allgather(buf, nbytes): in place; this rank's block already filled"},
     {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, "broadcast(buf, root): in place"},
     {"exchange_blobs", (PyCFunction)Comm_exchange_blobs, METH_VARARGS,
-     "exchange_blobs(bytes) -> list of every rank's bytes, in rank order"},
+     "exchange_blobs(head, data=b'') -> list of every rank's head+data, in rank order"},
+    {"allreduce_small", (PyCFunction)Comm_allreduce_small, METH_VARARGS,
+     "allreduce_small(head, data, out, dtype, op) -> None, or every rank's blob when headers differ"},
     {"close", (PyCFunction)Comm_close, METH_NOARGS, "say goodbye to the peers and free everything"},
     {NULL, NULL, 0, NULL},
 };
@@ -293,7 +331,7 @@ static PyTypeObject CommType = {
     .tp_name = "ringreduce._core.Comm",
     .tp_basicsize = sizeof(CommObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A ring of ranks over connected sockets: Comm(rank, size, next_fd, prev_fd, ctrl_fds, timeout, segment)",
+    .tp_doc = "A ring of ranks over connected sockets: Comm(rank, size, next_fd, prev_fd, ctrl_fds, timeout, segment, spin=20)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Comm_init,
     .tp_dealloc = (destructor)Comm_dealloc,

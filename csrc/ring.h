@@ -37,10 +37,19 @@ int rr_allgather(rr_ring *ring, void *buf, const size_t *nbytes, rr_error *err);
 /* Root's nbytes flow along the ring, pipelined by segment. */
 int rr_broadcast(rr_ring *ring, void *buf, size_t nbytes, int root, rr_error *err);
 
-/* Every rank contributes one blob of any length (up to 64 MiB); every rank
- * gets all of them, in rank order. *all is one malloc'ed block holding the
+/* Every rank contributes one blob of any length (up to 64 MiB), given as a
+ * header and data; every rank gets all of them, in rank order. *all is one malloc'ed block holding the
  * blobs back to back; lens[size] their lengths. Used for the headers that
  * precede every operation, and for small operations whose data rides along. */
-int rr_exchange_blobs(rr_ring *ring, const void *mine, size_t len, void **all, size_t *lens, rr_error *err);
+int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
+                      void **all, size_t *lens, rr_error *err);
+
+/* Allreduce for small buffers: every rank's header and data travel in one
+ * rr_exchange_blobs pass, and each rank reduces them in rank order into out.
+ * If any header differs from ours, *agreed is 0, nothing is reduced, and
+ * *all/lens hold every rank's blob (caller frees *all). */
+int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
+                       void *out, rr_dtype dtype, rr_op op, int *agreed, void **all, size_t *lens,
+                       rr_error *err);
 
 #endif

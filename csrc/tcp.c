@@ -21,6 +21,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -44,6 +45,7 @@ typedef struct {
     int n_ctrl;
     char *departed;   /* peers that said BYE, by rank */
     int timeout_ms;
+    int spin_limit;   /* sched_yield rounds before poll  */
     int aborted;
 } tcp_transport;
 
@@ -242,6 +244,7 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
     }
     if (slen == 0 && rlen == 0) return RR_OK;
     int64_t deadline = now_ms() + t->timeout_ms;
+    int spins = 0;
     const int nfd = 2 + t->n_ctrl;
     struct pollfd pfd[nfd];
     for (;;) {
@@ -268,6 +271,15 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
             }
         }
         if (*sent || *rcvd) return RR_OK;
+        /* Small messages live or die by wake-up latency. Before sleeping in
+         * poll, yield the core a few times: a peer that is about to answer
+         * (often on this very core, when ranks outnumber cores) runs now, and
+         * we find its bytes without a sleep and a wake-up. */
+        if (spins < t->spin_limit) {
+            spins++;
+            sched_yield();
+            continue;
+        }
 
         pfd[0] = (struct pollfd){.fd = slen ? t->next_fd : -1, .events = POLLOUT};
         pfd[1] = (struct pollfd){.fd = rlen ? t->prev_fd : -1, .events = POLLIN};
@@ -324,7 +336,7 @@ static void tcp_destroy(rr_transport *base)
 static const rr_transport_ops tcp_ops = {tcp_exchange, tcp_abort, tcp_destroy};
 
 rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
-                            const int *ctrl_fds, int n_ctrl, double timeout_s)
+                            const int *ctrl_fds, int n_ctrl, double timeout_s, int spin_rounds)
 {
     tcp_transport *t = calloc(1, sizeof *t);
     if (!t) return NULL;
@@ -345,5 +357,6 @@ rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
     memcpy(t->ctrl, ctrl_fds, sizeof(int) * (size_t)n_ctrl);
     t->timeout_ms = (int)(timeout_s * 1000.0);
     if (t->timeout_ms < 1) t->timeout_ms = 1;
+    t->spin_limit = spin_rounds > 0 ? spin_rounds : 0;
     return &t->base;
 }

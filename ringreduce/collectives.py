@@ -3,7 +3,7 @@ header that lets ranks catch a mismatch before data moves, and the calls
 into the C ring (ringreduce._core).
 
 Every operation starts with one ring pass of small blobs (rr_exchange_blobs):
-each rank's header, and for small tensors (<= SMALL_BYTES) the data itself.
+each rank's header, and for small tensors (<= RINGREDUCE__state.world.config.small_bytes) the data itself.
 Every rank then holds every header, so a disagreement raises MismatchError on
 all of them alike. Small allreduces finish right there, reducing the blobs in
 rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
@@ -11,7 +11,6 @@ rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
 from __future__ import annotations
 
 import atexit
-import os
 import struct
 import threading
 
@@ -21,8 +20,6 @@ import numpy as np
 from . import _core, world as _world
 from .errors import MismatchError, RingReduceError
 
-SMALL_BYTES = int(os.environ.get("RINGREDUCE_SMALL_BYTES", 64 << 10))
-SEGMENT_BYTES = int(os.environ.get("RINGREDUCE_SEGMENT_BYTES", 256 << 10))
 
 _DTYPES = {
     np.dtype(np.float16): _core.FLOAT16,
@@ -67,8 +64,9 @@ def init() -> None:
             return
         w = _world.discover()
         links = _world.rendezvous(w)
+        c = w.config
         _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
-                                 w.timeout, SEGMENT_BYTES)
+                                 c.timeout, c.segment_bytes, c.spin)
         _state.world, _state.broken = w, None
 
 
@@ -138,7 +136,7 @@ def _header(kind, op, dtype, shape, name, root=0, inline=False) -> bytes:
             + struct.pack(f"<{len(shape)}q", *shape) + encoded)
 
 
-def _parse(blob: bytes):
+def _parse(blob: bytes) -> dict:
     magic, kind, op, dtype, inline, root, ndim, nlen = _HEAD.unpack_from(blob)
     if magic != _MAGIC:
         raise RingReduceError("malformed header from a peer")
@@ -170,19 +168,35 @@ def _check_agreement(heads, fields, what: str) -> None:
             raise MismatchError(f"ranks disagree on the {label} of {what} ({per_rank})")
 
 
-def _exchange(blob: bytes, fields, what):
-    """The header pass that starts every operation. Breaks the communicator on mismatch."""
+def _usable_comm():
     if _state.broken is not None:
         raise RingReduceError(f"communicator is unusable after an earlier error: {_state.broken}")
     if _state.comm is None:
         raise RingReduceError("ringreduce is not initialized: call ringreduce.init() first")
-    heads = [_parse(b) for b in _state.comm.exchange_blobs(blob)]
+    return _state.comm
+
+
+def _mismatch(blobs, fields, what):
+    """Explains headers that differ, and breaks the communicator: every rank
+    holds the same blobs, so every rank raises the same error."""
     try:
-        _check_agreement(heads, fields, what)
+        _check_agreement([_parse(b) for b in blobs], fields, what)
+        raise MismatchError(f"ranks sent different headers for {what}")
     except MismatchError as exc:
         _state.broken = f"MismatchError: {exc}"
         raise
-    return heads
+
+
+def _exchange(head: bytes, data, fields, what):
+    """The header pass that starts every operation (data rides along when
+    small): returns every rank's blob."""
+    blobs = _usable_comm().exchange_blobs(head, data)
+    if "trailing" in fields or any(b[:len(head)] != head for b in blobs):
+        try:
+            _check_agreement([_parse(b) for b in blobs], fields, what)
+        except MismatchError:
+            _mismatch(blobs, fields, what)
+    return blobs
 
 
 def _fresh_contiguous(x: np.ndarray) -> np.ndarray:
@@ -200,6 +214,25 @@ def _deliver(result: np.ndarray, out):
 # --------------------------------------------------------------------------- collectives
 
 
+def _named(op, name):
+    return f"{op} {name!r}" if name else op
+
+
+def _payloads(blobs, head_len):
+    return [memoryview(b)[head_len:] for b in blobs]
+
+
+def _reduce_blobs(payloads, dtype, code, opc, shape):
+    """Every rank reduces the same payloads in rank order: the same bits everywhere."""
+    acc = np.frombuffer(payloads[0], dtype=dtype).copy()
+    flat = acc.view(np.uint8)
+    for p in payloads[1:]:
+        _core.reduce(flat, p, code, opc)
+    if opc == _core.AVG:
+        _core.divide(flat, code, len(payloads))
+    return acc.reshape(shape)
+
+
 def allreduce(x, op: str = "sum", out=None, name: str | None = None):
     """Reduces x over all ranks; returns a new array, or writes `out` (may be x) and returns it."""
     x = _as_array(x)
@@ -207,36 +240,25 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None):
     if out is not None and (not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}")
     with _state.lock:
-        _require_world()
-        small = x.nbytes <= SMALL_BYTES
+        small = x.nbytes <= _require_world().config.small_bytes
         head = _header(ALLREDUCE, opc, code, x.shape, name, inline=small)
-        heads = _exchange(head + (np.ascontiguousarray(x).tobytes() if small else b""),
-                          ["op", "dtype", "shape", "name"], f"allreduce{_named(name)}")
-        if heads[0]["inline"]:
-            return _deliver(_reduce_blobs(heads, x.dtype, code, opc, x.shape), out)
-        writable_in_place = out is not None and out.flags.c_contiguous and out.flags.writeable
-        buf = out if writable_in_place else _fresh_contiguous(x)
-        if buf is out and out is not x:
+        in_place = out is not None and out.flags.c_contiguous and out.flags.writeable
+        if small:
+            result = out if in_place else np.empty(x.shape, dtype=x.dtype)
+            blobs = _usable_comm().allreduce_small(head, np.ascontiguousarray(x), result, code, opc)
+            if blobs is not None:
+                _mismatch(blobs, ("op", "dtype", "shape", "name"), _named("allreduce", name))
+            return _deliver(result, out)
+        _exchange(head, b"", ("op", "dtype", "shape", "name"), _named("allreduce", name))
+        buf = out if in_place else _fresh_contiguous(x)
+        if in_place and out is not x:
             np.copyto(out, x)
         _state.comm.allreduce(buf.reshape(-1).view(np.uint8), code, opc)
         return _deliver(buf, out)
 
 
-def _named(name):
-    return f" {name!r}" if name else ""
-
-
-def _reduce_blobs(heads, dtype, code, opc, shape):
-    """Every rank reduces the same blobs in rank order: the same bits everywhere."""
-    acc = np.frombuffer(heads[0]["payload"], dtype=dtype).copy()
-    for h in heads[1:]:
-        _core.reduce(acc.view(np.uint8), h["payload"], code, opc)
-    if opc == _core.AVG:
-        _core.divide(acc.view(np.uint8), code, len(heads))
-    return acc.reshape(shape)
-
-
 def _chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
+    """Chunk i of count elements over n ranks, as csrc/ring.c cuts it."""
     base, extra = divmod(count, n)
     start = i * base + min(i, extra)
     return start, start + base + (1 if i < extra else 0)
@@ -248,13 +270,13 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None):
     code, opc = _dtype_code(x.dtype), _op_code(op)
     with _state.lock:
         w = _require_world()
-        small = x.nbytes <= SMALL_BYTES
+        small = x.nbytes <= w.config.small_bytes
         head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small)
-        heads = _exchange(head + (np.ascontiguousarray(x).tobytes() if small else b""),
-                          ["op", "dtype", "shape", "name"], f"reduce_scatter{_named(name)}")
+        blobs = _exchange(head, x.tobytes() if small else b"",
+                          ("op", "dtype", "shape", "name"), _named("reduce_scatter", name))
         lo, hi = _chunk_bounds(x.size, w.size, w.rank)
-        if heads[0]["inline"]:
-            return _reduce_blobs(heads, x.dtype, code, opc, (x.size,))[lo:hi].copy()
+        if small:
+            return _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
         work = _fresh_contiguous(x).reshape(-1)
         _state.comm.reduce_scatter(work.view(np.uint8), code, opc)
         return work[lo:hi].copy()
@@ -268,25 +290,21 @@ def allgather(x, name: str | None = None):
     code = _dtype_code(x.dtype)
     with _state.lock:
         w = _require_world()
-        small = x.nbytes <= SMALL_BYTES
-        mine = np.ascontiguousarray(x)
+        small = x.nbytes <= w.config.small_bytes
         head = _header(ALLGATHER, 0, code, x.shape, name, inline=small)
-        heads = _exchange(head + (mine.tobytes() if small else b""),
-                          ["dtype", "trailing", "name"],
-                          f"allgather{_named(name)}")
+        blobs = _exchange(head, x.tobytes() if small else b"",
+                          ("dtype", "trailing", "name"), _named("allgather", name))
+        heads = [_parse(b) for b in blobs]
         rows = [h["shape"][0] for h in heads]
         out = np.empty((sum(rows),) + x.shape[1:], dtype=x.dtype)
         flat = out.reshape(-1).view(np.uint8)
         row_bytes = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
         nbytes = [r * row_bytes for r in rows]
-        at = sum(nbytes[:w.rank])
         if all(h["inline"] for h in heads):
-            pos = 0
-            for h, nb in zip(heads, nbytes):
-                flat[pos:pos + nb] = np.frombuffer(h["payload"], dtype=np.uint8)
-                pos += nb
+            np.concatenate([np.frombuffer(h["payload"], dtype=np.uint8) for h in heads], out=flat)
             return out
-        flat[at:at + nbytes[w.rank]] = mine.reshape(-1).view(np.uint8)
+        at = sum(nbytes[:w.rank])
+        flat[at:at + nbytes[w.rank]] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
         _state.comm.allgather(flat, nbytes)
         return out
 
@@ -299,12 +317,12 @@ def broadcast(x, root: int = 0, name: str | None = None):
         w = _require_world()
         if not 0 <= root < w.size:
             raise ValueError(f"root {root} is not a rank of this world of {w.size}")
-        small = x.nbytes <= SMALL_BYTES
-        payload = np.ascontiguousarray(x).tobytes() if small and w.rank == root else b""
+        small = x.nbytes <= w.config.small_bytes
         head = _header(BROADCAST, 0, code, x.shape, name, root=root, inline=small)
-        heads = _exchange(head + payload, ["dtype", "shape", "root", "name"], f"broadcast{_named(name)}")
+        blobs = _exchange(head, x.tobytes() if small and w.rank == root else b"",
+                          ("dtype", "shape", "root", "name"), _named("broadcast", name))
         if small:
-            return np.frombuffer(heads[root]["payload"], dtype=x.dtype).reshape(x.shape).copy()
+            return np.frombuffer(blobs[root], dtype=x.dtype, offset=len(head)).reshape(x.shape).copy()
         buf = _fresh_contiguous(x) if w.rank == root else np.empty(x.shape, dtype=x.dtype)
         _state.comm.broadcast(buf.reshape(-1).view(np.uint8), root)
         return buf
@@ -314,4 +332,5 @@ def barrier(name: str | None = None) -> None:
     """Returns once every rank has entered the barrier."""
     with _state.lock:
         _require_world()
-        _exchange(_header(BARRIER, 0, 0, (), name), ["name"], "barrier")
+        head = _header(BARRIER, 0, 0, (), name)
+        _exchange(head, b"", ("name",), _named("barrier", name))

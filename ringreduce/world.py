@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .config import Config
 from .errors import RingReduceError
 
 log = logging.getLogger("ringreduce")
@@ -49,7 +50,7 @@ class World:
     local_size: int = 1
     addr: tuple[str, int] | None = None
     secret: bytes | None = None
-    timeout: float = 60.0
+    config: Config = field(default_factory=Config)
     source: str = "single process"
     extra: dict = field(default_factory=dict)
 
@@ -70,7 +71,7 @@ def _parse_addr(text: str) -> tuple[str, int]:
 
 def discover(env=None) -> World:
     env = os.environ if env is None else env
-    timeout = float(env.get("RINGREDUCE_TIMEOUT", "60"))
+    config = Config.from_env(env)
     secret = env.get("RINGREDUCE_SECRET") or None
     secret_bytes = secret.encode() if secret else None
 
@@ -86,7 +87,7 @@ def discover(env=None) -> World:
         local_size = _env_int(env, "RINGREDUCE_LOCAL_SIZE")
         return World(rank, size, rank if local_rank is None else local_rank,
                      size if local_size is None else local_size,
-                     _parse_addr(addr) if addr else None, secret_bytes, timeout, "RINGREDUCE_* environment")
+                     _parse_addr(addr) if addr else None, secret_bytes, config, "RINGREDUCE_* environment")
 
     mpi_rank = _env_int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
     if mpi_rank is not None:
@@ -94,14 +95,14 @@ def discover(env=None) -> World:
         local_rank = _env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
         local_size = _env_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
         world = World(mpi_rank, size, mpi_rank if local_rank is None else local_rank,
-                      size if local_size is None else local_size, None, secret_bytes, timeout, "mpirun")
+                      size if local_size is None else local_size, None, secret_bytes, config, "mpirun")
         if size > 1:
             world.addr, world.secret = _bootstrap_over_mpi(world, env)
         return world
 
     if env.get("TF_CONFIG"):
-        return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, timeout)
-    return World(timeout=timeout)
+        return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, config)
+    return World(config=config)
 
 
 def _bootstrap_over_mpi(world: World, env) -> tuple[tuple[str, int], bytes]:
@@ -122,7 +123,7 @@ def _bootstrap_over_mpi(world: World, env) -> tuple[tuple[str, int], bytes]:
     return (host, port), secret
 
 
-def _from_tf_config(cfg: dict, secret: bytes | None, timeout: float) -> World:
+def _from_tf_config(cfg: dict, secret: bytes | None, config: Config) -> World:
     cluster = cfg.get("cluster", {})
     members = [("chief", i, a) for i, a in enumerate(cluster.get("chief", []))]
     members += [("worker", i, a) for i, a in enumerate(cluster.get("worker", []))]
@@ -135,7 +136,7 @@ def _from_tf_config(cfg: dict, secret: bytes | None, timeout: float) -> World:
     hosts = [_parse_addr(a)[0] for _, _, a in members]
     local_rank = hosts[:rank].count(hosts[rank])
     return World(rank, len(members), local_rank, hosts.count(hosts[rank]), _parse_addr(members[0][2]),
-                 secret, timeout, "TF_CONFIG")
+                 secret, config, "TF_CONFIG")
 
 
 def _free_port() -> int:
@@ -322,7 +323,7 @@ def rendezvous(world: World) -> Links:
         log.warning("ringreduce: RINGREDUCE_SECRET is not set: listening on loopback only "
                     "(set it, as ringrun does, to run across hosts)")
     bind_host = "127.0.0.1" if loopback_only else ("::" if ":" in host else "0.0.0.0")
-    deadline = time.monotonic() + max(world.timeout, 60.0)
+    deadline = time.monotonic() + world.config.start_timeout
     ring_listener = _Acceptor(_listen(bind_host, 0), key, f"rank {world.rank}")
     my_port = ring_listener.listener.getsockname()[1]
     try:
