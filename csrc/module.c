@@ -146,20 +146,31 @@ static int valid_dtype_op(int dtype, int op)
     return 1;
 }
 
+/* allreduce(src, dst, dtype, op) and reduce_scatter(src, dst, dtype, op):
+ * src is only read and may be dst. */
 static PyObject *reduce_op(CommObject *self, PyObject *args, int scatter)
 {
-    PyObject *obj;
+    PyObject *src_obj, *dst_obj;
     int dtype, op;
-    if (!PyArg_ParseTuple(args, "Oii", &obj, &dtype, &op) || !valid_dtype_op(dtype, op)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOii", &src_obj, &dst_obj, &dtype, &op) || !valid_dtype_op(dtype, op))
+        return NULL;
     if (check_usable(self)) return NULL;
-    Py_buffer view;
-    if (get_writable(obj, &view)) return NULL;
-    size_t count = (size_t)view.len / rr_dtype_size((rr_dtype)dtype);
+    Py_buffer src, dst;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS)) return NULL;
+    if (get_writable(dst_obj, &dst)) { PyBuffer_Release(&src); return NULL; }
+    if (src.len != dst.len) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "src and dst differ in size");
+        return NULL;
+    }
+    size_t count = (size_t)dst.len / rr_dtype_size((rr_dtype)dtype);
     rr_error err = {0};
     RUN_LOCKED(self, err,
-               scatter ? rr_reduce_scatter(self->ring, view.buf, count, (rr_dtype)dtype, (rr_op)op, &err)
-                       : rr_allreduce(self->ring, view.buf, count, (rr_dtype)dtype, (rr_op)op, &err));
-    PyBuffer_Release(&view);
+               scatter ? rr_reduce_scatter(self->ring, src.buf, dst.buf, count, (rr_dtype)dtype, (rr_op)op, &err)
+                       : rr_allreduce(self->ring, src.buf, dst.buf, count, (rr_dtype)dtype, (rr_op)op, &err));
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
     return finish(&err);
 }
 
@@ -307,9 +318,10 @@ static PyObject *Comm_get_broken(CommObject *self, void *Py_UNUSED(closure))
 }
 
 static PyMethodDef Comm_methods[] = {
-    {"allreduce", (PyCFunction)Comm_allreduce, METH_VARARGS, "allreduce(buf, dtype, op): in place"},
+    {"allreduce", (PyCFunction)Comm_allreduce, METH_VARARGS,
+     "allreduce(src, dst, dtype, op): dst = reduction of every rank's src; dst may be src"},
     {"reduce_scatter", (PyCFunction)Comm_reduce_scatter, METH_VARARGS,
-     "reduce_scatter(buf, dtype, op): in place; chunk `rank` ends reduced"},
+     "reduce_scatter(src, dst, dtype, op): chunk `rank` of dst ends reduced"},
     {"allgather", (PyCFunction)Comm_allgather, METH_VARARGS,
      "allgather(buf, nbytes): in place; this rank's block already filled"},
     {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, "broadcast(buf, root): in place"},

@@ -9,18 +9,18 @@
 
 #define LOOP(T, EXPR)                                                        \
     do {                                                                     \
-        T *restrict d = (T *)dst;                                            \
-        const T *restrict s = (const T *)src;                                \
-        for (size_t i = 0; i < count; i++) { T a = d[i], b = s[i]; d[i] = (EXPR); } \
+        T *d = (T *)dst;                                                     \
+        const T *x = (const T *)src_a, *restrict y = (const T *)src_b;       \
+        for (size_t i = 0; i < count; i++) { T a = x[i], b = y[i]; d[i] = (EXPR); } \
     } while (0)
 
 /* 16-bit floats: widen, combine in float32, round once. */
 #define LOOP16(TO_F32, FROM_F32, EXPR)                                       \
     do {                                                                     \
-        uint16_t *restrict d = (uint16_t *)dst;                              \
-        const uint16_t *restrict s = (const uint16_t *)src;                  \
+        uint16_t *d = (uint16_t *)dst;                                       \
+        const uint16_t *x = (const uint16_t *)src_a, *restrict y = (const uint16_t *)src_b; \
         for (size_t i = 0; i < count; i++) {                                 \
-            float a = TO_F32(d[i]), b = TO_F32(s[i]);                        \
+            float a = TO_F32(x[i]), b = TO_F32(y[i]);                        \
             d[i] = FROM_F32(EXPR);                                           \
         }                                                                    \
     } while (0)
@@ -44,6 +44,11 @@
     }
 
 int rr_reduce(void *dst, const void *src, size_t count, rr_dtype dtype, rr_op op)
+{
+    return rr_reduce3(dst, dst, src, count, dtype, op);
+}
+
+int rr_reduce3(void *dst, const void *src_a, const void *src_b, size_t count, rr_dtype dtype, rr_op op)
 {
     switch (dtype) {
     case RR_FLOAT16: FLOAT_OPS(LOOP16, rr_f16_to_f32, rr_f32_to_f16,)

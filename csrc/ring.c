@@ -79,10 +79,12 @@ static int fail(rr_ring *ring, int code, rr_error *err)
 }
 
 /* Runs steps g0 .. g1-1 of the schedule above over chunks at byte offsets
- * off[] with byte lengths len[]. Steps below `reduce_until` reduce (with
- * `avg_at`, the step after which the owned chunk is final, dividing each
- * finished segment); later steps copy. */
-static int ring_steps(rr_ring *ring, char *buf, const size_t *off, const size_t *len,
+ * off[] with byte lengths len[]. Steps below `reduce_until` reduce, later
+ * steps copy; for avg, each segment of the owned chunk is divided the moment
+ * it is final. The input is read from src (which may be buf): the first step
+ * sends from it and each reduction reads its own chunk from it, so every
+ * byte of buf is written exactly once and out of place costs no copy. */
+static int ring_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len,
                       int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
 {
     const int N = ring->size, r = ring->rank;
@@ -106,7 +108,7 @@ static int ring_steps(rr_ring *ring, char *buf, const size_t *off, const size_t 
             size_t limit = (sg > g0 && sg - 1 == rg) ? rdone : len[sc];
             size_t seg_end = (soff / seg + 1) * seg;
             if (seg_end > limit) seg_end = limit;
-            sp = buf + off[sc] + soff;
+            sp = (sg == g0 ? src : buf) + off[sc] + soff;
             sl = seg_end > soff ? seg_end - soff : 0;
         }
         /* Receive window: the rest of the current segment, into staging
@@ -131,7 +133,7 @@ static int ring_steps(rr_ring *ring, char *buf, const size_t *off, const size_t 
             if (reducing) {
                 char *dst = buf + off[rc] + rdone;
                 size_t n = (rseg_end - rdone) / esize;
-                rr_reduce(dst, ring->staging, n, dtype, op);
+                rr_reduce3(dst, src + off[rc] + rdone, ring->staging, n, dtype, op);
                 if (op == RR_AVG && rg == N - 2) rr_divide(dst, n, dtype, N);
             }
             rdone = rseg_end;
@@ -154,34 +156,39 @@ static int chunk_table(int N, size_t count, size_t esize, size_t **off, size_t *
     return 0;
 }
 
-static int reduce_phases(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op,
-                         int g1, rr_error *err)
+static int reduce_phases(rr_ring *ring, const void *src, void *buf, size_t count, rr_dtype dtype,
+                         rr_op op, int g1, rr_error *err)
 {
     const int N = ring->size;
     if (rr_dtype_size(dtype) == 0 || op < 0 || op >= RR_NUM_OPS) {
         rr_set_error(err, RR_E_INVALID, -1, "unsupported dtype %d or op %d", (int)dtype, (int)op);
         return err->code;
     }
-    if (N == 1) return RR_OK; /* avg over one rank divides by 1 */
+    if (N == 1) { /* avg over one rank divides by 1 */
+        if (src != buf) memmove(buf, src, count * rr_dtype_size(dtype));
+        return RR_OK;
+    }
     size_t *off, *len;
     if (chunk_table(N, count, rr_dtype_size(dtype), &off, &len)) {
         rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
         return err->code;
     }
-    int rc = ring_steps(ring, buf, off, len, 0, g1, N - 1, dtype, op, err);
+    int rc = ring_steps(ring, src, buf, off, len, 0, g1, N - 1, dtype, op, err);
     free(off);
     free(len);
     return rc;
 }
 
-int rr_allreduce(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op, rr_error *err)
+int rr_allreduce(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
+                 rr_error *err)
 {
-    return reduce_phases(ring, buf, count, dtype, op, 2 * ring->size - 2, err);
+    return reduce_phases(ring, src, dst, count, dtype, op, 2 * ring->size - 2, err);
 }
 
-int rr_reduce_scatter(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op, rr_error *err)
+int rr_reduce_scatter(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
+                      rr_error *err)
 {
-    return reduce_phases(ring, buf, count, dtype, op, ring->size - 1, err);
+    return reduce_phases(ring, src, dst, count, dtype, op, ring->size - 1, err);
 }
 
 int rr_allgather(rr_ring *ring, void *buf, const size_t *nbytes, rr_error *err)
@@ -195,7 +202,7 @@ int rr_allgather(rr_ring *ring, void *buf, const size_t *nbytes, rr_error *err)
     }
     for (int i = 0; i < N; i++) { off[i] = at; at += nbytes[i]; }
     /* The AllGather steps of the schedule; uint8 so no reduction applies. */
-    int rc = ring_steps(ring, buf, off, nbytes, N - 1, 2 * N - 2, 0, RR_UINT8, RR_SUM, err);
+    int rc = ring_steps(ring, buf, buf, off, nbytes, N - 1, 2 * N - 2, 0, RR_UINT8, RR_SUM, err);
     free(off);
     return rc;
 }

@@ -22,13 +22,15 @@ void rr_ring_destroy(rr_ring *ring);
  * get one extra element. */
 size_t rr_chunk_count(size_t count, int size, int i);
 
-/* In place: buf holds this rank's input and ends with the reduction of every
- * rank's input, bit-identical on all ranks. */
-int rr_allreduce(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op, rr_error *err);
+/* dst ends with the reduction of every rank's src, bit-identical on all
+ * ranks. dst may be src (in place); src is only read. */
+int rr_allreduce(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
+                 rr_error *err);
 
-/* In place, ScatterReduce only: afterwards chunk `rank` of buf (see
- * rr_chunk_count) holds the reduction; the other chunks hold partials. */
-int rr_reduce_scatter(rr_ring *ring, void *buf, size_t count, rr_dtype dtype, rr_op op, rr_error *err);
+/* ScatterReduce only: afterwards chunk `rank` of dst (see rr_chunk_count)
+ * holds the reduction; other chunks hold partials. dst may be src. */
+int rr_reduce_scatter(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
+                      rr_error *err);
 
 /* In place, AllGather only: block i is nbytes[i] bytes at the sum of the
  * blocks before it; this rank's block is filled, the rest get filled. */

@@ -199,6 +199,11 @@ def _exchange(head: bytes, data, fields, what):
     return blobs
 
 
+def _raw(a: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, as the C core takes them."""
+    return a.reshape(-1).view(np.uint8)
+
+
 def _fresh_contiguous(x: np.ndarray) -> np.ndarray:
     return np.array(x, order="C", copy=True)
 
@@ -225,7 +230,7 @@ def _payloads(blobs, head_len):
 def _reduce_blobs(payloads, dtype, code, opc, shape):
     """Every rank reduces the same payloads in rank order: the same bits everywhere."""
     acc = np.frombuffer(payloads[0], dtype=dtype).copy()
-    flat = acc.view(np.uint8)
+    flat = _raw(acc)
     for p in payloads[1:]:
         _core.reduce(flat, p, code, opc)
     if opc == _core.AVG:
@@ -243,18 +248,18 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None):
         small = x.nbytes <= _require_world().config.small_bytes
         head = _header(ALLREDUCE, opc, code, x.shape, name, inline=small)
         in_place = out is not None and out.flags.c_contiguous and out.flags.writeable
+        src = np.ascontiguousarray(x)
+        dst = out if in_place else np.empty(x.shape, dtype=x.dtype)
         if small:
-            result = out if in_place else np.empty(x.shape, dtype=x.dtype)
-            blobs = _usable_comm().allreduce_small(head, np.ascontiguousarray(x), result, code, opc)
+            blobs = _usable_comm().allreduce_small(head, _raw(src), _raw(dst), code, opc)
             if blobs is not None:
                 _mismatch(blobs, ("op", "dtype", "shape", "name"), _named("allreduce", name))
-            return _deliver(result, out)
+            return _deliver(dst, out)
         _exchange(head, b"", ("op", "dtype", "shape", "name"), _named("allreduce", name))
-        buf = out if in_place else _fresh_contiguous(x)
-        if in_place and out is not x:
-            np.copyto(out, x)
-        _state.comm.allreduce(buf.reshape(-1).view(np.uint8), code, opc)
-        return _deliver(buf, out)
+        if dst is not src and np.may_share_memory(dst, src):
+            src = src.copy()
+        _state.comm.allreduce(_raw(src), _raw(dst), code, opc)
+        return _deliver(dst, out)
 
 
 def _chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
@@ -277,8 +282,8 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None):
         lo, hi = _chunk_bounds(x.size, w.size, w.rank)
         if small:
             return _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
-        work = _fresh_contiguous(x).reshape(-1)
-        _state.comm.reduce_scatter(work.view(np.uint8), code, opc)
+        work = np.empty(x.size, dtype=x.dtype)
+        _state.comm.reduce_scatter(_raw(np.ascontiguousarray(x)), _raw(work), code, opc)
         return work[lo:hi].copy()
 
 
@@ -297,14 +302,14 @@ def allgather(x, name: str | None = None):
         heads = [_parse(b) for b in blobs]
         rows = [h["shape"][0] for h in heads]
         out = np.empty((sum(rows),) + x.shape[1:], dtype=x.dtype)
-        flat = out.reshape(-1).view(np.uint8)
+        flat = _raw(out)
         row_bytes = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
         nbytes = [r * row_bytes for r in rows]
         if all(h["inline"] for h in heads):
             np.concatenate([np.frombuffer(h["payload"], dtype=np.uint8) for h in heads], out=flat)
             return out
         at = sum(nbytes[:w.rank])
-        flat[at:at + nbytes[w.rank]] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+        flat[at:at + nbytes[w.rank]] = _raw(np.ascontiguousarray(x))
         _state.comm.allgather(flat, nbytes)
         return out
 
@@ -324,7 +329,7 @@ def broadcast(x, root: int = 0, name: str | None = None):
         if small:
             return np.frombuffer(blobs[root], dtype=x.dtype, offset=len(head)).reshape(x.shape).copy()
         buf = _fresh_contiguous(x) if w.rank == root else np.empty(x.shape, dtype=x.dtype)
-        _state.comm.broadcast(buf.reshape(-1).view(np.uint8), root)
+        _state.comm.broadcast(_raw(buf), root)
         return buf
 
 
