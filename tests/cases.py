@@ -1,0 +1,88 @@
+"""Inputs and numpy references for the correctness tests, shared by the test
+process and the ranks (each rank builds every rank's input from the seed, so
+it can check its own result against numpy)."""
+from __future__ import annotations
+
+import hashlib
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
+OPS = ["sum", "avg", "min", "max", "prod"]
+
+
+def np_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def sizes(n: int) -> list:
+    """0, 1, fewer than ranks, not divisible by N, above the small-message
+    threshold (so the ring runs), and a 3-d shape."""
+    return [0, 1, max(n - 1, 0), 2 * n + 1, 70_001, (3, 5, 7)]
+
+
+def make_input(rank: int, shape, dtype: str, op: str) -> np.ndarray:
+    """Small integers, exact in every dtype, so sums, products, min and max are
+    exact whatever order the ring reduces in; integer overflow wraps the same
+    way in numpy and in ringreduce."""
+    count = int(np.prod(shape))
+    rng = np.random.default_rng([rank, count, DTYPES.index(dtype), OPS.index(op)])
+    if op == "prod":
+        values = rng.choice([-1, 1, 2], size=count) if np_dtype(dtype).kind != "u" else rng.choice([1, 2, 3], size=count)
+    elif np_dtype(dtype).kind == "u":
+        values = rng.integers(0, 30, size=count)
+    else:
+        values = rng.integers(-20, 21, size=count)
+    return values.reshape(shape).astype(np_dtype(dtype))
+
+
+def reference(inputs: list, dtype: str, op: str) -> np.ndarray:
+    dt = np_dtype(dtype)
+    n = len(inputs)
+    if dt.kind in "iu":
+        stack = np.stack(inputs)
+        with np.errstate(over="ignore"):
+            if op in ("sum", "avg"):
+                total = stack.sum(axis=0, dtype=dt)
+                return total // dt.type(n) if op == "avg" else total
+            if op == "prod":
+                return stack.prod(axis=0, dtype=dt)
+        return stack.min(axis=0) if op == "min" else stack.max(axis=0)
+    stack = np.stack([x.astype(np.float64) for x in inputs])
+    out = {"sum": lambda: stack.sum(0), "avg": lambda: stack.sum(0) / n, "prod": lambda: stack.prod(0),
+           "min": lambda: stack.min(0), "max": lambda: stack.max(0)}[op]()
+    return out.astype(dt)
+
+
+def close_enough(got: np.ndarray, want: np.ndarray, dtype: str, op: str) -> bool:
+    """Exact, except avg of floats, where our float32 division (then rounding to
+    16 bits) may differ from numpy's float64 one by one unit in the last place."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if op == "avg" and np_dtype(dtype).kind == "f" or dtype == "bfloat16" and op == "avg":
+        eps = float(np.finfo(np.float16).eps) if dtype == "float16" else (
+            2.0 ** -7 if dtype == "bfloat16" else float(np.finfo(np_dtype(dtype)).eps))
+        g, w = got.astype(np.float64), want.astype(np.float64)
+        return bool(np.all(np.abs(g - w) <= eps * np.maximum(np.abs(w), 1e-3)))
+    return got.tobytes() == want.tobytes()
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def check_all_allreduce(rr) -> dict:
+    """Runs every (dtype, op, size) allreduce on this rank; returns, per case,
+    whether it matched numpy and a digest of the result bytes."""
+    n, r = rr.size(), rr.rank()
+    out = {}
+    for dtype in DTYPES:
+        for op in OPS:
+            for shape in sizes(n):
+                shape = shape if isinstance(shape, tuple) else (shape,)
+                inputs = [make_input(i, shape, dtype, op) for i in range(n)]
+                got = rr.allreduce(inputs[r], op=op)
+                ok = close_enough(got, reference(inputs, dtype, op), dtype, op)
+                out[(dtype, op, shape)] = (ok, digest(got), got.dtype.name, got.shape)
+    return out
