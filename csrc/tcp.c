@@ -31,7 +31,9 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { CTRL_BYE = 1, CTRL_LOST = 2, CTRL_SUSPECT = 3 };
+/* LOST: a peer died (EOF, reset). SILENT: rank 0's verdict on a stall.
+ * SUSPECT: "I have waited the whole timeout on this rank". */
+enum { CTRL_BYE = 1, CTRL_LOST = 2, CTRL_SUSPECT = 3, CTRL_SILENT = 4 };
 
 /* How long a rank that saw a neighbour vanish waits for the real culprit's
  * name, and how long rank 0 collects suspicions before its verdict. */
@@ -112,7 +114,7 @@ static int ctrl_read(tcp_transport *t, int i, int *about)
         *about = peer; /* rank 0 wants to know who reported */
         return CTRL_SUSPECT;
     }
-    return msg[0] == CTRL_LOST ? CTRL_LOST : 0;
+    return msg[0] == CTRL_LOST || msg[0] == CTRL_SILENT ? (int)msg[0] : 0;
 }
 
 /* Polls the control sockets for up to wait_ms. Returns the lost rank named by
@@ -120,7 +122,7 @@ static int ctrl_read(tcp_transport *t, int i, int *about)
  * rank 0 starts its verdict. */
 static int arbitrate(tcp_transport *t, int first_suspect, int own_suspect);
 
-static int ctrl_poll(tcp_transport *t, int wait_ms)
+static int ctrl_poll(tcp_transport *t, int wait_ms, int *kind_out)
 {
     int64_t end = now_ms() + wait_ms;
     struct pollfd pfd[t->n_ctrl > 0 ? t->n_ctrl : 1];
@@ -140,9 +142,13 @@ static int ctrl_poll(tcp_transport *t, int wait_ms)
         for (int i = 0; r > 0 && i < t->n_ctrl; i++) {
             if (t->ctrl[i] < 0 || !(pfd[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
             int about = -1, kind = ctrl_read(t, i, &about);
-            if (kind == CTRL_SUSPECT) return arbitrate(t, about, -1);
-            if (kind == CTRL_LOST || kind == -1) {
-                if (t->base.rank == 0) ctrl_broadcast(t, CTRL_LOST, about);
+            if (kind == CTRL_SUSPECT) {
+                *kind_out = CTRL_SILENT;
+                return arbitrate(t, about, -1);
+            }
+            if (kind == CTRL_LOST || kind == CTRL_SILENT || kind == -1) {
+                *kind_out = kind == CTRL_SILENT ? CTRL_SILENT : CTRL_LOST;
+                if (t->base.rank == 0) ctrl_broadcast(t, *kind_out, about);
                 return about;
             }
         }
@@ -177,6 +183,7 @@ static int arbitrate(tcp_transport *t, int first_suspect, int own_suspect)
                 ctrl_broadcast(t, CTRL_LOST, about);
                 return about;
             }
+            if (kind == CTRL_SILENT) return about;
         }
     }
     int verdict = -1, silent = 0;
@@ -185,7 +192,7 @@ static int arbitrate(tcp_transport *t, int first_suspect, int own_suspect)
     (void)reported;
     if (silent != 1) verdict = own_suspect >= 0 ? own_suspect : (verdict >= 0 ? verdict : first_suspect);
     if (verdict < 0) verdict = prev_rank(t);
-    ctrl_broadcast(t, CTRL_LOST, verdict);
+    ctrl_broadcast(t, CTRL_SILENT, verdict);
     return verdict;
 }
 
@@ -199,14 +206,19 @@ static int peer_failed(tcp_transport *t, int neighbour, const char *what, rr_err
                      neighbour, what, t->base.rank);
         return err->code;
     }
-    culprit = ctrl_poll(t, BLAME_GRACE_MS);
+    int kind = CTRL_LOST;
+    culprit = ctrl_poll(t, BLAME_GRACE_MS, &kind);
     if (culprit < 0) {
         culprit = neighbour;
         if (t->base.rank == 0) ctrl_broadcast(t, CTRL_LOST, culprit);
         else ctrl_send(t->ctrl[0], CTRL_LOST, culprit);
     }
-    if (culprit == neighbour)
+    if (culprit == neighbour && kind == CTRL_LOST)
         rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d: %s", culprit, what);
+    else if (kind == CTRL_SILENT)
+        rr_set_error(err, RR_E_PEER_LOST, culprit,
+                     "lost rank %d: no progress from it for %.1f s (RINGREDUCE_TIMEOUT), reported through rank 0",
+                     culprit, t->timeout_ms / 1000.0);
     else
         rr_set_error(err, RR_E_PEER_LOST, culprit,
                      "lost rank %d (reported through rank 0; rank %d saw: %s)", culprit,
@@ -221,8 +233,13 @@ static int peer_silent(tcp_transport *t, int waited_on, rr_error *err)
     if (t->base.rank == 0) {
         culprit = arbitrate(t, -1, waited_on);
     } else {
+        int kind = CTRL_SILENT;
         ctrl_send(t->ctrl[0], CTRL_SUSPECT, waited_on);
-        culprit = ctrl_poll(t, BLAME_GRACE_MS + VERDICT_GRACE_MS);
+        culprit = ctrl_poll(t, BLAME_GRACE_MS + VERDICT_GRACE_MS, &kind);
+        if (kind == CTRL_LOST && culprit >= 0) {
+            rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0)", culprit);
+            return err->code;
+        }
         if (culprit < 0) culprit = 0; /* the judge itself does not answer */
     }
     rr_set_error(err, RR_E_PEER_LOST, culprit,
@@ -295,10 +312,18 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         for (int i = 0; r > 0 && i < t->n_ctrl; i++) {
             if (t->ctrl[i] < 0 || !(pfd[2 + i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
             int about = -1, kind = ctrl_read(t, i, &about), culprit = -1;
-            if (kind == CTRL_SUSPECT) culprit = arbitrate(t, about, -1);
-            else if (kind == CTRL_LOST || kind == -1) {
+            if (kind == CTRL_SUSPECT) {
+                culprit = arbitrate(t, about, -1);
+                kind = CTRL_SILENT;
+            } else if (kind == CTRL_LOST || kind == CTRL_SILENT || kind == -1) {
                 culprit = about;
-                if (t->base.rank == 0) ctrl_broadcast(t, CTRL_LOST, culprit);
+                if (t->base.rank == 0) ctrl_broadcast(t, kind == CTRL_SILENT ? CTRL_SILENT : CTRL_LOST, culprit);
+            }
+            if (culprit >= 0 && kind == CTRL_SILENT) {
+                rr_set_error(err, RR_E_PEER_LOST, culprit,
+                             "lost rank %d: no progress from it for %.1f s (RINGREDUCE_TIMEOUT), reported through rank 0",
+                             culprit, t->timeout_ms / 1000.0);
+                return err->code;
             }
             if (culprit >= 0) {
                 rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0)", culprit);

@@ -163,8 +163,10 @@ def _check_agreement(heads, fields, what: str) -> None:
     for f in ["kind", *fields]:
         values = [h[f] if f != "trailing" else h["shape"][1:] for h in heads]
         if any(v != values[0] for v in values):
-            label = "shape[1:]" if f == "trailing" else f
             per_rank = ", ".join(f"rank {i}: {_describe(f, v)}" for i, v in enumerate(values))
+            if f == "kind":
+                raise MismatchError(f"ranks disagree on which collective to run ({per_rank})")
+            label = "shape[1:]" if f == "trailing" else f
             raise MismatchError(f"ranks disagree on the {label} of {what} ({per_rank})")
 
 
@@ -219,10 +221,6 @@ def _deliver(result: np.ndarray, out):
 # --------------------------------------------------------------------------- collectives
 
 
-def _named(op, name):
-    return f"{op} {name!r}" if name else op
-
-
 def _payloads(blobs, head_len):
     return [memoryview(b)[head_len:] for b in blobs]
 
@@ -253,9 +251,9 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None):
         if small:
             blobs = _usable_comm().allreduce_small(head, _raw(src), _raw(dst), code, opc)
             if blobs is not None:
-                _mismatch(blobs, ("op", "dtype", "shape", "name"), _named("allreduce", name))
+                _mismatch(blobs, ("op", "dtype", "shape", "name"), "allreduce")
             return _deliver(dst, out)
-        _exchange(head, b"", ("op", "dtype", "shape", "name"), _named("allreduce", name))
+        _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce")
         if dst is not src and np.may_share_memory(dst, src):
             src = src.copy()
         _state.comm.allreduce(_raw(src), _raw(dst), code, opc)
@@ -278,7 +276,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None):
         small = x.nbytes <= w.config.small_bytes
         head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small)
         blobs = _exchange(head, x.tobytes() if small else b"",
-                          ("op", "dtype", "shape", "name"), _named("reduce_scatter", name))
+                          ("op", "dtype", "shape", "name"), "reduce_scatter")
         lo, hi = _chunk_bounds(x.size, w.size, w.rank)
         if small:
             return _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
@@ -298,7 +296,7 @@ def allgather(x, name: str | None = None):
         small = x.nbytes <= w.config.small_bytes
         head = _header(ALLGATHER, 0, code, x.shape, name, inline=small)
         blobs = _exchange(head, x.tobytes() if small else b"",
-                          ("dtype", "trailing", "name"), _named("allgather", name))
+                          ("dtype", "trailing", "name"), "allgather")
         heads = [_parse(b) for b in blobs]
         rows = [h["shape"][0] for h in heads]
         out = np.empty((sum(rows),) + x.shape[1:], dtype=x.dtype)
@@ -325,7 +323,7 @@ def broadcast(x, root: int = 0, name: str | None = None):
         small = x.nbytes <= w.config.small_bytes
         head = _header(BROADCAST, 0, code, x.shape, name, root=root, inline=small)
         blobs = _exchange(head, x.tobytes() if small and w.rank == root else b"",
-                          ("dtype", "shape", "root", "name"), _named("broadcast", name))
+                          ("dtype", "shape", "root", "name"), "broadcast")
         if small:
             return np.frombuffer(blobs[root], dtype=x.dtype, offset=len(head)).reshape(x.shape).copy()
         buf = _fresh_contiguous(x) if w.rank == root else np.empty(x.shape, dtype=x.dtype)
@@ -338,4 +336,4 @@ def barrier(name: str | None = None) -> None:
     with _state.lock:
         _require_world()
         head = _header(BARRIER, 0, 0, (), name)
-        _exchange(head, b"", ("name",), _named("barrier", name))
+        _exchange(head, b"", ("name",), "barrier")
