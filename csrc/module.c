@@ -66,7 +66,7 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
     PyObject *ctrl;
     double timeout;
     Py_ssize_t segment;
-    int spin = 20;
+    int spin = 100;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn|i", kwlist, &rank, &size, &next_fd, &prev_fd,
                                      &ctrl, &timeout, &segment, &spin))
         return -1;
@@ -343,7 +343,7 @@ static PyTypeObject CommType = {
     .tp_name = "ringreduce._core.Comm",
     .tp_basicsize = sizeof(CommObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A ring of ranks over connected sockets: Comm(rank, size, next_fd, prev_fd, ctrl_fds, timeout, segment, spin=20)",
+    .tp_doc = "A ring of ranks over connected sockets: Comm(rank, size, next_fd, prev_fd, ctrl_fds, timeout, segment, spin=100)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Comm_init,
     .tp_dealloc = (destructor)Comm_dealloc,

@@ -3,7 +3,7 @@ header that lets ranks catch a mismatch before data moves, and the calls
 into the C ring (ringreduce._core).
 
 Every operation starts with one ring pass of small blobs (rr_exchange_blobs):
-each rank's header, and for small tensors (<= RINGREDUCE__state.world.config.small_bytes) the data itself.
+each rank's header, and for small tensors (Config.small_limit) the data itself.
 Every rank then holds every header, so a disagreement raises MismatchError on
 all of them alike. Small allreduces finish right there, reducing the blobs in
 rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
@@ -11,6 +11,7 @@ rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
 from __future__ import annotations
 
 import atexit
+import functools
 import struct
 import threading
 
@@ -130,6 +131,7 @@ def _as_array(x) -> np.ndarray:
     return arr
 
 
+@functools.lru_cache(maxsize=4096)
 def _header(kind, op, dtype, shape, name, root=0, inline=False) -> bytes:
     encoded = (name or "").encode()
     return (_HEAD.pack(_MAGIC, kind, op, dtype, int(inline), root, len(shape), len(encoded))
@@ -201,9 +203,18 @@ def _exchange(head: bytes, data, fields, what):
     return blobs
 
 
-def _raw(a: np.ndarray) -> np.ndarray:
-    """The bytes of a C-contiguous array, as the C core takes them."""
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, flat."""
     return a.reshape(-1).view(np.uint8)
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array as the C core takes it (the buffer protocol has no
+    code for bfloat16, so those go as bytes)."""
+    return a.reshape(-1).view(np.uint8) if a.dtype == _BFLOAT16 else a
 
 
 def _fresh_contiguous(x: np.ndarray) -> np.ndarray:
@@ -243,7 +254,8 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None):
     if out is not None and (not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}")
     with _state.lock:
-        small = x.nbytes <= _require_world().config.small_bytes
+        w = _require_world()
+        small = x.nbytes <= w.config.small_limit(w.size)
         head = _header(ALLREDUCE, opc, code, x.shape, name, inline=small)
         in_place = out is not None and out.flags.c_contiguous and out.flags.writeable
         src = np.ascontiguousarray(x)
@@ -273,7 +285,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None):
     code, opc = _dtype_code(x.dtype), _op_code(op)
     with _state.lock:
         w = _require_world()
-        small = x.nbytes <= w.config.small_bytes
+        small = x.nbytes <= w.config.small_limit(w.size)
         head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small)
         blobs = _exchange(head, x.tobytes() if small else b"",
                           ("op", "dtype", "shape", "name"), "reduce_scatter")
@@ -293,21 +305,21 @@ def allgather(x, name: str | None = None):
     code = _dtype_code(x.dtype)
     with _state.lock:
         w = _require_world()
-        small = x.nbytes <= w.config.small_bytes
+        small = x.nbytes <= w.config.small_limit(w.size)
         head = _header(ALLGATHER, 0, code, x.shape, name, inline=small)
         blobs = _exchange(head, x.tobytes() if small else b"",
                           ("dtype", "trailing", "name"), "allgather")
         heads = [_parse(b) for b in blobs]
         rows = [h["shape"][0] for h in heads]
         out = np.empty((sum(rows),) + x.shape[1:], dtype=x.dtype)
-        flat = _raw(out)
+        flat = _bytes(out)
         row_bytes = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
         nbytes = [r * row_bytes for r in rows]
         if all(h["inline"] for h in heads):
             np.concatenate([np.frombuffer(h["payload"], dtype=np.uint8) for h in heads], out=flat)
             return out
         at = sum(nbytes[:w.rank])
-        flat[at:at + nbytes[w.rank]] = _raw(np.ascontiguousarray(x))
+        flat[at:at + nbytes[w.rank]] = _bytes(np.ascontiguousarray(x))
         _state.comm.allgather(flat, nbytes)
         return out
 
@@ -320,7 +332,7 @@ def broadcast(x, root: int = 0, name: str | None = None):
         w = _require_world()
         if not 0 <= root < w.size:
             raise ValueError(f"root {root} is not a rank of this world of {w.size}")
-        small = x.nbytes <= w.config.small_bytes
+        small = x.nbytes <= w.config.small_limit(w.size)
         head = _header(BROADCAST, 0, code, x.shape, name, root=root, inline=small)
         blobs = _exchange(head, x.tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast")

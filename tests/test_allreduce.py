@@ -9,26 +9,33 @@ from ranks import run_ranks
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 
 
+# Both algorithms on every size: the ring alone (no data rides with the
+# header), the one-pass small algorithm alone, and the default choice by size.
+ALGORITHMS = {"ring": {"RINGREDUCE_SMALL_BYTES": "0"}, "small": {"RINGREDUCE_SMALL_BYTES": str(1 << 30)},
+              "auto": {}}
+
+
 @pytest.fixture(scope="module")
 def world_results(tmp_path_factory):
     cache = {}
 
-    def get(n):
-        if n not in cache:
+    def get(n, algorithm):
+        if (n, algorithm) not in cache:
             ranks = run_ranks(n, """
                 from cases import check_all_allreduce
                 result = check_all_allreduce(rr)
-            """, tmp_path_factory.mktemp(f"allreduce{n}"), timeout=300)
-            cache[n] = [r.result for r in ranks]
-        return cache[n]
+            """, tmp_path_factory.mktemp(f"allreduce{n}{algorithm}"), timeout=300, env=ALGORITHMS[algorithm])
+            cache[n, algorithm] = [r.result for r in ranks]
+        return cache[n, algorithm]
     return get
 
 
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
-def test_allreduce_matches_numpy_on_every_rank(world_results, n, dtype, op):
-    per_rank = world_results(n)
+def test_allreduce_matches_numpy_on_every_rank(world_results, n, dtype, op, algorithm):
+    per_rank = world_results(n, algorithm)
     cases = [k for k in per_rank[0] if k[0] == dtype and k[1] == op]
     assert len(cases) >= 4
     for case in cases:

@@ -146,8 +146,9 @@ def test_stray_connections_during_rendezvous(tmp_path):
     pest = threading.Thread(target=_pester, args=(("127.0.0.1", port), stop))
     procs = start_ranks(3, """
         import time
-        if os.environ["RINGREDUCE_RANK"] == "0":
-            time.sleep(0.5)     # the pest knocks first
+        # Rank 0 binds late and rank 2 joins later still: the pest knocks
+        # before the port opens and all through the rendezvous.
+        time.sleep({"0": 0.5, "1": 0.0, "2": 2.0}[os.environ["RINGREDUCE_RANK"]])
         rr.init()
         time.sleep(0.1)
         result = float(rr.allreduce(np.full(100_000, rr.rank() + 1.0))[0])
