@@ -149,10 +149,10 @@ class Cluster:
     def popen(self, host: int, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
         return subprocess.Popen(self.command(host, argv), env=env, **kw)
 
-    def ring_env(self, host: int, port: int, secret: str, base: dict | None = None) -> dict:
-        """Environment for one ringreduce rank per host, rank 0 on host 0."""
+    def ring_env(self, host: int, port: int, secret: str, size: int | None = None, base: dict | None = None) -> dict:
+        """Environment for one ringreduce rank per host on hosts 0..size-1, rank 0 on host 0."""
         env = dict(os.environ if base is None else base)
-        env.update(RINGREDUCE_RANK=str(host), RINGREDUCE_SIZE=str(self.hosts),
+        env.update(RINGREDUCE_RANK=str(host), RINGREDUCE_SIZE=str(size or self.hosts),
                    RINGREDUCE_ADDR=f"{self.addresses[0]}:{port}", RINGREDUCE_SECRET=secret,
                    RINGREDUCE_LOCAL_RANK="0", RINGREDUCE_LOCAL_SIZE="1", PYTHONUNBUFFERED="1")
         return env

@@ -73,6 +73,7 @@ def main():
         print(f"{size} ranks, {EPOCHS} epochs of {steps} steps: test accuracy {accuracy:.3f}")
         print(f"training took {train_seconds:.2f} s, {comm_seconds:.2f} s of it in allreduce "
               f"({EPOCHS * steps} allreduces of {w.nbytes} bytes)")
+        print(f"throughput: {EPOCHS * steps * BATCH * size / train_seconds:.0f} samples/s")
         for mib, (busbw, seconds) in bw.items():
             print(f"ring allreduce of {mib} MiB float32: {seconds * 1e3:.1f} ms, busbw {busbw:.2f} GB/s")
         print(f"weights identical on every rank: {drift == 0.0}")

@@ -332,7 +332,13 @@ def rendezvous(world: World) -> Links:
         else:
             ctrl_sock = _dial((host, port), deadline, key,
                               {"rank": world.rank, "size": world.size, "port": my_port}, "rank 0")
-            reply = recv_msg(ctrl_sock)
+            # The table comes once every rank has joined: wait for it as long as init may take.
+            ctrl_sock.settimeout(max(deadline - time.monotonic(), 1.0))
+            try:
+                reply = recv_msg(ctrl_sock)
+            except (OSError, ConnectionError) as exc:
+                raise RingReduceError(f"rank {world.rank}: no table of ranks from rank 0 ({exc}); "
+                                      "did every rank start?") from exc
             if "error" in reply:
                 raise RingReduceError(f"rank 0 refused rank {world.rank}: {reply['error']}")
             table, job = reply["table"], reply["job"]
