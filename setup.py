@@ -1,13 +1,53 @@
-"""Builds ringreduce._core from csrc/. Metadata lives in pyproject.toml."""
+"""Builds ringreduce._core from csrc/, and ringreduce._mpi where an MPI is
+found. Metadata lives in pyproject.toml.
+
+The MPI transport is optional: set MPICC=/path/to/mpicc (for example the one
+pip's `mpich` package puts in the environment's bin/), or have mpicc on PATH,
+when building. Without it the package builds and runs over TCP alone.
+"""
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
 from setuptools import Extension, setup
 
-core = Extension(
-    "ringreduce._core",
-    sources=["csrc/module.c", "csrc/ring.c", "csrc/reduce.c", "csrc/tcp.c"],
-    depends=["csrc/reduce_math.h", "csrc/reduce.h", "csrc/ring.h", "csrc/tcp.h", "csrc/transport.h"],
-    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
-                        "-Wno-cast-function-type"],
-    libraries=["pthread"],
-)
+FLAGS = ["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-cast-function-type"]
+CORE_SOURCES = ["csrc/module.c", "csrc/ring.c", "csrc/reduce.c", "csrc/tcp.c", "csrc/error.c"]
+HEADERS = ["csrc/reduce_math.h", "csrc/reduce.h", "csrc/ring.h", "csrc/tcp.h", "csrc/transport.h"]
 
-setup(ext_modules=[core])
+
+def find_mpicc():
+    for candidate in [os.environ.get("MPICC"), shutil.which("mpicc"),
+                      os.path.join(os.path.dirname(sys.executable), "mpicc")]:
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def mpi_extension():
+    """ringreduce._mpi, compiled with the flags mpicc would use; None without MPI."""
+    mpicc = find_mpicc()
+    if not mpicc:
+        print("ringreduce: no mpicc found (set MPICC=...): building without the MPI transport", file=sys.stderr)
+        return None
+    try:
+        show = subprocess.run([mpicc, "-show"], capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"ringreduce: {mpicc} -show failed ({exc}): building without MPI", file=sys.stderr)
+        return None
+    inc = [a[2:] for a in show if a.startswith("-I")]
+    libdirs = [a[2:] for a in show if a.startswith("-L")]
+    libs = [a[2:] for a in show if a.startswith("-l")]
+    link = [a for a in show if a.startswith("-Wl,")] + [f"-Wl,-rpath,{d}" for d in libdirs]
+    print(f"ringreduce: building the MPI transport with {mpicc}: {shlex.join(show)}", file=sys.stderr)
+    return Extension("ringreduce._mpi", sources=["csrc/mpi_module.c", "csrc/mpi_transport.c", "csrc/error.c"],
+                     depends=HEADERS + ["csrc/mpi_transport.h"], include_dirs=inc, library_dirs=libdirs,
+                     libraries=libs, extra_compile_args=FLAGS, extra_link_args=link)
+
+
+core = Extension("ringreduce._core", sources=CORE_SOURCES, depends=HEADERS, extra_compile_args=FLAGS,
+                 libraries=["pthread"])
+
+setup(ext_modules=[core] + [e for e in [mpi_extension()] if e is not None])

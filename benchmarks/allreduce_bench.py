@@ -2,11 +2,14 @@
 
     ringrun -np 4 python benchmarks/allreduce_bench.py
     ringrun -np 2 python benchmarks/allreduce_bench.py --min-bytes 1M --max-bytes 64M --json out.json
+    mpirun -np 4 python benchmarks/allreduce_bench.py --plot busbw.png
 
 Rows from 4 KiB to 256 MiB for ringreduce and, in the same run on the same
-machine, torch.distributed's gloo backend (if torch is installed:
-pip install torch==2.13.0) and one raw TCP stream between two ranks; then the
-ratios. Rank 0 prints.
+machine, its peers: torch.distributed's gloo backend (if torch is installed:
+pip install torch==2.13.0), one raw TCP stream between two ranks, and under
+mpirun ringreduce over MPI and over TCP beside MPI_Allreduce (mpi4py); then
+the ratios of each to gloo (ringrun) or MPI_Allreduce (mpirun). Rank 0 prints;
+a progress bar goes to stderr.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
-from ringreduce.collectives import _chunk_bounds  # noqa: E402
+from ringreduce.world import discover  # noqa: E402
 
 
 def parse_bytes(text: str) -> int:
@@ -38,26 +41,26 @@ def expected_fill(rank: int, dtype) -> np.ndarray:
     return np.asarray(rank + 1, dtype=dtype)
 
 
-def ringreduce_impl(coll: str, count: int, dtype, op: str) -> harness.Impl:
+def ringreduce_impl(coll: str, count: int, dtype, op: str, label: str = "ringreduce") -> harness.Impl:
     n, r = rr.size(), rr.rank()
     x = np.full(count, r + 1, dtype=dtype)
     want = {"sum": n * (n + 1) // 2, "max": n, "min": 1, "avg": (n + 1) / 2, "prod": None}[op]
     if coll == "allreduce":
         out = np.empty_like(x)
-        return harness.Impl("ringreduce", lambda: rr.allreduce(x, op=op, out=out),
+        return harness.Impl(label, lambda: rr.allreduce(x, op=op, out=out),
                             lambda: int(np.count_nonzero(out != dtype(want))))
     if coll == "reduce_scatter":
         box = {}
-        return harness.Impl("ringreduce", lambda: box.__setitem__("y", rr.reduce_scatter(x, op=op)),
+        return harness.Impl(label, lambda: box.__setitem__("y", rr.reduce_scatter(x, op=op)),
                             lambda: int(np.count_nonzero(box["y"] != dtype(want))))
     if coll == "allgather":
         mine = np.full(count // n, r + 1, dtype=dtype)
         box = {}
         expect = np.repeat(np.arange(1, n + 1), count // n).astype(dtype)
-        return harness.Impl("ringreduce", lambda: box.__setitem__("y", rr.allgather(mine)),
+        return harness.Impl(label, lambda: box.__setitem__("y", rr.allgather(mine)),
                             lambda: int(np.count_nonzero(box["y"] != expect)))
     box = {}
-    return harness.Impl("ringreduce", lambda: box.__setitem__("y", rr.broadcast(x, root=0)),
+    return harness.Impl(label, lambda: box.__setitem__("y", rr.broadcast(x, root=0)),
                         lambda: int(np.count_nonzero(box["y"] != dtype(1))))
 
 
@@ -144,52 +147,118 @@ def main():
     p.add_argument("--op", default="sum", choices=["sum", "avg", "min", "max", "prod"])
     p.add_argument("--coll", default="allreduce", choices=list(harness.BUSBW_FACTOR))
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-compare", action="store_true", help="skip gloo and the raw TCP stream")
+    p.add_argument("--no-compare", action="store_true", help="skip the peers (gloo, MPI_Allreduce) and the TCP stream")
     p.add_argument("--json", help="write every number to this file")
+    p.add_argument("--plot", help="draw busbw against size into this PNG")
+    p.add_argument("--backend", choices=["socket", "mpi"], help="measure only this ringreduce backend")
     args = p.parse_args()
 
-    rr.init()
-    n, lead = rr.size(), rr.rank() == 0
+    under_mpirun = discover().source == "mpirun"
+    # ringreduce is one global ring at a time: each backend gets its own phase.
+    phases = [("rr-mpi", "mpi"), ("rr-tcp", "socket")] if under_mpirun else [("ringreduce", None)]
+    if args.backend:
+        phases = [(f"rr-{args.backend}", args.backend)]
     dtype = np.dtype(args.dtype).type
-    gloo_problem = "not asked for" if args.no_compare or args.coll != "allreduce" else start_gloo()
-    stream = None if args.no_compare else single_stream()
     byte_sizes = harness.sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.step_factor)
-    bar = harness.progress(len(byte_sizes) * (1 if gloo_problem else 2), lead)
-    rows = []
-    for nbytes in byte_sizes:
-        count = nbytes // np.dtype(dtype).itemsize
-        impls = [ringreduce_impl(args.coll, count, dtype, args.op)]
-        if not gloo_problem:
-            impls.append(gloo_impl(count, dtype, args.op))
-        for impl in filter(None, impls):
-            bar.set_description(f"{impl.name} {nbytes >> 10} KiB")
-            barrier = rr.barrier if impl.name != "gloo" else __import__("torch.distributed").distributed.barrier
-            rows.append(harness.measure(impl, args.coll, nbytes, count, args.dtype, args.op, barrier,
-                                        repeats=args.repeats))
-            bar.update()
-        del impls
-    bar.close()
-
+    rows, notes, stream = [], [], None
+    for phase, (label, backend) in enumerate(phases):
+        rr.init(backend=backend)
+        n, lead = rr.size(), rr.rank() == 0
+        peers = {}
+        if phase == 0 and not args.no_compare and args.coll == "allreduce":
+            peers = start_peers(under_mpirun, notes)
+            stream = single_stream()
+        bar = harness.progress(len(byte_sizes) * (1 + len(peers)), lead)
+        for nbytes in byte_sizes:
+            count = nbytes // np.dtype(dtype).itemsize
+            impls = [(ringreduce_impl(args.coll, count, dtype, args.op, label), rr.barrier)]
+            impls += [(make(count, dtype, args.op), barrier) for make, barrier in peers.values()]
+            for impl, barrier in impls:
+                if impl is None:
+                    continue
+                bar.set_description(f"{impl.name} {nbytes >> 10} KiB")
+                rows.append(harness.measure(impl, args.coll, nbytes, count, args.dtype, args.op, barrier,
+                                            repeats=args.repeats))
+                bar.update()
+            del impls
+        bar.close()
+        if phase < len(phases) - 1:
+            rr.shutdown()
     if lead:
-        print(f"# {args.coll}, N={n}, {platform.node()}, {os.cpu_count()} cores, "
-              f"{time.strftime('%Y-%m-%d %H:%M')}, ringreduce {rr.__version__}")
-        print(harness.table(rows))
-        if stream:
-            print(f"\n# one TCP stream, rank 1 -> rank 0: {stream:.2f} GB/s")
-        ring = {r.nbytes: r for r in rows if r.impl == "ringreduce"}
-        gloo = {r.nbytes: r for r in rows if r.impl == "gloo"}
-        print(f"\n{'size(B)':>11} {'ring/gloo busbw':>16} {'ring busbw*N/stream':>20}")
-        for nbytes, r in ring.items():
-            vs_gloo = f"{r.busbw / gloo[nbytes].busbw:16.2f}" if nbytes in gloo else f"{'-':>16}"
-            vs_stream = f"{r.busbw * n / stream:20.2f}" if stream else f"{'-':>20}"
-            print(f"{nbytes:>11} {vs_gloo} {vs_stream}")
-        if gloo_problem and gloo_problem != "not asked for":
-            print(f"\n# gloo not measured: {gloo_problem}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"n": n, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                           "single_stream_gbps": stream, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        report(args, rows, n, stream, notes, "MPI_Allreduce" if under_mpirun else "gloo")
     rr.shutdown()
+
+
+def start_peers(under_mpirun: bool, notes: list) -> dict:
+    """The implementations measured beside ringreduce: name -> (factory, barrier)."""
+    peers = {}
+    if under_mpirun:
+        from mpi4py import MPI
+        peers["MPI_Allreduce"] = (mpi_impl, MPI.COMM_WORLD.Barrier)
+    problem = start_gloo()
+    if problem:
+        notes.append(f"gloo not measured: {problem}")
+    else:
+        import torch.distributed as dist
+        peers["gloo"] = (gloo_impl, dist.barrier)
+    return peers
+
+
+def mpi_impl(count: int, dtype, op: str):
+    from mpi4py import MPI
+    comm, n, r = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}.get(op)
+    if mpi_op is None:
+        return None
+    x, out = np.full(count, r + 1, dtype=dtype), np.empty(count, dtype=dtype)
+    want = {"sum": n * (n + 1) // 2, "max": n, "min": 1, "prod": None}[op]
+    return harness.Impl("MPI_Allreduce", lambda: comm.Allreduce(x, out, op=mpi_op),
+                        lambda: 0 if want is None else int(np.count_nonzero(out != dtype(want))))
+
+
+def report(args, rows, n, stream, notes, reference: str) -> None:
+    stamp = f"N={n}, {platform.node()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}"
+    print(f"# {args.coll}, {stamp}, ringreduce {rr.__version__}")
+    print(harness.table(rows))
+    if stream:
+        print(f"\n# one TCP stream, rank 1 -> rank 0: {stream:.2f} GB/s")
+    names = list(dict.fromkeys(r.impl for r in rows))
+    by = {(r.impl, r.nbytes): r for r in rows}
+    sizes = sorted({r.nbytes for r in rows})
+    if reference in names:
+        others = [m for m in names if m != reference]
+        print(f"\n{'size(B)':>11} " + " ".join(f"{m + '/' + reference:>24}" for m in others)
+              + (f" {'rr busbw*N/stream':>18}" if stream else ""))
+        for b in sizes:
+            cells = " ".join(f"{by[m, b].busbw / by[reference, b].busbw:24.2f}" for m in others)
+            tail = f" {by[names[0], b].busbw * n / stream:18.2f}" if stream else ""
+            print(f"{b:>11} {cells}{tail}")
+    for note in notes:
+        print(f"\n# {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"n": n, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                       "single_stream_gbps": stream, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.plot:
+        plot(args.plot, rows, names, f"{args.coll} busbw, {stamp}")
+
+
+def plot(path: str, rows, names, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in names:
+        mine = sorted((r.nbytes, r.busbw) for r in rows if r.impl == m)
+        ax.plot([b for b, _ in mine], [v for _, v in mine], "o-", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

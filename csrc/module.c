@@ -59,17 +59,35 @@ static int check_usable(CommObject *self)
     return 0;
 }
 
+/* Comm(rank, size, next_fd, prev_fd, ctrl_fds, timeout, segment, spin=100)
+ * runs over TCP sockets; Comm(rank, size, -1, -1, (), timeout, segment,
+ * transport=capsule) over a transport built elsewhere (ringreduce._mpi). */
 static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"rank", "size", "next_fd", "prev_fd", "ctrl_fds", "timeout", "segment", "spin", NULL};
+    static char *kwlist[] = {"rank", "size", "next_fd", "prev_fd", "ctrl_fds", "timeout", "segment", "spin",
+                             "transport", NULL};
     int rank, size, next_fd, prev_fd;
-    PyObject *ctrl;
+    PyObject *ctrl, *capsule = NULL;
     double timeout;
     Py_ssize_t segment;
     int spin = 100;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn|i", kwlist, &rank, &size, &next_fd, &prev_fd,
-                                     &ctrl, &timeout, &segment, &spin))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn|iO", kwlist, &rank, &size, &next_fd, &prev_fd,
+                                     &ctrl, &timeout, &segment, &spin, &capsule))
         return -1;
+    if (capsule && capsule != Py_None) {
+        rr_transport *t = PyCapsule_GetPointer(capsule, "ringreduce.transport");
+        if (!t) return -1;
+        if (t->rank != rank || t->size != size) {
+            PyErr_SetString(PyExc_ValueError, "transport's rank or size differs");
+            return -1;
+        }
+        /* The Comm owns it from here: make the capsule unusable for a second Comm. */
+        if (PyCapsule_SetName(capsule, "ringreduce.transport.taken")) return -1;
+        self->ring = rr_ring_create(t, (size_t)segment);
+        if (!self->ring) { t->ops->destroy(t); PyErr_NoMemory(); return -1; }
+        pthread_mutex_init(&self->mu, NULL);
+        return 0;
+    }
     if (size < 1 || rank < 0 || rank >= size || segment <= 0) {
         PyErr_SetString(PyExc_ValueError, "bad rank, size or segment");
         return -1;

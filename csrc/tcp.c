@@ -51,17 +51,6 @@ typedef struct {
     int aborted;
 } tcp_transport;
 
-void rr_set_error(rr_error *err, int code, int rank, const char *fmt, ...)
-{
-    if (!err || err->code != RR_OK) return; /* keep the first cause */
-    va_list ap;
-    va_start(ap, fmt);
-    err->code = code;
-    err->rank = rank;
-    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
-    va_end(ap);
-}
-
 static int64_t now_ms(void)
 {
     struct timespec ts;

@@ -18,7 +18,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from . import _core, world as _world
+from . import _core, config as _config, mpi_backend, world as _world
 from .errors import MismatchError, RingReduceError
 
 
@@ -58,17 +58,36 @@ _state = _State()
 # --------------------------------------------------------------------------- world
 
 
-def init() -> None:
-    """Joins the ring (idempotent). See ringreduce.world for how the world is found."""
+def init(backend: str | None = None, comm=None) -> None:
+    """Joins the ring (idempotent). See ringreduce.world for how the world is found.
+
+    backend: "socket" (TCP, the default outside mpirun), "mpi" (the default
+    under mpirun when the MPI transport is built), or None to choose.
+    comm: an mpi4py communicator to run the ring over (a process set); implies "mpi".
+    """
     with _state.lock:
         if _state.comm is not None:
             return
-        w = _world.discover()
-        links = _world.rendezvous(w)
-        c = w.config
-        _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
-                                 c.timeout, c.segment_bytes, c.spin)
-        _state.world, _state.broken = w, None
+        backend = backend or _config.Config.from_env().backend or None
+        if comm is not None and backend not in (None, "mpi"):
+            raise ValueError("init(comm=...) runs over MPI; backend must be 'mpi' or None")
+        if backend not in (None, "mpi", "socket"):
+            raise ValueError(f"unknown backend {backend!r}; choose 'socket' or 'mpi'")
+        if comm is not None or backend == "mpi":
+            _state.world, _state.comm = mpi_backend.connect(_config.Config.from_env(), comm)
+        else:
+            w = _world.discover()
+            if backend is None and w.source == "mpirun" and mpi_backend.available() is None:
+                _state.world, _state.comm = mpi_backend.connect(w.config)
+            else:
+                if w.source == "mpirun" and w.size > 1:
+                    w.addr, w.secret = _world.bootstrap_over_mpi(w)
+                links = _world.rendezvous(w)
+                c = w.config
+                _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
+                                         c.timeout, c.segment_bytes, c.spin)
+                _state.world = w
+        _state.broken = None
 
 
 def shutdown() -> None:

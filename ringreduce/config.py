@@ -13,6 +13,7 @@ class Config:
     small_bytes: int = 128 << 10    # RINGREDUCE_SMALL_BYTES: data rides with the header while
                                     # (N-1) * tensor bytes stays within this
     spin: int = 100                 # RINGREDUCE_SPIN: yields before sleeping in poll
+    backend: str = ""               # RINGREDUCE_BACKEND: "socket" or "mpi"; empty: choose
 
     def small_limit(self, size: int) -> int:
         """Largest tensor (bytes) for the one-pass small algorithm on `size`
@@ -31,4 +32,5 @@ class Config:
             segment_bytes=get("RINGREDUCE_SEGMENT_BYTES", d.segment_bytes, int),
             small_bytes=get("RINGREDUCE_SMALL_BYTES", d.small_bytes, int),
             spin=get("RINGREDUCE_SPIN", d.spin, int),
+            backend=get("RINGREDUCE_BACKEND", d.backend, str),
         )

@@ -2,8 +2,8 @@
 
 discover() reads the world from the environment, in this order:
   1. RINGREDUCE_RANK / RINGREDUCE_SIZE / RINGREDUCE_ADDR (set by ringrun, or by hand)
-  2. mpirun: Open MPI's OMPI_COMM_WORLD_*, MPICH/Hydra's PMI_* (rank 0's address
-     and the job secret then travel over MPI, through mpi4py)
+  2. mpirun: Open MPI's OMPI_COMM_WORLD_*, MPICH/Hydra's PMI_* (with the TCP
+     backend, rank 0's address and the job secret then travel over MPI)
   3. TensorFlow's TF_CONFIG (the ring is the chief, then the workers in order)
   4. none of these: a world of one rank.
 
@@ -94,20 +94,18 @@ def discover(env=None) -> World:
         size = _env_int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") or 1
         local_rank = _env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
         local_size = _env_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
-        world = World(mpi_rank, size, mpi_rank if local_rank is None else local_rank,
-                      size if local_size is None else local_size, None, secret_bytes, config, "mpirun")
-        if size > 1:
-            world.addr, world.secret = _bootstrap_over_mpi(world, env)
-        return world
+        return World(mpi_rank, size, mpi_rank if local_rank is None else local_rank,
+                     size if local_size is None else local_size, None, secret_bytes, config, "mpirun")
 
     if env.get("TF_CONFIG"):
         return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, config)
     return World(config=config)
 
 
-def _bootstrap_over_mpi(world: World, env) -> tuple[tuple[str, int], bytes]:
-    """Under mpirun, rank 0 picks the rendezvous port and the secret and
-    sends both over MPI, so no variables need setting."""
+def bootstrap_over_mpi(world: World, env=None) -> tuple[tuple[str, int], bytes]:
+    """Under mpirun with the TCP backend, rank 0 picks the rendezvous port and
+    the secret and sends both over MPI, so no variables need setting."""
+    env = os.environ if env is None else env
     try:
         from mpi4py import MPI
     except ImportError as exc:
@@ -120,6 +118,8 @@ def _bootstrap_over_mpi(world: World, env) -> tuple[tuple[str, int], bytes]:
         host = socket.gethostname() if env.get("RINGREDUCE_HOST") is None else env["RINGREDUCE_HOST"]
         msg = (host, _free_port(), world.secret or secrets.token_hex(32).encode())
     host, port, secret = comm.bcast(msg, root=0)
+    from .mpi_backend import abort_on_uncaught_exception
+    abort_on_uncaught_exception()
     return (host, port), secret
 
 

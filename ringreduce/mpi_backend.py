@@ -1,0 +1,65 @@
+"""The ring over MPI: a communicator in, a ringreduce Comm out.
+
+Used by init(backend="mpi") and init(comm=...), and by default under mpirun
+when the MPI transport is built (see setup.py) and mpi4py imports.
+"""
+from __future__ import annotations
+
+import sys
+
+from . import _core
+from .config import Config
+from .errors import RingReduceError
+from .world import World
+
+
+def available() -> str | None:
+    """None if the MPI backend can run here, else what is missing."""
+    try:
+        from . import _mpi  # noqa: F401
+    except ImportError:
+        return ("ringreduce was built without the MPI transport: pip install 'ringreduce[mpi]', then rebuild "
+                "with MPICC=<path to mpicc> pip install -e .")
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed: pip install 'ringreduce[mpi]'"
+    return None
+
+
+def connect(config: Config, comm=None):
+    """Returns (World, _core.Comm) for the ring over `comm` (default COMM_WORLD)."""
+    problem = available()
+    if problem:
+        raise RingReduceError(problem)
+    from mpi4py import MPI
+
+    from . import _mpi
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm == MPI.COMM_NULL:
+        raise RingReduceError("init(comm=...) got MPI.COMM_NULL: this process is not in that process set")
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    world = World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local.Get_rank(),
+                  local_size=local.Get_size(), config=config, source="MPI communicator")
+    local.Free()
+    abort_on_uncaught_exception()
+    transport = _mpi.create(comm.py2f(), config.timeout)
+    return world, _core.Comm(world.rank, world.size, -1, -1, (), config.timeout, config.segment_bytes,
+                             config.spin, transport)
+
+
+def abort_on_uncaught_exception() -> None:
+    """A rank that dies of an exception must take the job down: otherwise its
+    MPI_Finalize waits for peers that wait for it, and mpirun never returns.
+    (What `python -m mpi4py` does, installed for every script.)"""
+    if getattr(sys.excepthook, "_ringreduce", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+    hook._ringreduce = True
+    sys.excepthook = hook
