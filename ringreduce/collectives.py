@@ -50,6 +50,7 @@ class _State:
         self.world: _world.World | None = None
         self.comm = None
         self.broken: str | None = None
+        self.small_limit = 0
 
 
 _state = _State()
@@ -88,6 +89,7 @@ def init(backend: str | None = None, comm=None) -> None:
                                          c.timeout, c.segment_bytes, c.spin)
                 _state.world = w
         _state.broken = None
+        _state.small_limit = _state.world.config.small_limit(_state.world.size)
 
 
 def shutdown() -> None:
@@ -268,22 +270,31 @@ def _reduce_blobs(payloads, dtype, code, opc, shape):
 
 def allreduce(x, op: str = "sum", out=None, name: str | None = None):
     """Reduces x over all ranks; returns a new array, or writes `out` (may be x) and returns it."""
-    x = _as_array(x)
-    code, opc = _dtype_code(x.dtype), _op_code(op)
-    if out is not None and (not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype):
+    # Small allreduces are latency-bound, so this path keeps its Python short.
+    if type(x) is not np.ndarray:
+        x = np.asarray(x)
+    code = _DTYPES.get(x.dtype)
+    if code is None:
+        _dtype_code(x.dtype)  # raises the TypeError
+    opc = _OPS.get(op)
+    if opc is None:
+        _op_code(op)  # raises the ValueError
+    if out is not None and (type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}")
     with _state.lock:
         w = _require_world()
-        small = x.nbytes <= w.config.small_limit(w.size)
-        head = _header(ALLREDUCE, opc, code, x.shape, name, inline=small)
+        small = x.nbytes <= _state.small_limit
+        head = _header(ALLREDUCE, opc, code, x.shape, name, small)
         in_place = out is not None and out.flags.c_contiguous and out.flags.writeable
-        src = np.ascontiguousarray(x)
+        src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         dst = out if in_place else np.empty(x.shape, dtype=x.dtype)
+        raw = code == _core.BFLOAT16  # the buffer protocol has no bfloat16: pass bytes
         if small:
-            blobs = _usable_comm().allreduce_small(head, _raw(src), _raw(dst), code, opc)
+            blobs = _usable_comm().allreduce_small(head, _bytes(src) if raw else src, _bytes(dst) if raw else dst,
+                                                   code, opc)
             if blobs is not None:
                 _mismatch(blobs, ("op", "dtype", "shape", "name"), "allreduce")
-            return _deliver(dst, out)
+            return dst if out is None or dst is out else _deliver(dst, out)
         _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce")
         if dst is not src and np.may_share_memory(dst, src):
             src = src.copy()
@@ -304,7 +315,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None):
     code, opc = _dtype_code(x.dtype), _op_code(op)
     with _state.lock:
         w = _require_world()
-        small = x.nbytes <= w.config.small_limit(w.size)
+        small = x.nbytes <= _state.small_limit
         head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small)
         blobs = _exchange(head, x.tobytes() if small else b"",
                           ("op", "dtype", "shape", "name"), "reduce_scatter")
@@ -324,7 +335,7 @@ def allgather(x, name: str | None = None):
     code = _dtype_code(x.dtype)
     with _state.lock:
         w = _require_world()
-        small = x.nbytes <= w.config.small_limit(w.size)
+        small = x.nbytes <= _state.small_limit
         head = _header(ALLGATHER, 0, code, x.shape, name, inline=small)
         blobs = _exchange(head, x.tobytes() if small else b"",
                           ("dtype", "trailing", "name"), "allgather")
@@ -351,7 +362,7 @@ def broadcast(x, root: int = 0, name: str | None = None):
         w = _require_world()
         if not 0 <= root < w.size:
             raise ValueError(f"root {root} is not a rank of this world of {w.size}")
-        small = x.nbytes <= w.config.small_limit(w.size)
+        small = x.nbytes <= _state.small_limit
         head = _header(BROADCAST, 0, code, x.shape, name, root=root, inline=small)
         blobs = _exchange(head, x.tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast")
