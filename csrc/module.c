@@ -335,7 +335,16 @@ static PyObject *Comm_get_broken(CommObject *self, void *Py_UNUSED(closure))
     return PyUnicode_FromString(self->broken.msg);
 }
 
+static PyObject *Comm_last_phases(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->ring) Py_RETURN_NONE;
+    const double *t = self->ring->phase_times;
+    return Py_BuildValue("(ddd)", t[0], t[1], t[2]);
+}
+
 static PyMethodDef Comm_methods[] = {
+    {"last_phases", (PyCFunction)Comm_last_phases, METH_NOARGS,
+     "(start, ScatterReduce done, end) of the last ring allreduce, in time.monotonic() seconds"},
     {"allreduce", (PyCFunction)Comm_allreduce, METH_VARARGS,
      "allreduce(src, dst, dtype, op): dst = reduction of every rank's src; dst may be src"},
     {"reduce_scatter", (PyCFunction)Comm_reduce_scatter, METH_VARARGS,

@@ -37,8 +37,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "reduce.h"
+
+static double monotonic_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
 
 #define MAX_BLOB ((size_t)64 << 20)
 
@@ -96,7 +104,11 @@ static int ring_steps(rr_ring *ring, const char *src, char *buf, const size_t *o
 
     for (;;) {
         while (sg < g1 && soff == len[mod(r - sg - 1, N)]) { sg++; soff = 0; }
-        while (rg < g1 && rdone == len[mod(r - rg - 2, N)]) { rg++; roff = rdone = 0; }
+        while (rg < g1 && rdone == len[mod(r - rg - 2, N)]) {
+            rg++;
+            roff = rdone = 0;
+            if (rg == reduce_until) ring->phase_times[1] = monotonic_s(); /* owned chunk final */
+        }
         if (sg >= g1 && rg >= g1) return RR_OK;
 
         /* Send window: the rest of the current segment, but never past what
@@ -182,7 +194,10 @@ static int reduce_phases(rr_ring *ring, const void *src, void *buf, size_t count
 int rr_allreduce(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
                  rr_error *err)
 {
-    return reduce_phases(ring, src, dst, count, dtype, op, 2 * ring->size - 2, err);
+    ring->phase_times[0] = ring->phase_times[1] = monotonic_s();
+    int rc = reduce_phases(ring, src, dst, count, dtype, op, 2 * ring->size - 2, err);
+    ring->phase_times[2] = monotonic_s();
+    return rc;
 }
 
 int rr_reduce_scatter(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,

@@ -12,6 +12,7 @@ typedef struct rr_ring {
     int rank, size;
     size_t segment;          /* pipeline segment, bytes (a multiple of 64) */
     void *staging;           /* one segment: where received partials land before reduction */
+    double phase_times[3];   /* last allreduce: start, ScatterReduce done, end (CLOCK_MONOTONIC s) */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */

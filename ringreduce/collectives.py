@@ -37,7 +37,7 @@ _OP_NAMES = {v: k for k, v in _OPS.items()}
 _DTYPE_NAMES = {v: str(k) for k, v in _DTYPES.items()}
 
 ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, BARRIER = range(5)
-_KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"]
+_KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "engine negotiation"]
 
 # magic, kind, op, dtype, inline?, root, ndim, name length; then shape, name.
 _HEAD = struct.Struct("<4sBBBBiII")

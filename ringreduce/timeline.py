@@ -1,0 +1,70 @@
+"""A Chrome trace (chrome://tracing, Perfetto) of what the engine did.
+
+RINGREDUCE_TIMELINE=trace.json: one process row per rank, one thread row
+per tensor, with its QUEUE (handed over, waiting for every rank), the fused
+ring op it travelled in (split into its ScatterReduce and AllGather phases
+where the core reports them) and the caller's WAIT.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+
+class Timeline:
+    def __init__(self, path: str | None):
+        self.path = path
+        self._lock = threading.Lock()
+        self._tids: dict[str, int] = {}
+        self._file = None
+        if path:
+            rank = os.environ.get("RINGREDUCE_RANK", "0")
+            root, ext = os.path.splitext(path)
+            self._file = open(f"{root}.rank{rank}{ext or '.json'}" if rank != "0" else path, "w")
+            self._file.write("[\n")
+            self._pid = int(rank)
+
+    def _us(self, t: float | None = None) -> float:
+        return (time.monotonic() if t is None else t) * 1e6
+
+    def _emit(self, event: dict) -> None:
+        with self._lock:
+            self._file.write(json.dumps(event) + ",\n")
+
+    def _tid(self, name: str) -> int:
+        if name not in self._tids:
+            self._tids[name] = len(self._tids) + 1
+            self._emit({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": self._tids[name],
+                        "args": {"name": name}})
+        return self._tids[name]
+
+    def begin(self, name: str, what: str) -> None:
+        if self._file:
+            self._emit({"name": what, "ph": "B", "ts": self._us(), "pid": self._pid, "tid": self._tid(name)})
+
+    def end(self, name: str, what: str) -> None:
+        if self._file:
+            self._emit({"name": what, "ph": "E", "ts": self._us(), "pid": self._pid, "tid": self._tid(name)})
+
+    def ring_op(self, names, label: str, nbytes: int, t0: float, t1: float, phases=None) -> None:
+        if not self._file:
+            return
+        for name in names:
+            tid = self._tid(name)
+            self._emit({"name": "ALLREDUCE", "ph": "X", "ts": self._us(t0), "dur": self._us(t1) - self._us(t0),
+                        "pid": self._pid, "tid": tid, "args": {"op": label, "bytes": nbytes}})
+            if phases:
+                start, middle, end = phases
+                self._emit({"name": "ScatterReduce", "ph": "X", "ts": self._us(start),
+                            "dur": self._us(middle) - self._us(start), "pid": self._pid, "tid": tid})
+                self._emit({"name": "AllGather", "ph": "X", "ts": self._us(middle),
+                            "dur": self._us(end) - self._us(middle), "pid": self._pid, "tid": tid})
+
+    def close(self) -> None:
+        if self._file:
+            with self._lock:
+                self._file.write("{}]\n")
+                self._file.close()
+                self._file = None
