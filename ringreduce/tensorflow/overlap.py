@@ -1,0 +1,90 @@
+"""Hands gradients to the background engine the moment backprop makes them.
+
+Inside a compiled train step, TensorFlow chains stateful ops in program
+order (automatic control dependencies). So the hand-over ops are created in
+reverse variable order, the order backprop produces gradients: the last
+layer's gradient leaves while earlier layers are still being computed (see
+shared/notes/tf-overlap.md). Only the waits, created afterwards, block, and
+only where the optimizer needs the values. RINGREDUCE_OVERLAP=0 instead
+reduces everything in one op after the whole backward pass, for comparison.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from ..engine import engine
+from .compression import Compression
+from .ops import allreduce
+
+_handles: dict[int, object] = {}
+_ids = itertools.count(1)
+_lock = threading.Lock()
+
+
+def _enqueue(name: bytes, op: bytes, array: np.ndarray) -> np.int64:
+    h = engine().enqueue(name.decode(), array, op.decode())
+    with _lock:
+        key = next(_ids)
+        _handles[key] = h
+    return np.int64(key)
+
+
+def _wait(key: np.int64) -> np.ndarray:
+    with _lock:
+        h = _handles.pop(int(key))
+    return engine().wait(h)
+
+
+def overlap_enabled() -> bool:
+    return os.environ.get("RINGREDUCE_OVERLAP", "1") != "0"
+
+
+def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.none,
+                     sparse_as_dense: bool = False):
+    """Every rank's gradients reduced, in the order given. None stays None."""
+    items = []
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices) and sparse_as_dense:
+            g = tf.convert_to_tensor(g)
+        items.append((i, g, f"grad.{i}.{getattr(v, 'path', None) or v.name}"))
+    out = list(grads)
+    dense = [(i, g, n) for i, g, n in items if not isinstance(g, tf.IndexedSlices)]
+    for i, g, _ in items:
+        if isinstance(g, tf.IndexedSlices):
+            out[i] = allreduce(g, op=op)
+    if not dense:
+        return out
+    if not overlap_enabled():
+        return _reduce_all_at_once(dense, out, op, compression)
+    handles = []
+    for i, g, name in reversed(dense):  # backprop's order: last layer first
+        wire, ctx = compression.compress(g)
+        key = tf.numpy_function(lambda a, n=name.encode(), o=op.encode(): _enqueue(n, o, a), [wire], tf.int64,
+                                stateful=True, name="RingHandOver")
+        handles.append((i, g, key, wire.dtype, ctx))
+    for i, g, key, wire_dtype, ctx in handles:
+        reduced = tf.numpy_function(_wait, [key], wire_dtype, stateful=True, name="RingWait")
+        reduced.set_shape(g.shape)
+        out[i] = compression.decompress(reduced, ctx)
+    return out
+
+
+def _reduce_all_at_once(dense, out, op, compression):
+    wires = [compression.compress(g) for _, g, _ in dense]
+
+    def run(*arrays):
+        handles = [engine().enqueue(n, a, op) for (_, _, n), a in zip(dense, arrays)]
+        return [engine().wait(h) for h in handles]
+    reduced = tf.numpy_function(run, [w for w, _ in wires], [w.dtype for w, _ in wires], stateful=True,
+                                name="RingAllAtOnce")
+    for (i, g, _), r, (_, ctx) in zip(dense, reduced, wires):
+        r.set_shape(g.shape)
+        out[i] = compression.decompress(r, ctx)
+    return out
