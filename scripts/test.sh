@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --upgrade pip
 # MPI first, so the build finds mpicc and compiles the MPI transport too.
 .venv/bin/python -m pip install -q "mpich>=4.1" "mpi4py>=4.0"
-MPICC="$PWD/.venv/bin/mpicc" .venv/bin/python -m pip install -q -e ".[dev,mpi]"
+MPICC="$PWD/.venv/bin/mpicc" .venv/bin/python -m pip install -q -e ".[dev,mpi,tf]"
 exec .venv/bin/python -m pytest -q "$@"
