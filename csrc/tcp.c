@@ -93,12 +93,15 @@ static int ctrl_read(tcp_transport *t, int i, int *about)
         *about = peer;
         return -1;
     }
-    if (msg[0] == CTRL_BYE) {
-        t->departed[peer] = 1;
-        return 0;
-    }
     if (msg[1] < 0 || msg[1] >= t->base.size) return 0; /* malformed: ignore */
     *about = msg[1];
+    if (msg[0] == CTRL_BYE) {
+        /* Only rank 0 hears every goodbye: it passes each on, so a rank that
+         * finds its neighbour gone can say it left rather than guess. */
+        t->departed[msg[1]] = 1;
+        if (t->base.rank == 0 && msg[1] == peer) ctrl_broadcast(t, CTRL_BYE, peer);
+        return CTRL_BYE;
+    }
     if (msg[0] == CTRL_SUSPECT && t->base.rank == 0) {
         *about = peer; /* rank 0 wants to know who reported */
         return CTRL_SUSPECT;
@@ -108,10 +111,10 @@ static int ctrl_read(tcp_transport *t, int i, int *about)
 
 /* Polls the control sockets for up to wait_ms. Returns the lost rank named by
  * a notice (relaying it from rank 0), or -1 when none came. A SUSPECT seen by
- * rank 0 starts its verdict. */
+ * rank 0 starts its verdict. A goodbye from `watch` ends the wait too. */
 static int arbitrate(tcp_transport *t, int first_suspect, int own_suspect);
 
-static int ctrl_poll(tcp_transport *t, int wait_ms, int *kind_out)
+static int ctrl_poll(tcp_transport *t, int wait_ms, int watch, int *kind_out)
 {
     int64_t end = now_ms() + wait_ms;
     struct pollfd pfd[t->n_ctrl > 0 ? t->n_ctrl : 1];
@@ -131,6 +134,10 @@ static int ctrl_poll(tcp_transport *t, int wait_ms, int *kind_out)
         for (int i = 0; r > 0 && i < t->n_ctrl; i++) {
             if (t->ctrl[i] < 0 || !(pfd[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
             int about = -1, kind = ctrl_read(t, i, &about);
+            if (kind == CTRL_BYE && about == watch) {
+                *kind_out = CTRL_BYE;
+                return about;
+            }
             if (kind == CTRL_SUSPECT) {
                 *kind_out = CTRL_SILENT;
                 return arbitrate(t, about, -1);
@@ -188,15 +195,16 @@ static int arbitrate(tcp_transport *t, int first_suspect, int own_suspect)
 /* A neighbour vanished (EOF, reset): name whoever really failed. */
 static int peer_failed(tcp_transport *t, int neighbour, const char *what, rr_error *err)
 {
-    int culprit;
-    if (t->departed[neighbour]) {
+    int kind = CTRL_LOST;
+    int culprit = t->departed[neighbour] ? neighbour : ctrl_poll(t, BLAME_GRACE_MS, neighbour, &kind);
+    if (t->departed[neighbour] && culprit == neighbour) {
+        /* Rank 0 may be the only one that heard the goodbye. */
+        if (t->base.rank == 0) ctrl_broadcast(t, CTRL_BYE, neighbour);
         rr_set_error(err, RR_E_PEER_LOST, neighbour,
-                     "rank %d has shut down (%s) while rank %d still expected data from it",
+                     "lost rank %d: it has shut down (%s) while rank %d still expected data from it",
                      neighbour, what, t->base.rank);
         return err->code;
     }
-    int kind = CTRL_LOST;
-    culprit = ctrl_poll(t, BLAME_GRACE_MS, &kind);
     if (culprit < 0) {
         culprit = neighbour;
         if (t->base.rank == 0) ctrl_broadcast(t, CTRL_LOST, culprit);
@@ -224,7 +232,7 @@ static int peer_silent(tcp_transport *t, int waited_on, rr_error *err)
     } else {
         int kind = CTRL_SILENT;
         ctrl_send(t->ctrl[0], CTRL_SUSPECT, waited_on);
-        culprit = ctrl_poll(t, BLAME_GRACE_MS + VERDICT_GRACE_MS, &kind);
+        culprit = ctrl_poll(t, BLAME_GRACE_MS + VERDICT_GRACE_MS, -1, &kind);
         if (kind == CTRL_LOST && culprit >= 0) {
             rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0)", culprit);
             return err->code;

@@ -15,11 +15,12 @@ import os
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+
+from .world import free_port
 
 GRACE_SECONDS = 3.0
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -36,12 +37,6 @@ def parse_hosts(spec: str | None, np_: int) -> list[str]:
     if len(hosts) < np_:
         raise SystemExit(f"ringrun: -H gives {len(hosts)} slots but -np asks for {np_}")
     return hosts[:np_]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -> list[dict]:

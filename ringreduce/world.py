@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import queue
+import random
 import secrets
 import socket
 import struct
@@ -116,7 +117,7 @@ def bootstrap_over_mpi(world: World, env=None) -> tuple[tuple[str, int], bytes]:
     msg = None
     if comm.Get_rank() == 0:
         host = socket.gethostname() if env.get("RINGREDUCE_HOST") is None else env["RINGREDUCE_HOST"]
-        msg = (host, _free_port(), world.secret or secrets.token_hex(32).encode())
+        msg = (host, free_port(), world.secret or secrets.token_hex(32).encode())
     host, port, secret = comm.bcast(msg, root=0)
     from .mpi_backend import abort_on_uncaught_exception
     abort_on_uncaught_exception()
@@ -139,9 +140,26 @@ def _from_tf_config(cfg: dict, secret: bytes | None, config: Config) -> World:
                  secret, config, "TF_CONFIG")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
+def free_port(host: str = "") -> int:
+    """A port free now for rank 0's rendezvous, picked below the kernel's
+    ephemeral range, so no rank's own ring listener can be handed it first."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low // 2), max(1025, low))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:  # every pick taken: let the kernel choose
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -234,7 +252,8 @@ class _Acceptor:
         self.ready: queue.Queue = queue.Queue()
         self.closed = False
         listener.settimeout(0.2)
-        threading.Thread(target=self._loop, daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
 
     def _loop(self):
         while not self.closed:
@@ -278,7 +297,14 @@ class _Acceptor:
             conn.close()
 
     def close(self):
+        # A thread blocked in accept() keeps the port listening after close();
+        # wake it and wait, so the port is free the moment this returns.
         self.closed = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.thread.join(timeout=1.0)
         self.listener.close()
 
 
@@ -286,8 +312,8 @@ def _fmt(peer) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
 
-def _dial(addr: tuple[str, int], deadline: float, key: bytes, hello: dict, peer: str) -> socket.socket:
-    """Connects (retrying while the peer is not up yet), authenticates, says hello."""
+def _dial(addr: tuple[str, int], deadline: float, key: bytes, peer: str) -> socket.socket:
+    """Connects (retrying while the peer is not up yet) and authenticates."""
     while True:
         s = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_STREAM)
         _tune(s)
@@ -301,7 +327,6 @@ def _dial(addr: tuple[str, int], deadline: float, key: bytes, hello: dict, peer:
                 raise RingReduceError(f"could not reach {peer} at {addr[0]}:{addr[1]}: {exc}") from exc
             time.sleep(0.05)
     dial_handshake(s, key, peer)
-    send_msg(s, hello)
     return s
 
 
@@ -324,14 +349,20 @@ def rendezvous(world: World) -> Links:
                     "(set it, as ringrun does, to run across hosts)")
     bind_host = "127.0.0.1" if loopback_only else ("::" if ":" in host else "0.0.0.0")
     deadline = time.monotonic() + world.config.start_timeout
-    ring_listener = _Acceptor(_listen(bind_host, 0), key, f"rank {world.rank}")
-    my_port = ring_listener.listener.getsockname()[1]
+    # Each rank opens its ring listener only once rank 0's listener holds the
+    # rendezvous port: an ephemeral ring port can then never take that port.
+    ring_listener = None
     try:
         if world.rank == 0:
-            ctrl, table, job = _gather_at_root(world, key, bind_host, port, my_port, deadline)
+            root_listener = _listen_for_rendezvous(bind_host, port)
+            ring_listener = _Acceptor(_listen(bind_host, 0), key, f"rank {world.rank}")
+            my_port = ring_listener.listener.getsockname()[1]
+            ctrl, table, job = _gather_at_root(world, key, root_listener, my_port, deadline)
         else:
-            ctrl_sock = _dial((host, port), deadline, key,
-                              {"rank": world.rank, "size": world.size, "port": my_port}, "rank 0")
+            ctrl_sock = _dial((host, port), deadline, key, "rank 0")
+            ring_listener = _Acceptor(_listen(bind_host, 0), key, f"rank {world.rank}")
+            my_port = ring_listener.listener.getsockname()[1]
+            send_msg(ctrl_sock, {"rank": world.rank, "size": world.size, "port": my_port})
             # The table comes once every rank has joined: wait for it as long as init may take.
             ctrl_sock.settimeout(max(deadline - time.monotonic(), 1.0))
             try:
@@ -344,8 +375,8 @@ def rendezvous(world: World) -> Links:
             table, job = reply["table"], reply["job"]
             ctrl = [ctrl_sock]
         nxt, prv = (world.rank + 1) % world.size, (world.rank - 1) % world.size
-        to_next = _dial(tuple(table[nxt]), deadline, key, {"rank": world.rank, "job": job, "ring": True},
-                        f"rank {nxt}")
+        to_next = _dial(tuple(table[nxt]), deadline, key, f"rank {nxt}")
+        send_msg(to_next, {"rank": world.rank, "job": job, "ring": True})
 
         def is_prev(hello):
             if hello.get("job") != job or not hello.get("ring"):
@@ -354,7 +385,8 @@ def rendezvous(world: World) -> Links:
 
         from_prev, _ = ring_listener.expect(is_prev, deadline, f"rank {prv} to connect")
     finally:
-        ring_listener.close()
+        if ring_listener is not None:
+            ring_listener.close()
     for s in [to_next, from_prev, *ctrl]:
         if s is not None:
             s.settimeout(None)
@@ -362,12 +394,15 @@ def rendezvous(world: World) -> Links:
     return Links(to_next.detach(), from_prev.detach(), [s.detach() if s is not None else -1 for s in ctrl])
 
 
-def _gather_at_root(world: World, key: bytes, bind_host: str, port: int, my_port: int, deadline: float):
-    """Rank 0 collects every rank's listening address and sends the table back."""
+def _listen_for_rendezvous(bind_host: str, port: int) -> socket.socket:
     try:
-        listener = _listen(bind_host, port)
+        return _listen(bind_host, port)
     except OSError as exc:
         raise RingReduceError(f"rank 0 cannot listen on {bind_host}:{port} (RINGREDUCE_ADDR): {exc}") from exc
+
+
+def _gather_at_root(world: World, key: bytes, listener: socket.socket, my_port: int, deadline: float):
+    """Rank 0 collects every rank's listening address and sends the table back."""
     acceptor = _Acceptor(listener, key, "rank 0")
     ctrl: list = [None] * world.size
     table: list = [None] * world.size

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from ringreduce import world as _world
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,9 +48,7 @@ class Rank:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _world.free_port("127.0.0.1")
 
 
 def rank_env(rank: int, size: int, port: int, secret: str, extra: dict | None = None) -> dict:

@@ -80,6 +80,19 @@ MISMATCHES = {
     "root": "rr.broadcast(np.ones(10), root=rr.rank() % 2)",
     "allgather trailing dims": "rr.allgather(np.ones((2, 3 + rr.rank())))",
     "collective": "rr.allreduce(np.ones(10)) if rr.rank() else rr.broadcast(np.ones(10))",
+    # Only the last rank differs, or the difference hides behind an equal element count:
+    "shape, same count": "rr.allreduce(np.ones((3, 2) if rr.rank() == 2 else (2, 3)))",
+    "shape, flat vs 2-d": "rr.allreduce(np.ones(6 if rr.rank() == 2 else (2, 3)))",
+    "shape, empty vs one": "rr.allreduce(np.ones(0 if rr.rank() == 2 else 1))",
+    "shape, both large": "rr.allreduce(np.ones(300_000 + (rr.rank() == 2), dtype=np.float32))",
+    "reduce_scatter op": "rr.reduce_scatter(np.ones(10), op='min' if rr.rank() == 2 else 'sum')",
+    "reduce_scatter shape": "rr.reduce_scatter(np.ones(9 + (rr.rank() == 2)))",
+    "broadcast shape": "rr.broadcast(np.ones(4 + (rr.rank() == 2)))",
+    "broadcast dtype, large": "rr.broadcast(np.ones(300_000, dtype=np.float32 if rr.rank() == 2 else np.int32))",
+    "allgather dtype": "rr.allgather(np.ones((rr.rank() + 1, 2), dtype=np.int8 if rr.rank() == 2 else np.uint8))",
+    "allgather ndim": "rr.allgather(np.ones(2) if rr.rank() == 2 else np.ones((2, 3)))",
+    "barrier name": "rr.barrier(name=f'epoch{rr.rank() == 2}')",
+    "barrier vs allreduce": "rr.barrier() if rr.rank() == 2 else rr.allreduce(np.ones(10))",
 }
 
 
@@ -186,3 +199,172 @@ def test_wrong_secret_never_joins(tmp_path):
     assert impostor.returncode != 0 and "joined" not in out
     assert "SECRET" in err or "secret" in err, err[-2000:]
     assert [r.result for r in ranks] == [6.0, 6.0, 6.0]
+
+
+# --------------------------------------------------------------------------- more peers lost
+
+# (collective run in a loop, the rank that kills itself); world of 3, so every
+# survivor is a neighbour of the victim on one side or the other.
+KILLS = {
+    "allreduce 64 MiB, rank 0 (the rendezvous host) dies": (
+        "rr.allreduce(big)", 0),
+    "allgather, rank 1 dies": ("rr.allgather(big[: (1 << 20) * (rr.rank() + 1)])", 1),
+    "broadcast from rank 0, rank 2 dies": ("rr.broadcast(big[: 4 << 20], root=0)", 2),
+    "reduce_scatter, rank 1 dies": ("rr.reduce_scatter(big[: 4 << 20], op='max')", 1),
+    "barrier, rank 2 dies": ("rr.barrier()", 2),
+    "small allreduce, rank 1 dies": ("rr.allreduce(big[:3])", 1),
+}
+
+LATER_CALLS = """
+after = []
+for later in [lambda: rr.allreduce(np.ones(3)), lambda: rr.allreduce(np.ones(1 << 20)),
+              lambda: rr.reduce_scatter(np.ones(8)), lambda: rr.allgather(np.ones(2)),
+              lambda: rr.broadcast(np.ones(2)), lambda: rr.barrier()]:
+    try:
+        later()
+        after.append("usable")
+    except rr.RingReduceError as e2:
+        after.append(str(e2))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(KILLS))
+def test_killed_rank_in_any_collective_is_named(tmp_path, case):
+    call, victim = KILLS[case]
+    ranks = run_ranks(3, f"""
+        import os, signal, time
+        big = np.full(16 << 20, rr.rank() + 1.0, dtype=np.float32)   # 64 MiB
+        rr.allreduce(big[:1000])
+        t0 = time.time()
+        try:
+            for i in range(200):
+                if rr.rank() == {victim} and i == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                {call}
+            result = "no error"
+        except rr.PeerLostError as e:
+            elapsed = time.time() - t0
+            {LATER_CALLS.strip().replace(chr(10), chr(10) + ' ' * 12)}
+            result = (e.rank, str(e), elapsed, after)
+    """, tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "20"}, check=False)
+    assert ranks[victim].returncode == -signal.SIGKILL, ranks[victim].stderr[-2000:]
+    for r in ranks:
+        if r.rank == victim:
+            continue
+        assert r.returncode == 0, f"{case}: rank {r.rank} crashed:\n{r.stderr[-2000:]}"
+        assert r.result != "no error", f"{case}: rank {r.rank} never noticed"
+        lost, message, elapsed, after = r.result
+        assert lost == victim and f"rank {victim}" in message, f"{case}: rank {r.rank} blamed {lost}: {message}"
+        assert elapsed < 10, f"{case}: rank {r.rank} took {elapsed:.1f} s to notice (RINGREDUCE_TIMEOUT=20)"
+        assert all("unusable" in a for a in after), f"{case}: rank {r.rank} after the loss: {after}"
+
+
+LEAVES = {"interpreter exit": "sys.exit(0)",
+          "rr.shutdown(), process lives on": "rr.shutdown(); time.sleep(2)",
+          "uncaught exception": "raise SystemExit(1)"}
+
+
+@pytest.mark.parametrize("how", list(LEAVES))
+def test_rank_that_leaves_is_named_without_waiting_for_the_timeout(tmp_path, how):
+    """Rank 1 leaves between collectives (its goodbye is sent); the others'
+    next allreduce names rank 1, not a live rank, and long before the timeout."""
+    ranks = run_ranks(3, f"""
+        import sys, time
+        rr.allreduce(np.ones(1000))
+        rr.barrier()
+        if rr.rank() == 1:
+            time.sleep(0.2)      # let every rank finish the barrier first
+            {LEAVES[how]}
+            sys.exit(0)
+        time.sleep(1.0)
+        t0 = time.time()
+        try:
+            rr.allreduce(np.ones(1 << 20))
+            result = "no error"
+        except rr.PeerLostError as e:
+            result = (e.rank, str(e), time.time() - t0)
+        # Then exit at once, as a job does on an uncaught error.
+        with open(os.environ["RR_TEST_RESULT"], "wb") as f:
+            pickle.dump(result, f)
+        os._exit(0)
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"}, check=False)
+    for r in (ranks[0], ranks[2]):
+        assert r.returncode == 0, f"{how}: rank {r.rank} crashed:\n{r.stderr[-2000:]}"
+        assert r.result != "no error", f"{how}: rank {r.rank} never noticed rank 1 left"
+        lost, message, elapsed = r.result
+        assert lost == 1 and "rank 1" in message, f"{how}: rank {r.rank} blamed rank {lost}: {message}"
+        assert elapsed < 10, f"{how}: rank {r.rank} took {elapsed:.1f} s to notice a closed connection"
+
+
+def test_a_rank_that_never_starts_fails_init_within_the_start_timeout(tmp_path):
+    ranks = run_ranks(3, """
+        import time
+        if os.environ["RINGREDUCE_RANK"] == "2":
+            os._exit(3)
+        t0 = time.time()
+        try:
+            rr.init()
+            result = "joined"
+        except rr.RingReduceError as e:
+            result = (str(e), time.time() - t0)
+    """, tmp_path, timeout=60, init=False, check=False, env={"RINGREDUCE_START_TIMEOUT": "4"})
+    for r in ranks[:2]:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.result != "joined", f"rank {r.rank} joined a ring without rank 2"
+        message, elapsed = r.result
+        assert elapsed < 15, f"rank {r.rank} waited {elapsed:.1f} s with RINGREDUCE_START_TIMEOUT=4"
+
+
+@pytest.mark.parametrize("what", ["allreduce out=x", "allreduce out=other", "broadcast", "allgather"])
+def test_nothing_is_written_before_a_mismatch_and_every_later_call_raises(tmp_path, what):
+    call = {"allreduce out=x": "rr.allreduce(x, out=x, name=name)",
+            "allreduce out=other": "rr.allreduce(x, out=o, name=name)",
+            "broadcast": "rr.broadcast(x, root=2, name=name)", "allgather": "rr.allgather(x, name=name)"}[what]
+    ranks = run_ranks(3, f"""
+        # rank 2 passes a different name: nobody may touch x or o before MismatchError
+        count = 200_000
+        x = np.full(count, rr.rank() + 1.0)
+        o = np.full(count, -1.0)
+        name = "b" if rr.rank() == 2 else "a"
+        try:
+            {call}
+            result = "no error"
+        except rr.MismatchError as e:
+            {LATER_CALLS.strip().replace(chr(10), chr(10) + ' ' * 12)}
+            result = (bool((x == rr.rank() + 1.0).all()), bool((o == -1.0).all()), after)
+    """, tmp_path, timeout=60)
+    for r in ranks:
+        assert r.result != "no error", f"{what}: rank {r.rank} raised no MismatchError"
+        x_ok, o_ok, after = r.result
+        assert x_ok and o_ok, f"{what}: rank {r.rank} wrote into its arrays before the mismatch was found"
+        assert all("unusable" in a for a in after), f"{what}: rank {r.rank}: later calls gave {after}"
+
+
+def test_bad_arguments_raise_locally_and_leave_the_communicator_usable(tmp_path):
+    ranks = run_ranks(2, """
+        readonly_small, readonly_large = np.ones(3), np.ones(300_000)
+        readonly_small.flags.writeable = readonly_large.flags.writeable = False
+        raised = []
+        for call in [lambda: rr.allreduce(np.ones(3), out=readonly_small),
+                     lambda: rr.allreduce(np.ones(300_000), out=readonly_large),
+                     lambda: rr.allreduce(np.ones(3), out=[0.0, 0.0, 0.0]),
+                     lambda: rr.allreduce(np.ones((2, 3)), out=np.ones((3, 2))),
+                     lambda: rr.broadcast(np.ones(3), root=-1),
+                     lambda: rr.broadcast(np.ones(3), root=2),
+                     lambda: rr.reduce_scatter(np.ones(3), op="mean"),
+                     lambda: rr.allreduce(np.ones(3), op=None)]:
+            try:
+                call()
+                raised.append(None)
+            except (ValueError, TypeError) as e:
+                raised.append(type(e).__name__)
+        result = (raised, bool((readonly_large == 1).all()), rr.allreduce(np.ones(300_000))[:2].tolist(),
+                  rr.broadcast(np.full(3, rr.rank() + 5.0), root=1).tolist())
+    """, tmp_path, timeout=60)
+    for r in ranks:
+        raised, untouched, after, bcast = r.result
+        assert all(raised), f"rank {r.rank}: these calls did not raise ValueError/TypeError: " \
+                            f"{[i for i, x in enumerate(raised) if x is None]}"
+        assert untouched, f"rank {r.rank}: a read-only out= was written"
+        assert after == [2.0, 2.0] and bcast == [6.0] * 3, f"rank {r.rank}: communicator not usable after: {after}"
