@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from ranks import REPO
 
 
@@ -17,3 +19,18 @@ def test_train_digits_on_four_ranks():
     assert accuracy > 0.9
     assert "weights identical on every rank: True" in out.stdout
     assert re.search(r"64 MiB float32: [0-9.]+ ms, busbw [0-9.]+ GB/s", out.stdout)
+
+
+def test_keras_digits_full_flow_on_four_ranks(tmp_path):
+    pytest.importorskip("tensorflow", reason="tensorflow-cpu not installed (pip install 'ringreduce[tf]')")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "ringreduce.run", "-np", "4", sys.executable,
+                          str(REPO / "examples" / "keras_digits.py"), "--epochs", "6", "--warmup-epochs", "2",
+                          "--checkpoint-dir", str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "weights identical on every rank: True" in out.stdout, out.stdout
+    accuracy = float(re.search(r"test accuracy=([0-9.]+)", out.stdout).group(1))
+    assert accuracy > 0.9, out.stdout
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [f"epoch{e:02d}.keras" for e in range(1, 7)]
+    assert not re.search(r"^\[[123]\]", out.stdout, re.M), "only rank 0 may print"
