@@ -98,3 +98,83 @@ def test_tape_compression_accumulation_root_and_mismatch(tmp_path):
         # summed over 2 passes per rank: rank0 1+2, rank1 2+3 -> averaged over ranks 4; SGD lr 1
         assert np.array_equal(res["after1"], np.full(3, -4.0, dtype=np.float32)), res["after1"]
         assert "MismatchError" in res["mismatch"] and "differs between ranks" in res["mismatch"], res["mismatch"]
+
+
+def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
+    ranks = run_ranks(2, """
+        import os, time
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import numpy as np, tensorflow as tf, keras
+        import ringreduce.tensorflow as rrtf
+        rrtf.init()
+        r, out = rrtf.rank(), {}
+
+        # An Embedding's gradient is IndexedSlices: allgathered, or densified on request.
+        keras.utils.set_random_seed(0)
+        emb = keras.layers.Embedding(20, 3)
+        emb.build((None,))
+        ids = tf.constant([[1, 2, 2], [5, 5, 5]][r])
+        for dense in (False, True):
+            @tf.function
+            def sparse_step():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(emb(ids) * float(r + 1))
+                return rrtf.DistributedGradientTape(tape, sparse_as_dense=dense).gradient(loss, emb.trainable_variables)[0]
+            g = sparse_step()
+            out[f"sparse_as_dense={dense}"] = (type(g).__name__, tf.convert_to_tensor(g).numpy())
+        # The whole model through DistributedOptimizer: the update itself is sparse.
+        opt = rrtf.DistributedOptimizer(keras.optimizers.SGD(1.0))
+        before = emb.embeddings.numpy().copy()
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(emb(ids) * float(r + 1))
+        opt.apply(tape.gradient(loss, emb.trainable_variables), emb.trainable_variables)
+        out["update"] = before - emb.embeddings.numpy()
+
+        # The last layer's gradient is handed over before backprop reaches the first layer.
+        marks = {}
+        def mark(dy):
+            marks.setdefault("backprop done", time.monotonic())
+            return dy
+        @tf.custom_gradient
+        def input_side(x):  # its gradient runs once backprop has gone through every layer
+            def grad(dy):  # stateless: a stateful op here would hold back every later stateful op
+                marked = tf.numpy_function(mark, [dy], dy.dtype, stateful=False)
+                marked.set_shape(dy.shape)
+                return marked
+            return tf.identity(x), grad
+        import ringreduce.tensorflow.overlap as ov
+        real_enqueue = ov._enqueue
+        def spying_enqueue(name, op, array):
+            marks.setdefault(name.decode(), time.monotonic())
+            return real_enqueue(name, op, array)
+        ov._enqueue = spying_enqueue
+        layers = [keras.layers.Dense(512, activation="relu") for _ in range(6)] + [keras.layers.Dense(10)]
+        model = keras.Sequential([keras.Input((512,)), *layers])
+        x, scale = tf.random.normal((256, 512)), tf.Variable(1.0)
+        @tf.function
+        def step():  # scale's gradient needs dy at the input: backprop through every layer
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(input_side(x * scale)) ** 2)
+            return rrtf.DistributedGradientTape(tape).gradient(loss, model.trainable_variables + [scale])
+        step()
+        marks.clear()
+        step()
+        last_kernel = [k for k in marks if layers[-1].kernel.path in k][0]
+        first_kernel = [k for k in marks if layers[0].kernel.path in k][0]
+        out["order"] = (marks[last_kernel] < marks["backprop done"], marks[first_kernel] >= marks["backprop done"] - 1e-3)
+        result = out
+    """, tmp_path, timeout=180, init=False)
+    # rank 0 looks up rows 1, 2, 2 (weight 1), rank 1 rows 5, 5, 5 (weight 2): averaged over 2 ranks
+    want = np.zeros((20, 3), dtype=np.float32)
+    want[1], want[2], want[5] = 0.5, 1.0, 3.0
+    for r in ranks:
+        kind, sparse = r.result["sparse_as_dense=False"]
+        assert kind == "IndexedSlices", kind
+        np.testing.assert_array_equal(sparse, want)
+        kind, dense = r.result["sparse_as_dense=True"]
+        assert kind != "IndexedSlices", kind
+        np.testing.assert_array_equal(dense, want)
+        np.testing.assert_allclose(r.result["update"], want, rtol=1e-6)
+        handed_early, first_at_end = r.result["order"]
+        assert handed_early, f"rank {r.rank}: the last layer's gradient left only after backprop had finished"
+        assert first_at_end, f"rank {r.rank}: the first layer's gradient was handed over before it existed?"

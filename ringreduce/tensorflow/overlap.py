@@ -1,12 +1,15 @@
 """Hands gradients to the background engine the moment backprop makes them.
 
-Inside a compiled train step, TensorFlow chains stateful ops in program
-order (automatic control dependencies). So the hand-over ops are created in
-reverse variable order, the order backprop produces gradients: the last
-layer's gradient leaves while earlier layers are still being computed (see
-shared/notes/tf-overlap.md). Only the waits, created afterwards, block, and
-only where the optimizer needs the values. RINGREDUCE_OVERLAP=0 instead
-reduces everything in one op after the whole backward pass, for comparison.
+Inside a compiled train step, TensorFlow chains stateful ops in program order
+(automatic control dependencies): a stateful hand-over would wait for every
+stateful op created before it, and for the gradient of whichever variable
+comes first, which backprop may make last (see shared/notes/tf-overlap.md).
+So each hand-over is stateless and runs the moment its own gradient exists,
+in whatever order backprop makes them (the engine negotiates the order across
+ranks). The waits that follow are stateful, so TensorFlow can neither prune
+nor reorder the hand-overs away from them; they are created last-layer-first,
+the order gradients become ready. RINGREDUCE_OVERLAP=0 instead reduces
+everything in one op after the whole backward pass, for comparison.
 """
 from __future__ import annotations
 
@@ -56,24 +59,29 @@ def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.
         items.append((i, g, f"grad.{i}.{getattr(v, 'path', None) or v.name}"))
     out = list(grads)
     dense = [(i, g, n) for i, g, n in items if not isinstance(g, tf.IndexedSlices)]
+    if dense and overlap_enabled():
+        _hand_over_as_ready(dense, out, op, compression)
+    elif dense:
+        _reduce_all_at_once(dense, out, op, compression)
+    # Sparse gradients are allgathered directly, so only once the engine is idle
+    # on every rank: after the waits above (stateful ops run in program order).
     for i, g, _ in items:
         if isinstance(g, tf.IndexedSlices):
             out[i] = allreduce(g, op=op)
-    if not dense:
-        return out
-    if not overlap_enabled():
-        return _reduce_all_at_once(dense, out, op, compression)
+    return out
+
+
+def _hand_over_as_ready(dense, out, op, compression):
     handles = []
     for i, g, name in reversed(dense):  # backprop's order: last layer first
         wire, ctx = compression.compress(g)
         key = tf.numpy_function(lambda a, n=name.encode(), o=op.encode(): _enqueue(n, o, a), [wire], tf.int64,
-                                stateful=True, name="RingHandOver")
+                                stateful=False, name="RingHandOver")
         handles.append((i, g, key, wire.dtype, ctx))
     for i, g, key, wire_dtype, ctx in handles:
         reduced = tf.numpy_function(_wait, [key], wire_dtype, stateful=True, name="RingWait")
         reduced.set_shape(g.shape)
         out[i] = compression.decompress(reduced, ctx)
-    return out
 
 
 def _reduce_all_at_once(dense, out, op, compression):
@@ -87,4 +95,3 @@ def _reduce_all_at_once(dense, out, op, compression):
     for (i, g, _), r, (_, ctx) in zip(dense, reduced, wires):
         r.set_shape(g.shape)
         out[i] = compression.decompress(r, ctx)
-    return out
