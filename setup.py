@@ -1,6 +1,11 @@
 """Builds ringreduce._core from csrc/, and ringreduce._mpi where an MPI is
 found. Metadata lives in pyproject.toml.
 
+The CUDA kernels are optional too: RINGREDUCE_CUDA=1 compiles
+csrc/cuda/reduce.cu with nvcc into ringreduce/reduce_kernels.fatbin (sm_80,
+sm_90; RINGREDUCE_CUDA_ARCHS to change), which ringreduce.cuda loads through
+cupy. Without it cupy compiles the same source at run time.
+
 The MPI transport is optional: set MPICC=/path/to/mpicc (for example the one
 pip's `mpich` package puts in the environment's bin/), or have mpicc on PATH,
 when building. Without it the package builds and runs over TCP alone.
@@ -47,7 +52,23 @@ def mpi_extension():
                      libraries=libs, extra_compile_args=FLAGS, extra_link_args=link)
 
 
+def cuda_fatbin():
+    """ringreduce/reduce_kernels.fatbin from csrc/cuda/reduce.cu, when asked for."""
+    if os.environ.get("RINGREDUCE_CUDA", "0") in ("", "0"):
+        return []
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not os.path.exists(nvcc):
+        sys.exit("ringreduce: RINGREDUCE_CUDA=1 but nvcc is not on PATH")
+    archs = os.environ.get("RINGREDUCE_CUDA_ARCHS", "80,90").split(",")
+    cmd = [nvcc, "-std=c++17", "-O3", "-fatbin", "-o", "ringreduce/reduce_kernels.fatbin", "csrc/cuda/reduce.cu"]
+    cmd += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    print("ringreduce: " + shlex.join(cmd), file=sys.stderr)
+    subprocess.run(cmd, check=True)
+    return ["reduce_kernels.fatbin"]
+
+
 core = Extension("ringreduce._core", sources=CORE_SOURCES, depends=HEADERS, extra_compile_args=FLAGS,
                  libraries=["pthread"])
 
-setup(ext_modules=[core] + [e for e in [mpi_extension()] if e is not None])
+setup(ext_modules=[core] + [e for e in [mpi_extension()] if e is not None],
+      package_data={"ringreduce": cuda_fatbin()})

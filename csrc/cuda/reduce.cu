@@ -1,0 +1,178 @@
+/* CUDA reduction and cast kernels for GPU buffers.
+ *
+ * The element-wise arithmetic is reduce_math.h, the very header the CPU
+ * kernels (reduce.c) compile: RR_DEVICE makes its inline functions callable
+ * on the device, so the CPU tests check what the GPU runs. 16-bit floats
+ * are widened to float32, combined, and rounded back once.
+ *
+ * Kernels are extern "C" with plain names, so the same source serves nvcc
+ * (setup.py, RINGREDUCE_CUDA=1) and cupy.RawModule (compiled at run time by
+ * ringreduce/cuda.py). One kernel per (dtype, op): a grid-stride loop over
+ * 16-byte vectors, then a scalar tail.
+ */
+#define RR_DEVICE __host__ __device__
+#include "../reduce_math.h"
+
+namespace {
+
+struct Sum { template <class T> __device__ static T apply(T a, T b) { return a + b; } };
+struct Prod { template <class T> __device__ static T apply(T a, T b) { return a * b; } };
+struct FMin { template <class T> __device__ static T apply(T a, T b) { return RR_FMIN(a, b); } };
+struct FMax { template <class T> __device__ static T apply(T a, T b) { return RR_FMAX(a, b); } };
+struct IMin { template <class T> __device__ static T apply(T a, T b) { return RR_IMIN(a, b); } };
+struct IMax { template <class T> __device__ static T apply(T a, T b) { return RR_IMAX(a, b); } };
+
+/* Integer sums and products wrap like numpy's: computed unsigned. */
+template <class UT> struct WrapSum {
+    template <class T> __device__ static T apply(T a, T b) { return (T)((UT)a + (UT)b); }
+};
+template <class UT> struct WrapProd {
+    template <class T> __device__ static T apply(T a, T b) { return (T)((UT)a * (UT)b); }
+};
+
+/* How one stored element is combined: natively, or widened to float32. */
+template <class T, class Op> struct Native {
+    __device__ static T combine(T a, T b) { return Op::apply(a, b); }
+};
+template <class Op> struct Half {
+    __device__ static uint16_t combine(uint16_t a, uint16_t b)
+    {
+        return rr_f32_to_f16(Op::apply(rr_f16_to_f32(a), rr_f16_to_f32(b)));
+    }
+};
+template <class Op> struct BHalf {
+    __device__ static uint16_t combine(uint16_t a, uint16_t b)
+    {
+        return rr_f32_to_bf16(Op::apply(rr_bf16_to_f32(a), rr_bf16_to_f32(b)));
+    }
+};
+
+/* dst[i] = a[i] OP b[i]; dst may alias a. 16-byte loads where all three
+ * pointers allow them, one element at a time for the rest. */
+template <class T, class C>
+__device__ void reduce3(T *dst, const T *a, const T *b, size_t count)
+{
+    constexpr int V = 16 / sizeof(T);
+    struct alignas(16) Vec { T v[V]; };
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    size_t start = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t vec_count = 0;
+    if ((((uintptr_t)dst | (uintptr_t)a | (uintptr_t)b) & 15) == 0) {
+        vec_count = count / V;
+        Vec *d = reinterpret_cast<Vec *>(dst);
+        const Vec *x = reinterpret_cast<const Vec *>(a), *y = reinterpret_cast<const Vec *>(b);
+        for (size_t i = start; i < vec_count; i += stride) {
+            Vec p = x[i], q = y[i], r;
+#pragma unroll
+            for (int k = 0; k < V; k++) r.v[k] = C::combine(p.v[k], q.v[k]);
+            d[i] = r;
+        }
+    }
+    for (size_t i = vec_count * V + start; i < count; i += stride) dst[i] = C::combine(a[i], b[i]);
+}
+
+template <class T>
+__device__ void floor_divide(T *buf, size_t count, int n)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+        long long v = (long long)buf[i], q = v / n, r = v % n;
+        buf[i] = (T)((r != 0 && r < 0) ? q - 1 : q);
+    }
+}
+
+} // namespace
+
+#define RR_REDUCE_KERNEL(NAME, T, ...)                                                     \
+    extern "C" __global__ void NAME(T *dst, const T *a, const T *b, size_t count)          \
+    {                                                                                      \
+        reduce3<T, __VA_ARGS__>(dst, a, b, count);                                         \
+    }
+
+/* rr_reduce_<dtype>_<op>: names ringreduce/cuda.py builds from the codes. */
+RR_REDUCE_KERNEL(rr_reduce_float16_sum, uint16_t, Half<Sum>)
+RR_REDUCE_KERNEL(rr_reduce_float16_prod, uint16_t, Half<Prod>)
+RR_REDUCE_KERNEL(rr_reduce_float16_min, uint16_t, Half<FMin>)
+RR_REDUCE_KERNEL(rr_reduce_float16_max, uint16_t, Half<FMax>)
+RR_REDUCE_KERNEL(rr_reduce_bfloat16_sum, uint16_t, BHalf<Sum>)
+RR_REDUCE_KERNEL(rr_reduce_bfloat16_prod, uint16_t, BHalf<Prod>)
+RR_REDUCE_KERNEL(rr_reduce_bfloat16_min, uint16_t, BHalf<FMin>)
+RR_REDUCE_KERNEL(rr_reduce_bfloat16_max, uint16_t, BHalf<FMax>)
+RR_REDUCE_KERNEL(rr_reduce_float32_sum, float, Native<float, Sum>)
+RR_REDUCE_KERNEL(rr_reduce_float32_prod, float, Native<float, Prod>)
+RR_REDUCE_KERNEL(rr_reduce_float32_min, float, Native<float, FMin>)
+RR_REDUCE_KERNEL(rr_reduce_float32_max, float, Native<float, FMax>)
+RR_REDUCE_KERNEL(rr_reduce_float64_sum, double, Native<double, Sum>)
+RR_REDUCE_KERNEL(rr_reduce_float64_prod, double, Native<double, Prod>)
+RR_REDUCE_KERNEL(rr_reduce_float64_min, double, Native<double, FMin>)
+RR_REDUCE_KERNEL(rr_reduce_float64_max, double, Native<double, FMax>)
+RR_REDUCE_KERNEL(rr_reduce_int8_sum, int8_t, Native<int8_t, WrapSum<uint8_t>>)
+RR_REDUCE_KERNEL(rr_reduce_int8_prod, int8_t, Native<int8_t, WrapProd<uint8_t>>)
+RR_REDUCE_KERNEL(rr_reduce_int8_min, int8_t, Native<int8_t, IMin>)
+RR_REDUCE_KERNEL(rr_reduce_int8_max, int8_t, Native<int8_t, IMax>)
+RR_REDUCE_KERNEL(rr_reduce_uint8_sum, uint8_t, Native<uint8_t, WrapSum<uint8_t>>)
+RR_REDUCE_KERNEL(rr_reduce_uint8_prod, uint8_t, Native<uint8_t, WrapProd<uint8_t>>)
+RR_REDUCE_KERNEL(rr_reduce_uint8_min, uint8_t, Native<uint8_t, IMin>)
+RR_REDUCE_KERNEL(rr_reduce_uint8_max, uint8_t, Native<uint8_t, IMax>)
+RR_REDUCE_KERNEL(rr_reduce_int32_sum, int32_t, Native<int32_t, WrapSum<uint32_t>>)
+RR_REDUCE_KERNEL(rr_reduce_int32_prod, int32_t, Native<int32_t, WrapProd<uint32_t>>)
+RR_REDUCE_KERNEL(rr_reduce_int32_min, int32_t, Native<int32_t, IMin>)
+RR_REDUCE_KERNEL(rr_reduce_int32_max, int32_t, Native<int32_t, IMax>)
+RR_REDUCE_KERNEL(rr_reduce_int64_sum, int64_t, Native<int64_t, WrapSum<uint64_t>>)
+RR_REDUCE_KERNEL(rr_reduce_int64_prod, int64_t, Native<int64_t, WrapProd<uint64_t>>)
+RR_REDUCE_KERNEL(rr_reduce_int64_min, int64_t, Native<int64_t, IMin>)
+RR_REDUCE_KERNEL(rr_reduce_int64_max, int64_t, Native<int64_t, IMax>)
+
+/* The division that finishes an average, as reduce.c's rr_divide. */
+extern "C" __global__ void rr_divide_float16(uint16_t *buf, size_t count, int n)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        buf[i] = rr_f32_to_f16(rr_f16_to_f32(buf[i]) / (float)n);
+}
+extern "C" __global__ void rr_divide_bfloat16(uint16_t *buf, size_t count, int n)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        buf[i] = rr_f32_to_bf16(rr_bf16_to_f32(buf[i]) / (float)n);
+}
+extern "C" __global__ void rr_divide_float32(float *buf, size_t count, int n)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) buf[i] /= (float)n;
+}
+extern "C" __global__ void rr_divide_float64(double *buf, size_t count, int n)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) buf[i] /= (double)n;
+}
+extern "C" __global__ void rr_divide_int8(int8_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
+extern "C" __global__ void rr_divide_uint8(uint8_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
+extern "C" __global__ void rr_divide_int32(int32_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
+extern "C" __global__ void rr_divide_int64(int64_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
+
+/* Compression casts: float32 <-> float16 / bfloat16, rounding to nearest even. */
+extern "C" __global__ void rr_cast_float32_to_float16(uint16_t *dst, const float *src, size_t count)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        dst[i] = rr_f32_to_f16(src[i]);
+}
+extern "C" __global__ void rr_cast_float32_to_bfloat16(uint16_t *dst, const float *src, size_t count)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        dst[i] = rr_f32_to_bf16(src[i]);
+}
+extern "C" __global__ void rr_cast_float16_to_float32(float *dst, const uint16_t *src, size_t count)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        dst[i] = rr_f16_to_f32(src[i]);
+}
+extern "C" __global__ void rr_cast_bfloat16_to_float32(float *dst, const uint16_t *src, size_t count)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        dst[i] = rr_bf16_to_f32(src[i]);
+}

@@ -1,0 +1,104 @@
+"""ringreduce's CUDA kernels (csrc/cuda/reduce.cu), loaded through cupy.
+
+The kernels come from a fatbin that setup.py builds with nvcc when asked
+(RINGREDUCE_CUDA=1, for sm_80 and sm_90), or else are compiled at run time
+from the same source by cupy.RawModule. Nothing here runs without cupy and a
+GPU; importing this module never needs either.
+
+    from ringreduce import cuda
+    cuda.reduce3(dst, a, b, "sum")       # cupy arrays, on the current device and stream
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from .errors import RingReduceError
+
+PACKAGE = Path(__file__).resolve().parent
+FATBIN = PACKAGE / "reduce_kernels.fatbin"
+SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # installed copy, then the source tree
+
+_NAMES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
+          "int8": "int8", "uint8": "uint8", "int32": "int32", "int64": "int64"}
+OPS = ("sum", "prod", "min", "max")
+THREADS = 256
+
+
+def cupy_or_none():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def is_cupy(x) -> bool:
+    return type(x).__module__.startswith("cupy") and hasattr(x, "__cuda_array_interface__")
+
+
+def available() -> str | None:
+    """None if GPU kernels can run here, else why not."""
+    cp = cupy_or_none()
+    if cp is None:
+        return "cupy is not installed"
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+    except Exception as exc:  # cupy raises its own runtime errors without a driver
+        return f"no usable CUDA device ({exc})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    cp = cupy_or_none()
+    why = available()
+    if why:
+        raise RingReduceError(f"GPU arrays need cupy and a CUDA device: {why}")
+    if FATBIN.exists():
+        return cp.RawModule(path=str(FATBIN))
+    for d in SOURCE_DIRS:
+        src = d / "cuda" / "reduce.cu"
+        if src.exists():
+            return cp.RawModule(code=src.read_text(), options=("-std=c++17", f"-I{d}", f"-I{d / 'cuda'}"))
+    raise RingReduceError("csrc/cuda/reduce.cu not found: reinstall ringreduce, or build with RINGREDUCE_CUDA=1")
+
+
+def _dtype_name(dtype) -> str:
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in _NAMES:
+        raise TypeError(f"ringreduce's CUDA kernels do not support dtype {name}")
+    return _NAMES[name]
+
+
+def _grid(count: int) -> tuple[int]:
+    return (max(1, min((count + THREADS - 1) // THREADS, 65535)),)
+
+
+def reduce3(dst, a, b, op: str, dtype=None) -> None:
+    """dst = a OP b, element-wise (avg reduces as sum); dst may be a. `dtype`
+    names the element type where the arrays are raw views (cupy has no
+    bfloat16: pass uint16 arrays and dtype="bfloat16")."""
+    if op == "avg":
+        op = "sum"
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}")
+    kernel = _module().get_function(f"rr_reduce_{_dtype_name(dtype or dst.dtype)}_{op}")
+    count = dst.size
+    kernel(_grid(count), (THREADS,), (dst, a, b, np.uint64(count)))
+
+
+def divide(buf, n: int, dtype=None) -> None:
+    """buf /= n, as the CPU kernels do it (integers floor-divide)."""
+    kernel = _module().get_function(f"rr_divide_{_dtype_name(dtype or buf.dtype)}")
+    kernel(_grid(buf.size), (THREADS,), (buf, np.uint64(buf.size), np.int32(n)))
+
+
+def cast(dst, src, dst_dtype=None, src_dtype=None) -> None:
+    """float32 <-> float16 / bfloat16, rounding to nearest even (compression)."""
+    frm, to = _dtype_name(src_dtype or src.dtype), _dtype_name(dst_dtype or dst.dtype)
+    kernel = _module().get_function(f"rr_cast_{frm}_to_{to}")
+    kernel(_grid(src.size), (THREADS,), (dst, src, np.uint64(src.size)))
