@@ -123,29 +123,43 @@ RR_REDUCE_KERNEL(rr_reduce_int64_prod, int64_t, Native<int64_t, WrapProd<uint64_
 RR_REDUCE_KERNEL(rr_reduce_int64_min, int64_t, Native<int64_t, IMin>)
 RR_REDUCE_KERNEL(rr_reduce_int64_max, int64_t, Native<int64_t, IMax>)
 
+/* Element-wise conversions: casts for compression, and the 16-bit divides. */
+struct ToF16 { __device__ static uint16_t apply(float x) { return rr_f32_to_f16(x); } };
+struct ToBF16 { __device__ static uint16_t apply(float x) { return rr_f32_to_bf16(x); } };
+struct FromF16 { __device__ static float apply(uint16_t h) { return rr_f16_to_f32(h); } };
+struct FromBF16 { __device__ static float apply(uint16_t h) { return rr_bf16_to_f32(h); } };
+
+namespace {
+template <class To, class From, class F>
+__device__ void convert(To *dst, const From *src, size_t count)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        dst[i] = F::apply(src[i]);
+}
+
+/* 16-bit floats divide in float32 and round once, as reduce.c does. */
+template <class Widen, class Narrow>
+__device__ void divide16(uint16_t *buf, size_t count, int n)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        buf[i] = Narrow::apply(Widen::apply(buf[i]) / (float)n);
+}
+
+template <class T>
+__device__ void divide_float(T *buf, size_t count, int n)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) buf[i] /= (T)n;
+}
+} // namespace
+
 /* The division that finishes an average, as reduce.c's rr_divide. */
-extern "C" __global__ void rr_divide_float16(uint16_t *buf, size_t count, int n)
-{
-    const size_t stride = (size_t)blockDim.x * gridDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
-        buf[i] = rr_f32_to_f16(rr_f16_to_f32(buf[i]) / (float)n);
-}
-extern "C" __global__ void rr_divide_bfloat16(uint16_t *buf, size_t count, int n)
-{
-    const size_t stride = (size_t)blockDim.x * gridDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
-        buf[i] = rr_f32_to_bf16(rr_bf16_to_f32(buf[i]) / (float)n);
-}
-extern "C" __global__ void rr_divide_float32(float *buf, size_t count, int n)
-{
-    const size_t stride = (size_t)blockDim.x * gridDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) buf[i] /= (float)n;
-}
-extern "C" __global__ void rr_divide_float64(double *buf, size_t count, int n)
-{
-    const size_t stride = (size_t)blockDim.x * gridDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) buf[i] /= (double)n;
-}
+extern "C" __global__ void rr_divide_float16(uint16_t *buf, size_t count, int n) { divide16<FromF16, ToF16>(buf, count, n); }
+extern "C" __global__ void rr_divide_bfloat16(uint16_t *buf, size_t count, int n) { divide16<FromBF16, ToBF16>(buf, count, n); }
+extern "C" __global__ void rr_divide_float32(float *buf, size_t count, int n) { divide_float(buf, count, n); }
+extern "C" __global__ void rr_divide_float64(double *buf, size_t count, int n) { divide_float(buf, count, n); }
 extern "C" __global__ void rr_divide_int8(int8_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
 extern "C" __global__ void rr_divide_uint8(uint8_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
 extern "C" __global__ void rr_divide_int32(int32_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
@@ -154,25 +168,17 @@ extern "C" __global__ void rr_divide_int64(int64_t *buf, size_t count, int n) { 
 /* Compression casts: float32 <-> float16 / bfloat16, rounding to nearest even. */
 extern "C" __global__ void rr_cast_float32_to_float16(uint16_t *dst, const float *src, size_t count)
 {
-    const size_t stride = (size_t)blockDim.x * gridDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
-        dst[i] = rr_f32_to_f16(src[i]);
+    convert<uint16_t, float, ToF16>(dst, src, count);
 }
 extern "C" __global__ void rr_cast_float32_to_bfloat16(uint16_t *dst, const float *src, size_t count)
 {
-    const size_t stride = (size_t)blockDim.x * gridDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
-        dst[i] = rr_f32_to_bf16(src[i]);
+    convert<uint16_t, float, ToBF16>(dst, src, count);
 }
 extern "C" __global__ void rr_cast_float16_to_float32(float *dst, const uint16_t *src, size_t count)
 {
-    const size_t stride = (size_t)blockDim.x * gridDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
-        dst[i] = rr_f16_to_f32(src[i]);
+    convert<float, uint16_t, FromF16>(dst, src, count);
 }
 extern "C" __global__ void rr_cast_bfloat16_to_float32(float *dst, const uint16_t *src, size_t count)
 {
-    const size_t stride = (size_t)blockDim.x * gridDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
-        dst[i] = rr_bf16_to_f32(src[i]);
+    convert<float, uint16_t, FromBF16>(dst, src, count);
 }
