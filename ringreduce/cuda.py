@@ -21,8 +21,7 @@ PACKAGE = Path(__file__).resolve().parent
 FATBIN = PACKAGE / "reduce_kernels.fatbin"
 SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # installed copy, then the source tree
 
-_NAMES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
-          "int8": "int8", "uint8": "uint8", "int32": "int32", "int64": "int64"}
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 OPS = ("sum", "prod", "min", "max")
 THREADS = 256
 
@@ -33,10 +32,6 @@ def cupy_or_none():
     except ImportError:
         return None
     return cupy
-
-
-def is_cupy(x) -> bool:
-    return type(x).__module__.startswith("cupy") and hasattr(x, "__cuda_array_interface__")
 
 
 def available() -> str | None:
@@ -69,9 +64,9 @@ def _module():
 
 def _dtype_name(dtype) -> str:
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    if name not in _NAMES:
+    if name not in DTYPES:
         raise TypeError(f"ringreduce's CUDA kernels do not support dtype {name}")
-    return _NAMES[name]
+    return name
 
 
 def _grid(count: int) -> tuple[int]:

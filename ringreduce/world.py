@@ -249,6 +249,7 @@ class _Acceptor:
 
     def __init__(self, listener: socket.socket, key: bytes, who: str):
         self.listener, self.key, self.who = listener, key, who
+        self.port = listener.getsockname()[1]
         self.ready: queue.Queue = queue.Queue()
         self.closed = False
         listener.settimeout(0.2)
@@ -356,13 +357,11 @@ def rendezvous(world: World) -> Links:
         if world.rank == 0:
             root_listener = _listen_for_rendezvous(bind_host, port)
             ring_listener = _Acceptor(_listen(bind_host, 0), key, f"rank {world.rank}")
-            my_port = ring_listener.listener.getsockname()[1]
-            ctrl, table, job = _gather_at_root(world, key, root_listener, my_port, deadline)
+            ctrl, table, job = _gather_at_root(world, key, root_listener, ring_listener.port, deadline)
         else:
             ctrl_sock = _dial((host, port), deadline, key, "rank 0")
             ring_listener = _Acceptor(_listen(bind_host, 0), key, f"rank {world.rank}")
-            my_port = ring_listener.listener.getsockname()[1]
-            send_msg(ctrl_sock, {"rank": world.rank, "size": world.size, "port": my_port})
+            send_msg(ctrl_sock, {"rank": world.rank, "size": world.size, "port": ring_listener.port})
             # The table comes once every rank has joined: wait for it as long as init may take.
             ctrl_sock.settimeout(max(deadline - time.monotonic(), 1.0))
             try:

@@ -13,7 +13,7 @@ from ranks import REPO
 from ringreduce import _core
 from ringreduce import cuda
 
-DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
+DTYPES = list(cuda.DTYPES)
 CODES = {name: getattr(_core, name.upper()) for name in DTYPES}
 OPS = {"sum": _core.SUM, "prod": _core.PROD, "min": _core.MIN, "max": _core.MAX}
 WHY_NO_GPU = cuda.available()

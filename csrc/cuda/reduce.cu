@@ -89,39 +89,30 @@ __device__ void floor_divide(T *buf, size_t count, int n)
         reduce3<T, __VA_ARGS__>(dst, a, b, count);                                         \
     }
 
-/* rr_reduce_<dtype>_<op>: names ringreduce/cuda.py builds from the codes. */
-RR_REDUCE_KERNEL(rr_reduce_float16_sum, uint16_t, Half<Sum>)
-RR_REDUCE_KERNEL(rr_reduce_float16_prod, uint16_t, Half<Prod>)
-RR_REDUCE_KERNEL(rr_reduce_float16_min, uint16_t, Half<FMin>)
-RR_REDUCE_KERNEL(rr_reduce_float16_max, uint16_t, Half<FMax>)
-RR_REDUCE_KERNEL(rr_reduce_bfloat16_sum, uint16_t, BHalf<Sum>)
-RR_REDUCE_KERNEL(rr_reduce_bfloat16_prod, uint16_t, BHalf<Prod>)
-RR_REDUCE_KERNEL(rr_reduce_bfloat16_min, uint16_t, BHalf<FMin>)
-RR_REDUCE_KERNEL(rr_reduce_bfloat16_max, uint16_t, BHalf<FMax>)
-RR_REDUCE_KERNEL(rr_reduce_float32_sum, float, Native<float, Sum>)
-RR_REDUCE_KERNEL(rr_reduce_float32_prod, float, Native<float, Prod>)
-RR_REDUCE_KERNEL(rr_reduce_float32_min, float, Native<float, FMin>)
-RR_REDUCE_KERNEL(rr_reduce_float32_max, float, Native<float, FMax>)
-RR_REDUCE_KERNEL(rr_reduce_float64_sum, double, Native<double, Sum>)
-RR_REDUCE_KERNEL(rr_reduce_float64_prod, double, Native<double, Prod>)
-RR_REDUCE_KERNEL(rr_reduce_float64_min, double, Native<double, FMin>)
-RR_REDUCE_KERNEL(rr_reduce_float64_max, double, Native<double, FMax>)
-RR_REDUCE_KERNEL(rr_reduce_int8_sum, int8_t, Native<int8_t, WrapSum<uint8_t>>)
-RR_REDUCE_KERNEL(rr_reduce_int8_prod, int8_t, Native<int8_t, WrapProd<uint8_t>>)
-RR_REDUCE_KERNEL(rr_reduce_int8_min, int8_t, Native<int8_t, IMin>)
-RR_REDUCE_KERNEL(rr_reduce_int8_max, int8_t, Native<int8_t, IMax>)
-RR_REDUCE_KERNEL(rr_reduce_uint8_sum, uint8_t, Native<uint8_t, WrapSum<uint8_t>>)
-RR_REDUCE_KERNEL(rr_reduce_uint8_prod, uint8_t, Native<uint8_t, WrapProd<uint8_t>>)
-RR_REDUCE_KERNEL(rr_reduce_uint8_min, uint8_t, Native<uint8_t, IMin>)
-RR_REDUCE_KERNEL(rr_reduce_uint8_max, uint8_t, Native<uint8_t, IMax>)
-RR_REDUCE_KERNEL(rr_reduce_int32_sum, int32_t, Native<int32_t, WrapSum<uint32_t>>)
-RR_REDUCE_KERNEL(rr_reduce_int32_prod, int32_t, Native<int32_t, WrapProd<uint32_t>>)
-RR_REDUCE_KERNEL(rr_reduce_int32_min, int32_t, Native<int32_t, IMin>)
-RR_REDUCE_KERNEL(rr_reduce_int32_max, int32_t, Native<int32_t, IMax>)
-RR_REDUCE_KERNEL(rr_reduce_int64_sum, int64_t, Native<int64_t, WrapSum<uint64_t>>)
-RR_REDUCE_KERNEL(rr_reduce_int64_prod, int64_t, Native<int64_t, WrapProd<uint64_t>>)
-RR_REDUCE_KERNEL(rr_reduce_int64_min, int64_t, Native<int64_t, IMin>)
-RR_REDUCE_KERNEL(rr_reduce_int64_max, int64_t, Native<int64_t, IMax>)
+template <class Op> using F32 = Native<float, Op>;
+template <class Op> using F64 = Native<double, Op>;
+
+/* rr_reduce_<dtype>_<op>: the names ringreduce/cuda.py asks for. C combines
+ * one stored element pair given an Op; integers wrap in the unsigned UT. */
+#define RR_FLOAT_KERNELS(DT, T, C)                                                         \
+    RR_REDUCE_KERNEL(rr_reduce_##DT##_sum, T, C<Sum>)                                      \
+    RR_REDUCE_KERNEL(rr_reduce_##DT##_prod, T, C<Prod>)                                    \
+    RR_REDUCE_KERNEL(rr_reduce_##DT##_min, T, C<FMin>)                                     \
+    RR_REDUCE_KERNEL(rr_reduce_##DT##_max, T, C<FMax>)
+#define RR_INT_KERNELS(DT, T, UT)                                                          \
+    RR_REDUCE_KERNEL(rr_reduce_##DT##_sum, T, Native<T, WrapSum<UT>>)                      \
+    RR_REDUCE_KERNEL(rr_reduce_##DT##_prod, T, Native<T, WrapProd<UT>>)                    \
+    RR_REDUCE_KERNEL(rr_reduce_##DT##_min, T, Native<T, IMin>)                             \
+    RR_REDUCE_KERNEL(rr_reduce_##DT##_max, T, Native<T, IMax>)
+
+RR_FLOAT_KERNELS(float16, uint16_t, Half)
+RR_FLOAT_KERNELS(bfloat16, uint16_t, BHalf)
+RR_FLOAT_KERNELS(float32, float, F32)
+RR_FLOAT_KERNELS(float64, double, F64)
+RR_INT_KERNELS(int8, int8_t, uint8_t)
+RR_INT_KERNELS(uint8, uint8_t, uint8_t)
+RR_INT_KERNELS(int32, int32_t, uint32_t)
+RR_INT_KERNELS(int64, int64_t, uint64_t)
 
 /* Element-wise conversions: casts for compression, and the 16-bit divides. */
 struct ToF16 { __device__ static uint16_t apply(float x) { return rr_f32_to_f16(x); } };
