@@ -19,8 +19,10 @@ import sys
 from setuptools import Extension, setup
 
 FLAGS = ["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-cast-function-type"]
-CORE_SOURCES = ["csrc/module.c", "csrc/ring.c", "csrc/reduce.c", "csrc/tcp.c", "csrc/error.c"]
-HEADERS = ["csrc/reduce_math.h", "csrc/reduce.h", "csrc/ring.h", "csrc/tcp.h", "csrc/transport.h"]
+CORE_SOURCES = ["csrc/module.c", "csrc/device_binding.c", "csrc/ring.c", "csrc/reduce.c", "csrc/tcp.c",
+                "csrc/error.c", "csrc/device.c", "csrc/device_emulated.c", "csrc/cuda_device.c"]
+HEADERS = ["csrc/reduce_math.h", "csrc/reduce.h", "csrc/ring.h", "csrc/tcp.h", "csrc/transport.h", "csrc/device.h",
+           "csrc/device_binding.h"]
 
 
 def find_mpicc():
@@ -68,7 +70,7 @@ def cuda_fatbin():
 
 
 core = Extension("ringreduce._core", sources=CORE_SOURCES, depends=HEADERS, extra_compile_args=FLAGS,
-                 libraries=["pthread"])
+                 libraries=["pthread", "dl"])
 
 setup(ext_modules=[core] + [e for e in [mpi_extension()] if e is not None],
       package_data={"ringreduce": cuda_fatbin()})

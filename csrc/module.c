@@ -9,6 +9,7 @@
 #include <Python.h>
 #include <pthread.h>
 
+#include "device_binding.h"
 #include "reduce.h"
 #include "ring.h"
 #include "tcp.h"
@@ -185,8 +186,8 @@ static PyObject *reduce_op(CommObject *self, PyObject *args, int scatter)
     size_t count = (size_t)dst.len / rr_dtype_size((rr_dtype)dtype);
     rr_error err = {0};
     RUN_LOCKED(self, err,
-               scatter ? rr_reduce_scatter(self->ring, src.buf, dst.buf, count, (rr_dtype)dtype, (rr_op)op, &err)
-                       : rr_allreduce(self->ring, src.buf, dst.buf, count, (rr_dtype)dtype, (rr_op)op, &err));
+               scatter ? rr_reduce_scatter(self->ring, NULL, src.buf, dst.buf, count, (rr_dtype)dtype, (rr_op)op, &err)
+                       : rr_allreduce(self->ring, NULL, src.buf, dst.buf, count, (rr_dtype)dtype, (rr_op)op, &err));
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return finish(&err);
@@ -195,11 +196,9 @@ static PyObject *reduce_op(CommObject *self, PyObject *args, int scatter)
 static PyObject *Comm_allreduce(CommObject *self, PyObject *args) { return reduce_op(self, args, 0); }
 static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args) { return reduce_op(self, args, 1); }
 
-static PyObject *Comm_allgather(CommObject *self, PyObject *args)
+/* The per-rank block sizes of an allgather; *total their sum. */
+static size_t *block_sizes(CommObject *self, PyObject *sizes, size_t *total)
 {
-    PyObject *obj, *sizes;
-    if (!PyArg_ParseTuple(args, "OO", &obj, &sizes)) return NULL;
-    if (check_usable(self)) return NULL;
     const int N = self->ring->size;
     PyObject *seq = PySequence_Fast(sizes, "nbytes must be a sequence");
     if (!seq) return NULL;
@@ -208,14 +207,26 @@ static PyObject *Comm_allgather(CommObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "nbytes needs one entry per rank");
         return NULL;
     }
-    size_t *nbytes = PyMem_Malloc(sizeof(size_t) * (size_t)N), total = 0;
-    if (!nbytes) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    size_t *nbytes = PyMem_Malloc(sizeof(size_t) * (size_t)N);
+    if (!nbytes) { Py_DECREF(seq); PyErr_NoMemory(); return NULL; }
+    *total = 0;
     for (int i = 0; i < N; i++) {
         nbytes[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(seq, i));
-        total += nbytes[i];
+        *total += nbytes[i];
     }
     Py_DECREF(seq);
     if (PyErr_Occurred()) { PyMem_Free(nbytes); return NULL; }
+    return nbytes;
+}
+
+static PyObject *Comm_allgather(CommObject *self, PyObject *args)
+{
+    PyObject *obj, *sizes;
+    if (!PyArg_ParseTuple(args, "OO", &obj, &sizes)) return NULL;
+    if (check_usable(self)) return NULL;
+    size_t total;
+    size_t *nbytes = block_sizes(self, sizes, &total);
+    if (!nbytes) return NULL;
     Py_buffer view;
     if (get_writable(obj, &view)) { PyMem_Free(nbytes); return NULL; }
     if ((size_t)view.len != total) {
@@ -225,7 +236,7 @@ static PyObject *Comm_allgather(CommObject *self, PyObject *args)
         return NULL;
     }
     rr_error err = {0};
-    RUN_LOCKED(self, err, rr_allgather(self->ring, view.buf, nbytes, &err));
+    RUN_LOCKED(self, err, rr_allgather(self->ring, NULL, view.buf, nbytes, &err));
     PyBuffer_Release(&view);
     PyMem_Free(nbytes);
     return finish(&err);
@@ -244,8 +255,82 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
     Py_buffer view;
     if (get_writable(obj, &view)) return NULL;
     rr_error err = {0};
-    RUN_LOCKED(self, err, rr_broadcast(self->ring, view.buf, (size_t)view.len, root, &err));
+    RUN_LOCKED(self, err, rr_broadcast(self->ring, NULL, view.buf, (size_t)view.len, root, &err));
     PyBuffer_Release(&view);
+    return finish(&err);
+}
+
+/* The collectives on a device's memory (device.h). Buffers are pointers
+ * given as integers, Python having checked them (cupy's data.ptr); both the
+ * Comm and the Device are held for the whole operation. */
+#define RUN_ON_DEVICE(self, d, err, CALL) \
+    RUN_LOCKED(self, err, pthread_mutex_lock(&(d)->mu); CALL; pthread_mutex_unlock(&(d)->mu))
+
+static int pointer(PyObject *obj, void **p)
+{
+    *p = PyLong_AsVoidPtr(obj);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* allreduce_device(device, src, dst, nbytes, dtype, op), reduce_scatter_device(...) */
+static PyObject *reduce_on_device(CommObject *self, PyObject *args, int scatter)
+{
+    PyObject *dev_obj, *src_obj, *dst_obj;
+    Py_ssize_t nbytes;
+    int dtype, op;
+    void *src, *dst;
+    if (!PyArg_ParseTuple(args, "OOOnii", &dev_obj, &src_obj, &dst_obj, &nbytes, &dtype, &op) ||
+        !valid_dtype_op(dtype, op) || pointer(src_obj, &src) || pointer(dst_obj, &dst))
+        return NULL;
+    DeviceObject *d = device_arg(dev_obj);
+    if (!d || check_usable(self)) return NULL;
+    size_t count = (size_t)nbytes / rr_dtype_size((rr_dtype)dtype);
+    rr_error err = {0};
+    RUN_ON_DEVICE(self, d, err,
+                  err.code = scatter ? rr_reduce_scatter(self->ring, d->dev, src, dst, count, (rr_dtype)dtype,
+                                                         (rr_op)op, &err)
+                                     : rr_allreduce(self->ring, d->dev, src, dst, count, (rr_dtype)dtype, (rr_op)op,
+                                                    &err));
+    return finish(&err);
+}
+
+static PyObject *Comm_allreduce_device(CommObject *self, PyObject *args) { return reduce_on_device(self, args, 0); }
+static PyObject *Comm_reduce_scatter_device(CommObject *self, PyObject *args)
+{
+    return reduce_on_device(self, args, 1);
+}
+
+static PyObject *Comm_allgather_device(CommObject *self, PyObject *args)
+{
+    PyObject *dev_obj, *ptr, *sizes;
+    void *buf;
+    if (!PyArg_ParseTuple(args, "OOO", &dev_obj, &ptr, &sizes) || pointer(ptr, &buf)) return NULL;
+    DeviceObject *d = device_arg(dev_obj);
+    if (!d || check_usable(self)) return NULL;
+    size_t total;
+    size_t *nbytes = block_sizes(self, sizes, &total);
+    if (!nbytes) return NULL;
+    rr_error err = {0};
+    RUN_ON_DEVICE(self, d, err, rr_allgather(self->ring, d->dev, buf, nbytes, &err));
+    PyMem_Free(nbytes);
+    return finish(&err);
+}
+
+static PyObject *Comm_broadcast_device(CommObject *self, PyObject *args)
+{
+    PyObject *dev_obj, *ptr;
+    Py_ssize_t nbytes;
+    int root;
+    void *buf;
+    if (!PyArg_ParseTuple(args, "OOni", &dev_obj, &ptr, &nbytes, &root) || pointer(ptr, &buf)) return NULL;
+    DeviceObject *d = device_arg(dev_obj);
+    if (!d || check_usable(self)) return NULL;
+    if (root < 0 || root >= self->ring->size) {
+        PyErr_SetString(PyExc_ValueError, "root out of range");
+        return NULL;
+    }
+    rr_error err = {0};
+    RUN_ON_DEVICE(self, d, err, rr_broadcast(self->ring, d->dev, buf, (size_t)nbytes, root, &err));
     return finish(&err);
 }
 
@@ -352,6 +437,14 @@ static PyMethodDef Comm_methods[] = {
     {"allgather", (PyCFunction)Comm_allgather, METH_VARARGS,
      "allgather(buf, nbytes): in place; this rank's block already filled"},
     {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, "broadcast(buf, root): in place"},
+    {"allreduce_device", (PyCFunction)Comm_allreduce_device, METH_VARARGS,
+     "allreduce_device(device, src, dst, nbytes, dtype, op): allreduce of device memory (pointers)"},
+    {"reduce_scatter_device", (PyCFunction)Comm_reduce_scatter_device, METH_VARARGS,
+     "reduce_scatter_device(device, src, dst, nbytes, dtype, op)"},
+    {"allgather_device", (PyCFunction)Comm_allgather_device, METH_VARARGS,
+     "allgather_device(device, buf, nbytes): in place in device memory"},
+    {"broadcast_device", (PyCFunction)Comm_broadcast_device, METH_VARARGS,
+     "broadcast_device(device, buf, nbytes, root): in place in device memory"},
     {"exchange_blobs", (PyCFunction)Comm_exchange_blobs, METH_VARARGS,
      "exchange_blobs(head, data=b'') -> list of every rank's head+data, in rank order"},
     {"allreduce_small", (PyCFunction)Comm_allreduce_small, METH_VARARGS,
@@ -433,11 +526,13 @@ static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "_core", "ringre
 
 PyMODINIT_FUNC PyInit__core(void)
 {
-    if (PyType_Ready(&CommType) < 0) return NULL;
+    if (PyType_Ready(&CommType) < 0 || PyType_Ready(&DeviceType) < 0) return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (!m) return NULL;
     Py_INCREF(&CommType);
     PyModule_AddObject(m, "Comm", (PyObject *)&CommType);
+    Py_INCREF(&DeviceType);
+    PyModule_AddObject(m, "Device", (PyObject *)&DeviceType);
     static const char *dtypes[] = {"FLOAT16", "BFLOAT16", "FLOAT32", "FLOAT64", "INT8", "UINT8", "INT32", "INT64"};
     for (int i = 0; i < RR_NUM_DTYPES; i++) PyModule_AddIntConstant(m, dtypes[i], i);
     static const char *ops[] = {"SUM", "PROD", "MIN", "MAX", "AVG"};

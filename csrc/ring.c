@@ -39,6 +39,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "device.h"
 #include "reduce.h"
 
 static double monotonic_s(void)
@@ -86,21 +87,77 @@ static int fail(rr_ring *ring, int code, rr_error *err)
     return code;
 }
 
+/* Work queued on the device that the schedule waits for, oldest first:
+ * completion comes in queue order, since the device runs one stream. */
+enum { STAGED_FIRST, STAGED_REDUCED };
+typedef struct {
+    rr_device *dev;
+    struct { uint64_t ticket; int kind; size_t end; } item[2 * RR_DEVICE_SLOTS];
+    int head, len;
+} device_queue;
+
+static int queue_push(device_queue *q, int kind, size_t end, rr_error *err)
+{
+    uint64_t t = q->dev->ops->mark(q->dev, err);
+    if (!t) return err->code;
+    int at = (q->head + q->len++) % (2 * RR_DEVICE_SLOTS);
+    q->item[at].ticket = t;
+    q->item[at].kind = kind;
+    q->item[at].end = end;
+    return RR_OK;
+}
+
+/* Retires finished work (waiting for the oldest item when `wait`): the first
+ * step's mirror is ready up to *first_ready, the received chunk can be
+ * forwarded up to *rdone. */
+static int queue_retire(device_queue *q, int wait, size_t *first_ready, size_t *rdone, rr_error *err)
+{
+    while (q->len) {
+        int rc = q->dev->ops->done(q->dev, q->item[q->head].ticket, wait, err);
+        if (rc < 0) return -rc;
+        if (rc == 0) return RR_OK;
+        if (q->item[q->head].kind == STAGED_FIRST) *first_ready = q->item[q->head].end;
+        else *rdone = q->item[q->head].end;
+        q->head = (q->head + 1) % (2 * RR_DEVICE_SLOTS);
+        q->len--;
+        wait = 0;
+    }
+    return RR_OK;
+}
+
 /* Runs steps g0 .. g1-1 of the schedule above over chunks at byte offsets
  * off[] with byte lengths len[]. Steps below `reduce_until` reduce, later
  * steps copy; for avg, each segment of the owned chunk is divided the moment
  * it is final. The input is read from src (which may be buf): the first step
  * sends from it and each reduction reads its own chunk from it, so every
- * byte of buf is written exactly once and out of place costs no copy. */
-static int ring_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len,
-                      int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
+ * byte of buf is written exactly once and out of place costs no copy.
+ *
+ * With a device (dev != NULL) src and buf are device memory and the same
+ * schedule runs staged (device.h): the first step's chunk goes down to the
+ * host mirror segment by segment; a reducing receive lands in a pinned slot,
+ * goes up, is reduced on the device and, unless it is final, comes back down
+ * into the mirror, from where the next step sends it; a copying receive lands
+ * in the mirror and goes up. Up to RR_DEVICE_SLOTS segments are in flight on
+ * the device while the sockets carry the next ones. The bytes on the wire
+ * are the same either way, so host and device ranks share one ring. */
+static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf, const size_t *off,
+                      const size_t *len, int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
 {
     const int N = ring->size, r = ring->rank;
     const size_t seg = ring->segment, esize = rr_dtype_size(dtype);
+    const int slots = dev ? RR_DEVICE_SLOTS : 1;
     rr_transport *t = ring->transport;
+    char *host = dev ? dev->mirror : buf;              /* where sends leave from and copies land */
+    char *staging = dev ? dev->staging : ring->staging; /* where reducing receives land */
+    const int c0 = mod(r - g0 - 1, N);                 /* the chunk the first step sends */
+    const char *first = dev ? dev->mirror : src;
+    size_t first_ready = dev ? 0 : len[c0], first_queued = first_ready;
+    device_queue q = {.dev = dev};
     int sg = g0, rg = g0;        /* the steps being sent and received */
     size_t soff = 0;             /* bytes of step sg's chunk sent */
-    size_t roff = 0, rdone = 0;  /* bytes of step rg's chunk received; of those, finished */
+    size_t roff = 0, rdone = 0;  /* bytes of step rg's chunk received; of those, ready to forward */
+    int rc_ = RR_OK;
+#define DEV(CALL) do { if ((rc_ = (CALL)) != RR_OK) return fail(ring, rc_, err); } while (0)
 
     for (;;) {
         while (sg < g1 && soff == len[mod(r - sg - 1, N)]) { sg++; soff = 0; }
@@ -109,48 +166,81 @@ static int ring_steps(rr_ring *ring, const char *src, char *buf, const size_t *o
             roff = rdone = 0;
             if (rg == reduce_until) ring->phase_times[1] = monotonic_s(); /* owned chunk final */
         }
-        if (sg >= g1 && rg >= g1) return RR_OK;
+        if (sg >= g1 && rg >= g1) break;
+        if (dev) {
+            /* The first step's chunk goes down ahead of the sender, a few segments at a time. */
+            while (first_queued < len[c0] && q.len < RR_DEVICE_SLOTS) {
+                size_t n = len[c0] - first_queued < seg ? len[c0] - first_queued : seg;
+                DEV(dev->ops->to_host(dev, dev->mirror + off[c0] + first_queued, src + off[c0] + first_queued, n, err));
+                first_queued += n;
+                DEV(queue_push(&q, STAGED_FIRST, first_queued, err));
+            }
+            DEV(queue_retire(&q, 0, &first_ready, &rdone, err));
+        }
 
         /* Send window: the rest of the current segment, but never past what
-         * has arrived, when the chunk is the one still being received. */
+         * is ready: the first step's mirror, or the chunk still being received. */
         const char *sp = NULL;
         size_t sl = 0;
         if (sg < g1) {
             const int sc = mod(r - sg - 1, N);
-            size_t limit = (sg > g0 && sg - 1 == rg) ? rdone : len[sc];
+            size_t limit = sg == g0 ? first_ready : sg - 1 == rg ? rdone : len[sc];
             size_t seg_end = (soff / seg + 1) * seg;
             if (seg_end > limit) seg_end = limit;
-            sp = (sg == g0 ? src : buf) + off[sc] + soff;
+            sp = (sg == g0 ? first : host) + off[sc] + soff;
             sl = seg_end > soff ? seg_end - soff : 0;
         }
-        /* Receive window: the rest of the current segment, into staging
-         * when it must be reduced, else straight into place. */
+        /* Receive window: the rest of the current segment, into a staging
+         * slot when it must be reduced (if one is free), else into place. */
         const int rc = mod(r - rg - 2, N);
         const int reducing = rg < reduce_until;
+        const size_t rseg_start = roff / seg * seg;
+        const size_t slot = rseg_start / seg % (size_t)slots * seg;
         char *rp = NULL;
         size_t rl = 0, rseg_end = 0;
-        if (rg < g1) {
-            rseg_end = (rdone / seg + 1) * seg;
-            if (rseg_end > len[rc]) rseg_end = len[rc];
-            rp = reducing ? (char *)ring->staging + (roff - rdone) : buf + off[rc] + roff;
+        if (rg < g1 && roff < len[rc] && (!reducing || rseg_start / seg - rdone / seg < (size_t)slots)) {
+            rseg_end = rseg_start + seg < len[rc] ? rseg_start + seg : len[rc];
+            rp = reducing ? staging + slot + (roff - rseg_start) : host + off[rc] + roff;
             rl = rseg_end - roff;
+        }
+        /* A window the device holds shut opens once its work is done: wait
+         * for that rather than for the sockets, which may wait on us. */
+        if (q.len && ((sg < g1 && sl == 0) || (rg < g1 && rl == 0))) {
+            DEV(queue_retire(&q, 1, &first_ready, &rdone, err));
+            continue;
         }
 
         size_t sent = 0, rcvd = 0;
-        int rc_ = t->ops->exchange(t, sp, sl, &sent, rp, rl, &rcvd, err);
+        rc_ = t->ops->exchange(t, sp, sl, &sent, rp, rl, &rcvd, err);
         if (rc_ != RR_OK) return fail(ring, rc_, err);
         soff += sent;
         roff += rcvd;
-        if (rg < g1 && roff == rseg_end) {
-            if (reducing) {
-                char *dst = buf + off[rc] + rdone;
-                size_t n = (rseg_end - rdone) / esize;
-                rr_reduce3(dst, src + off[rc] + rdone, ring->staging, n, dtype, op);
-                if (op == RR_AVG && rg == N - 2) rr_divide(dst, n, dtype, N);
+        if (rl && roff == rseg_end) {
+            const size_t bytes = rseg_end - rseg_start, n = bytes / esize;
+            char *dst = buf + off[rc] + rseg_start;
+            const int last = op == RR_AVG && rg == N - 2;
+            if (!dev) {
+                if (reducing) {
+                    rr_reduce3(dst, src + off[rc] + rseg_start, staging + slot, n, dtype, op);
+                    if (last) rr_divide(dst, n, dtype, N);
+                }
+                rdone = rseg_end;
+            } else if (reducing) {
+                DEV(dev->ops->to_device(dev, dev->scratch + slot, staging + slot, bytes, err));
+                DEV(dev->ops->reduce3(dev, dst, src + off[rc] + rseg_start, dev->scratch + slot, n, dtype, op, err));
+                if (last) DEV(dev->ops->divide(dev, dst, n, dtype, N, err));
+                if (rg + 1 < g1) /* forwarded next step */
+                    DEV(dev->ops->to_host(dev, host + off[rc] + rseg_start, dst, bytes, err));
+                DEV(queue_push(&q, STAGED_REDUCED, rseg_end, err));
+            } else {
+                DEV(dev->ops->to_device(dev, dst, host + off[rc] + rseg_start, bytes, err));
+                rdone = rseg_end;
             }
-            rdone = rseg_end;
         }
     }
+    if (dev) DEV(rr_device_sync(dev, err));
+#undef DEV
+    return RR_OK;
 }
 
 /* Chunk table for `count` elements: offsets and lengths in bytes. */
@@ -168,45 +258,59 @@ static int chunk_table(int N, size_t count, size_t esize, size_t **off, size_t *
     return 0;
 }
 
-static int reduce_phases(rr_ring *ring, const void *src, void *buf, size_t count, rr_dtype dtype,
-                         rr_op op, int g1, rr_error *err)
+/* Readies the device for an operation over `bytes` bytes. */
+static int device_begin(rr_ring *ring, rr_device *dev, size_t bytes, rr_error *err)
+{
+    if (!dev) return RR_OK;
+    int rc = dev->ops->begin(dev, err);
+    return rc ? rc : rr_device_reserve(dev, bytes, ring->segment, err);
+}
+
+static int reduce_phases(rr_ring *ring, rr_device *dev, const void *src, void *buf, size_t count,
+                         rr_dtype dtype, rr_op op, int g1, rr_error *err)
 {
     const int N = ring->size;
+    const size_t bytes = count * rr_dtype_size(dtype);
     if (rr_dtype_size(dtype) == 0 || op < 0 || op >= RR_NUM_OPS) {
         rr_set_error(err, RR_E_INVALID, -1, "unsupported dtype %d or op %d", (int)dtype, (int)op);
         return err->code;
     }
     if (N == 1) { /* avg over one rank divides by 1 */
-        if (src != buf) memmove(buf, src, count * rr_dtype_size(dtype));
-        return RR_OK;
+        if (src == buf || bytes == 0) return RR_OK;
+        if (!dev) { memmove(buf, src, bytes); return RR_OK; }
+        int rc = dev->ops->begin(dev, err);
+        if (rc == RR_OK) rc = dev->ops->copy(dev, buf, src, bytes, err);
+        return rc == RR_OK ? rr_device_sync(dev, err) : rc;
     }
+    int rc = device_begin(ring, dev, bytes, err);
+    if (rc) return fail(ring, rc, err);
     size_t *off, *len;
     if (chunk_table(N, count, rr_dtype_size(dtype), &off, &len)) {
         rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
         return err->code;
     }
-    int rc = ring_steps(ring, src, buf, off, len, 0, g1, N - 1, dtype, op, err);
+    rc = ring_steps(ring, dev, src, buf, off, len, 0, g1, N - 1, dtype, op, err);
     free(off);
     free(len);
     return rc;
 }
 
-int rr_allreduce(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
-                 rr_error *err)
+int rr_allreduce(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype,
+                 rr_op op, rr_error *err)
 {
     ring->phase_times[0] = ring->phase_times[1] = monotonic_s();
-    int rc = reduce_phases(ring, src, dst, count, dtype, op, 2 * ring->size - 2, err);
+    int rc = reduce_phases(ring, dev, src, dst, count, dtype, op, 2 * ring->size - 2, err);
     ring->phase_times[2] = monotonic_s();
     return rc;
 }
 
-int rr_reduce_scatter(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
-                      rr_error *err)
+int rr_reduce_scatter(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype,
+                      rr_op op, rr_error *err)
 {
-    return reduce_phases(ring, src, dst, count, dtype, op, ring->size - 1, err);
+    return reduce_phases(ring, dev, src, dst, count, dtype, op, ring->size - 1, err);
 }
 
-int rr_allgather(rr_ring *ring, void *buf, const size_t *nbytes, rr_error *err)
+int rr_allgather(rr_ring *ring, rr_device *dev, void *buf, const size_t *nbytes, rr_error *err)
 {
     const int N = ring->size;
     if (N == 1) return RR_OK;
@@ -216,33 +320,61 @@ int rr_allgather(rr_ring *ring, void *buf, const size_t *nbytes, rr_error *err)
         return err->code;
     }
     for (int i = 0; i < N; i++) { off[i] = at; at += nbytes[i]; }
+    int rc = device_begin(ring, dev, at, err);
     /* The AllGather steps of the schedule; uint8 so no reduction applies. */
-    int rc = ring_steps(ring, buf, buf, off, nbytes, N - 1, 2 * N - 2, 0, RR_UINT8, RR_SUM, err);
+    if (rc == RR_OK) rc = ring_steps(ring, dev, buf, buf, off, nbytes, N - 1, 2 * N - 2, 0, RR_UINT8, RR_SUM, err);
+    else fail(ring, rc, err);
     free(off);
     return rc;
 }
 
 /* Broadcast is a pipelined chain root -> root+1 -> ... -> root-1: each rank
- * forwards every segment the moment it has it. */
-int rr_broadcast(rr_ring *ring, void *buf, size_t nbytes, int root, rr_error *err)
+ * forwards every segment the moment it has it. With a device, bytes travel
+ * through the host mirror: the root's go down a few segments ahead of the
+ * sender, every other rank's go up as each segment arrives. */
+int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int root, rr_error *err)
 {
     const int N = ring->size, r = ring->rank;
+    const size_t seg = ring->segment;
     if (N == 1 || nbytes == 0) return RR_OK;
+    int rc = device_begin(ring, dev, nbytes, err);
+    if (rc) return fail(ring, rc, err);
     rr_transport *t = ring->transport;
+    char *host = dev ? dev->mirror : buf;
     const int receives = r != root, forwards = mod(r + 1, N) != root;
     size_t sent = 0, rcvd = receives ? 0 : nbytes;
+    size_t ready = receives || !dev ? nbytes : 0, queued = ready, up = 0, unused = 0;
+    device_queue q = {.dev = dev};
+#define DEV(CALL) do { if ((rc = (CALL)) != RR_OK) return fail(ring, rc, err); } while (0)
     while ((forwards && sent < nbytes) || rcvd < nbytes) {
-        size_t s_end = (sent / ring->segment + 1) * ring->segment;
-        if (s_end > rcvd) s_end = rcvd;
-        size_t r_end = (rcvd / ring->segment + 1) * ring->segment;
+        if (dev && !receives) {
+            while (queued < nbytes && q.len < RR_DEVICE_SLOTS) {
+                size_t n = nbytes - queued < seg ? nbytes - queued : seg;
+                DEV(dev->ops->to_host(dev, host + queued, (char *)buf + queued, n, err));
+                queued += n;
+                DEV(queue_push(&q, STAGED_FIRST, queued, err));
+            }
+            DEV(queue_retire(&q, sent == ready, &ready, &unused, err));
+            if (sent == ready) continue;
+        }
+        const size_t avail = receives ? rcvd : ready;
+        size_t s_end = (sent / seg + 1) * seg;
+        if (s_end > avail) s_end = avail;
+        size_t r_end = (rcvd / seg + 1) * seg;
         if (r_end > nbytes) r_end = nbytes;
         size_t ds = 0, dr = 0;
-        int rc = t->ops->exchange(t, (char *)buf + sent, forwards ? s_end - sent : 0, &ds,
-                                  (char *)buf + rcvd, r_end - rcvd, &dr, err);
+        rc = t->ops->exchange(t, host + sent, forwards ? s_end - sent : 0, &ds, host + rcvd, r_end - rcvd, &dr, err);
         if (rc != RR_OK) return fail(ring, rc, err);
         sent += ds;
         rcvd += dr;
+        while (dev && receives && up < rcvd && (rcvd - up >= seg || rcvd == nbytes)) {
+            size_t n = rcvd - up < seg ? rcvd - up : seg;
+            DEV(dev->ops->to_device(dev, (char *)buf + up, host + up, n, err));
+            up += n;
+        }
     }
+    if (dev) DEV(rr_device_sync(dev, err));
+#undef DEV
     return RR_OK;
 }
 

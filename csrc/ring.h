@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 #include "reduce_math.h"
+#include "device.h"
 #include "transport.h"
 
 typedef struct rr_ring {
@@ -23,22 +24,25 @@ void rr_ring_destroy(rr_ring *ring);
  * get one extra element. */
 size_t rr_chunk_count(size_t count, int size, int i);
 
+/* The collectives below take buffers in host memory (dev NULL) or in a
+ * device's memory (device.h); ranks of either kind share one ring. */
+
 /* dst ends with the reduction of every rank's src, bit-identical on all
  * ranks. dst may be src (in place); src is only read. */
-int rr_allreduce(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
+int rr_allreduce(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
                  rr_error *err);
 
 /* ScatterReduce only: afterwards chunk `rank` of dst (see rr_chunk_count)
  * holds the reduction; other chunks hold partials. dst may be src. */
-int rr_reduce_scatter(rr_ring *ring, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
+int rr_reduce_scatter(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
                       rr_error *err);
 
 /* In place, AllGather only: block i is nbytes[i] bytes at the sum of the
  * blocks before it; this rank's block is filled, the rest get filled. */
-int rr_allgather(rr_ring *ring, void *buf, const size_t *nbytes, rr_error *err);
+int rr_allgather(rr_ring *ring, rr_device *dev, void *buf, const size_t *nbytes, rr_error *err);
 
 /* Root's nbytes flow along the ring, pipelined by segment. */
-int rr_broadcast(rr_ring *ring, void *buf, size_t nbytes, int root, rr_error *err);
+int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int root, rr_error *err);
 
 /* Every rank contributes one blob of any length (up to 64 MiB), given as a
  * header and data; every rank gets all of them, in rank order. *all is one malloc'ed block holding the

@@ -16,6 +16,7 @@ enum {
     RR_E_PROTOCOL = 2,  /* bytes on the wire that make no sense */
     RR_E_SYSTEM = 3,    /* out of memory, a failed system call */
     RR_E_INVALID = 4,   /* bad arguments */
+    RR_E_DEVICE = 5,    /* the accelerator failed (a CUDA call) */
 };
 
 typedef struct rr_error {

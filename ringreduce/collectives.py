@@ -18,7 +18,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from . import _core, config as _config, mpi_backend, world as _world
+from . import _core, config as _config, cuda as _cuda, mpi_backend, world as _world
 from .errors import MismatchError, RingReduceError
 
 
@@ -146,10 +146,53 @@ def _op_code(op: str) -> int:
     return _OPS[op]
 
 
-def _as_array(x) -> np.ndarray:
-    arr = np.asarray(x)
+class _HostArrays:
+    """numpy arrays: the ring reads and writes them where they are. The GPU
+    counterpart is ringreduce.cuda.DeviceArrays; the collectives below are
+    written once over either."""
+
+    xp = np
+
+    @staticmethod
+    def asarray(x):
+        return np.asarray(x)
+
+    @staticmethod
+    def to_host(x):
+        return x
+
+    @staticmethod
+    def from_host(a, like):
+        return a
+
+    @staticmethod
+    def allreduce(comm, src, dst, code, opc):
+        comm.allreduce(_raw(src), _raw(dst), code, opc)
+
+    @staticmethod
+    def reduce_scatter(comm, src, dst, code, opc):
+        comm.reduce_scatter(_raw(src), _raw(dst), code, opc)
+
+    @staticmethod
+    def allgather(comm, flat, nbytes):
+        comm.allgather(flat, nbytes)
+
+    @staticmethod
+    def broadcast(comm, buf, root):
+        comm.broadcast(_raw(buf), root)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arrays():
+    return _cuda.DeviceArrays()
+
+
+def _arrays_for(x):
+    """The array family of x, and x as one of its arrays (dtype checked)."""
+    family = _device_arrays() if _cuda.is_device_array(x) else _HostArrays
+    arr = family.asarray(x)
     _dtype_code(arr.dtype)
-    return arr
+    return family, arr
 
 
 @functools.lru_cache(maxsize=4096)
@@ -238,15 +281,11 @@ def _raw(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8) if a.dtype == _BFLOAT16 else a
 
 
-def _fresh_contiguous(x: np.ndarray) -> np.ndarray:
-    return np.array(x, order="C", copy=True)
-
-
-def _deliver(result: np.ndarray, out):
+def _deliver(result, out, xp=np):
     if out is None:
         return result
     if out is not result:
-        np.copyto(out, result.reshape(out.shape))
+        xp.copyto(out, result.reshape(out.shape))
     return out
 
 
@@ -272,6 +311,8 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None):
     """Reduces x over all ranks; returns a new array, or writes `out` (may be x) and returns it."""
     # Small allreduces are latency-bound, so this path keeps its Python short.
     if type(x) is not np.ndarray:
+        if _cuda.is_device_array(x):
+            return _allreduce_device(x, op, out, name)
         x = np.asarray(x)
     code = _DTYPES.get(x.dtype)
     if code is None:
@@ -302,6 +343,27 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None):
         return _deliver(dst, out)
 
 
+def _allreduce_device(x, op, out, name):
+    g, x = _arrays_for(x)
+    code, opc = _dtype_code(x.dtype), _op_code(op)
+    if out is not None and (not _cuda.is_device_array(out) or out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(f"out must be a GPU array of shape {x.shape} and dtype {x.dtype}")
+    with _state.lock:
+        _require_world()
+        if x.nbytes <= _state.small_limit:
+            # Latency-bound: one copy each way and the host path, whose
+            # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
+            return _deliver(g.from_host(allreduce(g.to_host(x), op, name=name), like=x), out, g.xp)
+        head = _header(ALLREDUCE, opc, code, x.shape, name, False)
+        _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce")
+        src = g.xp.ascontiguousarray(x)
+        dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
+        if dst is not src and g.xp.may_share_memory(dst, src):
+            src = src.copy()
+        g.allreduce(_state.comm, src, dst, code, opc)
+        return _deliver(dst, out, g.xp)
+
+
 def _chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
     """Chunk i of count elements over n ranks, as csrc/ring.c cuts it."""
     base, extra = divmod(count, n)
@@ -311,25 +373,26 @@ def _chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
 
 def reduce_scatter(x, op: str = "sum", name: str | None = None):
     """Returns this rank's chunk of the flattened reduction (chunks in rank order)."""
-    x = _as_array(x)
+    g, x = _arrays_for(x)
     code, opc = _dtype_code(x.dtype), _op_code(op)
     with _state.lock:
         w = _require_world()
         small = x.nbytes <= _state.small_limit
         head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small)
-        blobs = _exchange(head, x.tobytes() if small else b"",
+        blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
                           ("op", "dtype", "shape", "name"), "reduce_scatter")
         lo, hi = _chunk_bounds(x.size, w.size, w.rank)
         if small:
-            return _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
-        work = np.empty(x.size, dtype=x.dtype)
-        _state.comm.reduce_scatter(_raw(np.ascontiguousarray(x)), _raw(work), code, opc)
+            mine = _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
+            return g.from_host(mine, like=x)
+        work = g.xp.empty(x.size, dtype=x.dtype)
+        g.reduce_scatter(_state.comm, g.xp.ascontiguousarray(x), work, code, opc)
         return work[lo:hi].copy()
 
 
 def allgather(x, name: str | None = None):
     """Concatenates every rank's x along axis 0 (ranks may differ in dim 0 only)."""
-    x = _as_array(x)
+    g, x = _arrays_for(x)
     if x.ndim == 0:
         x = x.reshape(1)
     code = _dtype_code(x.dtype)
@@ -337,26 +400,27 @@ def allgather(x, name: str | None = None):
         w = _require_world()
         small = x.nbytes <= _state.small_limit
         head = _header(ALLGATHER, 0, code, x.shape, name, inline=small)
-        blobs = _exchange(head, x.tobytes() if small else b"",
+        blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
                           ("dtype", "trailing", "name"), "allgather")
         heads = [_parse(b) for b in blobs]
         rows = [h["shape"][0] for h in heads]
-        out = np.empty((sum(rows),) + x.shape[1:], dtype=x.dtype)
+        shape = (sum(rows),) + x.shape[1:]
+        if all(h["inline"] for h in heads):
+            joined = np.concatenate([np.frombuffer(h["payload"], dtype=np.uint8) for h in heads])
+            return g.from_host(joined.view(x.dtype).reshape(shape), like=x)
+        out = g.xp.empty(shape, dtype=x.dtype)
         flat = _bytes(out)
         row_bytes = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
         nbytes = [r * row_bytes for r in rows]
-        if all(h["inline"] for h in heads):
-            np.concatenate([np.frombuffer(h["payload"], dtype=np.uint8) for h in heads], out=flat)
-            return out
         at = sum(nbytes[:w.rank])
-        flat[at:at + nbytes[w.rank]] = _bytes(np.ascontiguousarray(x))
-        _state.comm.allgather(flat, nbytes)
+        flat[at:at + nbytes[w.rank]] = _bytes(g.xp.ascontiguousarray(x))
+        g.allgather(_state.comm, flat, nbytes)
         return out
 
 
 def broadcast(x, root: int = 0, name: str | None = None):
     """Returns a new array holding root's x (same shape and dtype on every rank)."""
-    x = _as_array(x)
+    g, x = _arrays_for(x)
     code = _dtype_code(x.dtype)
     with _state.lock:
         w = _require_world()
@@ -364,12 +428,16 @@ def broadcast(x, root: int = 0, name: str | None = None):
             raise ValueError(f"root {root} is not a rank of this world of {w.size}")
         small = x.nbytes <= _state.small_limit
         head = _header(BROADCAST, 0, code, x.shape, name, root=root, inline=small)
-        blobs = _exchange(head, x.tobytes() if small and w.rank == root else b"",
+        blobs = _exchange(head, g.to_host(x).tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast")
         if small:
-            return np.frombuffer(blobs[root], dtype=x.dtype, offset=len(head)).reshape(x.shape).copy()
-        buf = _fresh_contiguous(x) if w.rank == root else np.empty(x.shape, dtype=x.dtype)
-        _state.comm.broadcast(_raw(buf), root)
+            data = np.frombuffer(blobs[root], dtype=x.dtype, offset=len(head)).reshape(x.shape).copy()
+            return g.from_host(data, like=x)
+        if w.rank == root:
+            buf = g.xp.array(x, order="C", copy=True)
+        else:
+            buf = g.xp.empty(x.shape, dtype=x.dtype)
+        g.broadcast(_state.comm, buf, root)
         return buf
 
 

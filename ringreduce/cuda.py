@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parent
 FATBIN = PACKAGE / "reduce_kernels.fatbin"
 SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # installed copy, then the source tree
 
+# In the C core's code order (rr_dtype, rr_op): the ring's device takes its kernels so.
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 OPS = ("sum", "prod", "min", "max")
 THREADS = 256
@@ -97,3 +98,67 @@ def cast(dst, src, dst_dtype=None, src_dtype=None) -> None:
     frm, to = _dtype_name(src_dtype or src.dtype), _dtype_name(dst_dtype or dst.dtype)
     kernel = _module().get_function(f"rr_cast_{frm}_to_{to}")
     kernel(_grid(src.size), (THREADS,), (dst, src, np.uint64(src.size)))
+
+
+# --------------------------------------------------------------------------- the collectives' data path
+
+
+def is_device_array(x) -> bool:
+    """True for GPU arrays (cupy, or anything with __cuda_array_interface__)."""
+    return not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__")
+
+
+@functools.lru_cache(maxsize=None)
+def ring_device(ordinal: int):
+    """The ring's handle on GPU `ordinal` (ringreduce._core.Device): its stream,
+    pinned staging and the kernels above, one per process and GPU."""
+    from . import _core
+
+    cp = cupy_or_none()
+    module = _module()
+    with cp.cuda.Device(ordinal):
+        def handle(name):
+            return module.get_function(name).kernel.ptr
+        reduce = [[handle(f"rr_reduce_{d}_{op}") for op in OPS] for d in DTYPES]
+        divide = [handle(f"rr_divide_{d}") for d in DTYPES]
+    return _core.Device.cuda(ordinal, reduce, divide)
+
+
+class DeviceArrays:
+    """What the collectives need to run on GPU arrays (cupy): allocate like
+    numpy, copy to and from the host for the small-message path, and call the
+    ring with device pointers. Results are cupy arrays on the input's device."""
+
+    def __init__(self):
+        self.xp = cupy_or_none()
+        why = available()
+        if why:
+            raise RingReduceError(f"GPU arrays need cupy and a CUDA device: {why}")
+
+    def asarray(self, x):
+        return self.xp.asarray(x)  # zero-copy for cupy and __cuda_array_interface__ arrays
+
+    def to_host(self, x) -> np.ndarray:
+        return self.xp.asnumpy(x)
+
+    def from_host(self, a: np.ndarray, like):
+        with like.device:
+            return self.xp.asarray(a)
+
+    def _ready(self, *arrays):
+        """The ring runs on its own stream: what the caller's stream has
+        queued for these arrays must be done first."""
+        self.xp.cuda.get_current_stream().synchronize()
+        return ring_device(arrays[0].device.id)
+
+    def allreduce(self, comm, src, dst, code, opc):
+        comm.allreduce_device(self._ready(src, dst), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+
+    def reduce_scatter(self, comm, src, dst, code, opc):
+        comm.reduce_scatter_device(self._ready(src, dst), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+
+    def allgather(self, comm, flat, nbytes):
+        comm.allgather_device(self._ready(flat), flat.data.ptr, nbytes)
+
+    def broadcast(self, comm, buf, root):
+        comm.broadcast_device(self._ready(buf), buf.data.ptr, buf.nbytes, root)

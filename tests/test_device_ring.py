@@ -1,0 +1,162 @@
+"""The ring's staged path for device memory (csrc/device.h), on the emulated
+device: its pointers fault when the host touches them and its queued work runs
+late, so a segment sent before its copy finished, a slot reused too early or a
+result read before the device is done shows up as wrong bits or a crash.
+
+Device ranks and host ranks share one ring: every case runs with all ranks on
+the device and with device and host ranks alternating, and each rank's result
+must equal, bit for bit, what the host ring gives for the same inputs. A small
+segment (RINGREDUCE_SEGMENT_BYTES) makes every chunk many segments, so all
+staging slots turn over many times.
+"""
+import textwrap
+
+import numpy as np
+import pytest
+
+from ranks import run_ranks
+
+SETUP = """
+from cases import DTYPES, OPS, make_input, np_dtype
+from ringreduce import _core, collectives
+comm = collectives._state.comm
+dev = _core.Device.emulated(patience)
+codes = {d: collectives._dtype_code(np_dtype(d)) for d in DTYPES}
+opcodes = collectives._OPS
+
+class Buf:
+    # An array's bytes in emulated device memory.
+    def __init__(self, a):
+        self.nbytes, self.ptr = a.nbytes, dev.alloc(max(a.nbytes, 1))
+        dev.write(self.ptr, a.tobytes())
+    def get(self, dtype):
+        return np.frombuffer(dev.read(self.ptr, self.nbytes), dtype=dtype).copy()
+
+def on_device(mode):
+    return mode == "device" or (mode == "mixed" and rr.rank() % 2 == 0)
+
+def host_allreduce(x, dtype, op):
+    out = np.empty_like(x)
+    comm.allreduce(x.view(np.uint8), out.view(np.uint8), codes[dtype], opcodes[op])
+    return out
+"""
+
+
+def job(body: str, mode: str = "device", patience: int = 2) -> str:
+    return f"mode, patience = {mode!r}, {patience}\n" + SETUP + textwrap.dedent(body)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["device", "mixed"])
+@pytest.mark.parametrize("patience", [0, 2])
+def test_allreduce_on_device_equals_the_host_ring(tmp_path, n, mode, patience):
+    ranks = run_ranks(n, job("""
+        bad = []
+        for dtype in DTYPES:
+            for op in OPS:
+                for count in [0, 1, rr.size() - 1, 2 * rr.size() + 1, 5_003, 40_001]:
+                    x = make_input(rr.rank(), (count,), dtype, op)
+                    want = host_allreduce(x, dtype, op)  # checked against numpy in test_allreduce.py
+                    in_place = count % 2 == 1
+                    if on_device(mode):
+                        src = Buf(x)
+                        dst = src if in_place else Buf(np.zeros_like(x))
+                        comm.allreduce_device(dev, src.ptr, dst.ptr, x.nbytes, codes[dtype], opcodes[op])
+                        got = dst.get(x.dtype)
+                        if not in_place and src.get(x.dtype).tobytes() != x.tobytes():
+                            bad.append(("input changed", dtype, op, count))
+                    else:
+                        got = host_allreduce(x, dtype, op)
+                    if got.tobytes() != want.tobytes():
+                        bad.append((dtype, op, count))
+        result = bad
+    """, mode, patience), tmp_path, env={"RINGREDUCE_SEGMENT_BYTES": "1024"}, timeout=240)
+    for r in ranks:
+        assert r.result == [], f"rank {r.rank}: {r.result[:5]}"
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("mode", ["device", "mixed"])
+@pytest.mark.parametrize("patience", [0, 2])
+def test_reduce_scatter_allgather_broadcast_on_device(tmp_path, n, mode, patience):
+    ranks = run_ranks(n, job("""
+        out = {}
+        N, r = rr.size(), rr.rank()
+        for count in [0, 1, N - 1, 3 * N + 2, 30_011]:
+            x = make_input(r, (count,), "float32", "sum")
+            if on_device(mode):
+                src, dst = Buf(x), Buf(np.zeros_like(x))
+                comm.reduce_scatter_device(dev, src.ptr, dst.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+                got = dst.get(x.dtype)
+            else:
+                got = np.zeros_like(x)
+                comm.reduce_scatter(x, got, codes["float32"], opcodes["sum"])
+            lo, hi = collectives._chunk_bounds(count, N, r)
+            out[("rs", count)] = got[lo:hi]
+            out[("ar", count)] = host_allreduce(x, "float32", "sum")[lo:hi]
+
+            rows = [(count + i * 7) % 50_000 for i in range(N)]  # uneven blocks, some empty
+            nbytes = [k * 2 for k in rows]
+            full = np.zeros(sum(rows), dtype=np.int16)
+            at = sum(rows[:r])
+            full[at:at + rows[r]] = np.arange(rows[r], dtype=np.int16) + r
+            if on_device(mode):
+                buf = Buf(full)
+                comm.allgather_device(dev, buf.ptr, nbytes)
+                out[("ag", count)] = buf.get(np.int16)
+            else:
+                comm.allgather(full.view(np.uint8), nbytes)
+                out[("ag", count)] = full
+
+            for root in range(N):
+                b = np.arange(count, dtype=np.int64) * (root + 1) if r == root else np.zeros(count, np.int64)
+                if on_device(mode):
+                    buf = Buf(b)
+                    comm.broadcast_device(dev, buf.ptr, b.nbytes, root)
+                    b = buf.get(np.int64)
+                else:
+                    comm.broadcast(b, root)
+                out[("bc", count, root)] = b
+        result = out
+    """, mode, patience), tmp_path, env={"RINGREDUCE_SEGMENT_BYTES": "512"}, timeout=180)
+    for count in [0, 1, n - 1, 3 * n + 2, 30_011]:
+        for r in ranks:
+            assert r.result[("rs", count)].tobytes() == r.result[("ar", count)].tobytes(), (count, r.rank)
+        rows = [(count + i * 7) % 50_000 for i in range(n)]
+        want = np.concatenate([np.arange(k, dtype=np.int16) + i for i, k in enumerate(rows)])
+        for r in ranks:
+            assert np.array_equal(r.result[("ag", count)], want), (count, r.rank)
+            for root in range(n):
+                assert np.array_equal(r.result[("bc", count, root)], np.arange(count, dtype=np.int64) * (root + 1))
+
+
+def test_single_rank_copies_on_the_device(tmp_path):
+    [rank] = run_ranks(1, job("""
+        x = np.arange(1000, dtype=np.float64)
+        src, dst = Buf(x), Buf(np.zeros_like(x))
+        comm.allreduce_device(dev, src.ptr, dst.ptr, x.nbytes, codes["float64"], opcodes["avg"])
+        result = dst.get(np.float64)
+    """), tmp_path)
+    assert np.array_equal(rank.result, np.arange(1000, dtype=np.float64))
+
+
+def test_a_failing_device_fails_every_rank(tmp_path):
+    """Rank 1 hands the device a host pointer: its device refuses the work,
+    rank 1 raises that, and the others learn rank 1 is gone, none hangs."""
+    ranks = run_ranks(3, job("""
+        x = np.ones(100_000, dtype=np.float32)
+        try:
+            if rr.rank() == 1:
+                comm.allreduce_device(dev, x.ctypes.data, x.ctypes.data, x.nbytes, codes["float32"], opcodes["sum"])
+            else:
+                src = Buf(x)
+                comm.allreduce_device(dev, src.ptr, src.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+            result = "no error"
+        except rr.RingReduceError as exc:
+            result = (type(exc).__name__, str(exc))
+    """), tmp_path, timeout=60)
+    kind, msg = ranks[1].result
+    assert "host pointer" in msg, msg
+    for r in (ranks[0], ranks[2]):
+        assert r.result != "no error"
+        assert r.result[0] == "PeerLostError" and "1" in r.result[1], r.result
