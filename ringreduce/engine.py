@@ -36,11 +36,11 @@ NEGOTIATE = 5  # header kind of a negotiation pass (see collectives._KIND_NAMES)
 @dataclass
 class Handle:
     name: str
-    array: np.ndarray
+    array: object  # numpy or cupy
     op: str
     seq: int
     done: threading.Event = field(default_factory=threading.Event)
-    result: np.ndarray | None = None
+    result: object = None
     error: BaseException | None = None
 
 
@@ -59,9 +59,10 @@ class Engine:
 
     # -- the caller's side -------------------------------------------------
 
-    def enqueue(self, name: str, array: np.ndarray, op: str = "avg") -> Handle:
-        array = np.ascontiguousarray(array)
-        _c._dtype_code(array.dtype)
+    def enqueue(self, name: str, array, op: str = "avg") -> Handle:
+        """array: numpy, or a GPU array (cupy), reduced on its device."""
+        family, array = _c._arrays_for(array)
+        array = family.xp.ascontiguousarray(array)
         _c._op_code(op)
         with self._cond:
             if self._error is not None:
@@ -75,7 +76,7 @@ class Engine:
             self._cond.notify()
         return h
 
-    def wait(self, h: Handle) -> np.ndarray:
+    def wait(self, h: Handle):
         self.timeline.begin(h.name, "WAIT")
         h.done.wait()
         self.timeline.end(h.name, "WAIT")
@@ -155,10 +156,14 @@ class Engine:
     def _run(self, bucket: list[Handle]) -> None:
         for h in bucket:
             self.timeline.end(h.name, "QUEUE")
+        families = [_c._arrays_for(h.array)[0] for h in bucket]
+        mixed = any(f is not families[0] for f in families)
         if len(bucket) == 1:
             flat = bucket[0].array.reshape(-1)
+        elif mixed:  # host and GPU tensors in one bucket (buckets must match across ranks): fuse on the host
+            flat = np.concatenate([f.to_host(h.array).reshape(-1) for f, h in zip(families, bucket)])
         else:
-            flat = np.concatenate([h.array.reshape(-1) for h in bucket])
+            flat = families[0].xp.concatenate([h.array.reshape(-1) for h in bucket])
         label = bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors"
         t0 = time.monotonic()
         result = _c.allreduce(flat, op=bucket[0].op)
@@ -168,9 +173,11 @@ class Engine:
         self.timeline.ring_op([h.name for h in bucket], label, flat.nbytes, t0, time.monotonic(), phases)
         at = 0
         with self._cond:
-            for h in bucket:
+            for f, h in zip(families, bucket):
                 n = h.array.size
                 h.result = result[at:at + n].reshape(h.array.shape)
+                if mixed:
+                    h.result = f.from_host(h.result, like=h.array)
                 at += n
                 del self._pending[h.name]
                 h.done.set()

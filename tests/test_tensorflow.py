@@ -178,3 +178,44 @@ def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
         handed_early, first_at_end = r.result["order"]
         assert handed_early, f"rank {r.rank}: the last layer's gradient left only after backprop had finished"
         assert first_at_end, f"rank {r.rank}: the first layer's gradient was handed over before it existed?"
+
+
+def test_ops_as_py_functions_the_path_tensorflow_takes_with_a_gpu(tmp_path):
+    """With a GPU visible the ops are py_functions handing tensors over as they
+    are (DLPack for GPU ones). Forced here on CPU tensors: values, shapes and
+    gradients must match the numpy_function path."""
+    ranks = run_ranks(2, """
+        import os
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import tensorflow as tf
+        import ringreduce.tensorflow as rrtf
+        from ringreduce.tensorflow import ops
+        rrtf.init()
+        r = rrtf.rank()
+        x = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4) * (r + 1))
+        outs = {}
+        for mode in ["numpy_function", "py_function"]:
+            ops.on_gpu_hosts = (lambda: mode == "py_function")
+            @tf.function
+            def step(v):
+                with tf.GradientTape() as tape:
+                    tape.watch(v)
+                    y = rrtf.allreduce(v, op="sum")
+                    loss = tf.reduce_sum(y * y)
+                return y, tape.gradient(loss, v), rrtf.allgather(v[: r + 1]), rrtf.broadcast(v, root_rank=1)
+            y, g, ag, bc = step(x)
+            kinds = {o.type for o in step.get_concrete_function(x).graph.get_operations() if "PyFunc" in o.type}
+            outs[mode] = [t.numpy() for t in (y, g, ag, bc)] + [y.shape.as_list(), ag.shape.as_list()]
+            outs[mode + " ops"] = kinds
+        result = outs
+    """, tmp_path, timeout=180)
+    assert ranks[0].result["py_function ops"] == {"EagerPyFunc"}
+    assert ranks[0].result["numpy_function ops"] == {"PyFunc"}
+    for r in ranks:
+        a, b = r.result["numpy_function"], r.result["py_function"]
+        for want, got in zip(a, b):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_array_equal(ranks[0].result["py_function"][0], base * 3)
+    np.testing.assert_array_equal(ranks[0].result["py_function"][1], 2 * (base * 3) * 2)  # d/dx sum(y^2), allreduced
+    assert ranks[0].result["py_function"][2].shape == (3, 4)  # 1 row from rank 0, 2 from rank 1

@@ -1,6 +1,8 @@
 """ringreduce collectives as TensorFlow ops: eager and inside tf.function,
 with gradients where they have one. Built on tf.numpy_function, whose C
-work (the ring) runs with the GIL released."""
+work (the ring) runs with the GIL released; where TensorFlow sees a GPU, on
+tf.py_function instead, which leaves tensors where they are: GPU tensors
+cross to cupy and back through DLPack and are reduced on the GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,9 +12,31 @@ import ringreduce as rr
 
 
 def _numpy_op(fn, inputs, dtype, shape, name):
-    out = tf.numpy_function(fn, inputs, dtype, stateful=True, name=name)
+    if on_gpu_hosts():
+        out = tf.py_function(lambda *ts: _to_tf(fn(*[_from_tf(t) for t in ts])), inputs, dtype, name=name)
+    else:
+        out = tf.numpy_function(fn, inputs, dtype, stateful=True, name=name)
     out.set_shape(shape)
     return out
+
+
+def on_gpu_hosts() -> bool:
+    """Whether the ops run as py_functions (TensorFlow sees a GPU)."""
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
+def _from_tf(t):
+    """An eager tensor as the collectives take it: a cupy view of GPU memory
+    (DLPack, no copy), else numpy."""
+    if "GPU" not in t.device:
+        return t.numpy()
+    import cupy
+    cupy.cuda.Device().synchronize()  # TensorFlow's streams have finished writing t
+    return cupy.from_dlpack(tf.experimental.dlpack.to_dlpack(t))
+
+
+def _to_tf(a):
+    return a if isinstance(a, np.ndarray) else tf.experimental.dlpack.from_dlpack(a.toDlpack())
 
 
 def allreduce(tensor, op: str = "avg", name: str | None = None):
