@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from needs import WHY_NO_GPU, gpu
 from ranks import REPO
 from ringreduce import _core
 from ringreduce import cuda
@@ -16,13 +17,6 @@ from ringreduce import cuda
 DTYPES = list(cuda.DTYPES)
 CODES = {name: getattr(_core, name.upper()) for name in DTYPES}
 OPS = {"sum": _core.SUM, "prod": _core.PROD, "min": _core.MIN, "max": _core.MAX}
-WHY_NO_GPU = cuda.available()
-
-
-def gpu(test):
-    """Marked `gpu` (select with -m gpu); skips, saying why, where no GPU is."""
-    skip = pytest.mark.skipif(WHY_NO_GPU is not None, reason=f"needs cupy and a CUDA GPU: {WHY_NO_GPU}")
-    return pytest.mark.gpu(skip(test))
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

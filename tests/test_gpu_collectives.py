@@ -1,0 +1,90 @@
+"""The collectives on GPU arrays (cupy) through the public API: ranks sharing
+one GPU, and rings where CPU ranks and GPU ranks meet. Each GPU result must be
+a cupy array on the input's device, bit-identical to what the host ring gives
+for the same inputs (itself checked against numpy in test_allreduce.py).
+Without a GPU only the first test runs: a GPU array must fail clearly."""
+import numpy as np
+import pytest
+
+from needs import WHY_NO_GPU, gpu
+from ranks import run_ranks
+
+GPU_DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]  # cupy has no bfloat16
+
+BODY = """
+import cupy as cp
+from cases import OPS, make_input
+mode = MODE
+on_gpu = mode == "gpu" or (mode == "mixed" and rr.rank() % 2 == 1)
+xp = cp if on_gpu else np
+bad = []
+
+def check(what, got, want):
+    if on_gpu and not (isinstance(got, cp.ndarray) and got.device.id == 0):
+        bad.append((what, "not a cupy array on device 0", type(got)))
+        return
+    got = cp.asnumpy(got) if on_gpu else got
+    if got.shape != want.shape or got.tobytes() != want.tobytes():
+        bad.append(what)
+
+for dtype in DTYPES:
+    for op in OPS:
+        for count in [0, 1, rr.size() - 1, 2 * rr.size() + 1, 70_001, 1_000_003]:
+            x = make_input(rr.rank(), (count,), dtype, op)
+            want = rr.allreduce(x, op=op)  # the host ring
+            check(("allreduce", dtype, op, count), rr.allreduce(xp.asarray(x), op=op), want)
+            if count == 70_001 and on_gpu:
+                y = cp.asarray(x)
+                rr.allreduce(y, op=op, out=y)
+                check(("in place", dtype, op), y, want)
+n, r = rr.size(), rr.rank()
+for count in [5, 300_007]:
+    x = (np.arange(count) % 97 + r).astype(np.float32)
+    check(("reduce_scatter", count), rr.reduce_scatter(xp.asarray(x)), rr.reduce_scatter(x))
+    rows = np.full((count // 100 + r, 3), r, dtype=np.int32)
+    check(("allgather", count), rr.allgather(xp.asarray(rows)), rr.allgather(rows))
+    b = np.arange(count, dtype=np.float64) * (r + 1)
+    check(("broadcast", count), rr.broadcast(xp.asarray(b), root=n - 1), rr.broadcast(b, root=n - 1))
+result = bad
+"""
+
+
+def test_a_gpu_array_without_a_gpu_fails_clearly(tmp_path):
+    if WHY_NO_GPU is None:
+        pytest.skip("a GPU is here")
+    [rank] = run_ranks(1, """
+        class FakeGpuArray:  # what cupy arrays look like to ringreduce
+            __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
+        try:
+            rr.allreduce(FakeGpuArray())
+        except rr.RingReduceError as exc:
+            result = str(exc)
+    """, tmp_path)
+    assert "GPU arrays need cupy and a CUDA device" in rank.result
+
+
+@gpu
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("mode", ["gpu", "mixed"])
+def test_collectives_on_gpu_arrays_equal_the_host_ring(tmp_path, n, mode):
+    body = "from cases import DTYPES\nDTYPES = [d for d in DTYPES if d != 'bfloat16']\n" + BODY.replace(
+        "MODE", repr(mode))
+    ranks = run_ranks(n, body, tmp_path, timeout=600)
+    for r in ranks:
+        assert r.result == [], f"rank {r.rank}: {r.result[:5]}"
+
+
+@gpu
+def test_engine_fuses_gpu_tensors_on_the_gpu(tmp_path):
+    ranks = run_ranks(2, """
+        import cupy as cp
+        from ringreduce.engine import engine
+        e = engine()
+        xs = [cp.full(1000 + i, rr.rank() + i, dtype=cp.float32) for i in range(5)]
+        hs = [e.enqueue(f"t{i}", x, "sum") for i, x in enumerate(xs)]
+        outs = [e.wait(h) for h in hs]
+        result = [(type(o).__module__.split(".")[0], cp.asnumpy(o)) for o in outs]
+    """, tmp_path, timeout=120)
+    for r in ranks:
+        for i, (kind, values) in enumerate(r.result):
+            assert kind == "cupy" and np.array_equal(values, np.full(1000 + i, 1 + 2 * i, np.float32))
