@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On a machine with a GPU: the GPU tests with 2 and 4 ranks sharing it and a
+# mixed CPU/GPU ring, then the GPU allreduce benchmark (N=2, N=4, N=4 mixed).
+# Tables go to stdout; record them in docs/performance.md.
+#
+#   bash benchmarks/gpu_check.sh            # with the python3 that has cupy
+#   PYTHON=/path/to/python bash benchmarks/gpu_check.sh
+#
+# Needs numpy, ml_dtypes, pytest, pytest-timeout and cupy in that Python (it
+# installs cupy-cuda13x when a package index is reachable). Builds ringreduce
+# in place, with the CUDA kernels as a fatbin when nvcc is on PATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+$PY -c "import cupy" 2>/dev/null || $PY -m pip install -q cupy-cuda13x
+if command -v nvcc >/dev/null; then export RINGREDUCE_CUDA=1 RINGREDUCE_CUDA_ARCHS=${RINGREDUCE_CUDA_ARCHS:-80,90}; fi
+$PY setup.py -q build_ext --inplace 2>&1 | grep -v "^running\|^copying" || true
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+$PY -c "from ringreduce import cuda; why = cuda.available(); print('GPU:', why or 'ok'); assert why is None"
+
+echo "== GPU tests (kernels; collectives with 2 and 4 ranks on one GPU, GPU-only and mixed CPU/GPU rings)"
+$PY -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda.py tests/test_gpu_collectives.py
+echo "== staged ring on the emulated device (no GPU needed)"
+$PY -m pytest -q -p no:cacheprovider tests/test_device_ring.py
+
+echo "== GPU allreduce benchmark"
+$PY -m ringreduce.run -np 2 $PY benchmarks/gpu_allreduce_bench.py
+$PY -m ringreduce.run -np 4 $PY benchmarks/gpu_allreduce_bench.py
+$PY -m ringreduce.run -np 4 $PY benchmarks/gpu_allreduce_bench.py --mixed
