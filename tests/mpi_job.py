@@ -41,6 +41,32 @@ def socket():
     return {"source": _state.world.source, "sum": float(rr.allreduce(np.full(300_000, 1.0))[0])}
 
 
+def device():
+    """The staged ring over MPI: even ranks on the emulated device, odd ones on
+    the host; every result bit-identical to the host ring's."""
+    rr.init()
+    from ringreduce import _core, collectives
+    comm, dev = collectives._state.comm, _core.Device.emulated(0)
+    bad = []
+    for dtype, code in [(np.float32, _core.FLOAT32), (np.float16, _core.FLOAT16), (np.int64, _core.INT64)]:
+        for count in [1, rr.size() + 1, 40_001, 300_007]:
+            x = ((np.arange(count) * 7 + rr.rank()) % 13).astype(dtype)
+            want = np.empty_like(x)
+            comm.allreduce(x, want, code, _core.SUM)
+            if rr.rank() % 2 == 0:
+                ptr = dev.alloc(x.nbytes)
+                dev.write(ptr, x.tobytes())
+                comm.allreduce_device(dev, ptr, ptr, x.nbytes, code, _core.SUM)
+                got = np.frombuffer(dev.read(ptr, x.nbytes), dtype=dtype)
+                dev.free(ptr)
+            else:
+                got = np.empty_like(x)
+                comm.allreduce(x, got, code, _core.SUM)
+            if got.tobytes() != want.tobytes():
+                bad.append((np.dtype(dtype).name, count))
+    return bad
+
+
 def raises():
     rr.init()
     rr.allreduce(np.ones(10))
@@ -53,6 +79,7 @@ def raises():
 
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
-    result = {"correctness": correctness, "subcomm": subcomm, "socket": socket, "raises": raises}[mode]()
+    result = {"correctness": correctness, "subcomm": subcomm, "socket": socket, "raises": raises,
+              "device": device}[mode]()
     with open(f"{out}.rank{rr.rank() if mode != 'subcomm' else __import__('mpi4py.MPI').MPI.COMM_WORLD.Get_rank()}.pkl", "wb") as f:
         pickle.dump(result, f)

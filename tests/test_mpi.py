@@ -80,3 +80,8 @@ def test_a_rank_that_raises_ends_the_whole_job(tmp_path):
     proc, _ = mpirun(4, "raises", tmp_path, timeout=60, check=False)
     assert proc.returncode != 0
     assert "rank 1 gives up" in proc.stderr
+
+
+def test_staged_device_ring_over_mpi_meets_host_ranks(tmp_path):
+    _, ranks = mpirun(3, "device", tmp_path)
+    assert ranks == [[], [], []]
