@@ -36,7 +36,10 @@ def _from_tf(t):
 
 
 def _to_tf(a):
-    return a if isinstance(a, np.ndarray) else tf.experimental.dlpack.from_dlpack(a.toDlpack())
+    if isinstance(a, np.ndarray):
+        return a
+    capsule = a.toDlpack() if hasattr(a, "toDlpack") else a.__dlpack__()  # cupy < 15 / later
+    return tf.experimental.dlpack.from_dlpack(capsule)
 
 
 def allreduce(tensor, op: str = "avg", name: str | None = None):
