@@ -61,11 +61,8 @@ static PyObject *Device_cuda(PyObject *Py_UNUSED(cls), PyObject *args)
     dev = rr_cuda_device_create(ordinal, reduce, divide, &err);
     Py_END_ALLOW_THREADS
     if (!dev) {
-        PyObject *mod = PyImport_ImportModule("ringreduce.errors");
-        PyObject *cls = mod ? PyObject_GetAttrString(mod, "RingReduceError") : NULL;
-        if (cls) PyErr_SetString(cls, err.msg);
-        Py_XDECREF(cls);
-        Py_XDECREF(mod);
+        PyObject *cls = error_class("RingReduceError");
+        if (cls) { PyErr_SetString(cls, err.msg); Py_DECREF(cls); }
         return NULL;
     }
     return wrap(dev, 0);

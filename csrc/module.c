@@ -22,7 +22,7 @@ typedef struct {
     rr_error broken; /* the first error; code RR_OK while healthy */
 } CommObject;
 
-static PyObject *error_class(const char *name)
+PyObject *error_class(const char *name)
 {
     PyObject *mod = PyImport_ImportModule("ringreduce.errors");
     if (!mod) return NULL;

@@ -125,6 +125,22 @@ static int queue_retire(device_queue *q, int wait, size_t *first_ready, size_t *
     return RR_OK;
 }
 
+/* Queues the next segments of a device buffer (bytes [*queued, total) of
+ * dev_src) for the trip down to host, a few ahead of the sender: their items
+ * retire into *first_ready. */
+static int queue_download(device_queue *q, char *host, const char *dev_src, size_t total, size_t *queued,
+                          size_t seg, rr_error *err)
+{
+    while (*queued < total && q->len < RR_DEVICE_SLOTS) {
+        size_t n = total - *queued < seg ? total - *queued : seg;
+        int rc = q->dev->ops->to_host(q->dev, host + *queued, dev_src + *queued, n, err);
+        if (rc != RR_OK) return rc;
+        *queued += n;
+        if ((rc = queue_push(q, STAGED_FIRST, *queued, err)) != RR_OK) return rc;
+    }
+    return RR_OK;
+}
+
 /* Runs steps g0 .. g1-1 of the schedule above over chunks at byte offsets
  * off[] with byte lengths len[]. Steps below `reduce_until` reduce, later
  * steps copy; for avg, each segment of the owned chunk is divided the moment
@@ -168,13 +184,8 @@ static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf,
         }
         if (sg >= g1 && rg >= g1) break;
         if (dev) {
-            /* The first step's chunk goes down ahead of the sender, a few segments at a time. */
-            while (first_queued < len[c0] && q.len < RR_DEVICE_SLOTS) {
-                size_t n = len[c0] - first_queued < seg ? len[c0] - first_queued : seg;
-                DEV(dev->ops->to_host(dev, dev->mirror + off[c0] + first_queued, src + off[c0] + first_queued, n, err));
-                first_queued += n;
-                DEV(queue_push(&q, STAGED_FIRST, first_queued, err));
-            }
+            /* The first step's chunk goes down ahead of the sender. */
+            DEV(queue_download(&q, dev->mirror + off[c0], src + off[c0], len[c0], &first_queued, seg, err));
             DEV(queue_retire(&q, 0, &first_ready, &rdone, err));
         }
 
@@ -348,12 +359,7 @@ int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int ro
 #define DEV(CALL) do { if ((rc = (CALL)) != RR_OK) return fail(ring, rc, err); } while (0)
     while ((forwards && sent < nbytes) || rcvd < nbytes) {
         if (dev && !receives) {
-            while (queued < nbytes && q.len < RR_DEVICE_SLOTS) {
-                size_t n = nbytes - queued < seg ? nbytes - queued : seg;
-                DEV(dev->ops->to_host(dev, host + queued, (char *)buf + queued, n, err));
-                queued += n;
-                DEV(queue_push(&q, STAGED_FIRST, queued, err));
-            }
+            DEV(queue_download(&q, host, buf, nbytes, &queued, seg, err));
             DEV(queue_retire(&q, sent == ready, &ready, &unused, err));
             if (sent == ready) continue;
         }

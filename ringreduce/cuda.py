@@ -145,17 +145,17 @@ class DeviceArrays:
         with like.device:
             return self.xp.asarray(a)
 
-    def _ready(self, *arrays):
-        """The ring runs on its own stream: what the caller's stream has
-        queued for these arrays must be done first."""
+    def _ready(self, array):
+        """The ring's device for array. The ring runs on its own stream: what
+        the caller's stream has queued must be done first."""
         self.xp.cuda.get_current_stream().synchronize()
-        return ring_device(arrays[0].device.id)
+        return ring_device(array.device.id)
 
     def allreduce(self, comm, src, dst, code, opc):
-        comm.allreduce_device(self._ready(src, dst), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+        comm.allreduce_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
 
     def reduce_scatter(self, comm, src, dst, code, opc):
-        comm.reduce_scatter_device(self._ready(src, dst), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+        comm.reduce_scatter_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
 
     def allgather(self, comm, flat, nbytes):
         comm.allgather_device(self._ready(flat), flat.data.ptr, nbytes)

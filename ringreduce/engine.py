@@ -42,6 +42,7 @@ class Handle:
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
+    family: object = None  # how the collectives handle `array` (collectives._arrays_for)
 
 
 class Engine:
@@ -70,7 +71,7 @@ class Engine:
             if name in self._pending:
                 raise ValueError(f"tensor {name!r} is already in flight")
             self._seq += 1
-            h = Handle(name, array, op, self._seq)
+            h = Handle(name, array, op, self._seq, family=family)
             self._pending[name] = h
             self.timeline.begin(name, "QUEUE")
             self._cond.notify()
@@ -156,7 +157,7 @@ class Engine:
     def _run(self, bucket: list[Handle]) -> None:
         for h in bucket:
             self.timeline.end(h.name, "QUEUE")
-        families = [_c._arrays_for(h.array)[0] for h in bucket]
+        families = [h.family for h in bucket]
         mixed = any(f is not families[0] for f in families)
         if len(bucket) == 1:
             flat = bucket[0].array.reshape(-1)
