@@ -57,9 +57,14 @@ def abort_on_uncaught_exception() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        from mpi4py import MPI
+        # The reason first, in one line: mpirun may drop the rest of a long
+        # traceback once MPI_Abort starts killing ranks.
+        sys.stderr.write(f"ringreduce: rank {MPI.COMM_WORLD.Get_rank()} aborts the MPI job: "
+                         f"{kind.__name__}: {value}\n")
+        sys.stderr.flush()
         previous(kind, value, tb)
         sys.stderr.flush()
-        from mpi4py import MPI
         MPI.COMM_WORLD.Abort(1)
     hook._ringreduce = True
     sys.excepthook = hook
