@@ -117,11 +117,16 @@ def ring_device(ordinal: int):
     cp = cupy_or_none()
     module = _module()
     with cp.cuda.Device(ordinal):
-        def handle(name):
-            return module.get_function(name).kernel.ptr
-        reduce = [[handle(f"rr_reduce_{d}_{op}") for op in OPS] for d in DTYPES]
-        divide = [handle(f"rr_divide_{d}") for d in DTYPES]
+        reduce, divide = kernel_table(lambda name: module.get_function(name).kernel.ptr)
     return _core.Device.cuda(ordinal, reduce, divide)
+
+
+def kernel_table(handle):
+    """The CUfunction handles the ring's device takes, in the C core's order:
+    reduce[dtype][op] and divide[dtype]; handle(name) gives one kernel's."""
+    reduce = [[handle(f"rr_reduce_{d}_{op}") for op in OPS] for d in DTYPES]
+    divide = [handle(f"rr_divide_{d}") for d in DTYPES]
+    return reduce, divide
 
 
 class DeviceArrays:

@@ -1,7 +1,11 @@
-"""The CUDA kernels (csrc/cuda/reduce.cu). Without a GPU: the source must
-compile with nvcc (when nvcc is here) for sm_80 and sm_90. With cupy and a
-GPU: every dtype and op against the CPU kernels, bit for bit, since both
-compile the same arithmetic (reduce_math.h)."""
+"""The CUDA kernels (csrc/cuda/reduce.cu): every dtype and op against the CPU
+kernels, bit for bit, since both compile the same arithmetic (reduce_math.h).
+They run on a GPU where cupy has one, and always on the host: g++ compiles the
+same source and the host CUDA driver (tests/hostcuda.py) launches it, thread
+by thread, so the vector loads, grid-stride loops and tails are checked here
+too. The source must also compile with nvcc (when nvcc is here) for sm_80
+and sm_90."""
+import ctypes
 import shutil
 import subprocess
 
@@ -9,7 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from needs import WHY_NO_GPU, gpu
+from hostcuda import HostCuda
+from needs import GPU_MARKS, WHY_NO_GPU
 from ranks import REPO
 from ringreduce import _core
 from ringreduce import cuda
@@ -64,56 +69,129 @@ def sample(name, count, seed):
     return g.integers(info.min, info.max, count, dtype=name, endpoint=True)
 
 
-def on_gpu(x):
-    """A cupy copy of x; 16-bit floats as uint16 (cupy has no bfloat16)."""
-    import cupy as cp
-    return cp.asarray(x.view(np.uint16) if x.dtype in (np.float16, dt("bfloat16")) else x)
+class GpuKernels:
+    """reduce.cu on a GPU, through ringreduce.cuda and cupy (16-bit floats as
+    uint16: cupy has no bfloat16)."""
+
+    def __init__(self):
+        import cupy
+        self.cp = cupy
+
+    def put(self, x):
+        return self.cp.asarray(x.view(np.uint16) if x.dtype.itemsize == 2 and x.dtype.kind in "fV" else x)
+
+    def reduce(self, a, b, name, op, skip=0, in_place=False):
+        da, db = self.put(a)[skip:], self.put(b)[skip:]
+        out = da if in_place else self.cp.empty_like(da)
+        cuda.reduce3(out, da, db, op, dtype=name)
+        return self.cp.asnumpy(out).tobytes()
+
+    def divide(self, a, name, n):
+        d = self.put(a)
+        cuda.divide(d, n, dtype=name)
+        return self.cp.asnumpy(d).tobytes()
+
+    def cast(self, x, frm, to, itemsize):
+        out = self.cp.empty(x.size, dtype=self.cp.uint16 if itemsize == 2 else self.cp.float32)
+        cuda.cast(out, self.put(x), dst_dtype=to, src_dtype=frm)
+        return self.cp.asnumpy(out).tobytes()
 
 
-def raw(d):
-    import cupy as cp
-    return cp.asnumpy(d).view(np.uint8).tobytes()
+class HostKernels:
+    """reduce.cu compiled for the host, launched through the host CUDA driver
+    (tests/hostcuda.py) with the grid ringreduce.cuda would use, or `grid`."""
+
+    def __init__(self, driver, grid=None):
+        self.h, self.grid = driver, grid
+        self.ptrs = []
+
+    def put(self, x):
+        p = self.h.alloc(x.nbytes)
+        self.h.write(p, x.tobytes())
+        self.ptrs.append(p)
+        return p
+
+    def _launch(self, name, count, *args):
+        grid = self.grid or cuda._grid(count)[0]
+        self.h.launch(name, grid, cuda.THREADS if self.grid is None else 32, *args, ctypes.c_size_t(count))
+
+    def reduce(self, a, b, name, op, skip=0, in_place=False):
+        k = skip * a.dtype.itemsize
+        pa, pb = self.put(a) + k, self.put(b) + k
+        out = pa if in_place else self.put(np.zeros_like(a[skip:]))
+        count = a.size - skip
+        self._launch(f"rr_reduce_{name}_{op}", count, *map(ctypes.c_uint64, (out, pa, pb)))
+        return self.h.read(out, count * a.dtype.itemsize)
+
+    def divide(self, a, name, n):
+        p = self.put(a)
+        grid = self.grid or cuda._grid(a.size)[0]
+        self.h.launch(f"rr_divide_{name}", grid, cuda.THREADS if self.grid is None else 32,
+                      ctypes.c_uint64(p), ctypes.c_size_t(a.size), ctypes.c_int(n))
+        return self.h.read(p, a.nbytes)
+
+    def cast(self, x, frm, to, itemsize):
+        out = self.put(np.zeros(x.size * itemsize, np.uint8))
+        self._launch(f"rr_cast_{frm}_to_{to}", x.size, ctypes.c_uint64(out), ctypes.c_uint64(self.put(x)))
+        return self.h.read(out, x.size * itemsize)
+
+    def close(self):
+        for p in self.ptrs:
+            self.h.free(p)
 
 
-@gpu
+@pytest.fixture(params=["host", "host-small-grid", pytest.param("gpu", marks=GPU_MARKS)])
+def kernels(request):
+    """Where reduce.cu runs: a GPU, or the host driver (with the usual grid, or
+    3 blocks of 32 threads, so every thread loops many times)."""
+    if request.param == "gpu":
+        yield GpuKernels()
+        return
+    k = HostKernels(HostCuda(request.getfixturevalue("hostcuda_dir") / "libcuda.so.1"),
+                    grid=3 if request.param == "host-small-grid" else None)
+    yield k
+    k.close()
+
+
 @pytest.mark.parametrize("name", DTYPES)
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("count", [0, 1, 7, 4096 + 3, 1_000_003])
-def test_gpu_kernels_match_the_cpu_kernels_bit_for_bit(name, op, count):
-    import cupy as cp
+def test_cuda_kernels_match_the_cpu_kernels_bit_for_bit(kernels, name, op, count):
     a, b = sample(name, count, 1), sample(name, count, 2)
     want = a.copy()
     _core.reduce(want.view(np.uint8), b.view(np.uint8).tobytes(), CODES[name], OPS[op])
-    da, db = on_gpu(a), on_gpu(b)
-    out = cp.empty_like(da)
-    cuda.reduce3(out, da, db, op, dtype=name)
-    assert raw(out) == want.view(np.uint8).tobytes()
-    cuda.reduce3(da[1:], da[1:], db[1:], op, dtype=name)  # in place and misaligned: the scalar path
-    assert raw(da[1:]) == want[1:].view(np.uint8).tobytes()
+    assert_same_bits_but_nan_payloads(kernels.reduce(a, b, name, op), want)
+    if count:  # in place and misaligned: the scalar path
+        assert_same_bits_but_nan_payloads(kernels.reduce(a, b, name, op, skip=1, in_place=True), want[1:])
 
 
-@gpu
+def assert_same_bits_but_nan_payloads(got: bytes, want: np.ndarray):
+    """Bit for bit, except which NaN a NaN is: arithmetic on NaNs gives an
+    operand's payload on x86 (whichever operand the compiler put first) and
+    CUDA's canonical NaN on a GPU. min/max pick an operand, so theirs match too."""
+    got = np.frombuffer(got, dtype=want.dtype)
+    if want.dtype.kind in "iu":
+        assert got.tobytes() == want.tobytes()
+        return
+    nan = np.isnan(want.astype(np.float64))
+    assert np.array_equal(np.isnan(got.astype(np.float64)), nan)
+    assert got[~nan].tobytes() == want[~nan].tobytes()
+
+
 @pytest.mark.parametrize("name", DTYPES)
-def test_gpu_divide_matches_the_cpu(name):
+def test_cuda_divide_matches_the_cpu(kernels, name):
     a = sample(name, 10_001, 3)
     want = a.copy()
     _core.divide(want.view(np.uint8), CODES[name], 3)
-    d = on_gpu(a)
-    cuda.divide(d, 3, dtype=name)
-    assert raw(d) == want.view(np.uint8).tobytes()
+    assert kernels.divide(a, name, 3) == want.tobytes()
 
 
-@gpu
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
-def test_gpu_casts_round_like_ml_dtypes(name):
-    import cupy as cp
+def test_cuda_casts_round_like_ml_dtypes(kernels, name):
     x = (np.random.default_rng(4).standard_normal(100_003) * 300).astype(np.float32)
     x[:3] = [np.nan, np.inf, 1e-30]
-    out = cp.empty(x.size, dtype=cp.uint16)
-    cuda.cast(out, cp.asarray(x), dst_dtype=name)
     want = x.astype(dt(name)).view(np.uint16)
-    got = cp.asnumpy(out)
+    got = np.frombuffer(kernels.cast(x, "float32", name, 2), np.uint16)
     assert got[1:].tobytes() == want[1:].tobytes() and np.isnan(got[:1].view(dt(name)).astype(np.float32)).all()
-    back = cp.empty(x.size, dtype=cp.float32)
-    cuda.cast(back, out, src_dtype=name)
-    assert cp.asnumpy(back)[1:].tobytes() == want[1:].view(dt(name)).astype(np.float32).tobytes()
+    back = kernels.cast(got, name, "float32", 4)
+    assert back[4:] == want[1:].view(dt(name)).astype(np.float32).tobytes()

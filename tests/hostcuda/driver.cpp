@@ -1,0 +1,556 @@
+/* A CUDA driver (libcuda.so.1) over host memory, so that the code written
+ * for a GPU runs, and is checked, on machines without one: csrc/cuda_device.c
+ * through the driver API it opens at run time, and the kernels of
+ * csrc/cuda/reduce.cu compiled for the host (cuda_builtins.h). The tests
+ * build it (tests/hostcuda.py) and put its folder on LD_LIBRARY_PATH.
+ *
+ * Strict where CUDA is strict, and stricter where a mistake would show only
+ * on a GPU, as wrong bits or lost speed:
+ * - A call that needs a context fails with CUDA_ERROR_INVALID_CONTEXT unless
+ *   the calling thread has made a retained primary context current.
+ * - Device addresses must lie, with the whole range a copy or kernel
+ *   touches, in one live cuMemAlloc block; host addresses must lie outside
+ *   every block. A bad copy fails at once (CUDA_ERROR_INVALID_VALUE); a bad
+ *   kernel argument fails at the next synchronization with
+ *   CUDA_ERROR_ILLEGAL_ADDRESS, and every call after it fails too, as a
+ *   faulted context does.
+ * - Queued work runs late: an event is not ready until it has been queried
+ *   HOSTCUDA_PATIENCE times (default 2; 0: only when synchronized), and only
+ *   then does its stream run up to it. Kernel arguments are copied at launch.
+ * - An async copy from or to pageable memory (not cuMemHostAlloc'ed) runs at
+ *   once, as CUDA runs it, and is counted: staging must be pinned to overlap.
+ * - hostcuda_stats() counts what is alive, so tests catch leaks.
+ * Every entry point takes one lock: work runs in the order it was queued.
+ */
+#include "cuda_builtins.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <type_traits>
+
+struct CUfunc_st;
+
+thread_local uint3 threadIdx, blockIdx;
+thread_local dim3 blockDim, gridDim;
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+
+enum : CUresult {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_NO_DEVICE = 100,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+};
+
+namespace {
+
+enum Kind { REDUCE, DIVIDE, CAST };
+
+struct Work {
+    bool launch;
+    /* A copy: n bytes from src to dst. */
+    void *dst;
+    const void *src;
+    size_t n;
+    /* A launch: the kernel, its grid and its arguments, copied. */
+    CUfunc_st *f;
+    unsigned grid, block;
+    void *p[3];
+    size_t count;
+    int divisor;
+};
+
+} // namespace
+
+struct CUctx_st {
+    int retained;
+};
+struct CUstream_st {
+    std::deque<Work> queue;
+    uint64_t queued = 0, ran = 0;
+    int asked = 0; /* queries since work last ran */
+};
+struct CUevent_st {
+    CUstream_st *stream = nullptr;
+    uint64_t at = 0; /* the stream's work up to here */
+};
+struct CUfunc_st {
+    Kind kind;
+    size_t dst_size, src_size; /* element sizes */
+    void *fn;
+};
+
+typedef CUctx_st *CUcontext;
+typedef CUstream_st *CUstream;
+typedef CUevent_st *CUevent;
+typedef CUfunc_st *CUfunction;
+
+namespace {
+
+const int MAX_DEVICES = 8;
+
+struct Block {
+    size_t n;
+    bool api; /* from cuMemAlloc, not hostcuda_alloc */
+};
+
+std::recursive_mutex mu;
+bool initialized;
+int devices = 1, patience = 2;
+CUctx_st contexts[MAX_DEVICES];
+thread_local CUctx_st *current;
+CUresult sticky; /* a faulted context fails every call after */
+CUstream_st default_stream;
+std::map<uintptr_t, Block> device_blocks;
+std::map<uintptr_t, size_t> pinned_blocks;
+std::set<CUstream_st *> streams;
+std::set<CUevent_st *> events;
+std::map<std::string, CUfunc_st> functions;
+long long pageable_copies, launches;
+
+int env_int(const char *name, int fallback)
+{
+    const char *v = getenv(name);
+    return v && *v ? atoi(v) : fallback;
+}
+
+/* The block of `blocks` holding [p, p+n), if one does (n == 0: p inside or at its end). */
+template <class M> bool holds(const M &blocks, const void *p, size_t n)
+{
+    auto a = (uintptr_t)p;
+    auto it = blocks.upper_bound(a);
+    if (it == blocks.begin()) return false;
+    --it;
+    size_t size;
+    if constexpr (std::is_same_v<typename M::mapped_type, Block>) size = it->second.n;
+    else size = it->second;
+    return a >= it->first && a - it->first <= size && n <= size - (a - it->first);
+}
+
+bool touches_device(const void *p, size_t n)
+{
+    auto a = (uintptr_t)p;
+    auto it = device_blocks.lower_bound(a + n); /* first block starting at or after the end */
+    if (it == device_blocks.begin()) return false;
+    --it;
+    return it->first + it->second.n > a;
+}
+
+CUresult need_context()
+{
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!current || current->retained == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    return sticky;
+}
+
+CUstream_st *stream_of(CUstream s) { return s ? s : &default_stream; }
+
+bool launch_is_legal(const Work &w)
+{
+    const CUfunc_st &f = *w.f;
+    switch (f.kind) {
+    case REDUCE:
+        return holds(device_blocks, w.p[0], w.count * f.dst_size) && holds(device_blocks, w.p[1], w.count * f.src_size) &&
+               holds(device_blocks, w.p[2], w.count * f.src_size);
+    case DIVIDE: return holds(device_blocks, w.p[0], w.count * f.dst_size);
+    case CAST:
+        return holds(device_blocks, w.p[0], w.count * f.dst_size) && holds(device_blocks, w.p[1], w.count * f.src_size);
+    }
+    return false;
+}
+
+void run_launch(const Work &w)
+{
+    gridDim = {w.grid, 1, 1};
+    blockDim = {w.block, 1, 1};
+    for (unsigned b = 0; b < w.grid; b++) {
+        for (unsigned t = 0; t < w.block; t++) {
+            blockIdx = {b, 0, 0};
+            threadIdx = {t, 0, 0};
+            switch (w.f->kind) {
+            case REDUCE: ((void (*)(void *, const void *, const void *, size_t))w.f->fn)(w.p[0], w.p[1], w.p[2], w.count); break;
+            case DIVIDE: ((void (*)(void *, size_t, int))w.f->fn)(w.p[0], w.count, w.divisor); break;
+            case CAST: ((void (*)(void *, const void *, size_t))w.f->fn)(w.p[0], w.p[1], w.count); break;
+            }
+        }
+    }
+}
+
+void run_until(CUstream_st *s, uint64_t upto)
+{
+    while (s->ran < upto) {
+        Work w = s->queue.front();
+        s->queue.pop_front();
+        s->ran++;
+        if (sticky) continue; /* a faulted context runs nothing more */
+        if (!w.launch) memcpy(w.dst, w.src, w.n);
+        else if (!launch_is_legal(w)) sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+        else run_launch(w);
+    }
+    s->asked = 0;
+}
+
+CUresult enqueue(CUstream s, const Work &w)
+{
+    CUstream_st *st = stream_of(s);
+    st->queue.push_back(w);
+    st->queued++;
+    return CUDA_SUCCESS;
+}
+
+/* Host memory a copy reads or writes: pinned copies queue, pageable ones run now. */
+CUresult host_copy(CUstream s, void *dst, const void *src, size_t n, const void *host)
+{
+    if (holds(pinned_blocks, host, n)) return enqueue(s, Work{false, dst, src, n, nullptr, 0, 0, {}, 0, 0});
+    pageable_copies++;
+    CUstream_st *st = stream_of(s);
+    run_until(st, st->queued);
+    if (sticky) return sticky;
+    memcpy(dst, src, n);
+    return CUDA_SUCCESS;
+}
+
+size_t dtype_size(const std::string &name)
+{
+    static const std::map<std::string, size_t> sizes = {
+        {"float16", 2}, {"bfloat16", 2}, {"float32", 4}, {"float64", 8},
+        {"int8", 1},    {"uint8", 1},    {"int32", 4},   {"int64", 8},
+    };
+    auto it = sizes.find(name);
+    return it == sizes.end() ? 0 : it->second;
+}
+
+/* The kernel's signature from its name (csrc/cuda/reduce.cu's convention). */
+bool describe(const std::string &name, CUfunc_st *f)
+{
+    auto starts = [&](const char *p) { return name.compare(0, strlen(p), p) == 0; };
+    if (starts("rr_reduce_")) {
+        size_t last = name.rfind('_');
+        f->kind = REDUCE;
+        f->dst_size = f->src_size = dtype_size(name.substr(10, last - 10));
+    } else if (starts("rr_divide_")) {
+        f->kind = DIVIDE;
+        f->dst_size = f->src_size = dtype_size(name.substr(10));
+    } else if (starts("rr_cast_")) {
+        size_t to = name.find("_to_");
+        if (to == std::string::npos) return false;
+        f->kind = CAST;
+        f->src_size = dtype_size(name.substr(8, to - 8));
+        f->dst_size = dtype_size(name.substr(to + 4));
+    } else {
+        return false;
+    }
+    return f->dst_size && f->src_size;
+}
+
+} // namespace
+
+extern "C" {
+
+CUresult cuInit(unsigned flags)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    devices = env_int("HOSTCUDA_DEVICES", 1);
+    patience = env_int("HOSTCUDA_PATIENCE", 2);
+    if (devices < 1) return CUDA_ERROR_NO_DEVICE;
+    if (devices > MAX_DEVICES) devices = MAX_DEVICES;
+    initialized = true;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorString(CUresult r, const char **s)
+{
+    static const std::map<CUresult, const char *> text = {
+        {CUDA_SUCCESS, "no error"},
+        {CUDA_ERROR_INVALID_VALUE, "invalid argument"},
+        {CUDA_ERROR_OUT_OF_MEMORY, "out of memory"},
+        {CUDA_ERROR_NOT_INITIALIZED, "initialization error"},
+        {CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected"},
+        {CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"},
+        {CUDA_ERROR_INVALID_CONTEXT, "invalid device context"},
+        {CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"},
+        {CUDA_ERROR_NOT_READY, "device not ready"},
+        {CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"},
+    };
+    auto it = text.find(r);
+    *s = it == text.end() ? nullptr : it->second;
+    return it == text.end() ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice *d, int ordinal)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (ordinal < 0 || ordinal >= devices) return CUDA_ERROR_INVALID_DEVICE;
+    *d = ordinal;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (d < 0 || d >= devices) return CUDA_ERROR_INVALID_DEVICE;
+    contexts[d].retained++;
+    *c = &contexts[d];
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease(CUdevice d)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (d < 0 || d >= devices) return CUDA_ERROR_INVALID_DEVICE;
+    if (contexts[d].retained == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    contexts[d].retained--;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSetCurrent(CUcontext c)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (c && (c < contexts || c >= contexts + devices)) return CUDA_ERROR_INVALID_CONTEXT;
+    current = c;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamCreate(CUstream *s, unsigned flags)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    (void)flags;
+    if (CUresult r = need_context()) return r;
+    *s = new CUstream_st;
+    streams.insert(*s);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamDestroy_v2(CUstream s)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!streams.erase(s)) return CUDA_ERROR_INVALID_HANDLE;
+    run_until(s, s->queued); /* CUDA lets queued work finish first */
+    delete s;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream s)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (s && !streams.count(s)) return CUDA_ERROR_INVALID_HANDLE;
+    run_until(stream_of(s), stream_of(s)->queued);
+    return sticky;
+}
+
+CUresult cuEventCreate(CUevent *e, unsigned flags)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    (void)flags;
+    if (CUresult r = need_context()) return r;
+    *e = new CUevent_st;
+    events.insert(*e);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventDestroy_v2(CUevent e)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!events.erase(e)) return CUDA_ERROR_INVALID_HANDLE;
+    delete e;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent e, CUstream s)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!events.count(e) || (s && !streams.count(s))) return CUDA_ERROR_INVALID_HANDLE;
+    e->stream = stream_of(s);
+    e->at = e->stream->queued;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventQuery(CUevent e)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!events.count(e)) return CUDA_ERROR_INVALID_HANDLE;
+    CUstream_st *s = e->stream;
+    if (!s || s->ran >= e->at) return CUDA_SUCCESS;
+    if (patience == 0 || ++s->asked < patience) return CUDA_ERROR_NOT_READY;
+    run_until(s, e->at);
+    return sticky;
+}
+
+CUresult cuEventSynchronize(CUevent e)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!events.count(e)) return CUDA_ERROR_INVALID_HANDLE;
+    if (e->stream) run_until(e->stream, e->at);
+    return sticky;
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (n == 0) return CUDA_SUCCESS;
+    if (!holds(device_blocks, (void *)src, n) || touches_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    return host_copy(s, dst, (void *)src, n, dst);
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (n == 0) return CUDA_SUCCESS;
+    if (!holds(device_blocks, (void *)dst, n) || touches_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    return host_copy(s, (void *)dst, src, n, src);
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (n == 0) return CUDA_SUCCESS;
+    if (!holds(device_blocks, (void *)dst, n) || !holds(device_blocks, (void *)src, n)) return CUDA_ERROR_INVALID_VALUE;
+    return enqueue(s, Work{false, (void *)dst, (void *)src, n, nullptr, 0, 0, {}, 0, 0});
+}
+
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    (void)flags;
+    if (CUresult r = need_context()) return r;
+    if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (!(*p = aligned_alloc(64, (n + 63) / 64 * 64))) return CUDA_ERROR_OUT_OF_MEMORY;
+    pinned_blocks[(uintptr_t)*p] = n;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFreeHost(void *p)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!pinned_blocks.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+    free(p);
+    return CUDA_SUCCESS;
+}
+
+static CUresult device_alloc(CUdeviceptr *dp, size_t n, bool api)
+{
+    if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+    void *p = aligned_alloc(256, (n + 255) / 256 * 256); /* cuMemAlloc aligns to 256 bytes */
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    memset(p, 0xcd, n); /* device memory starts as garbage, not zeros */
+    device_blocks[(uintptr_t)p] = Block{n, api};
+    *dp = (CUdeviceptr)p;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dp, size_t n)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    return device_alloc(dp, n, true);
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dp)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!device_blocks.erase((uintptr_t)dp)) return CUDA_ERROR_INVALID_VALUE;
+    free((void *)dp);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shared_bytes, CUstream s, void **params, void **extra)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    bool known = false;
+    for (auto &kv : functions) known = known || &kv.second == f;
+    if (!known) return CUDA_ERROR_INVALID_HANDLE;
+    /* reduce.cu's kernels use x alone, no shared memory, and take kernelParams. */
+    if (gx < 1 || gx > 0x7fffffffu || gy != 1 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1 ||
+        shared_bytes != 0 || !params || extra)
+        return CUDA_ERROR_INVALID_VALUE;
+    Work w{true, nullptr, nullptr, 0, f, gx, bx, {}, 0, 0};
+    auto ptr = [&](int i) { return (void *)*(CUdeviceptr *)params[i]; };
+    switch (f->kind) {
+    case REDUCE: w.p[0] = ptr(0); w.p[1] = ptr(1); w.p[2] = ptr(2); w.count = *(size_t *)params[3]; break;
+    case DIVIDE: w.p[0] = ptr(0); w.count = *(size_t *)params[1]; w.divisor = *(int *)params[2]; break;
+    case CAST: w.p[0] = ptr(0); w.p[1] = ptr(1); w.count = *(size_t *)params[2]; break;
+    }
+    launches++;
+    return enqueue(s, w);
+}
+
+/* ------------------------------------------------------------- for the tests */
+
+/* The CUfunction of a reduce.cu kernel, by name (what cupy's
+ * get_function(name).ptr gives on a GPU); NULL if there is none. */
+CUfunction hostcuda_function(const char *name)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    auto it = functions.find(name);
+    if (it != functions.end()) return &it->second;
+    CUfunc_st f{};
+    Dl_info self_info;
+    if (!describe(name, &f) || !dladdr((void *)&hostcuda_function, &self_info)) return nullptr;
+    void *self = dlopen(self_info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+    if (!self || !(f.fn = dlsym(self, name))) return nullptr;
+    dlclose(self);
+    return &(functions[name] = f);
+}
+
+/* Device memory handed out the way cupy would, with no context needed. */
+CUdeviceptr hostcuda_alloc(size_t n)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    CUdeviceptr p = 0;
+    return device_alloc(&p, n, false) == CUDA_SUCCESS ? p : 0;
+}
+
+void hostcuda_free(CUdeviceptr p)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (device_blocks.erase((uintptr_t)p)) free((void *)p);
+}
+
+/* What is alive and what happened: retained contexts, streams, events,
+ * cuMemAlloc blocks, cuMemHostAlloc blocks, pageable async copies, kernel
+ * launches, and the sticky error (0: none). */
+void hostcuda_stats(long long out[8])
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    long long retained = 0, api_blocks = 0;
+    for (int d = 0; d < MAX_DEVICES; d++) retained += contexts[d].retained;
+    for (auto &kv : device_blocks) api_blocks += kv.second.api;
+    long long v[8] = {retained, (long long)streams.size(), (long long)events.size(), api_blocks,
+                      (long long)pinned_blocks.size(), pageable_copies, launches, sticky};
+    memcpy(out, v, sizeof v);
+}
+
+} // extern "C"
