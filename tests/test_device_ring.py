@@ -8,7 +8,13 @@ the device and with device and host ranks alternating, and each rank's result
 must equal, bit for bit, what the host ring gives for the same inputs. A small
 segment (RINGREDUCE_SEGMENT_BYTES) makes every chunk many segments, so all
 staging slots turn over many times.
+
+Each case runs on two devices: the emulated one (csrc/device_emulated.c) and
+the CUDA one (csrc/cuda_device.c) over the host CUDA driver (tests/hostcuda.py),
+whose kernels are reduce.cu compiled for the host and whose streams also run
+late: the code that drives a GPU runs here, kernels and all.
 """
+import os
 import textwrap
 
 import numpy as np
@@ -20,17 +26,22 @@ SETUP = """
 from cases import DTYPES, OPS, make_input, np_dtype
 from ringreduce import _core, collectives
 comm = collectives._state.comm
-dev = _core.Device.emulated(patience)
+if kind == "emulated":
+    dev = memory = _core.Device.emulated(patience)
+else:
+    from hostcuda import HostCuda
+    memory = HostCuda()  # the driver libcuda.so.1 that the CUDA device opens too
+    dev = memory.ring_device()
 codes = {d: collectives._dtype_code(np_dtype(d)) for d in DTYPES}
 opcodes = collectives._OPS
 
 class Buf:
     # An array's bytes in emulated device memory.
     def __init__(self, a):
-        self.nbytes, self.ptr = a.nbytes, dev.alloc(max(a.nbytes, 1))
-        dev.write(self.ptr, a.tobytes())
+        self.nbytes, self.ptr = a.nbytes, memory.alloc(max(a.nbytes, 1))
+        memory.write(self.ptr, a.tobytes())
     def get(self, dtype):
-        return np.frombuffer(dev.read(self.ptr, self.nbytes), dtype=dtype).copy()
+        return np.frombuffer(memory.read(self.ptr, self.nbytes), dtype=dtype).copy()
 
 def on_device(mode):
     return mode == "device" or (mode == "mixed" and rr.rank() % 2 == 0)
@@ -42,14 +53,29 @@ def host_allreduce(x, dtype, op):
 """
 
 
-def job(body: str, mode: str = "device", patience: int = 2) -> str:
-    return f"mode, patience = {mode!r}, {patience}\n" + SETUP + textwrap.dedent(body)
+def job(body: str, mode: str = "device", patience: int = 2, kind: str = "emulated") -> str:
+    return f"mode, patience, kind = {mode!r}, {patience}, {kind!r}\n" + SETUP + textwrap.dedent(body)
+
+
+@pytest.fixture(params=["emulated", "hostcuda"])
+def device(request):
+    """(kind, environment) for the ranks: the CUDA kind finds the host driver
+    through LD_LIBRARY_PATH; both run queued work late by the same rule."""
+    if request.param == "emulated":
+        return "emulated", {}
+    folder = request.getfixturevalue("hostcuda_dir")
+    return "hostcuda", {"LD_LIBRARY_PATH": f"{folder}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+
+
+def env_for(device, patience, **extra):
+    kind, env = device
+    return {**env, "HOSTCUDA_PATIENCE": str(patience), **extra}
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("mode", ["device", "mixed"])
 @pytest.mark.parametrize("patience", [0, 2])
-def test_allreduce_on_device_equals_the_host_ring(tmp_path, n, mode, patience):
+def test_allreduce_on_device_equals_the_host_ring(tmp_path, device, n, mode, patience):
     ranks = run_ranks(n, job("""
         bad = []
         for dtype in DTYPES:
@@ -70,7 +96,8 @@ def test_allreduce_on_device_equals_the_host_ring(tmp_path, n, mode, patience):
                     if got.tobytes() != want.tobytes():
                         bad.append((dtype, op, count))
         result = bad
-    """, mode, patience), tmp_path, env={"RINGREDUCE_SEGMENT_BYTES": "1024"}, timeout=240)
+    """, mode, patience, device[0]), tmp_path, env=env_for(device, patience, RINGREDUCE_SEGMENT_BYTES="1024"),
+        timeout=240)
     for r in ranks:
         assert r.result == [], f"rank {r.rank}: {r.result[:5]}"
 
@@ -78,7 +105,7 @@ def test_allreduce_on_device_equals_the_host_ring(tmp_path, n, mode, patience):
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("mode", ["device", "mixed"])
 @pytest.mark.parametrize("patience", [0, 2])
-def test_reduce_scatter_allgather_broadcast_on_device(tmp_path, n, mode, patience):
+def test_reduce_scatter_allgather_broadcast_on_device(tmp_path, device, n, mode, patience):
     ranks = run_ranks(n, job("""
         out = {}
         N, r = rr.size(), rr.rank()
@@ -118,7 +145,8 @@ def test_reduce_scatter_allgather_broadcast_on_device(tmp_path, n, mode, patienc
                     comm.broadcast(b, root)
                 out[("bc", count, root)] = b
         result = out
-    """, mode, patience), tmp_path, env={"RINGREDUCE_SEGMENT_BYTES": "512"}, timeout=180)
+    """, mode, patience, device[0]), tmp_path, env=env_for(device, patience, RINGREDUCE_SEGMENT_BYTES="512"),
+        timeout=180)
     for count in [0, 1, n - 1, 3 * n + 2, 30_011]:
         for r in ranks:
             assert r.result[("rs", count)].tobytes() == r.result[("ar", count)].tobytes(), (count, r.rank)
@@ -130,17 +158,17 @@ def test_reduce_scatter_allgather_broadcast_on_device(tmp_path, n, mode, patienc
                 assert np.array_equal(r.result[("bc", count, root)], np.arange(count, dtype=np.int64) * (root + 1))
 
 
-def test_single_rank_copies_on_the_device(tmp_path):
+def test_single_rank_copies_on_the_device(tmp_path, device):
     [rank] = run_ranks(1, job("""
         x = np.arange(1000, dtype=np.float64)
         src, dst = Buf(x), Buf(np.zeros_like(x))
         comm.allreduce_device(dev, src.ptr, dst.ptr, x.nbytes, codes["float64"], opcodes["avg"])
         result = dst.get(np.float64)
-    """), tmp_path)
+    """, kind=device[0]), tmp_path, env=env_for(device, 2))
     assert np.array_equal(rank.result, np.arange(1000, dtype=np.float64))
 
 
-def test_a_failing_device_fails_every_rank(tmp_path):
+def test_a_failing_device_fails_every_rank(tmp_path, device):
     """Rank 1 hands the device a host pointer: its device refuses the work,
     rank 1 raises that, and the others learn rank 1 is gone, none hangs."""
     ranks = run_ranks(3, job("""
@@ -154,9 +182,55 @@ def test_a_failing_device_fails_every_rank(tmp_path):
             result = "no error"
         except rr.RingReduceError as exc:
             result = (type(exc).__name__, str(exc))
-    """), tmp_path, timeout=60)
+    """, kind=device[0]), tmp_path, env=env_for(device, 2), timeout=60)
     kind, msg = ranks[1].result
-    assert "host pointer" in msg, msg
+    assert kind == "RingReduceError"
+    assert ("host pointer" if device[0] == "emulated" else "cuMemcpyDtoHAsync failed: invalid argument") in msg, msg
     for r in (ranks[0], ranks[2]):
         assert r.result != "no error"
         assert r.result[0] == "PeerLostError" and "1" in r.result[1], r.result
+
+
+def test_the_cuda_device_uses_its_driver_as_a_gpu_needs(tmp_path, hostcuda_dir):
+    """On the host CUDA driver: the ring's copies to and from the host all use
+    pinned memory (pageable ones would serialize with the network), work runs
+    from a thread other than the one that made the device (the context is made
+    current there), and dropping the device frees every stream, event,
+    allocation and context reference it took."""
+    env = {"LD_LIBRARY_PATH": str(hostcuda_dir), "RINGREDUCE_SEGMENT_BYTES": "4096"}
+    ranks = run_ranks(3, job("""
+        import gc, threading
+        x = make_input(rr.rank(), (100_003,), "float32", "sum")
+        src, dst = Buf(x), Buf(np.zeros_like(x))
+        def reduce_on_another_thread():
+            comm.allreduce_device(dev, src.ptr, dst.ptr, x.nbytes, codes["float32"], opcodes["avg"])
+        t = threading.Thread(target=reduce_on_another_thread)
+        t.start()
+        t.join()
+        same = dst.get(np.float32).tobytes() == host_allreduce(x, "float32", "avg").tobytes()
+        comm.broadcast_device(dev, src.ptr, x.nbytes, 0)
+        during = memory.stats()
+        del dev
+        gc.collect()
+        result = same, during, memory.stats()
+    """, kind="hostcuda"), tmp_path, env=env, timeout=60)
+    for r in ranks:
+        same, during, after = r.result
+        assert same
+        assert during["pageable_copies"] == 0 and during["sticky_error"] == 0
+        assert during["launches"] > 0 and during["contexts"] == 1 and during["pinned_blocks"] > 0
+        assert {k: after[k] for k in ("contexts", "streams", "events", "device_blocks", "pinned_blocks")} == \
+            dict(contexts=0, streams=0, events=0, device_blocks=0, pinned_blocks=0), after
+
+
+@pytest.mark.parametrize("devices, ordinal, why", [(0, 0, "cuInit failed"), (1, 1, "invalid device ordinal")])
+def test_no_usable_gpu_is_a_clear_error(tmp_path, hostcuda_dir, devices, ordinal, why):
+    [rank] = run_ranks(1, f"""
+        from hostcuda import HostCuda
+        try:
+            HostCuda().ring_device({ordinal})
+            result = "no error"
+        except rr.RingReduceError as exc:
+            result = str(exc)
+    """, tmp_path, env={"LD_LIBRARY_PATH": str(hostcuda_dir), "HOSTCUDA_DEVICES": str(devices)})
+    assert why in rank.result and rank.result.startswith("CUDA"), rank.result
