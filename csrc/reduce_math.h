@@ -10,8 +10,14 @@
 #ifndef RINGREDUCE_REDUCE_MATH_H
 #define RINGREDUCE_REDUCE_MATH_H
 
+#ifdef __CUDACC_RTC__
+/* NVRTC (cupy.RawModule) ships no C library headers; cupy puts CUDA's own
+ * C++ library (CCCL) on its include path, and memcpy is a built-in there. */
+#include <cuda/std/cstdint>
+#else
 #include <stdint.h>
 #include <string.h>
+#endif
 
 #ifndef RR_DEVICE
 #define RR_DEVICE

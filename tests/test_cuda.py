@@ -8,6 +8,7 @@ and sm_90."""
 import ctypes
 import shutil
 import subprocess
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -49,6 +50,46 @@ def test_kernels_compile_with_nvcc_for_sm80_and_sm90(tmp_path):
         assert f"rr_divide_{dtype}".encode() in symbols
     for kind in ("float16", "bfloat16"):
         assert f"rr_cast_float32_to_{kind}".encode() in symbols and f"rr_cast_{kind}_to_float32".encode() in symbols
+
+
+def nvrtc():
+    """NVRTC and CUDA's C++ headers from their wheels (the test extras), or None."""
+    try:
+        import nvidia.cu13
+    except ImportError:
+        return None
+    root = Path(nvidia.cu13.__path__[0])
+    lib, builtins = root / "lib" / "libnvrtc.so.13", sorted((root / "lib").glob("libnvrtc-builtins.so.*"))
+    if not lib.exists() or not builtins:
+        return None
+    ctypes.CDLL(str(builtins[0]), mode=ctypes.RTLD_GLOBAL)  # NVRTC opens it by name, not by path
+    return ctypes.CDLL(str(lib)), root / "include" / "cccl"
+
+
+@pytest.mark.skipif(nvrtc() is None, reason="NVRTC is not installed (pip install nvidia-cuda-nvrtc nvidia-cuda-cccl)")
+def test_kernels_compile_at_run_time_with_nvrtc():
+    """Where no fatbin was built, cupy.RawModule compiles reduce.cu with NVRTC,
+    which has no C library headers: the source must build there as it is,
+    with the include path cupy gives it (CUDA's C++ library)."""
+    lib, cccl = nvrtc()
+    src = (REPO / "csrc" / "cuda" / "reduce.cu").read_bytes()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"reduce.cu", 0, None, None) == 0
+    opts = [b"-std=c++17", b"-arch=sm_90", f"-I{REPO / 'csrc'}".encode(), f"-I{REPO / 'csrc' / 'cuda'}".encode(),
+            f"-I{cccl}".encode()]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode()
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    cubin = ctypes.create_string_buffer(size.value)
+    assert lib.nvrtcGetCUBIN(prog, cubin) == 0
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    names = [f"rr_reduce_{d}_{op}" for d in DTYPES for op in cuda.OPS] + [f"rr_divide_{d}" for d in DTYPES]
+    missing = [n for n in names if n.encode() not in cubin.raw]
+    assert not missing, missing
 
 
 def test_without_a_gpu_the_loader_says_why_and_import_costs_nothing():
