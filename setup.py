@@ -64,6 +64,7 @@ def cuda_fatbin():
     archs = os.environ.get("RINGREDUCE_CUDA_ARCHS", "80,90").split(",")
     cmd = [nvcc, "-std=c++17", "-O3", "-fatbin", "-o", "ringreduce/reduce_kernels.fatbin", "csrc/cuda/reduce.cu"]
     cmd += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    cmd += [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]  # PTX: newer GPUs compile it at load
     print("ringreduce: " + shlex.join(cmd), file=sys.stderr)
     subprocess.run(cmd, check=True)
     return ["reduce_kernels.fatbin"]

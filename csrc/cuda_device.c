@@ -31,7 +31,7 @@ typedef struct CUfunc_st *CUfunction;
     X(cuGetErrorString, (CUresult, const char **))                                              \
     X(cuDeviceGet, (CUdevice *, int))                                                           \
     X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice))                                        \
-    X(cuDevicePrimaryCtxRelease, (CUdevice))                                                    \
+    X(cuDevicePrimaryCtxRelease_v2, (CUdevice))                                                 \
     X(cuCtxSetCurrent, (CUcontext))                                                             \
     X(cuStreamCreate, (CUstream *, unsigned))                                                   \
     X(cuStreamDestroy_v2, (CUstream))                                                           \
@@ -196,7 +196,7 @@ static void destroy(rr_device *d)
         cu.cuCtxSetCurrent(c->ctx);
         for (int i = 0; i < EVENTS; i++) if (c->event[i]) cu.cuEventDestroy_v2(c->event[i]);
         if (c->stream) cu.cuStreamDestroy_v2(c->stream);
-        cu.cuDevicePrimaryCtxRelease(c->dev);
+        cu.cuDevicePrimaryCtxRelease_v2(c->dev);
     }
     free(c);
 }

@@ -11,6 +11,7 @@ rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import struct
 import threading
@@ -164,6 +165,18 @@ class _HostArrays:
     @staticmethod
     def from_host(a, like):
         return a
+
+    @staticmethod
+    def on(x):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def mark(x):
+        return None
+
+    @staticmethod
+    def wait(marker) -> None:
+        pass
 
     @staticmethod
     def allreduce(comm, src, dst, code, opc):
@@ -348,7 +361,7 @@ def _allreduce_device(x, op, out, name):
     code, opc = _dtype_code(x.dtype), _op_code(op)
     if out is not None and (not _cuda.is_device_array(out) or out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"out must be a GPU array of shape {x.shape} and dtype {x.dtype}")
-    with _state.lock:
+    with _state.lock, g.on(x):
         _require_world()
         if x.nbytes <= _state.small_limit:
             # Latency-bound: one copy each way and the host path, whose
@@ -375,7 +388,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None):
     """Returns this rank's chunk of the flattened reduction (chunks in rank order)."""
     g, x = _arrays_for(x)
     code, opc = _dtype_code(x.dtype), _op_code(op)
-    with _state.lock:
+    with _state.lock, g.on(x):
         w = _require_world()
         small = x.nbytes <= _state.small_limit
         head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small)
@@ -396,7 +409,7 @@ def allgather(x, name: str | None = None):
     if x.ndim == 0:
         x = x.reshape(1)
     code = _dtype_code(x.dtype)
-    with _state.lock:
+    with _state.lock, g.on(x):
         w = _require_world()
         small = x.nbytes <= _state.small_limit
         head = _header(ALLGATHER, 0, code, x.shape, name, inline=small)
@@ -422,7 +435,7 @@ def broadcast(x, root: int = 0, name: str | None = None):
     """Returns a new array holding root's x (same shape and dtype on every rank)."""
     g, x = _arrays_for(x)
     code = _dtype_code(x.dtype)
-    with _state.lock:
+    with _state.lock, g.on(x):
         w = _require_world()
         if not 0 <= root < w.size:
             raise ValueError(f"root {root} is not a rank of this world of {w.size}")

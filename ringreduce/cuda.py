@@ -141,7 +141,26 @@ class DeviceArrays:
             raise RingReduceError(f"GPU arrays need cupy and a CUDA device: {why}")
 
     def asarray(self, x):
-        return self.xp.asarray(x)  # zero-copy for cupy and __cuda_array_interface__ arrays
+        # A cupy array stays as it is (cupy.asarray would copy one from another
+        # GPU onto the current one); other GPU arrays become cupy views.
+        return x if isinstance(x, self.xp.ndarray) else self.xp.asarray(x)
+
+    def on(self, x):
+        """x's GPU made current (a context manager): cupy's current device is
+        per thread, and what the collectives allocate for x must live there."""
+        return x.device
+
+    def mark(self, x):
+        """An event after the work the calling thread has queued for x (its
+        current stream), for another thread to wait on before reading x."""
+        with x.device:
+            event = self.xp.cuda.Event(disable_timing=True)
+            event.record()
+        return event
+
+    @staticmethod
+    def wait(marker) -> None:
+        marker.synchronize()
 
     def to_host(self, x) -> np.ndarray:
         return self.xp.asnumpy(x)
@@ -152,8 +171,9 @@ class DeviceArrays:
 
     def _ready(self, array):
         """The ring's device for array. The ring runs on its own stream: what
-        the caller's stream has queued must be done first."""
-        self.xp.cuda.get_current_stream().synchronize()
+        the calling thread has queued on array's GPU must be done first."""
+        with array.device:
+            self.xp.cuda.get_current_stream().synchronize()
         return ring_device(array.device.id)
 
     def allreduce(self, comm, src, dst, code, opc):

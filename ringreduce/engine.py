@@ -43,6 +43,7 @@ class Handle:
     result: object = None
     error: BaseException | None = None
     family: object = None  # how the collectives handle `array` (collectives._arrays_for)
+    ready: object = None  # GPU arrays: an event after the caller's work on `array`
 
 
 class Engine:
@@ -63,7 +64,9 @@ class Engine:
     def enqueue(self, name: str, array, op: str = "avg") -> Handle:
         """array: numpy, or a GPU array (cupy), reduced on its device."""
         family, array = _c._arrays_for(array)
-        array = family.xp.ascontiguousarray(array)
+        with family.on(array):
+            array = family.xp.ascontiguousarray(array)
+        ready = family.mark(array)  # the engine's thread reads array after the caller's stream wrote it
         _c._op_code(op)
         with self._cond:
             if self._error is not None:
@@ -71,7 +74,7 @@ class Engine:
             if name in self._pending:
                 raise ValueError(f"tensor {name!r} is already in flight")
             self._seq += 1
-            h = Handle(name, array, op, self._seq, family=family)
+            h = Handle(name, array, op, self._seq, family=family, ready=ready)
             self._pending[name] = h
             self.timeline.begin(name, "QUEUE")
             self._cond.notify()
@@ -158,16 +161,19 @@ class Engine:
         for h in bucket:
             self.timeline.end(h.name, "QUEUE")
         families = [h.family for h in bucket]
+        for f, h in zip(families, bucket):
+            f.wait(h.ready)
         mixed = any(f is not families[0] for f in families)
-        if len(bucket) == 1:
-            flat = bucket[0].array.reshape(-1)
-        elif mixed:  # host and GPU tensors in one bucket (buckets must match across ranks): fuse on the host
-            flat = np.concatenate([f.to_host(h.array).reshape(-1) for f, h in zip(families, bucket)])
-        else:
-            flat = families[0].xp.concatenate([h.array.reshape(-1) for h in bucket])
-        label = bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors"
-        t0 = time.monotonic()
-        result = _c.allreduce(flat, op=bucket[0].op)
+        with families[0].on(bucket[0].array):
+            if len(bucket) == 1:
+                flat = bucket[0].array.reshape(-1)
+            elif mixed:  # host and GPU tensors in one bucket (buckets must match across ranks): fuse on the host
+                flat = np.concatenate([f.to_host(h.array).reshape(-1) for f, h in zip(families, bucket)])
+            else:
+                flat = families[0].xp.concatenate([h.array.reshape(-1) for h in bucket])
+            label = bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors"
+            t0 = time.monotonic()
+            result = _c.allreduce(flat, op=bucket[0].op)
         phases = _c._state.comm.last_phases()
         if phases[0] < t0:  # the one-pass small algorithm ran: no ring phases to show
             phases = None

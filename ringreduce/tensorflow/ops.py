@@ -27,17 +27,22 @@ def on_gpu_hosts() -> bool:
 
 def _from_tf(t):
     """An eager tensor as the collectives take it: a cupy view of GPU memory
-    (DLPack, no copy), else numpy."""
+    (DLPack, no copy), else numpy. TensorFlow's to_dlpack returns once the
+    tensor's data is ready."""
     if "GPU" not in t.device:
         return t.numpy()
     import cupy
-    cupy.cuda.Device().synchronize()  # TensorFlow's streams have finished writing t
     return cupy.from_dlpack(tf.experimental.dlpack.to_dlpack(t))
 
 
 def _to_tf(a):
     if isinstance(a, np.ndarray):
         return a
+    # TensorFlow's from_dlpack does not wait for cupy's stream: the result
+    # (copied or unpacked there) must be written before TensorFlow reads it.
+    import cupy
+    with a.device:
+        cupy.cuda.get_current_stream().synchronize()
     capsule = a.toDlpack() if hasattr(a, "toDlpack") else a.__dlpack__()  # cupy < 15 / later
     return tf.experimental.dlpack.from_dlpack(capsule)
 

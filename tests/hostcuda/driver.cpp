@@ -312,7 +312,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d)
     return CUDA_SUCCESS;
 }
 
-CUresult cuDevicePrimaryCtxRelease(CUdevice d)
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
