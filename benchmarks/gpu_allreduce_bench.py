@@ -37,18 +37,32 @@ def rr_impl(label: str, xp, count: int, dtype, op: str) -> harness.Impl:
 
 
 def start_nccl(cp, notes: list):
-    """A NCCL communicator over every rank, its unique id passed by ringreduce; None if NCCL refuses."""
+    """A NCCL communicator over every rank, rank 0's unique id passed by
+    ringreduce; None if NCCL refuses anywhere. Every rank runs the same
+    collectives whatever fails where, so a refusal is a note, not a hang."""
+    nccl, why = None, ""
+    uid = np.zeros(1 + 128, dtype=np.uint8)  # how the id is typed (0: none), then its 128 bytes
     try:
         from cupy.cuda import nccl
-        uid = nccl.get_unique_id() if rr.rank() == 0 else None
-        uid = tuple(rr.broadcast(np.array(uid if uid is not None else [0] * 128, dtype=np.int64)).tolist())
-        comm = nccl.NcclCommunicator(rr.size(), uid, rr.rank())
-    except Exception as exc:  # NCCL missing, or several ranks on one GPU
-        ok = False
+        if rr.rank() == 0:
+            got = nccl.get_unique_id()  # bytes from cupy 14, a tuple of 128 signed chars before
+            if isinstance(got, bytes):
+                uid[0], uid[1:] = 2, np.frombuffer(got, dtype=np.uint8)
+            else:
+                uid[0], uid[1:] = 1, np.array(got, dtype=np.int8).view(np.uint8)
+    except Exception as exc:  # NCCL missing
         why = f"{type(exc).__name__}: {exc}"
-    else:
-        ok, why = True, ""
-    if not rr.allreduce(np.array([int(ok)], dtype=np.int32), op="min")[0]:
+    uid = rr.broadcast(uid)
+    comm = None
+    if uid[0] and nccl is not None:
+        try:
+            key = bytes(uid[1:]) if uid[0] == 2 else tuple(uid[1:].view(np.int8).tolist())
+            comm = nccl.NcclCommunicator(rr.size(), key, rr.rank())
+        except Exception as exc:  # several ranks on one GPU, say
+            why = f"{type(exc).__name__}: {exc}"
+    elif not why:
+        why = "no NCCL on rank 0"
+    if not rr.allreduce(np.array([int(comm is not None)], dtype=np.int32), op="min")[0]:
         notes.append(f"nccl: not measured ({why or 'refused on another rank'})")
         return None
     return comm, nccl
