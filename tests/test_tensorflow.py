@@ -132,16 +132,21 @@ def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
 
         # The last layer's gradient is handed over before backprop reaches the first layer.
         marks = {}
-        def mark(dy):
-            marks.setdefault("backprop done", time.monotonic())
-            return dy
-        @tf.custom_gradient
-        def input_side(x):  # its gradient runs once backprop has gone through every layer
-            def grad(dy):  # stateless: a stateful op here would hold back every later stateful op
-                marked = tf.numpy_function(mark, [dy], dy.dtype, stateful=False)
-                marked.set_shape(dy.shape)
-                return marked
-            return tf.identity(x), grad
+        def marker(label):
+            # Identity whose gradient notes when backprop passed through it.
+            def mark(dy):
+                marks.setdefault(label, time.monotonic())
+                return dy
+            @tf.custom_gradient
+            def f(x):
+                def grad(dy):  # stateless: a stateful op here would hold back every later stateful op
+                    marked = tf.numpy_function(mark, [dy], dy.dtype, stateful=False)
+                    marked.set_shape(dy.shape)
+                    return marked
+                return tf.identity(x), grad
+            return f
+        input_side = marker("backprop done")  # its gradient runs once backprop has gone through every layer
+        first_output = marker("reached the first layer")  # the first layer's gradients need what passes here
         import ringreduce.tensorflow.overlap as ov
         real_enqueue = ov._enqueue
         def spying_enqueue(name, op, array):
@@ -151,17 +156,22 @@ def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
         layers = [keras.layers.Dense(512, activation="relu") for _ in range(6)] + [keras.layers.Dense(10)]
         model = keras.Sequential([keras.Input((512,)), *layers])
         x, scale = tf.random.normal((256, 512)), tf.Variable(1.0)
+        def forward(h):
+            h = first_output(layers[0](h))
+            for layer in layers[1:]:
+                h = layer(h)
+            return h
         @tf.function
         def step():  # scale's gradient needs dy at the input: backprop through every layer
             with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(input_side(x * scale)) ** 2)
+                loss = tf.reduce_sum(forward(input_side(x * scale)) ** 2)
             return rrtf.DistributedGradientTape(tape).gradient(loss, model.trainable_variables + [scale])
         step()
         marks.clear()
         step()
         last_kernel = [k for k in marks if layers[-1].kernel.path in k][0]
         first_kernel = [k for k in marks if layers[0].kernel.path in k][0]
-        out["order"] = (marks[last_kernel] < marks["backprop done"], marks[first_kernel] >= marks["backprop done"] - 1e-3)
+        out["order"] = (marks[last_kernel] < marks["backprop done"], marks[first_kernel] >= marks["reached the first layer"])
         result = out
     """, tmp_path, timeout=180, init=False)
     # rank 0 looks up rows 1, 2, 2 (weight 1), rank 1 rows 5, 5, 5 (weight 2): averaged over 2 ranks
@@ -177,7 +187,7 @@ def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
         np.testing.assert_allclose(r.result["update"], want, rtol=1e-6)
         handed_early, first_at_end = r.result["order"]
         assert handed_early, f"rank {r.rank}: the last layer's gradient left only after backprop had finished"
-        assert first_at_end, f"rank {r.rank}: the first layer's gradient was handed over before it existed?"
+        assert first_at_end, f"rank {r.rank}: the first layer's gradient was handed over before it could exist?"
 
 
 def test_ops_as_py_functions_the_path_tensorflow_takes_with_a_gpu(tmp_path):
