@@ -171,9 +171,9 @@ class DeviceArrays:
 
     def _ready(self, array):
         """The ring's device for array. The ring runs on its own stream: what
-        the calling thread has queued on array's GPU must be done first."""
-        with array.device:
-            self.xp.cuda.get_current_stream().synchronize()
+        the calling thread has queued on array's GPU (current: callers run
+        under on(array)) must be done first."""
+        self.xp.cuda.get_current_stream().synchronize()
         return ring_device(array.device.id)
 
     def allreduce(self, comm, src, dst, code, opc):

@@ -153,27 +153,27 @@ class HostKernels:
         return p
 
     def _launch(self, name, count, *args):
-        grid = self.grid or cuda._grid(count)[0]
-        self.h.launch(name, grid, cuda.THREADS if self.grid is None else 32, *args, ctypes.c_size_t(count))
+        """Runs kernel name over count elements; args as its C signature takes them."""
+        grid, block = (self.grid, 32) if self.grid else (cuda._grid(count)[0], cuda.THREADS)
+        self.h.launch(name, grid, block, *args)
 
     def reduce(self, a, b, name, op, skip=0, in_place=False):
         k = skip * a.dtype.itemsize
         pa, pb = self.put(a) + k, self.put(b) + k
         out = pa if in_place else self.put(np.zeros_like(a[skip:]))
         count = a.size - skip
-        self._launch(f"rr_reduce_{name}_{op}", count, *map(ctypes.c_uint64, (out, pa, pb)))
+        self._launch(f"rr_reduce_{name}_{op}", count, *map(ctypes.c_uint64, (out, pa, pb)), ctypes.c_size_t(count))
         return self.h.read(out, count * a.dtype.itemsize)
 
     def divide(self, a, name, n):
         p = self.put(a)
-        grid = self.grid or cuda._grid(a.size)[0]
-        self.h.launch(f"rr_divide_{name}", grid, cuda.THREADS if self.grid is None else 32,
-                      ctypes.c_uint64(p), ctypes.c_size_t(a.size), ctypes.c_int(n))
+        self._launch(f"rr_divide_{name}", a.size, ctypes.c_uint64(p), ctypes.c_size_t(a.size), ctypes.c_int(n))
         return self.h.read(p, a.nbytes)
 
     def cast(self, x, frm, to, itemsize):
         out = self.put(np.zeros(x.size * itemsize, np.uint8))
-        self._launch(f"rr_cast_{frm}_to_{to}", x.size, ctypes.c_uint64(out), ctypes.c_uint64(self.put(x)))
+        self._launch(f"rr_cast_{frm}_to_{to}", x.size, ctypes.c_uint64(out), ctypes.c_uint64(self.put(x)),
+                     ctypes.c_size_t(x.size))
         return self.h.read(out, x.size * itemsize)
 
     def close(self):
