@@ -60,20 +60,21 @@ static int check_usable(CommObject *self)
     return 0;
 }
 
-/* Comm(rank, size, next_fd, prev_fd, ctrl_fds, timeout, segment, spin=100)
- * runs over TCP sockets; Comm(rank, size, -1, -1, (), timeout, segment,
+/* Comm(rank, size, next_fd, prev_fd, ctrl_fds, timeout, segment, spin=100,
+ * tx_shm=-1, rx_shm=-1) runs over TCP sockets (a link's data through shared
+ * memory where tx_shm / rx_shm give its file); Comm(rank, size, -1, -1, (), timeout, segment,
  * transport=capsule) over a transport built elsewhere (ringreduce._mpi). */
 static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"rank", "size", "next_fd", "prev_fd", "ctrl_fds", "timeout", "segment", "spin",
-                             "transport", NULL};
-    int rank, size, next_fd, prev_fd;
+                             "transport", "tx_shm", "rx_shm", NULL};
+    int rank, size, next_fd, prev_fd, tx_shm = -1, rx_shm = -1;
     PyObject *ctrl, *capsule = NULL;
     double timeout;
     Py_ssize_t segment;
     int spin = 100;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn|iO", kwlist, &rank, &size, &next_fd, &prev_fd,
-                                     &ctrl, &timeout, &segment, &spin, &capsule))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn|iOii", kwlist, &rank, &size, &next_fd, &prev_fd,
+                                     &ctrl, &timeout, &segment, &spin, &capsule, &tx_shm, &rx_shm))
         return -1;
     if (capsule && capsule != Py_None) {
         rr_transport *t = PyCapsule_GetPointer(capsule, "ringreduce.transport");
@@ -103,8 +104,9 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
     if (PyErr_Occurred()) { PyMem_Free(fds); return -1; }
     rr_transport *t = NULL;
     if (size > 1) {
-        t = rr_tcp_create(rank, size, next_fd, prev_fd, fds, (int)n, timeout, spin);
-        if (!t) { PyMem_Free(fds); PyErr_NoMemory(); return -1; }
+        rr_error err = {0};
+        t = rr_tcp_create(rank, size, next_fd, prev_fd, fds, (int)n, timeout, spin, tx_shm, rx_shm, &err);
+        if (!t) { PyMem_Free(fds); raise_error(&err, 1); return -1; }
     }
     PyMem_Free(fds);
     self->ring = rr_ring_create(t, (size_t)segment);

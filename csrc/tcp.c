@@ -15,9 +15,15 @@
  *
  * Control messages are 8 bytes: u32 type, i32 rank, native byte order (all
  * ranks of a job run the same build on the same kind of machine).
+ *
+ * Neighbours on one host: a link may carry its data through shared memory
+ * (csrc/shm_link.h) instead of the socket. The socket then only carries
+ * one-byte wake-ups for a side asleep in poll, and its EOF still says the
+ * peer is gone; everything else (control star, blame, timeouts) is the same.
  */
 #define _GNU_SOURCE
 #include "tcp.h"
+#include "shm_link.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -49,6 +55,8 @@ typedef struct {
     int timeout_ms;
     int spin_limit;   /* sched_yield rounds before poll  */
     int aborted;
+    rr_shm_link *tx_shm, *rx_shm; /* data through shared memory, or NULL: the socket */
+    int next_closed, prev_closed; /* EOF seen on a shared-memory link's socket */
 } tcp_transport;
 
 static int64_t now_ms(void)
@@ -247,6 +255,82 @@ static int peer_silent(tcp_transport *t, int waited_on, rr_error *err)
 
 static int would_block(void) { return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR; }
 
+/* Wakes the peer asleep on a shared-memory link. A full socket buffer means
+ * wake-ups are already waiting for it; a dead peer shows up elsewhere. */
+static void kick(int fd)
+{
+    char b = 0;
+    ssize_t n = send(fd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    (void)n;
+}
+
+/* Reads every wake-up byte waiting on a shared-memory link's socket.
+ * Returns 1 once the peer has closed it. */
+static int drain(int fd)
+{
+    char buf[64];
+    for (;;) {
+        ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n > 0) continue;
+        return n == 0 || !would_block();
+    }
+}
+
+static int closed_error(tcp_transport *t, int neighbour, rr_error *err)
+{
+    char what[96];
+    snprintf(what, sizeof what, "rank %d closed its connection", neighbour);
+    return peer_failed(t, neighbour, what, err);
+}
+
+/* Moves what can move now without waiting: *sent, *rcvd say how much.
+ * Returns RR_OK or an error for a peer that failed. */
+static int try_move(tcp_transport *t, const void *sbuf, size_t slen, size_t *sent,
+                    void *rbuf, size_t rlen, size_t *rcvd, rr_error *err)
+{
+    if (slen && t->tx_shm) {
+        if (t->next_closed) return closed_error(t, next_rank(t), err);
+        *sent = rr_shm_link_write(t->tx_shm, sbuf, slen);
+        if (*sent && rr_shm_link_reader_waits(t->tx_shm)) kick(t->next_fd);
+    } else if (slen) {
+        ssize_t n = send(t->next_fd, sbuf, slen, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n > 0) *sent = (size_t)n;
+        else if (n < 0 && !would_block()) {
+            char what[96];
+            snprintf(what, sizeof what, "sending to rank %d failed: %s", next_rank(t), strerror(errno));
+            return peer_failed(t, next_rank(t), what, err);
+        }
+    }
+    if (rlen && t->rx_shm) {
+        /* Bytes written before the peer left are still good: take them first. */
+        *rcvd = rr_shm_link_read(t->rx_shm, rbuf, rlen);
+        if (*rcvd && rr_shm_link_writer_waits(t->rx_shm)) kick(t->prev_fd);
+        if (!*rcvd && t->prev_closed) return closed_error(t, prev_rank(t), err);
+    } else if (rlen) {
+        ssize_t n = recv(t->prev_fd, rbuf, rlen, MSG_DONTWAIT);
+        if (n > 0) *rcvd = (size_t)n;
+        else if (n == 0) return closed_error(t, prev_rank(t), err);
+        else if (!would_block()) {
+            char what[96];
+            snprintf(what, sizeof what, "receiving from rank %d failed: %s", prev_rank(t), strerror(errno));
+            return peer_failed(t, prev_rank(t), what, err);
+        }
+    }
+    return RR_OK;
+}
+
+/* Raises the flags of the shared-memory sides about to sleep. Returns 0 when
+ * one of them can move after all (no flag is left raised then). */
+static int ready_to_sleep(tcp_transport *t, int tx, int rx)
+{
+    if (tx && rr_shm_link_writer_sleeps(t->tx_shm)) return 0;
+    if (rx && rr_shm_link_reader_sleeps(t->rx_shm)) {
+        if (tx) rr_shm_link_writer_done(t->tx_shm);
+        return 0;
+    }
+    return 1;
+}
+
 static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_t *sent,
                         void *rbuf, size_t rlen, size_t *rcvd, rr_error *err)
 {
@@ -262,29 +346,8 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
     const int nfd = 2 + t->n_ctrl;
     struct pollfd pfd[nfd];
     for (;;) {
-        if (slen) {
-            ssize_t n = send(t->next_fd, sbuf, slen, MSG_DONTWAIT | MSG_NOSIGNAL);
-            if (n > 0) *sent = (size_t)n;
-            else if (n < 0 && !would_block()) {
-                char what[96];
-                snprintf(what, sizeof what, "sending to rank %d failed: %s", next_rank(t), strerror(errno));
-                return peer_failed(t, next_rank(t), what, err);
-            }
-        }
-        if (rlen) {
-            ssize_t n = recv(t->prev_fd, rbuf, rlen, MSG_DONTWAIT);
-            if (n > 0) *rcvd = (size_t)n;
-            else if (n == 0) {
-                char what[96];
-                snprintf(what, sizeof what, "rank %d closed its connection", prev_rank(t));
-                return peer_failed(t, prev_rank(t), what, err);
-            } else if (!would_block()) {
-                char what[96];
-                snprintf(what, sizeof what, "receiving from rank %d failed: %s", prev_rank(t), strerror(errno));
-                return peer_failed(t, prev_rank(t), what, err);
-            }
-        }
-        if (*sent || *rcvd) return RR_OK;
+        int rc = try_move(t, sbuf, slen, sent, rbuf, rlen, rcvd, err);
+        if (rc != RR_OK || *sent || *rcvd) return rc;
         /* Small messages live or die by wake-up latency. Before sleeping in
          * poll, yield the core a few times: a peer that is about to answer
          * (often on this very core, when ranks outnumber cores) runs now, and
@@ -294,18 +357,26 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
             sched_yield();
             continue;
         }
+        int tx_sleeps = slen && t->tx_shm, rx_sleeps = rlen && t->rx_shm;
+        if (!ready_to_sleep(t, tx_sleeps, rx_sleeps)) continue;
 
-        pfd[0] = (struct pollfd){.fd = slen ? t->next_fd : -1, .events = POLLOUT};
+        /* A shared-memory link's socket brings wake-ups (POLLIN) both ways. */
+        pfd[0] = (struct pollfd){.fd = slen ? t->next_fd : -1, .events = t->tx_shm ? POLLIN : POLLOUT};
         pfd[1] = (struct pollfd){.fd = rlen ? t->prev_fd : -1, .events = POLLIN};
         for (int i = 0; i < t->n_ctrl; i++)
             pfd[2 + i] = (struct pollfd){.fd = t->ctrl[i], .events = POLLIN};
         int64_t left = deadline - now_ms();
+        int r = left > 0 ? poll(pfd, (nfds_t)nfd, (int)(left < 1000 ? left : 1000)) : 0;
+        int poll_errno = errno;
+        if (tx_sleeps) rr_shm_link_writer_done(t->tx_shm);
+        if (rx_sleeps) rr_shm_link_reader_done(t->rx_shm);
         if (left <= 0) return peer_silent(t, rlen ? prev_rank(t) : next_rank(t), err);
-        int r = poll(pfd, (nfds_t)nfd, (int)(left < 1000 ? left : 1000));
-        if (r < 0 && errno != EINTR) {
-            rr_set_error(err, RR_E_SYSTEM, -1, "poll failed: %s", strerror(errno));
+        if (r < 0 && poll_errno != EINTR) {
+            rr_set_error(err, RR_E_SYSTEM, -1, "poll failed: %s", strerror(poll_errno));
             return err->code;
         }
+        if (r > 0 && t->tx_shm && pfd[0].fd >= 0 && pfd[0].revents && drain(t->next_fd)) t->next_closed = 1;
+        if (r > 0 && t->rx_shm && pfd[1].fd >= 0 && pfd[1].revents && drain(t->prev_fd)) t->prev_closed = 1;
         for (int i = 0; r > 0 && i < t->n_ctrl; i++) {
             if (t->ctrl[i] < 0 || !(pfd[2 + i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
             int about = -1, kind = ctrl_read(t, i, &about), culprit = -1;
@@ -350,6 +421,8 @@ static void tcp_destroy(rr_transport *base)
     if (t->prev_fd >= 0 && t->prev_fd != t->next_fd) close(t->prev_fd);
     for (int i = 0; i < t->n_ctrl; i++)
         if (t->ctrl[i] >= 0) close(t->ctrl[i]);
+    rr_shm_link_unmap(t->tx_shm);
+    rr_shm_link_unmap(t->rx_shm);
     free(t->ctrl);
     free(t->departed);
     free(t);
@@ -358,16 +431,20 @@ static void tcp_destroy(rr_transport *base)
 static const rr_transport_ops tcp_ops = {tcp_exchange, tcp_abort, tcp_destroy};
 
 rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
-                            const int *ctrl_fds, int n_ctrl, double timeout_s, int spin_rounds)
+                            const int *ctrl_fds, int n_ctrl, double timeout_s, int spin_rounds,
+                            int tx_shm_fd, int rx_shm_fd, rr_error *err)
 {
     tcp_transport *t = calloc(1, sizeof *t);
-    if (!t) return NULL;
-    t->ctrl = calloc((size_t)(n_ctrl > 0 ? n_ctrl : 1), sizeof(int));
-    t->departed = calloc((size_t)size, 1);
-    if (!t->ctrl || !t->departed) {
-        free(t->ctrl);
-        free(t->departed);
+    if (t) {
+        t->ctrl = calloc((size_t)(n_ctrl > 0 ? n_ctrl : 1), sizeof(int));
+        t->departed = calloc((size_t)size, 1);
+    }
+    if (!t || !t->ctrl || !t->departed) {
+        if (t) { free(t->ctrl); free(t->departed); }
         free(t);
+        if (tx_shm_fd >= 0) close(tx_shm_fd);
+        if (rx_shm_fd >= 0) close(rx_shm_fd);
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
         return NULL;
     }
     t->base.ops = &tcp_ops;
@@ -380,5 +457,16 @@ rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
     t->timeout_ms = (int)(timeout_s * 1000.0);
     if (t->timeout_ms < 1) t->timeout_ms = 1;
     t->spin_limit = spin_rounds > 0 ? spin_rounds : 0;
+    int ok = 1;
+    if (tx_shm_fd >= 0) ok = (t->tx_shm = rr_shm_link_map(tx_shm_fd, err)) != NULL;
+    if (rx_shm_fd >= 0) {
+        if (ok) ok = (t->rx_shm = rr_shm_link_map(rx_shm_fd, err)) != NULL;
+        else close(rx_shm_fd);
+    }
+    if (!ok) {
+        t->aborted = 1; /* no goodbye: the peers will see the sockets close */
+        tcp_destroy(&t->base);
+        return NULL;
+    }
     return &t->base;
 }

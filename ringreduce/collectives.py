@@ -87,7 +87,9 @@ def init(backend: str | None = None, comm=None) -> None:
                 links = _world.rendezvous(w)
                 c = w.config
                 _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
-                                         c.timeout, c.segment_bytes, c.spin)
+                                         c.timeout, c.segment_bytes, c.spin,
+                                         tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
+                w.extra["links"] = links.kinds()
                 _state.world = w
         _state.broken = None
         _state.small_limit = _state.world.config.small_limit(_state.world.size)

@@ -14,6 +14,8 @@ class Config:
                                     # (N-1) * tensor bytes stays within this
     spin: int = 100                 # RINGREDUCE_SPIN: yields before sleeping in poll
     backend: str = ""               # RINGREDUCE_BACKEND: "socket" or "mpi"; empty: choose
+    shm_bytes: int = 4 << 20        # RINGREDUCE_SHM_BYTES: buffer of a shared-memory link between
+                                    # neighbours on one host (socket backend); 0: sockets only
 
     def small_limit(self, size: int) -> int:
         """Largest tensor (bytes) for the one-pass small algorithm on `size`
@@ -33,4 +35,5 @@ class Config:
             small_bytes=get("RINGREDUCE_SMALL_BYTES", d.small_bytes, int),
             spin=get("RINGREDUCE_SPIN", d.spin, int),
             backend=get("RINGREDUCE_BACKEND", d.backend, str),
+            shm_bytes=get("RINGREDUCE_SHM_BYTES", d.shm_bytes, int),
         )

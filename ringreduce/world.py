@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from . import shm
 from .config import Config
 from .errors import RingReduceError
 
@@ -337,6 +338,13 @@ class Links:
     next_fd: int = -1
     prev_fd: int = -1
     ctrl_fds: list = field(default_factory=list)
+    tx_shm_fd: int = -1  # the link to next carries its data through this shared file
+    rx_shm_fd: int = -1  # likewise the link from prev
+
+    def kinds(self) -> dict:
+        """How each link moves its data: "shm" or "tcp"."""
+        return {"next": "shm" if self.tx_shm_fd >= 0 else "tcp",
+                "prev": "shm" if self.rx_shm_fd >= 0 else "tcp"}
 
 
 def rendezvous(world: World) -> Links:
@@ -383,6 +391,12 @@ def rendezvous(world: World) -> Links:
             return None if hello.get("rank") == prv else f"claims rank {hello.get('rank')}, expected {prv}"
 
         from_prev, _ = ring_listener.expect(is_prev, deadline, f"rank {prv} to connect")
+        try:
+            tx_shm, rx_shm = shm.connect(to_next, from_prev, f"{job}-{world.rank}", world.config.shm_bytes,
+                                         send_msg, recv_msg)
+        except (OSError, ConnectionError, ValueError) as exc:
+            raise RingReduceError(f"rank {world.rank}: setting up the links to ranks {prv} and {nxt} "
+                                  f"failed: {exc}") from exc
     finally:
         if ring_listener is not None:
             ring_listener.close()
@@ -390,7 +404,8 @@ def rendezvous(world: World) -> Links:
         if s is not None:
             s.settimeout(None)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return Links(to_next.detach(), from_prev.detach(), [s.detach() if s is not None else -1 for s in ctrl])
+    return Links(to_next.detach(), from_prev.detach(), [s.detach() if s is not None else -1 for s in ctrl],
+                 tx_shm, rx_shm)
 
 
 def _listen_for_rendezvous(bind_host: str, port: int) -> socket.socket:
