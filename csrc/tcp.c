@@ -288,24 +288,16 @@ static int closed_error(tcp_transport *t, int neighbour, rr_error *err)
 static int try_move(tcp_transport *t, const void *sbuf, size_t slen, size_t *sent,
                     void *rbuf, size_t rlen, size_t *rcvd, rr_error *err)
 {
-    if (slen && t->tx_shm) {
-        if (t->next_closed) return closed_error(t, next_rank(t), err);
-        *sent = rr_shm_link_write(t->tx_shm, sbuf, slen);
-        if (*sent && rr_shm_link_reader_waits(t->tx_shm)) kick(t->next_fd);
-    } else if (slen) {
-        ssize_t n = send(t->next_fd, sbuf, slen, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (n > 0) *sent = (size_t)n;
-        else if (n < 0 && !would_block()) {
-            char what[96];
-            snprintf(what, sizeof what, "sending to rank %d failed: %s", next_rank(t), strerror(errno));
-            return peer_failed(t, next_rank(t), what, err);
-        }
-    }
+    /* Receive first: when both neighbours are gone, the one upstream is the
+     * likelier cause, and its bytes may still be waiting. */
     if (rlen && t->rx_shm) {
-        /* Bytes written before the peer left are still good: take them first. */
+        /* Bytes written before the peer left are still good: take them first.
+         * An empty link looks at the socket, as recv on a TCP link would. */
         *rcvd = rr_shm_link_read(t->rx_shm, rbuf, rlen);
         if (*rcvd && rr_shm_link_writer_waits(t->rx_shm)) kick(t->prev_fd);
-        if (!*rcvd && t->prev_closed) return closed_error(t, prev_rank(t), err);
+        if (!*rcvd && !t->prev_closed && drain(t->prev_fd)) t->prev_closed = 1;
+        if (!*rcvd && t->prev_closed && !(*rcvd = rr_shm_link_read(t->rx_shm, rbuf, rlen)))
+            return closed_error(t, prev_rank(t), err);
     } else if (rlen) {
         ssize_t n = recv(t->prev_fd, rbuf, rlen, MSG_DONTWAIT);
         if (n > 0) *rcvd = (size_t)n;
@@ -316,6 +308,23 @@ static int try_move(tcp_transport *t, const void *sbuf, size_t slen, size_t *sen
             return peer_failed(t, prev_rank(t), what, err);
         }
     }
+    if (slen && t->tx_shm) {
+        *sent = rr_shm_link_write(t->tx_shm, sbuf, slen);
+        if (*sent && rr_shm_link_reader_waits(t->tx_shm)) kick(t->next_fd);
+        if (!*sent && !t->next_closed && drain(t->next_fd)) t->next_closed = 1;
+    } else if (slen) {
+        ssize_t n = send(t->next_fd, sbuf, slen, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n > 0) *sent = (size_t)n;
+        else if (n < 0 && !would_block()) {
+            char what[96];
+            snprintf(what, sizeof what, "sending to rank %d failed: %s", next_rank(t), strerror(errno));
+            return peer_failed(t, next_rank(t), what, err);
+        }
+    }
+    /* A reader that took every byte and then left has done its part of
+     * this operation; one that left bytes behind, or gets more, has not. */
+    if (t->tx_shm && t->next_closed && !*rcvd && (slen || rr_shm_link_pending(t->tx_shm)))
+        return closed_error(t, next_rank(t), err);
     return RR_OK;
 }
 
@@ -360,8 +369,11 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         int tx_sleeps = slen && t->tx_shm, rx_sleeps = rlen && t->rx_shm;
         if (!ready_to_sleep(t, tx_sleeps, rx_sleeps)) continue;
 
-        /* A shared-memory link's socket brings wake-ups (POLLIN) both ways. */
-        pfd[0] = (struct pollfd){.fd = slen ? t->next_fd : -1, .events = t->tx_shm ? POLLIN : POLLOUT};
+        /* A shared-memory link's socket brings wake-ups (POLLIN) both ways,
+         * and its EOF: watched while idle too, since writes into the mapping
+         * never fail when the reader is gone. */
+        int watch_next = t->tx_shm ? !t->next_closed : slen > 0;
+        pfd[0] = (struct pollfd){.fd = watch_next ? t->next_fd : -1, .events = t->tx_shm ? POLLIN : POLLOUT};
         pfd[1] = (struct pollfd){.fd = rlen ? t->prev_fd : -1, .events = POLLIN};
         for (int i = 0; i < t->n_ctrl; i++)
             pfd[2 + i] = (struct pollfd){.fd = t->ctrl[i], .events = POLLIN};
