@@ -288,8 +288,19 @@ static int closed_error(tcp_transport *t, int neighbour, rr_error *err)
 static int try_move(tcp_transport *t, const void *sbuf, size_t slen, size_t *sent,
                     void *rbuf, size_t rlen, size_t *rcvd, rr_error *err)
 {
-    /* Receive first: when both neighbours are gone, the one upstream is the
-     * likelier cause, and its bytes may still be waiting. */
+    if (slen && t->tx_shm) {
+        *sent = rr_shm_link_write(t->tx_shm, sbuf, slen);
+        if (*sent && rr_shm_link_reader_waits(t->tx_shm)) kick(t->next_fd);
+        if (!*sent && !t->next_closed && drain(t->next_fd)) t->next_closed = 1;
+    } else if (slen) {
+        ssize_t n = send(t->next_fd, sbuf, slen, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n > 0) *sent = (size_t)n;
+        else if (n < 0 && !would_block()) {
+            char what[96];
+            snprintf(what, sizeof what, "sending to rank %d failed: %s", next_rank(t), strerror(errno));
+            return peer_failed(t, next_rank(t), what, err);
+        }
+    }
     if (rlen && t->rx_shm) {
         /* Bytes written before the peer left are still good: take them first.
          * An empty link looks at the socket, as recv on a TCP link would. */
@@ -306,19 +317,6 @@ static int try_move(tcp_transport *t, const void *sbuf, size_t slen, size_t *sen
             char what[96];
             snprintf(what, sizeof what, "receiving from rank %d failed: %s", prev_rank(t), strerror(errno));
             return peer_failed(t, prev_rank(t), what, err);
-        }
-    }
-    if (slen && t->tx_shm) {
-        *sent = rr_shm_link_write(t->tx_shm, sbuf, slen);
-        if (*sent && rr_shm_link_reader_waits(t->tx_shm)) kick(t->next_fd);
-        if (!*sent && !t->next_closed && drain(t->next_fd)) t->next_closed = 1;
-    } else if (slen) {
-        ssize_t n = send(t->next_fd, sbuf, slen, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (n > 0) *sent = (size_t)n;
-        else if (n < 0 && !would_block()) {
-            char what[96];
-            snprintf(what, sizeof what, "sending to rank %d failed: %s", next_rank(t), strerror(errno));
-            return peer_failed(t, next_rank(t), what, err);
         }
     }
     /* A reader that took every byte and then left has done its part of

@@ -11,8 +11,12 @@ WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 
 # Both algorithms on every size: the ring alone (no data rides with the
 # header), the one-pass small algorithm alone, and the default choice by size.
+# The ring also over TCP links (no shared memory), and over shared-memory
+# links smaller than a segment and of an odd size, so every window wraps.
 ALGORITHMS = {"ring": {"RINGREDUCE_SMALL_BYTES": "0"}, "small": {"RINGREDUCE_SMALL_BYTES": str(1 << 30)},
-              "auto": {}}
+              "auto": {},
+              "ring-tcp": {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_SHM_BYTES": "0"},
+              "ring-tiny-shm": {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_SHM_BYTES": "1001"}}
 
 
 @pytest.fixture(scope="module")

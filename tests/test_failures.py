@@ -12,8 +12,13 @@ import pytest
 
 from ranks import collect, free_port, rank_env, run_ranks, start_ranks
 
+# Ranks on one host move data through shared memory unless told not to; a
+# dead peer must be found the same way on either kind of link.
+LINKS = {"shm": {}, "tcp": {"RINGREDUCE_SHM_BYTES": "0"}}
 
-def test_killed_rank_is_named_on_every_survivor(tmp_path):
+
+@pytest.mark.parametrize("links", list(LINKS))
+def test_killed_rank_is_named_on_every_survivor(tmp_path, links):
     ranks = run_ranks(4, """
         import os, signal, time
         x = np.ones(4 << 20, dtype=np.float32)
@@ -34,7 +39,7 @@ def test_killed_rank_is_named_on_every_survivor(tmp_path):
             except rr.RingReduceError as e2:
                 after = str(e2)
             result = (e.rank, str(e), elapsed, after)
-    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"}, check=False)
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20", **LINKS[links]}, check=False)
     assert ranks[2].returncode == -signal.SIGKILL
     for r in ranks:
         if r.rank == 2:
@@ -265,8 +270,9 @@ LEAVES = {"interpreter exit": "sys.exit(0)",
           "uncaught exception": "raise SystemExit(1)"}
 
 
+@pytest.mark.parametrize("links", list(LINKS))
 @pytest.mark.parametrize("how", list(LEAVES))
-def test_rank_that_leaves_is_named_without_waiting_for_the_timeout(tmp_path, how):
+def test_rank_that_leaves_is_named_without_waiting_for_the_timeout(tmp_path, how, links):
     """Rank 1 leaves between collectives (its goodbye is sent); the others'
     next allreduce names rank 1, not a live rank, and long before the timeout."""
     ranks = run_ranks(3, f"""
@@ -288,7 +294,7 @@ def test_rank_that_leaves_is_named_without_waiting_for_the_timeout(tmp_path, how
         with open(os.environ["RR_TEST_RESULT"], "wb") as f:
             pickle.dump(result, f)
         os._exit(0)
-    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"}, check=False)
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20", **LINKS[links]}, check=False)
     for r in (ranks[0], ranks[2]):
         assert r.returncode == 0, f"{how}: rank {r.rank} crashed:\n{r.stderr[-2000:]}"
         assert r.result != "no error", f"{how}: rank {r.rank} never noticed rank 1 left"

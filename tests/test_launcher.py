@@ -96,7 +96,10 @@ def test_two_hosts_over_ssh_in_network_namespaces(tmp_path):
         hosts = ",".join(f"{a}:2" for a in cluster.addresses)
         code = ("import os, numpy as np, ringreduce as rr; rr.init()\n"
                 "y = rr.allreduce(np.full(1 << 18, rr.rank() + 1.0, dtype=np.float32))\n"
-                "print(rr.rank(), rr.local_rank(), rr.local_size(), os.environ['RINGREDUCE_ADDR'], y[0])")
+                "from ringreduce.collectives import _state\n"
+                "links = _state.world.extra['links']\n"
+                "print(rr.rank(), rr.local_rank(), rr.local_size(), os.environ['RINGREDUCE_ADDR'], y[0],\n"
+                "      links['next'], links['prev'])")
         out = ringrun("-np", "4", "-H", hosts, "--ssh", ssh, sys.executable, "-c", code, timeout=120,
                       cwd=str(REPO))
     assert out.returncode == 0, out.stderr
@@ -104,4 +107,6 @@ def test_two_hosts_over_ssh_in_network_namespaces(tmp_path):
     assert [row[:3] for row in rows] == [["0", "0", "2"], ["1", "1", "2"], ["2", "0", "2"], ["3", "1", "2"]]
     assert {row[3] for row in rows} == {cluster.addresses[0] + ":" + rows[0][3].split(":")[1]}
     assert {row[4] for row in rows} == {"10.0"}
+    # Shared memory within a host only: 0 -> 1 and 2 -> 3; 1 -> 2 and 3 -> 0 cross hosts.
+    assert [row[5:] for row in rows] == [["shm", "tcp"], ["tcp", "shm"], ["shm", "tcp"], ["tcp", "shm"]]
     assert cluster.leftovers() == []
