@@ -6,8 +6,10 @@
 
 Rows from 4 KiB to 256 MiB for ringreduce and, in the same run on the same
 machine, its peers: torch.distributed's gloo backend (if torch is installed:
-pip install torch==2.13.0), one raw TCP stream between two ranks, and under
-mpirun ringreduce over MPI and over TCP beside MPI_Allreduce (mpi4py); then
+pip install torch==2.13.0), one raw TCP stream between two ranks, ringreduce
+again with every link on TCP (rr-tcp; by default neighbours on one host share
+memory), and under mpirun ringreduce over MPI and over its own links beside
+MPI_Allreduce (mpi4py); then
 the ratios of each to gloo (ringrun) or MPI_Allreduce (mpirun). Rank 0 prints;
 a progress bar goes to stderr.
 """
@@ -151,18 +153,27 @@ def main():
     p.add_argument("--json", help="write every number to this file")
     p.add_argument("--plot", help="draw busbw against size into this PNG")
     p.add_argument("--backend", choices=["socket", "mpi"], help="measure only this ringreduce backend")
+    p.add_argument("--tcp-only", action="store_true", help="only the socket backend, every link on TCP")
     args = p.parse_args()
 
     under_mpirun = discover().source == "mpirun"
     # ringreduce is one global ring at a time: each backend gets its own phase.
-    phases = [("rr-mpi", "mpi"), ("rr-tcp", "socket")] if under_mpirun else [("ringreduce", None)]
+    # The socket backend runs twice: as it comes (neighbours on one host share
+    # memory), then with every link on TCP, as between hosts.
+    tcp_only = {"RINGREDUCE_SHM_BYTES": "0"}
+    phases = [("rr-mpi", "mpi", {}), ("rr-socket", "socket", {})] if under_mpirun else \
+        [("ringreduce", None, {}), ("rr-tcp", "socket", tcp_only)]
     if args.backend:
-        phases = [(f"rr-{args.backend}", args.backend)]
+        phases = [(f"rr-{args.backend}", args.backend, {})]
+    if args.tcp_only:
+        phases = [(label, backend, tcp_only) for label, backend, _ in phases if backend != "mpi"][:1]
     dtype = np.dtype(args.dtype).type
     byte_sizes = harness.sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.step_factor)
     rows, notes, stream = [], [], None
-    for phase, (label, backend) in enumerate(phases):
+    for phase, (label, backend, env) in enumerate(phases):
+        os.environ.update(env)
         rr.init(backend=backend)
+        notes.append(f"{label}: links {links()}")
         n, lead = rr.size(), rr.rank() == 0
         peers = {}
         if phase == 0 and not args.no_compare and args.coll == "allreduce":
@@ -184,9 +195,18 @@ def main():
         bar.close()
         if phase < len(phases) - 1:
             rr.shutdown()
+        for name in env:
+            del os.environ[name]
     if lead:
         report(args, rows, n, stream, notes, "MPI_Allreduce" if under_mpirun else "gloo")
     rr.shutdown()
+
+
+def links() -> str:
+    """How this rank's ring links move data: shared memory or TCP."""
+    from ringreduce.collectives import _state
+    kinds = _state.world.extra.get("links") if _state.world else None
+    return f"next {kinds['next']}, prev {kinds['prev']}" if kinds else "MPI"
 
 
 def start_peers(under_mpirun: bool, notes: list) -> dict:
