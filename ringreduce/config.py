@@ -14,7 +14,7 @@ class Config:
                                     # (N-1) * tensor bytes stays within this
     spin: int = 100                 # RINGREDUCE_SPIN: yields before sleeping in poll
     backend: str = ""               # RINGREDUCE_BACKEND: "socket" or "mpi"; empty: choose
-    shm_bytes: int = 4 << 20        # RINGREDUCE_SHM_BYTES: buffer of a shared-memory link between
+    shm_bytes: int = 1 << 20        # RINGREDUCE_SHM_BYTES: buffer of a shared-memory link between
                                     # neighbours on one host (socket backend); 0: sockets only
 
     def small_limit(self, size: int) -> int:
