@@ -94,7 +94,8 @@ size_t rr_shm_link_write(rr_shm_link *link, const void *buf, size_t len)
 {
     uint64_t head = atomic_load_explicit(&link->hdr->head.v, memory_order_relaxed);
     uint64_t tail = atomic_load_explicit(&link->hdr->tail.v, memory_order_acquire);
-    size_t room = link->capacity - (size_t)(head - tail);
+    size_t used = (size_t)(head - tail);
+    size_t room = used < link->capacity ? link->capacity - used : 0;
     size_t n = len < room ? len : room;
     if (n == 0) return 0;
     size_t at = (size_t)(head % link->capacity), first = link->capacity - at;
@@ -110,6 +111,7 @@ size_t rr_shm_link_read(rr_shm_link *link, void *buf, size_t len)
     uint64_t tail = atomic_load_explicit(&link->hdr->tail.v, memory_order_relaxed);
     uint64_t head = atomic_load_explicit(&link->hdr->head.v, memory_order_acquire);
     size_t avail = (size_t)(head - tail);
+    if (avail > link->capacity) avail = link->capacity; /* a confused writer cannot make us read past the map */
     size_t n = len < avail ? len : avail;
     if (n == 0) return 0;
     size_t at = (size_t)(tail % link->capacity), first = link->capacity - at;
