@@ -8,6 +8,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <unistd.h>
 
 #include "device_binding.h"
 #include "reduce.h"
@@ -90,23 +91,27 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
         pthread_mutex_init(&self->mu, NULL);
         return 0;
     }
+    /* The shared-memory files are owned from here on: close them on any early return. */
     if (size < 1 || rank < 0 || rank >= size || segment <= 0) {
         PyErr_SetString(PyExc_ValueError, "bad rank, size or segment");
-        return -1;
+        goto fail_shm;
     }
     PyObject *seq = PySequence_Fast(ctrl, "ctrl_fds must be a sequence");
-    if (!seq) return -1;
+    if (!seq) goto fail_shm;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     int *fds = PyMem_Malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
-    if (!fds) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    if (!fds) { Py_DECREF(seq); PyErr_NoMemory(); goto fail_shm; }
     for (Py_ssize_t i = 0; i < n; i++) fds[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
     Py_DECREF(seq);
-    if (PyErr_Occurred()) { PyMem_Free(fds); return -1; }
+    if (PyErr_Occurred()) { PyMem_Free(fds); goto fail_shm; }
     rr_transport *t = NULL;
     if (size > 1) {
         rr_error err = {0};
         t = rr_tcp_create(rank, size, next_fd, prev_fd, fds, (int)n, timeout, spin, tx_shm, rx_shm, &err);
         if (!t) { PyMem_Free(fds); raise_error(&err, 1); return -1; }
+    } else {
+        if (tx_shm >= 0) close(tx_shm); /* a world of one has no links */
+        if (rx_shm >= 0) close(rx_shm);
     }
     PyMem_Free(fds);
     self->ring = rr_ring_create(t, (size_t)segment);
@@ -119,6 +124,10 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
     self->ring->size = size;
     pthread_mutex_init(&self->mu, NULL);
     return 0;
+fail_shm:
+    if (tx_shm >= 0) close(tx_shm);
+    if (rx_shm >= 0) close(rx_shm);
+    return -1;
 }
 
 static void Comm_dealloc(CommObject *self)

@@ -6,8 +6,8 @@ socket with a random nonce written in the file; the neighbour takes it only
 if it runs on the same host (same host name and network namespace: ranks in
 separate namespaces stand in for hosts in the emulated cluster), can open
 the file and finds the nonce there. Both sides then know the answer, and
-the file is unlinked at once: the two mappings keep it alive, and nothing is
-left in /dev/shm when the job ends, however it ends.
+the file is unlinked at once: the two mappings keep it alive, and once the
+links are agreed nothing is left in /dev/shm, however the job ends.
 
 The file's layout is csrc/shm_link.h's: the magic and nonce at the start,
 the data from RR_SHM_DATA_OFFSET on. After this, csrc/tcp.c moves the data
@@ -15,16 +15,19 @@ through the mapping and uses the socket only to wake a sleeping side.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import socket
+import stat
 
 log = logging.getLogger("ringreduce")
 
 MAGIC = b"RRSHM1\0\0"
 DATA_OFFSET = 4096
 SHM_DIR = "/dev/shm"
+MAX_BYTES = 1 << 30  # largest link buffer offered or taken
 
 
 def host_identity() -> str:
@@ -41,7 +44,9 @@ def _make_file(tag: str, capacity: int) -> tuple[int, str, bytes]:
     path = os.path.join(SHM_DIR, f"ringreduce-{tag}-{secrets.token_hex(6)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        os.ftruncate(fd, DATA_OFFSET + capacity)
+        # Reserve the pages now: a full /dev/shm then says ENOSPC here (the
+        # link stays on TCP), not SIGBUS in the middle of a collective.
+        os.posix_fallocate(fd, 0, DATA_OFFSET + capacity)
         os.pwrite(fd, MAGIC + nonce, 0)
     except OSError:
         os.close(fd)
@@ -62,9 +67,13 @@ def _open_offer(offer: dict) -> int:
     except OSError:
         return -1
     try:
-        if os.pread(fd, len(MAGIC) + 32, 0) == MAGIC + bytes.fromhex(offer.get("nonce", "")):
+        st = os.fstat(fd)
+        # Only a file as _make_file leaves it: ours alone, one name, a sane size.
+        private = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+        if private and st.st_nlink == 1 and DATA_OFFSET < st.st_size <= DATA_OFFSET + MAX_BYTES and \
+                os.pread(fd, len(MAGIC) + 32, 0) == MAGIC + bytes.fromhex(offer.get("nonce", "")):
             return fd
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - a malformed offer is declined, whatever is wrong with it
         pass
     os.close(fd)
     return -1
@@ -74,13 +83,14 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
             send_msg, recv_msg) -> tuple[int, int]:
     """Agrees with both neighbours which links go through shared memory.
 
-    capacity: bytes of each link's buffer, 0 to use none (then every offer
+    capacity: bytes of each link's buffer (at most MAX_BYTES), 0 to use none (then every offer
     is declined too, so a link is shared only where both ends want it).
     Returns (tx_fd, rx_fd): the files of the links to next and from prev, or
     -1 for a link that stays on its socket.
     """
     rx_fd, tx_fd, path = -1, -1, None
     offer: dict = {"path": None}
+    capacity = min(capacity, MAX_BYTES)
     if capacity > 0:
         try:
             rx_fd, path, nonce = _make_file(tag, capacity)
@@ -89,17 +99,25 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
             log.info("ringreduce: no shared memory for the link from the previous rank: %s", exc)
     try:
         send_msg(from_prev, {"shm_offer": offer})
-        tx_fd = _open_offer(recv_msg(to_next).get("shm_offer")) if capacity > 0 else -1
+        # Read the offer even when declining: unread bytes would turn this
+        # socket's close into a reset that drops data still on its way.
+        theirs = recv_msg(to_next)
+        if capacity > 0 and isinstance(theirs, dict):
+            tx_fd = _open_offer(theirs.get("shm_offer"))
         send_msg(to_next, {"shm_taken": tx_fd >= 0})
-        taken = recv_msg(from_prev).get("shm_taken") is True
+        answer = recv_msg(from_prev)
+        taken = isinstance(answer, dict) and answer.get("shm_taken") is True
+        if path is not None:
+            os.unlink(path)
+            path = None
     except BaseException:
         for fd in (rx_fd, tx_fd):
             if fd >= 0:
                 os.close(fd)
-        raise
-    finally:
         if path is not None:
-            os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
     if rx_fd >= 0 and not taken:
         os.close(rx_fd)
         rx_fd = -1

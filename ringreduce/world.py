@@ -400,10 +400,16 @@ def rendezvous(world: World) -> Links:
     finally:
         if ring_listener is not None:
             ring_listener.close()
-    for s in [to_next, from_prev, *ctrl]:
-        if s is not None:
-            s.settimeout(None)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        for s in [to_next, from_prev, *ctrl]:
+            if s is not None:
+                s.settimeout(None)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        for fd in (tx_shm, rx_shm):  # plain descriptors: no garbage collector closes them
+            if fd >= 0:
+                os.close(fd)
+        raise
     return Links(to_next.detach(), from_prev.detach(), [s.detach() if s is not None else -1 for s in ctrl],
                  tx_shm, rx_shm)
 

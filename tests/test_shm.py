@@ -117,7 +117,8 @@ def test_a_genuine_offer_is_taken(offer):
     os.close(fd)
 
 
-@pytest.mark.parametrize("forgery", ["nonce", "host", "outside dev shm", "symlink", "missing", "not a dict"])
+@pytest.mark.parametrize("forgery", ["nonce", "nonce not text", "host", "outside dev shm", "symlink", "hard link",
+                                     "others may read it", "missing", "not a dict"])
 def test_offers_that_cannot_be_shared_are_declined(offer, tmp_path, forgery):
     """The link then stays on TCP; nothing here raises or opens the file."""
     bad = dict(offer)
@@ -133,6 +134,14 @@ def test_offers_that_cannot_be_shared_are_declined(offer, tmp_path, forgery):
         link = os.path.join(shm.SHM_DIR, "ringreduce-test-link-" + os.urandom(4).hex())
         os.symlink(offer["path"], link)
         bad["path"] = link
+    elif forgery == "nonce not text":
+        bad["nonce"] = 5
+    elif forgery == "hard link":
+        second = os.path.join(shm.SHM_DIR, "ringreduce-test-hard-" + os.urandom(4).hex())
+        os.link(offer["path"], second)  # another name that could outlive the agreement
+        bad["path"] = second
+    elif forgery == "others may read it":
+        os.chmod(offer["path"], 0o644)
     elif forgery == "missing":
         bad["path"] = offer["path"] + "-gone"
     else:
@@ -140,13 +149,16 @@ def test_offers_that_cannot_be_shared_are_declined(offer, tmp_path, forgery):
     try:
         assert shm._open_offer(bad) == -1
     finally:
-        if forgery == "symlink":
+        if forgery in ("symlink", "hard link"):
             os.unlink(bad["path"])
 
 
-def test_connect_agrees_on_both_links_of_a_ring_of_two():
+def test_connect_agrees_on_both_links_of_a_ring_of_two(monkeypatch):
     """Two 'ranks' as threads over socket pairs: each link is shared exactly
-    when both ends want it, and the files are gone from /dev/shm after."""
+    when both ends want it, a full /dev/shm keeps the links on TCP, every
+    message is read (unread bytes make a later close a reset that drops
+    data), and the files are gone from /dev/shm after."""
+    import errno
     import threading
 
     def ring(capacities):
@@ -163,6 +175,9 @@ def test_connect_agrees_on_both_links_of_a_ring_of_two():
         for t in threads:
             t.join(10)
         for s in (a_next, b_prev, b_next, a_prev):
+            with pytest.raises(BlockingIOError):
+                s.recv(1, socket.MSG_DONTWAIT)  # nothing left unread
+        for s in (a_next, b_prev, b_next, a_prev):
             s.close()
         fds = [fd for pair in out for fd in pair if fd >= 0]
         for fd in fds:
@@ -173,4 +188,9 @@ def test_connect_agrees_on_both_links_of_a_ring_of_two():
     assert ring([4096, 4096]) == [(True, True), (True, True)]
     assert ring([4096, 0]) == [(False, False), (False, False)]
     assert ring([0, 4096]) == [(False, False), (False, False)]
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert ring([4096, 4096]) == [(False, False), (False, False)]
     assert _ours() - before == set()
