@@ -153,7 +153,6 @@ def main():
     p.add_argument("--json", help="write every number to this file")
     p.add_argument("--plot", help="draw busbw against size into this PNG")
     p.add_argument("--backend", choices=["socket", "mpi"], help="measure only this ringreduce backend")
-    p.add_argument("--tcp-only", action="store_true", help="only the socket backend, every link on TCP")
     args = p.parse_args()
 
     under_mpirun = discover().source == "mpirun"
@@ -165,15 +164,12 @@ def main():
         [("ringreduce", None, {}), ("rr-tcp", "socket", tcp_only)]
     if args.backend:
         phases = [(f"rr-{args.backend}", args.backend, {})]
-    if args.tcp_only:
-        phases = [(label, backend, tcp_only) for label, backend, _ in phases if backend != "mpi"][:1]
     dtype = np.dtype(args.dtype).type
     byte_sizes = harness.sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.step_factor)
     rows, notes, stream = [], [], None
     for phase, (label, backend, env) in enumerate(phases):
         os.environ.update(env)
         rr.init(backend=backend)
-        notes.append(f"{label}: links {links()}")
         n, lead = rr.size(), rr.rank() == 0
         peers = {}
         if phase == 0 and not args.no_compare and args.coll == "allreduce":
@@ -200,13 +196,6 @@ def main():
     if lead:
         report(args, rows, n, stream, notes, "MPI_Allreduce" if under_mpirun else "gloo")
     rr.shutdown()
-
-
-def links() -> str:
-    """How this rank's ring links move data: shared memory or TCP."""
-    from ringreduce.collectives import _state
-    kinds = _state.world.extra.get("links") if _state.world else None
-    return f"next {kinds['next']}, prev {kinds['prev']}" if kinds else "MPI"
 
 
 def start_peers(under_mpirun: bool, notes: list) -> dict:
