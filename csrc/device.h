@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #include "reduce_math.h"
-#include "transport.h"
+#include "error.h"
 
 typedef struct rr_device rr_device;
 

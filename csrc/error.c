@@ -2,7 +2,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "transport.h"
+#include "error.h"
 
 void rr_set_error(rr_error *err, int code, int rank, const char *fmt, ...)
 {

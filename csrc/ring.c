@@ -394,8 +394,15 @@ int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *
     const size_t len = hlen + dlen;
     const int N = ring->size, r = ring->rank;
     rr_transport *t = ring->transport;
-    char **frame = calloc((size_t)N, sizeof *frame);
     *all = NULL;
+    /* Check our own frame before a peer can call it malformed, and before
+     * any byte leaves: the ring stays in step and the others name us. */
+    if (len > MAX_BLOB) {
+        rr_set_error(err, RR_E_INVALID, r, "rank %d's frame of %zu bytes exceeds the %zu MiB frame cap", r, len,
+                     MAX_BLOB >> 20);
+        return fail(ring, RR_E_INVALID, err);
+    }
+    char **frame = calloc((size_t)N, sizeof *frame);
     if (!frame || !(frame[r] = malloc(8 + len))) goto oom;
     uint64_t len64 = len;
     memcpy(frame[r], &len64, 8);
@@ -407,6 +414,7 @@ int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *
         const size_t out_len = 8 + lens[s];
         uint64_t in_len = 0;
         size_t sent = 0, rcvd = 0, want = 8;
+        int framed = 0; /* the peer's length is in and its frame allocated */
         while (sent < out_len || rcvd < want) {
             char *rp = rcvd < 8 ? (char *)&in_len + rcvd : frame[q] + rcvd;
             size_t ds = 0, dr = 0;
@@ -414,7 +422,8 @@ int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *
             if (rc != RR_OK) { fail(ring, rc, err); goto out; }
             sent += ds;
             rcvd += dr;
-            if (rcvd == 8 && want == 8) {
+            if (rcvd == 8 && !framed) { /* once: a zero-length frame keeps want at 8 */
+                framed = 1;
                 if (in_len > MAX_BLOB) {
                     rr_set_error(err, RR_E_PROTOCOL, q, "malformed header from rank %d: %llu bytes", q,
                                  (unsigned long long)in_len);

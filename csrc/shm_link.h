@@ -18,7 +18,7 @@
 
 #include <stddef.h>
 
-#include "transport.h"
+#include "error.h"
 
 #define RR_SHM_MAGIC "RRSHM1\0\0"
 #define RR_SHM_DATA_OFFSET 4096

@@ -6,15 +6,16 @@
  *
  * Failures: a peer that dies shows up as EOF or a reset on a data socket, but
  * only to its two neighbours. So every rank also keeps its rendezvous
- * connection to rank 0 (the control star) and the one who first knows the
- * culprit says so there; rank 0 relays it to everyone. A rank that sees its
- * neighbour vanish first waits briefly on the control socket, because the
- * neighbour may only have been passing on someone else's failure. A peer that
- * stays silent past the timeout is judged by rank 0: every waiting rank sends
- * it a SUSPECT; the one rank that does not is the silent one.
- *
- * Control messages are 8 bytes: u32 type, i32 rank, native byte order (all
- * ranks of a job run the same build on the same kind of machine).
+ * connection to rank 0 (the control star, csrc/control_star.c, served by a
+ * thread at all times) and the one who first knows the culprit says so
+ * there; rank 0 relays it to everyone, and its thread sees a rank's death
+ * itself as that rank's control connection closing. A rank that sees its
+ * neighbour vanish first waits briefly for a verdict, because the neighbour
+ * may only have been passing on someone else's failure; a rank that aborts
+ * names the rank at fault on the star before it closes its sockets. A peer
+ * that stays silent past the timeout is judged by rank 0: every waiting rank
+ * sends it a SUSPECT saying whom it waits on, and following who waits on
+ * whom leads to the rank that holds everyone up.
  *
  * Neighbours on one host: a link may carry its data through shared memory
  * (csrc/shm_link.h) instead of the socket. The socket then only carries
@@ -23,6 +24,7 @@
  */
 #define _GNU_SOURCE
 #include "tcp.h"
+#include "control_star.h"
 #include "shm_link.h"
 
 #include <errno.h>
@@ -37,22 +39,21 @@
 #include <time.h>
 #include <unistd.h>
 
-/* LOST: a peer died (EOF, reset). SILENT: rank 0's verdict on a stall.
- * SUSPECT: "I have waited the whole timeout on this rank". */
-enum { CTRL_BYE = 1, CTRL_LOST = 2, CTRL_SUSPECT = 3, CTRL_SILENT = 4 };
-
 /* How long a rank that saw a neighbour vanish waits for the real culprit's
- * name, and how long rank 0 collects suspicions before its verdict. */
+ * name, and how long a rank that timed out waits for rank 0's verdict
+ * (rank 0 judges one second after the first suspicion). */
 #define BLAME_GRACE_MS 1500
-#define VERDICT_GRACE_MS 1000
+#define VERDICT_WAIT_MS 2500
+
+/* Timeouts beyond a day mean none: a silent peer is then waited on for
+ * ever, while a dead one is still seen by its EOF. */
+#define MAX_TIMEOUT_S 86400.0
 
 typedef struct {
     rr_transport base;
     int next_fd, prev_fd;
-    int *ctrl;        /* rank 0: size entries by rank; others: ctrl[0] */
-    int n_ctrl;
-    char *departed;   /* peers that said BYE, by rank */
-    int timeout_ms;
+    rr_star *star;     /* the control star and its notices */
+    int64_t timeout_ms; /* -1: none */
     int spin_limit;   /* sched_yield rounds before poll  */
     int aborted;
     rr_shm_link *tx_shm, *rx_shm; /* data through shared memory, or NULL: the socket */
@@ -68,185 +69,54 @@ static int64_t now_ms(void)
 
 static int prev_rank(const tcp_transport *t) { return (t->base.rank + t->base.size - 1) % t->base.size; }
 static int next_rank(const tcp_transport *t) { return (t->base.rank + 1) % t->base.size; }
-/* The rank at the other end of control descriptor i. */
-static int ctrl_peer(const tcp_transport *t, int i) { return t->base.rank == 0 ? i : 0; }
 
-static void ctrl_send(int fd, uint32_t type, int32_t rank)
+/* The one place the verdict becomes an error. `saw`: what this rank itself
+ * saw go wrong, or NULL; `own`: whether the culprit is this rank's own finding. */
+static int blame(tcp_transport *t, int culprit, int silent, int own, const char *saw, rr_error *err)
 {
-    if (fd < 0) return;
-    int32_t msg[2] = {(int32_t)type, rank};
-    /* 8 bytes into an idle socket never block; a failure here changes nothing. */
-    ssize_t n = send(fd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-    (void)n;
-}
-
-static void ctrl_broadcast(tcp_transport *t, uint32_t type, int32_t rank)
-{
-    for (int i = 0; i < t->n_ctrl; i++) ctrl_send(t->ctrl[i], type, rank);
-}
-
-/* Reads one message from control descriptor i. Returns the type, 0 for
- * nothing or a message that needs no action, or -1 when the peer is gone
- * (*about is then that peer). */
-static int ctrl_read(tcp_transport *t, int i, int *about)
-{
-    int32_t msg[2];
-    ssize_t n = recv(t->ctrl[i], msg, sizeof msg, MSG_DONTWAIT | MSG_WAITALL);
-    int peer = ctrl_peer(t, i);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
-    if (n != (ssize_t)sizeof msg) {
-        close(t->ctrl[i]);
-        t->ctrl[i] = -1;
-        if (t->departed[peer]) return 0;
-        *about = peer;
-        return -1;
-    }
-    if (msg[1] < 0 || msg[1] >= t->base.size) return 0; /* malformed: ignore */
-    *about = msg[1];
-    if (msg[0] == CTRL_BYE) {
-        /* Only rank 0 hears every goodbye: it passes each on, so a rank that
-         * finds its neighbour gone can say it left rather than guess. */
-        t->departed[msg[1]] = 1;
-        if (t->base.rank == 0 && msg[1] == peer) ctrl_broadcast(t, CTRL_BYE, peer);
-        return CTRL_BYE;
-    }
-    if (msg[0] == CTRL_SUSPECT && t->base.rank == 0) {
-        *about = peer; /* rank 0 wants to know who reported */
-        return CTRL_SUSPECT;
-    }
-    return msg[0] == CTRL_LOST || msg[0] == CTRL_SILENT ? (int)msg[0] : 0;
-}
-
-/* Polls the control sockets for up to wait_ms. Returns the lost rank named by
- * a notice (relaying it from rank 0), or -1 when none came. A SUSPECT seen by
- * rank 0 starts its verdict. A goodbye from `watch` ends the wait too. */
-static int arbitrate(tcp_transport *t, int first_suspect, int own_suspect);
-
-static int ctrl_poll(tcp_transport *t, int wait_ms, int watch, int *kind_out)
-{
-    int64_t end = now_ms() + wait_ms;
-    struct pollfd pfd[t->n_ctrl > 0 ? t->n_ctrl : 1];
-    for (;;) {
-        int n = 0;
-        for (int i = 0; i < t->n_ctrl; i++) {
-            pfd[i].fd = t->ctrl[i];
-            pfd[i].events = POLLIN;
-            pfd[i].revents = 0;
-            if (t->ctrl[i] >= 0) n++;
-        }
-        if (n == 0) return -1;
-        int left = (int)(end - now_ms());
-        if (left < 0) left = 0;
-        int r = poll(pfd, t->n_ctrl, left);
-        if (r < 0 && errno != EINTR) return -1;
-        for (int i = 0; r > 0 && i < t->n_ctrl; i++) {
-            if (t->ctrl[i] < 0 || !(pfd[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-            int about = -1, kind = ctrl_read(t, i, &about);
-            if (kind == CTRL_BYE && about == watch) {
-                *kind_out = CTRL_BYE;
-                return about;
-            }
-            if (kind == CTRL_SUSPECT) {
-                *kind_out = CTRL_SILENT;
-                return arbitrate(t, about, -1);
-            }
-            if (kind == CTRL_LOST || kind == CTRL_SILENT || kind == -1) {
-                *kind_out = kind == CTRL_SILENT ? CTRL_SILENT : CTRL_LOST;
-                if (t->base.rank == 0) ctrl_broadcast(t, *kind_out, about);
-                return about;
-            }
-        }
-        if (now_ms() >= end) return -1;
-    }
-}
-
-/* Rank 0's verdict on a stall: collect SUSPECT reports for a moment; the
- * silent rank is the one that did not report. */
-static int arbitrate(tcp_transport *t, int first_suspect, int own_suspect)
-{
-    int size = t->base.size, reported = 0;
-    char seen[size];
-    memset(seen, 0, (size_t)size);
-    seen[0] = 1;
-    if (first_suspect >= 0) seen[first_suspect] = 1;
-    int64_t end = now_ms() + VERDICT_GRACE_MS;
-    struct pollfd pfd[size];
-    while (now_ms() < end) {
-        for (int i = 0; i < size; i++) {
-            pfd[i].fd = t->ctrl[i];
-            pfd[i].events = POLLIN;
-            pfd[i].revents = 0;
-        }
-        int left = (int)(end - now_ms());
-        if (poll(pfd, (nfds_t)size, left > 0 ? left : 0) <= 0) continue;
-        for (int i = 1; i < size; i++) {
-            if (t->ctrl[i] < 0 || !(pfd[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-            int about = -1, kind = ctrl_read(t, i, &about);
-            if (kind == CTRL_SUSPECT) seen[about] = 1;
-            if (kind == CTRL_LOST || kind == -1) { /* a harder fact beats a guess */
-                ctrl_broadcast(t, CTRL_LOST, about);
-                return about;
-            }
-            if (kind == CTRL_SILENT) return about;
-        }
-    }
-    int verdict = -1, silent = 0;
-    for (int i = 1; i < size; i++)
-        if (!seen[i] && !t->departed[i]) { silent++; if (verdict < 0) verdict = i; }
-    (void)reported;
-    if (silent != 1) verdict = own_suspect >= 0 ? own_suspect : (verdict >= 0 ? verdict : first_suspect);
-    if (verdict < 0) verdict = prev_rank(t);
-    ctrl_broadcast(t, CTRL_SILENT, verdict);
-    return verdict;
-}
-
-/* A neighbour vanished (EOF, reset): name whoever really failed. */
-static int peer_failed(tcp_transport *t, int neighbour, const char *what, rr_error *err)
-{
-    int kind = CTRL_LOST;
-    int culprit = t->departed[neighbour] ? neighbour : ctrl_poll(t, BLAME_GRACE_MS, neighbour, &kind);
-    if (t->departed[neighbour] && culprit == neighbour) {
-        /* Rank 0 may be the only one that heard the goodbye. */
-        if (t->base.rank == 0) ctrl_broadcast(t, CTRL_BYE, neighbour);
-        rr_set_error(err, RR_E_PEER_LOST, neighbour,
-                     "lost rank %d: it has shut down (%s) while rank %d still expected data from it",
-                     neighbour, what, t->base.rank);
-        return err->code;
-    }
-    if (culprit < 0) {
-        culprit = neighbour;
-        if (t->base.rank == 0) ctrl_broadcast(t, CTRL_LOST, culprit);
-        else ctrl_send(t->ctrl[0], CTRL_LOST, culprit);
-    }
-    if (culprit == neighbour && kind == CTRL_LOST)
-        rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d: %s", culprit, what);
-    else if (kind == CTRL_SILENT)
+    if (silent)
         rr_set_error(err, RR_E_PEER_LOST, culprit,
                      "lost rank %d: no progress from it for %.1f s (RINGREDUCE_TIMEOUT), reported through rank 0",
                      culprit, t->timeout_ms / 1000.0);
+    else if (own)
+        rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d: %s", culprit, saw);
+    else if (saw)
+        rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0; rank %d saw: %s)",
+                     culprit, t->base.rank, saw);
     else
-        rr_set_error(err, RR_E_PEER_LOST, culprit,
-                     "lost rank %d (reported through rank 0; rank %d saw: %s)", culprit,
-                     t->base.rank, what);
+        rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0)", culprit);
     return err->code;
 }
 
-/* Nothing moved for the whole timeout. */
+/* A neighbour vanished (EOF, reset): name whoever really failed. The
+ * neighbour may only be passing on someone else's failure, so first wait
+ * briefly for a verdict from the star. */
+static int peer_failed(tcp_transport *t, int neighbour, const char *what, rr_error *err)
+{
+    int silent = 0, culprit = rr_star_wait(t->star, BLAME_GRACE_MS, neighbour, &silent);
+    if (culprit < 0 && rr_star_departed(t->star, neighbour)) {
+        rr_set_error(err, RR_E_PEER_LOST, neighbour,
+                     "lost rank %d: it has shut down (%s) while rank %d still expected data from it",
+                     neighbour, what, t->base.rank);
+        rr_star_report_lost(t->star, neighbour, &silent);
+        return err->code;
+    }
+    int own = culprit < 0;
+    if (own) culprit = rr_star_report_lost(t->star, neighbour, &silent);
+    return blame(t, culprit, silent, own && culprit == neighbour, what, err);
+}
+
+/* Nothing moved for the whole timeout: rank 0 judges who stalls. */
 static int peer_silent(tcp_transport *t, int waited_on, rr_error *err)
 {
-    int culprit;
-    if (t->base.rank == 0) {
-        culprit = arbitrate(t, -1, waited_on);
-    } else {
-        int kind = CTRL_SILENT;
-        ctrl_send(t->ctrl[0], CTRL_SUSPECT, waited_on);
-        culprit = ctrl_poll(t, BLAME_GRACE_MS + VERDICT_GRACE_MS, -1, &kind);
-        if (kind == CTRL_LOST && culprit >= 0) {
-            rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0)", culprit);
-            return err->code;
-        }
-        if (culprit < 0) culprit = 0; /* the judge itself does not answer */
+    int silent = 1;
+    rr_star_suspect(t->star, waited_on);
+    int culprit = rr_star_wait(t->star, VERDICT_WAIT_MS, -1, &silent);
+    if (culprit < 0) { /* the judge itself does not answer */
+        culprit = t->base.rank == 0 ? waited_on : 0;
+        silent = 1;
     }
+    if (!silent) return blame(t, culprit, 0, 0, NULL, err);
     rr_set_error(err, RR_E_PEER_LOST, culprit,
                  "lost rank %d: no progress for %.1f s (RINGREDUCE_TIMEOUT); rank %d was waiting on rank %d",
                  culprit, t->timeout_ms / 1000.0, t->base.rank, waited_on);
@@ -338,6 +208,13 @@ static int ready_to_sleep(tcp_transport *t, int tx, int rx)
     return 1;
 }
 
+/* The verdict the star holds, as this call's error; RR_OK while none. */
+static int star_verdict(tcp_transport *t, rr_error *err)
+{
+    int silent = 0, culprit = rr_star_verdict(t->star, &silent);
+    return culprit < 0 ? RR_OK : blame(t, culprit, silent, 0, NULL, err);
+}
+
 static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_t *sent,
                         void *rbuf, size_t rlen, size_t *rcvd, rr_error *err)
 {
@@ -347,13 +224,14 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
         return err->code;
     }
-    if (slen == 0 && rlen == 0) return RR_OK;
-    int64_t deadline = now_ms() + t->timeout_ms;
+    /* A rank lost while this one was away (computing, in Python) was noted. */
+    int rc = star_verdict(t, err);
+    if (rc != RR_OK || (slen == 0 && rlen == 0)) return rc;
+    int64_t deadline = t->timeout_ms >= 0 ? now_ms() + t->timeout_ms : INT64_MAX;
     int spins = 0;
-    const int nfd = 2 + t->n_ctrl;
-    struct pollfd pfd[nfd];
+    struct pollfd pfd[3];
     for (;;) {
-        int rc = try_move(t, sbuf, slen, sent, rbuf, rlen, rcvd, err);
+        rc = try_move(t, sbuf, slen, sent, rbuf, rlen, rcvd, err);
         if (rc != RR_OK || *sent || *rcvd) return rc;
         /* Small messages live or die by wake-up latency. Before sleeping in
          * poll, yield the core a few times: a peer that is about to answer
@@ -369,14 +247,14 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
 
         /* A shared-memory link's socket brings wake-ups (POLLIN) both ways,
          * and its EOF: watched while idle too, since writes into the mapping
-         * never fail when the reader is gone. */
+         * never fail when the reader is gone. The star's wake fd says a
+         * verdict came in. */
         int watch_next = t->tx_shm ? !t->next_closed : slen > 0;
         pfd[0] = (struct pollfd){.fd = watch_next ? t->next_fd : -1, .events = t->tx_shm ? POLLIN : POLLOUT};
         pfd[1] = (struct pollfd){.fd = rlen ? t->prev_fd : -1, .events = POLLIN};
-        for (int i = 0; i < t->n_ctrl; i++)
-            pfd[2 + i] = (struct pollfd){.fd = t->ctrl[i], .events = POLLIN};
+        pfd[2] = (struct pollfd){.fd = rr_star_wake_fd(t->star), .events = POLLIN};
         int64_t left = deadline - now_ms();
-        int r = left > 0 ? poll(pfd, (nfds_t)nfd, (int)(left < 1000 ? left : 1000)) : 0;
+        int r = left > 0 ? poll(pfd, 3, (int)(left < 1000 ? left : 1000)) : 0;
         int poll_errno = errno;
         if (tx_sleeps) rr_shm_link_writer_done(t->tx_shm);
         if (rx_sleeps) rr_shm_link_reader_done(t->rx_shm);
@@ -387,36 +265,19 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         }
         if (r > 0 && t->tx_shm && pfd[0].fd >= 0 && pfd[0].revents && drain(t->next_fd)) t->next_closed = 1;
         if (r > 0 && t->rx_shm && pfd[1].fd >= 0 && pfd[1].revents && drain(t->prev_fd)) t->prev_closed = 1;
-        for (int i = 0; r > 0 && i < t->n_ctrl; i++) {
-            if (t->ctrl[i] < 0 || !(pfd[2 + i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-            int about = -1, kind = ctrl_read(t, i, &about), culprit = -1;
-            if (kind == CTRL_SUSPECT) {
-                culprit = arbitrate(t, about, -1);
-                kind = CTRL_SILENT;
-            } else if (kind == CTRL_LOST || kind == CTRL_SILENT || kind == -1) {
-                culprit = about;
-                if (t->base.rank == 0) ctrl_broadcast(t, kind == CTRL_SILENT ? CTRL_SILENT : CTRL_LOST, culprit);
-            }
-            if (culprit >= 0 && kind == CTRL_SILENT) {
-                rr_set_error(err, RR_E_PEER_LOST, culprit,
-                             "lost rank %d: no progress from it for %.1f s (RINGREDUCE_TIMEOUT), reported through rank 0",
-                             culprit, t->timeout_ms / 1000.0);
-                return err->code;
-            }
-            if (culprit >= 0) {
-                rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0)", culprit);
-                return err->code;
-            }
-        }
+        if (r > 0 && pfd[2].revents && (rc = star_verdict(t, err)) != RR_OK) return rc;
     }
 }
 
 static void tcp_abort(rr_transport *base, const rr_error *why)
 {
     tcp_transport *t = (tcp_transport *)base;
-    (void)why;
     if (t->aborted) return;
     t->aborted = 1;
+    /* Name the rank at fault on the star (this one, when the error is its
+     * own), so no rank waits for a timeout or blames a live neighbour. */
+    int silent, at_fault = why && why->rank >= 0 ? why->rank : t->base.rank;
+    rr_star_report_lost(t->star, at_fault, &silent);
     /* Waking the neighbours beats letting them time out; they will look on
      * the control star for the culprit's name. */
     if (t->next_fd >= 0) shutdown(t->next_fd, SHUT_RDWR);
@@ -426,15 +287,11 @@ static void tcp_abort(rr_transport *base, const rr_error *why)
 static void tcp_destroy(rr_transport *base)
 {
     tcp_transport *t = (tcp_transport *)base;
-    if (!t->aborted) ctrl_broadcast(t, CTRL_BYE, t->base.rank);
+    rr_star_stop(t->star, !t->aborted);
     if (t->next_fd >= 0) close(t->next_fd);
     if (t->prev_fd >= 0 && t->prev_fd != t->next_fd) close(t->prev_fd);
-    for (int i = 0; i < t->n_ctrl; i++)
-        if (t->ctrl[i] >= 0) close(t->ctrl[i]);
     rr_shm_link_unmap(t->tx_shm);
     rr_shm_link_unmap(t->rx_shm);
-    free(t->ctrl);
-    free(t->departed);
     free(t);
 }
 
@@ -445,16 +302,15 @@ rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
                             int tx_shm_fd, int rx_shm_fd, rr_error *err)
 {
     tcp_transport *t = calloc(1, sizeof *t);
-    if (t) {
-        t->ctrl = calloc((size_t)(n_ctrl > 0 ? n_ctrl : 1), sizeof(int));
-        t->departed = calloc((size_t)size, 1);
-    }
-    if (!t || !t->ctrl || !t->departed) {
-        if (t) { free(t->ctrl); free(t->departed); }
+    rr_star *star = t ? rr_star_start(rank, size, ctrl_fds, n_ctrl, err) : NULL;
+    if (!t || !star) {
+        if (!t) {
+            for (int i = 0; i < n_ctrl; i++) if (ctrl_fds[i] >= 0) close(ctrl_fds[i]);
+            rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        }
         free(t);
         if (tx_shm_fd >= 0) close(tx_shm_fd);
         if (rx_shm_fd >= 0) close(rx_shm_fd);
-        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
         return NULL;
     }
     t->base.ops = &tcp_ops;
@@ -462,10 +318,10 @@ rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
     t->base.size = size;
     t->next_fd = next_fd;
     t->prev_fd = prev_fd;
-    t->n_ctrl = n_ctrl;
-    memcpy(t->ctrl, ctrl_fds, sizeof(int) * (size_t)n_ctrl);
-    t->timeout_ms = (int)(timeout_s * 1000.0);
-    if (t->timeout_ms < 1) t->timeout_ms = 1;
+    t->star = star;
+    /* !(x <= max) also holds for +inf and NaN. */
+    if (!(timeout_s <= MAX_TIMEOUT_S)) t->timeout_ms = -1;
+    else t->timeout_ms = timeout_s * 1000.0 < 1.0 ? 1 : (int64_t)(timeout_s * 1000.0);
     t->spin_limit = spin_rounds > 0 ? spin_rounds : 0;
     int ok = 1;
     if (tx_shm_fd >= 0) ok = (t->tx_shm = rr_shm_link_map(tx_shm_fd, err)) != NULL;

@@ -10,23 +10,7 @@
 
 #include <stddef.h>
 
-enum {
-    RR_OK = 0,
-    RR_E_PEER_LOST = 1, /* a peer died, closed, or stayed silent too long */
-    RR_E_PROTOCOL = 2,  /* bytes on the wire that make no sense */
-    RR_E_SYSTEM = 3,    /* out of memory, a failed system call */
-    RR_E_INVALID = 4,   /* bad arguments */
-    RR_E_DEVICE = 5,    /* the accelerator failed (a CUDA call) */
-};
-
-typedef struct rr_error {
-    int code;
-    int rank;       /* the lost peer for RR_E_PEER_LOST, else -1 */
-    char msg[256];
-} rr_error;
-
-void rr_set_error(rr_error *err, int code, int rank, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
+#include "error.h"
 
 typedef struct rr_transport rr_transport;
 
@@ -35,8 +19,8 @@ typedef struct rr_transport_ops {
      * prev, at the same time. Blocks until at least one byte has moved either
      * way (*sent, *rcvd say how many), then returns RR_OK; or returns an error
      * code with err filled when a peer fails or stays silent past the
-     * transport's timeout. The ring calls it with windows of at most one
-     * pipeline segment. */
+     * transport's timeout. Windows may be of any size: the ring's data steps
+     * pass at most one pipeline segment, its blob exchange whole frames. */
     int (*exchange)(rr_transport *t, const void *sbuf, size_t slen, size_t *sent,
                     void *rbuf, size_t rlen, size_t *rcvd, rr_error *err);
     /* After an error: tell the other ranks (so none waits for a timeout) and

@@ -374,3 +374,114 @@ def test_bad_arguments_raise_locally_and_leave_the_communicator_usable(tmp_path)
                             f"{[i for i, x in enumerate(raised) if x is None]}"
         assert untouched, f"rank {r.rank}: a read-only out= was written"
         assert after == [2.0, 2.0] and bcast == [6.0] * 3, f"rank {r.rank}: communicator not usable after: {after}"
+
+
+# --------------------------------------------------------------------------- blame under stress
+
+def test_stall_is_pinned_on_the_rank_everyone_waits_on_not_on_a_late_one(tmp_path):
+    """Rank 2 never comes; rank 1 comes 2 s late, after the others timed out
+    waiting (rank 3 on rank 2, rank 0 on rank 3). Both did not report in
+    time, but the wait-for chain ends at rank 2: every rank must name it."""
+    ranks = run_ranks(4, """
+        import time
+        rr.allreduce(np.ones(10))
+        time.sleep({1: 2.0, 2: 8.0}.get(rr.rank(), 0.0))
+        try:
+            rr.allreduce(np.ones(1000))
+            result = "no error"
+        except rr.PeerLostError as e:
+            result = (e.rank, str(e))
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "3"})
+    for r in ranks:
+        assert r.result != "no error", f"rank {r.rank} raised nothing"
+        assert r.result[0] == 2, f"rank {r.rank} blamed rank {r.result[0]}: {r.result[1]}"
+
+
+def test_crash_is_named_while_rank_0_is_busy_outside_any_collective(tmp_path):
+    """Rank 0 computes for 6 s; meanwhile rank 2 dies in an allreduce. Rank 0
+    must still relay the loss, so rank 4 (whose neighbour rank 3 aborts)
+    names rank 2, not rank 3; rank 0 names it at its next call."""
+    ranks = run_ranks(5, """
+        import os, signal, time
+        rr.allreduce(np.ones(10))
+        if rr.rank() == 0:
+            time.sleep(6)
+        if rr.rank() == 2:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            rr.allreduce(np.ones(1 << 20))
+            result = "no error"
+        except rr.PeerLostError as e:
+            result = (e.rank, str(e))
+    """, tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "20"}, check=False)
+    assert ranks[2].returncode == -signal.SIGKILL, ranks[2].stderr[-2000:]
+    for r in ranks:
+        if r.rank == 2:
+            continue
+        assert r.returncode == 0, f"rank {r.rank} crashed:\n{r.stderr[-2000:]}"
+        assert r.result != "no error", f"rank {r.rank} raised nothing"
+        assert r.result[0] == 2, f"rank {r.rank} blamed rank {r.result[0]}: {r.result[1]}"
+
+
+def test_a_control_message_read_in_parts_is_not_a_dead_peer(tmp_path):
+    """Rank 1 writes a (harmless, unknown-type) control message to rank 0 in
+    two halves, 0.5 s apart, while rank 0 waits in an allreduce."""
+    ranks = run_ranks(2, """
+        import socket, struct, time
+        rr.allreduce(np.ones(10))
+        if rr.rank() == 1:
+            port = int(os.environ["RINGREDUCE_ADDR"].rsplit(":", 1)[1])
+            ctrl = None
+            for name in os.listdir("/proc/self/fd"):
+                try:
+                    s = socket.socket(fileno=int(name))
+                except OSError:
+                    continue
+                try:
+                    if s.type == socket.SOCK_STREAM and s.getpeername()[1] == port:
+                        ctrl = int(name)
+                except OSError:
+                    pass
+                s.detach()
+            msg = struct.pack("=Ii", 0, 0)
+            os.write(ctrl, msg[:4])
+            time.sleep(0.5)
+            os.write(ctrl, msg[4:])
+            time.sleep(0.5)
+        result = float(rr.allreduce(np.ones(1000))[0])
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"})
+    assert [r.result for r in ranks] == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("timeout", ["3000000", "inf"])
+def test_huge_or_infinite_timeout_means_no_timeout(tmp_path, timeout):
+    ranks = run_ranks(2, """
+        import time
+        rr.allreduce(np.ones(10))
+        if rr.rank() == 1:
+            time.sleep(1.0)
+        result = float(rr.allreduce(np.ones(1000))[0])
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": timeout})
+    assert [r.result for r in ranks] == [2.0, 2.0]
+
+
+def test_a_rank_whose_own_frame_is_too_large_names_itself(tmp_path):
+    """The blob exchange caps frames at 64 MiB: the rank with the oversized
+    blob must say so itself, before sending, not be called malformed by its
+    neighbour; the others name it as lost."""
+    ranks = run_ranks(3, """
+        comm = rr.collectives._state.comm
+        try:
+            comm.exchange_blobs(b"head", bytes(80 << 20) if rr.rank() == 1 else b"")
+            result = "no error"
+        except rr.RingReduceError as e:
+            result = (type(e).__name__, e.rank, str(e))
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"})
+    kind, at_fault, message = ranks[1].result
+    assert kind == "RingReduceError" and "rank 1" in message and "64 MiB" in message, message
+    assert "malformed" not in message, message
+    for r in (ranks[0], ranks[2]):
+        assert r.result != "no error", f"rank {r.rank} raised nothing"
+        kind, at_fault, message = r.result
+        assert kind == "PeerLostError" and at_fault == 1, f"rank {r.rank}: {r.result}"
