@@ -7,7 +7,8 @@
  *
  * The pipe only moves bytes. Sleeping and waking stay with the TCP transport
  * (csrc/tcp.c): a side that finds the pipe full (writer) or empty (reader)
- * raises its `waiting` flag and sleeps in poll on the link's TCP socket; the
+ * raises its flag in the mapping (`writer_waits` / `reader_waits`, through
+ * rr_shm_link_*_sleeps below) and sleeps in poll on the link's TCP socket; the
  * other side, having moved the indexes, sees the flag and sends one byte on
  * that socket. The socket also still says when the peer dies (EOF).
  *
