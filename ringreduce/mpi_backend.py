@@ -43,8 +43,8 @@ def connect(config: Config, comm=None):
                   local_size=local.Get_size(), config=config, source="MPI communicator")
     local.Free()
     abort_on_uncaught_exception()
-    transport = _mpi.create(comm.py2f(), config.timeout)
-    return world, _core.Comm(world.rank, world.size, -1, -1, (), config.timeout, config.segment_bytes,
+    transport = _mpi.create(comm.py2f(), config.ring_timeout)
+    return world, _core.Comm(world.rank, world.size, -1, -1, (), config.ring_timeout, config.segment_bytes,
                              config.spin, transport)
 
 
