@@ -193,6 +193,43 @@ def test_stray_connections_during_rendezvous(tmp_path):
     assert "refused a connection" in ranks[0].stderr
 
 
+def _flood(addr, stop, most=600):
+    """Silent connections, as fast as they are taken, never closed until the end."""
+    held = []
+    while not stop.is_set() and len(held) < most:
+        try:
+            held.append(socket.create_connection(addr, timeout=0.5))
+        except OSError:
+            time.sleep(0.01)
+    stop.wait()
+    for s in held:
+        s.close()
+
+
+def test_a_flood_of_silent_strays_that_exhausts_descriptors_does_not_stop_rendezvous(tmp_path):
+    port = free_port()
+    stop = threading.Event()
+    flood = threading.Thread(target=_flood, args=(("127.0.0.1", port), stop))
+    procs = start_ranks(3, """
+        import resource, time
+        if os.environ["RINGREDUCE_RANK"] == "0":
+            # few spare descriptors: the flood makes accept() fail with EMFILE
+            in_use = len(os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 24, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        else:
+            time.sleep(3.0)  # the flood fills rank 0's descriptors first
+        rr.init()
+        result = float(rr.allreduce(np.full(100_000, rr.rank() + 1.0))[0])
+    """, tmp_path, init=False, port=port)
+    flood.start()
+    try:
+        ranks = collect(procs, timeout=90)
+    finally:
+        stop.set()
+        flood.join()
+    assert [r.result for r in ranks] == [6.0, 6.0, 6.0]
+
+
 def test_wrong_secret_never_joins(tmp_path):
     port = free_port()
     script = tmp_path / "impostor.py"
