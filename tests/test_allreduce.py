@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from cases import DTYPES, OPS, np_dtype
+from ringreduce.config import MAX_SMALL_BYTES
 from ranks import run_ranks
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
@@ -13,7 +14,7 @@ WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 # header), the one-pass small algorithm alone, and the default choice by size.
 # The ring also over TCP links (no shared memory), and over shared-memory
 # links smaller than a segment and of an odd size, so every window wraps.
-ALGORITHMS = {"ring": {"RINGREDUCE_SMALL_BYTES": "0"}, "small": {"RINGREDUCE_SMALL_BYTES": str(1 << 30)},
+ALGORITHMS = {"ring": {"RINGREDUCE_SMALL_BYTES": "0"}, "small": {"RINGREDUCE_SMALL_BYTES": str(MAX_SMALL_BYTES)},
               "auto": {},
               "ring-tcp": {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_SHM_BYTES": "0"},
               "ring-tiny-shm": {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_SHM_BYTES": "1001"}}
