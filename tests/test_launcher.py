@@ -164,14 +164,15 @@ def leftovers(marker: str, within: float = 10.0) -> list:
     return left
 
 
-def start_ringrun(np_: int, *ringrun_args: str, code: str = RANK_UP_THEN_SPIN):
-    """ringrun running np_ ranks of code, each with a unique marker in its command line,
-    once every rank has said 'up'."""
+def start_ringrun(np_: int, *ringrun_args: str, code: str | None = RANK_UP_THEN_SPIN, command=None):
+    """ringrun running np_ ranks of code (or of command), each with a unique marker in
+    its command line, once every rank has said 'up'."""
     marker = f"rrmarker{secrets.token_hex(6)}"
+    command = command or [sys.executable, "-c", code, marker]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RINGREDUCE_SECRET", None)
-    p = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "-np", str(np_), *ringrun_args,
-                          sys.executable, "-c", code, marker], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "-np", str(np_), *ringrun_args, *command],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=env)
     seen, deadline = b"", time.monotonic() + 30
     while seen.count(b"] up\n") < np_:
@@ -210,6 +211,26 @@ def test_sigkill_to_ringrun_still_stops_every_rank():
     code, _ = finish(p)
     assert code == -signal.SIGKILL
     assert leftovers(marker) == [], "the guards see their control pipe close and stop their ranks"
+
+
+def test_sigkill_to_ringrun_stops_the_children_of_a_shell_rank():
+    # The rank is a shell whose python is its child (`; true` keeps sh from exec'ing it).
+    marker = f"rrmarker{secrets.token_hex(6)}"
+    script = f"{shlex.join([sys.executable, '-c', RANK_UP_THEN_SPIN, marker])}; true"
+    p, _ = start_ringrun(2, code=None, command=["sh", "-c", script])
+    p.kill()
+    finish(p)
+    assert leftovers(marker) == []
+
+
+def test_a_guard_killed_alone_takes_its_rank_with_it_and_fails_the_job():
+    p, marker = start_ringrun(2)
+    guards = [pid for pid in processes_with(marker) if b"guard.py" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(guards) == 2
+    os.kill(guards[0], signal.SIGKILL)
+    code, err = finish(p)
+    assert code == 128 + signal.SIGKILL and "was killed by SIGKILL; stopping the other 1 rank(s)" in err
+    assert leftovers(marker) == [], "PR_SET_PDEATHSIG ends the rank whose guard died"
 
 
 def test_a_rank_ignoring_sigterm_is_killed_after_the_grace():
