@@ -6,11 +6,14 @@ when the MPI transport is built (see setup.py) and mpi4py imports.
 from __future__ import annotations
 
 import sys
+import time
 
 from . import _core
 from .config import Config
 from .errors import RingReduceError
 from .world import World
+
+ABORT_GRACE = 0.5  # seconds; on a loaded machine Hydra dropped the reason without it
 
 
 def available() -> str | None:
@@ -65,6 +68,7 @@ def abort_on_uncaught_exception() -> None:
         sys.stderr.flush()
         previous(kind, value, tb)
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE)  # let mpirun forward those lines before MPI_Abort kills its proxies
         MPI.COMM_WORLD.Abort(1)
     hook._ringreduce = True
     sys.excepthook = hook
