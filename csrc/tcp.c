@@ -349,6 +349,7 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
     }
     if (slen == 0 && rlen == 0) return RR_OK;
     int64_t deadline = now_ms() + t->timeout_ms;
+    long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
     int spins = 0;
     const int nfd = 2 + t->n_ctrl;
     struct pollfd pfd[nfd];
@@ -376,10 +377,16 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         for (int i = 0; i < t->n_ctrl; i++)
             pfd[2 + i] = (struct pollfd){.fd = t->ctrl[i], .events = POLLIN};
         int64_t left = deadline - now_ms();
-        int r = left > 0 ? poll(pfd, (nfds_t)nfd, (int)(left < 1000 ? left : 1000)) : 0;
+        int r = left > 0 ? poll(pfd, (nfds_t)nfd, (int)(left < RR_INTERRUPT_CHECK_MS ? left : RR_INTERRUPT_CHECK_MS)) : 0;
         int poll_errno = errno;
         if (tx_sleeps) rr_shm_link_writer_done(t->tx_shm);
         if (rx_sleeps) rr_shm_link_reader_done(t->rx_shm);
+        if (rr_should_stop(base, now_ms(), &next_check, err)) {
+            /* Name ourselves on the control star: the peers blame us at once. */
+            if (t->base.rank == 0) ctrl_broadcast(t, CTRL_LOST, t->base.rank);
+            else ctrl_send(t->ctrl[0], CTRL_LOST, t->base.rank);
+            return err->code;
+        }
         if (left <= 0) return peer_silent(t, rlen ? prev_rank(t) : next_rank(t), err);
         if (r < 0 && poll_errno != EINTR) {
             rr_set_error(err, RR_E_SYSTEM, -1, "poll failed: %s", strerror(poll_errno));
