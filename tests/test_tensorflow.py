@@ -285,6 +285,7 @@ callbacks = [rrtf.BroadcastGlobalVariablesCallback(0)]
 if rrtf.rank() == 0:
     callbacks.append(keras.callbacks.ModelCheckpoint(sys.argv[1]))
 model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
+keras.models.clone_model(model)  # serializes the compiled model, optimizer included, as saving does
 """
 
 LOAD_AND_TRAIN_ON = """
