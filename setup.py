@@ -1,5 +1,5 @@
 """Builds ringreduce._core from csrc/, and ringreduce._mpi where an MPI is
-found. Metadata lives in pyproject.toml.
+found, and lists the packages and their data. Metadata lives in pyproject.toml.
 
 The CUDA kernels are optional too: RINGREDUCE_CUDA=1 compiles
 csrc/cuda/reduce.cu with nvcc into ringreduce/reduce_kernels.fatbin (sm_80,
@@ -80,4 +80,5 @@ setup(ext_modules=[core] + [e for e in [mpi_extension()] if e is not None],
       packages=find_packages(include=["ringreduce", "ringreduce.*"]) + ["ringreduce.csrc", "ringreduce.csrc.cuda"],
       package_dir={"ringreduce.csrc": "csrc"},
       include_package_data=False,
-      package_data={"ringreduce": cuda_fatbin(), "ringreduce.csrc": ["reduce_math.h"], "ringreduce.csrc.cuda": ["reduce.cu"]})
+      package_data={"ringreduce": cuda_fatbin(), "ringreduce.csrc": ["reduce_math.h"],
+                    "ringreduce.csrc.cuda": ["reduce.cu"]})
