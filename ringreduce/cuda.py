@@ -19,7 +19,7 @@ from .errors import RingReduceError
 
 PACKAGE = Path(__file__).resolve().parent
 FATBIN = PACKAGE / "reduce_kernels.fatbin"
-SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # installed copy, then the source tree
+SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # a wheel's copy (setup.py), then the source tree
 
 # In the C core's code order (rr_dtype, rr_op): the ring's device takes its kernels so.
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
@@ -56,10 +56,18 @@ def _module():
         raise RingReduceError(f"GPU arrays need cupy and a CUDA device: {why}")
     if FATBIN.exists():
         return cp.RawModule(path=str(FATBIN))
+    src = kernel_source()
+    d = src.parent.parent
+    return cp.RawModule(code=src.read_text(), options=("-std=c++17", f"-I{d}", f"-I{d / 'cuda'}"))
+
+
+def kernel_source() -> Path:
+    """csrc/cuda/reduce.cu (next to the reduce_math.h it includes), which cupy
+    compiles where no fatbin was built."""
     for d in SOURCE_DIRS:
         src = d / "cuda" / "reduce.cu"
         if src.exists():
-            return cp.RawModule(code=src.read_text(), options=("-std=c++17", f"-I{d}", f"-I{d / 'cuda'}"))
+            return src
     raise RingReduceError("csrc/cuda/reduce.cu not found: reinstall ringreduce, or build with RINGREDUCE_CUDA=1")
 
 
