@@ -560,6 +560,33 @@ static PyObject *core_reduce(PyObject *Py_UNUSED(m), PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *core_mean_fold(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *dst_obj;
+    Py_buffer x;
+    int dtype, k;
+    if (!PyArg_ParseTuple(args, "Oy*ii", &dst_obj, &x, &dtype, &k)) return NULL;
+    if (dtype < 0 || dtype >= RR_NUM_DTYPES || !rr_avg_is_mean((rr_dtype)dtype) || k < 2) {
+        PyBuffer_Release(&x);
+        PyErr_SetString(PyExc_ValueError, "mean_fold takes a 16-bit float dtype and k >= 2");
+        return NULL;
+    }
+    Py_buffer dst;
+    if (get_writable(dst_obj, &dst)) { PyBuffer_Release(&x); return NULL; }
+    if (dst.len != x.len) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&x);
+        PyErr_SetString(PyExc_ValueError, "dst and x differ in size");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rr_mean_fold(dst.buf, x.buf, dst.buf, (size_t)dst.len / 2, (rr_dtype)dtype, k);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&x);
+    Py_RETURN_NONE;
+}
+
 static PyObject *core_divide(PyObject *Py_UNUSED(m), PyObject *args)
 {
     PyObject *obj;
@@ -581,6 +608,8 @@ static PyObject *core_divide(PyObject *Py_UNUSED(m), PyObject *args)
 
 static PyMethodDef core_methods[] = {
     {"reduce", core_reduce, METH_VARARGS, "reduce(dst, src, dtype, op): dst = dst OP src, elementwise"},
+    {"mean_fold", core_mean_fold, METH_VARARGS,
+     "mean_fold(dst, x, dtype, k): dst = (dst * (k-1) + x) / k, one fold of a 16-bit float average"},
     {"divide", core_divide, METH_VARARGS, "divide(buf, dtype, n): the division that finishes avg"},
     {NULL, NULL, 0, NULL},
 };

@@ -343,13 +343,21 @@ def _payloads(blobs, head_len):
     return [memoryview(b)[head_len:] for b in blobs]
 
 
+# Averaged as running means, never as sums that could overflow (csrc/reduce_math.h).
+_MEAN_CODES = (_core.FLOAT16, _core.BFLOAT16)
+
+
 def _reduce_blobs(payloads, dtype, code, opc, shape):
     """Every rank reduces the same payloads in rank order: the same bits everywhere."""
     acc = np.frombuffer(payloads[0], dtype=dtype).copy()
     flat = _raw(acc)
-    for p in payloads[1:]:
-        _core.reduce(flat, p, code, opc)
-    if opc == _core.AVG:
+    mean = opc == _core.AVG and code in _MEAN_CODES
+    for k, p in enumerate(payloads[1:], start=2):
+        if mean:
+            _core.mean_fold(flat, p, code, k)
+        else:
+            _core.reduce(flat, p, code, opc)
+    if opc == _core.AVG and not mean:
         _core.divide(flat, code, len(payloads))
     return acc.reshape(shape)
 

@@ -318,8 +318,8 @@ def test_reduce_scatter_every_dtype_and_op(edge_results, n, dtype, op):
             assert c.size == count // n + (i < count % n), f"n={n} {key}: rank {i} has {c.size} elements"
         whole = np.concatenate(chunks)
         assert whole.tobytes() == per_rank[0][key][1].tobytes(), f"n={n} {key}: chunks != this job's allreduce"
-        want = reference([make_input(i, (count,), dtype, op) for i in range(n)], dtype, op)
-        assert close_enough(whole, want, dtype, op), f"n={n} {key}: chunks differ from numpy"
+        inputs = [make_input(i, (count,), dtype, op) for i in range(n)]
+        assert close_enough(whole, reference(inputs, dtype, op), dtype, op, inputs), f"n={n} {key}: chunks differ from numpy"
 
 
 @pytest.mark.parametrize("n", EDGE_WORLDS)
