@@ -1,5 +1,5 @@
 """Builds ringreduce._core from csrc/, and ringreduce._mpi where an MPI is
-found. Metadata lives in pyproject.toml.
+found, and lists the packages and their data. Metadata lives in pyproject.toml.
 
 The CUDA kernels are optional too: RINGREDUCE_CUDA=1 compiles
 csrc/cuda/reduce.cu with nvcc into ringreduce/reduce_kernels.fatbin (sm_80,
@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 FLAGS = ["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-cast-function-type"]
 CORE_SOURCES = ["csrc/module.c", "csrc/device_binding.c", "csrc/ring.c", "csrc/reduce.c", "csrc/tcp.c", "csrc/control_star.c", "csrc/shm_link.c",
@@ -74,5 +74,12 @@ def cuda_fatbin():
 core = Extension("ringreduce._core", sources=CORE_SOURCES, depends=HEADERS, extra_compile_args=FLAGS,
                  libraries=["pthread", "dl"])
 
+# Every subpackage, and the CUDA sources that ringreduce.cuda compiles at run
+# time: csrc/ ships as ringreduce/csrc/ holding those two files only (an
+# editable install reads ./csrc itself).
 setup(ext_modules=[core] + [e for e in [mpi_extension()] if e is not None],
-      package_data={"ringreduce": cuda_fatbin()})
+      packages=find_packages(include=["ringreduce", "ringreduce.*"]) + ["ringreduce.csrc", "ringreduce.csrc.cuda"],
+      package_dir={"ringreduce.csrc": "csrc"},
+      include_package_data=False,
+      package_data={"ringreduce": cuda_fatbin(), "ringreduce.csrc": ["reduce_math.h"],
+                    "ringreduce.csrc.cuda": ["reduce.cu"]})

@@ -88,7 +88,7 @@ typedef struct {
     CUstream stream;
     CUevent event[EVENTS]; /* ticket t is event[(t - 1) % EVENTS] */
     uint64_t marked, finished;
-    CUfunction reduce[RR_NUM_DTYPES][4], divide[RR_NUM_DTYPES];
+    CUfunction reduce[RR_NUM_DTYPES][4], divide[RR_NUM_DTYPES], mean[RR_NUM_MEAN_DTYPES];
 } cuda_device;
 
 static int check(CUresult r, const char *what, rr_error *err)
@@ -138,6 +138,20 @@ static int reduce3(rr_device *d, void *dst, const void *a, const void *b, size_t
     void *args[] = {&pd, &pa, &pb, &count};
     return check(cu.cuLaunchKernel(f, blocks(count), 1, 1, THREADS, 1, 1, 0, c->stream, args, NULL),
                  "reduce kernel launch", err);
+}
+
+static int mean_fold(rr_device *d, void *dst, const void *x, const void *mean, size_t count, rr_dtype dtype,
+                     int k, rr_error *err)
+{
+    cuda_device *c = (cuda_device *)d;
+    if (!rr_avg_is_mean(dtype)) {
+        rr_set_error(err, RR_E_INVALID, -1, "no running-mean kernel for dtype %d", (int)dtype);
+        return err->code;
+    }
+    CUdeviceptr pd = (CUdeviceptr)dst, px = (CUdeviceptr)x, pm = (CUdeviceptr)mean;
+    void *args[] = {&pd, &px, &pm, &count, &k};
+    return check(cu.cuLaunchKernel(c->mean[dtype], blocks(count), 1, 1, THREADS, 1, 1, 0, c->stream, args, NULL),
+                 "mean kernel launch", err);
 }
 
 static int divide(rr_device *d, void *buf, size_t count, rr_dtype dtype, int n, rr_error *err)
@@ -202,11 +216,12 @@ static void destroy(rr_device *d)
 }
 
 static const rr_device_ops cuda_ops = {
-    begin, to_host, to_device, copy, reduce3, divide, mark, done, host_alloc, host_free, dev_alloc, dev_free, destroy,
+    begin, to_host, to_device, copy, reduce3, mean_fold, divide, mark, done, host_alloc, host_free, dev_alloc, dev_free, destroy,
 };
 
 rr_device *rr_cuda_device_create(int ordinal, void *const reduce[RR_NUM_DTYPES][4],
-                                 void *const divide_fn[RR_NUM_DTYPES], rr_error *err)
+                                 void *const divide_fn[RR_NUM_DTYPES], void *const mean_fn[RR_NUM_MEAN_DTYPES],
+                                 rr_error *err)
 {
     if (load_driver(err)) return NULL;
     cuda_device *c = calloc(1, sizeof *c);
@@ -216,6 +231,7 @@ rr_device *rr_cuda_device_create(int ordinal, void *const reduce[RR_NUM_DTYPES][
         c->divide[t] = divide_fn[t];
         for (int o = 0; o < 4; o++) c->reduce[t][o] = reduce[t][o];
     }
+    for (int t = 0; t < RR_NUM_MEAN_DTYPES; t++) c->mean[t] = mean_fn[t];
     if (check(cu.cuDeviceGet(&c->dev, ordinal), "cuDeviceGet", err)) goto fail;
     if (check(cu.cuDevicePrimaryCtxRetain(&c->ctx, c->dev), "cuDevicePrimaryCtxRetain", err)) goto fail;
     if (begin(&c->base, err)) goto fail;

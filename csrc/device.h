@@ -36,6 +36,9 @@ typedef struct rr_device_ops {
     /* dst = a OP b over count elements (RR_AVG reduces as RR_SUM); dst may be a. */
     int (*reduce3)(rr_device *d, void *dst, const void *a, const void *b, size_t count, rr_dtype dtype,
                    rr_op op, rr_error *err);
+    /* dst = running mean of x into mean (k-th contribution), as rr_mean_fold. */
+    int (*mean_fold)(rr_device *d, void *dst, const void *x, const void *mean, size_t count, rr_dtype dtype,
+                     int k, rr_error *err);
     /* buf /= n, as rr_divide does it. */
     int (*divide)(rr_device *d, void *buf, size_t count, rr_dtype dtype, int n, rr_error *err);
     /* A ticket (> 0) for the work queued so far; 0 on error. */
@@ -74,9 +77,10 @@ int rr_device_sync(rr_device *d, rr_error *err);
  * (0: only when waited for); see device_emulated.c. */
 rr_device *rr_emulated_device_create(int patience);
 /* ordinal: the CUDA device; functions: CUfunction handles of the kernels in
- * csrc/cuda/reduce.cu, reduce[dtype][op] (sum, prod, min, max) and
- * divide[dtype]. NULL with err filled when CUDA cannot be loaded. */
+ * csrc/cuda/reduce.cu, reduce[dtype][op] (sum, prod, min, max), divide[dtype]
+ * and mean[dtype] (float16, bfloat16). NULL with err filled when CUDA cannot be loaded. */
 rr_device *rr_cuda_device_create(int ordinal, void *const reduce[RR_NUM_DTYPES][4],
-                                 void *const divide[RR_NUM_DTYPES], rr_error *err);
+                                 void *const divide[RR_NUM_DTYPES], void *const mean[RR_NUM_MEAN_DTYPES],
+                                 rr_error *err);
 
 #endif

@@ -39,14 +39,15 @@ static int read_handles(PyObject *seq_obj, void **out, Py_ssize_t n, const char 
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* Device.cuda(ordinal, reduce, divide): reduce[dtype] is the (sum, prod, min,
- * max) CUfunction handles for that dtype, divide[dtype] one handle. */
+/* Device.cuda(ordinal, reduce, divide, mean): reduce[dtype] is the (sum, prod,
+ * min, max) CUfunction handles for that dtype, divide[dtype] one handle,
+ * mean[dtype] one for each 16-bit float (float16, bfloat16). */
 static PyObject *Device_cuda(PyObject *Py_UNUSED(cls), PyObject *args)
 {
     int ordinal;
-    PyObject *reduce_obj, *divide_obj;
-    if (!PyArg_ParseTuple(args, "iOO", &ordinal, &reduce_obj, &divide_obj)) return NULL;
-    void *reduce[RR_NUM_DTYPES][4], *divide[RR_NUM_DTYPES];
+    PyObject *reduce_obj, *divide_obj, *mean_obj;
+    if (!PyArg_ParseTuple(args, "iOOO", &ordinal, &reduce_obj, &divide_obj, &mean_obj)) return NULL;
+    void *reduce[RR_NUM_DTYPES][4], *divide[RR_NUM_DTYPES], *mean[RR_NUM_MEAN_DTYPES];
     PyObject *rows = PySequence_Fast(reduce_obj, "reduce must be a sequence");
     if (!rows) return NULL;
     int bad = PySequence_Fast_GET_SIZE(rows) != RR_NUM_DTYPES;
@@ -54,11 +55,13 @@ static PyObject *Device_cuda(PyObject *Py_UNUSED(cls), PyObject *args)
     for (int t = 0; !bad && t < RR_NUM_DTYPES; t++)
         bad = read_handles(PySequence_Fast_GET_ITEM(rows, t), reduce[t], 4, "reduce row");
     Py_DECREF(rows);
-    if (bad || read_handles(divide_obj, divide, RR_NUM_DTYPES, "divide")) return NULL;
+    if (bad || read_handles(divide_obj, divide, RR_NUM_DTYPES, "divide") ||
+        read_handles(mean_obj, mean, RR_NUM_MEAN_DTYPES, "mean"))
+        return NULL;
     rr_error err = {0};
     rr_device *dev;
     Py_BEGIN_ALLOW_THREADS
-    dev = rr_cuda_device_create(ordinal, reduce, divide, &err);
+    dev = rr_cuda_device_create(ordinal, reduce, divide, mean, &err);
     Py_END_ALLOW_THREADS
     if (!dev) {
         PyObject *cls = error_class("RingReduceError");
@@ -140,7 +143,7 @@ static PyMethodDef Device_methods[] = {
     {"emulated", (PyCFunction)Device_emulated, METH_VARARGS | METH_STATIC,
      "emulated(patience=2) -> a device in host memory whose work runs late (tests; csrc/device_emulated.c)"},
     {"cuda", (PyCFunction)Device_cuda, METH_VARARGS | METH_STATIC,
-     "cuda(ordinal, reduce, divide) -> the CUDA device, with the kernels' CUfunction handles"},
+     "cuda(ordinal, reduce, divide, mean) -> the CUDA device, with the kernels' CUfunction handles"},
     {"alloc", (PyCFunction)Device_alloc, METH_VARARGS, "alloc(nbytes) -> pointer (emulated device)"},
     {"free", (PyCFunction)Device_free, METH_VARARGS, "free(pointer) (emulated device)"},
     {"write", (PyCFunction)Device_write, METH_VARARGS, "write(pointer, bytes) (emulated device)"},

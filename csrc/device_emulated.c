@@ -20,7 +20,7 @@
 
 static void *to_host_ptr(const void *dev) { return (void *)((uintptr_t)dev & ~TAG); }
 
-enum { OP_TO_HOST, OP_TO_DEVICE, OP_COPY, OP_REDUCE3, OP_DIVIDE, OP_MARK };
+enum { OP_TO_HOST, OP_TO_DEVICE, OP_COPY, OP_REDUCE3, OP_MEAN, OP_DIVIDE, OP_MARK };
 
 typedef struct {
     int kind;
@@ -29,7 +29,7 @@ typedef struct {
     size_t n; /* bytes for copies, elements for kernels */
     rr_dtype dtype;
     rr_op op;
-    int divisor;
+    int divisor; /* OP_DIVIDE: n; OP_MEAN: k */
 } queued;
 
 typedef struct {
@@ -97,6 +97,16 @@ static int reduce3(rr_device *d, void *dst, const void *a, const void *b, size_t
                 (queued){.kind = OP_REDUCE3, .dst = dst, .a = a, .b = b, .n = count, .dtype = dtype, .op = op}, err);
 }
 
+static int mean_fold(rr_device *d, void *dst, const void *x, const void *mean, size_t count, rr_dtype dtype,
+                     int k, rr_error *err)
+{
+    if (check(valid_device_ptr(dst) && valid_device_ptr(x) && valid_device_ptr(mean), err, "mean_fold"))
+        return err->code;
+    return push((emulated *)d,
+                (queued){.kind = OP_MEAN, .dst = dst, .a = x, .b = mean, .n = count, .dtype = dtype, .divisor = k},
+                err);
+}
+
 static int divide(rr_device *d, void *buf, size_t count, rr_dtype dtype, int n, rr_error *err)
 {
     if (check(valid_device_ptr(buf), err, "divide")) return err->code;
@@ -122,6 +132,9 @@ static void run_batch(emulated *e)
         case OP_COPY: memmove(to_host_ptr(w->dst), to_host_ptr(w->a), w->n); break;
         case OP_REDUCE3:
             rr_reduce3(to_host_ptr(w->dst), to_host_ptr(w->a), to_host_ptr(w->b), w->n, w->dtype, w->op);
+            break;
+        case OP_MEAN:
+            rr_mean_fold(to_host_ptr(w->dst), to_host_ptr(w->a), to_host_ptr(w->b), w->n, w->dtype, w->divisor);
             break;
         case OP_DIVIDE: rr_divide(to_host_ptr(w->dst), w->n, w->dtype, w->divisor); break;
         case OP_MARK: e->finished++; return;
@@ -164,7 +177,7 @@ static void destroy(rr_device *d)
 }
 
 static const rr_device_ops emulated_ops = {
-    begin, to_host, to_device, copy, reduce3, divide, mark, done, host_alloc, host_free, dev_alloc, dev_free, destroy,
+    begin, to_host, to_device, copy, reduce3, mean_fold, divide, mark, done, host_alloc, host_free, dev_alloc, dev_free, destroy,
 };
 
 rr_device *rr_emulated_device_create(int patience)

@@ -11,6 +11,7 @@ enum {
     RR_E_SYSTEM = 3,    /* out of memory, a failed system call */
     RR_E_INVALID = 4,   /* bad arguments */
     RR_E_DEVICE = 5,    /* the accelerator failed (a CUDA call) */
+    RR_E_INTERRUPTED = 6, /* the interrupt hook said stop (Ctrl-C); rank: this one */
 };
 
 typedef struct rr_error {

@@ -21,7 +21,48 @@ typedef struct {
     pthread_mutex_t mu;
     int closed;
     rr_error broken; /* the first error; code RR_OK while healthy */
+    PyObject *interrupt; /* what a signal handler raised while we waited (see signals_pending) */
 } CommObject;
+
+/* The main thread's id: only it runs Python's signal handlers. */
+static unsigned long main_thread;
+
+/* The transport's interrupt hook (transport.h), asked every ~100 ms while an
+ * operation waits with the GIL released: runs Python's signal handlers, so
+ * Ctrl-C need not wait for RINGREDUCE_TIMEOUT. If one raised (SIGINT's
+ * KeyboardInterrupt, a SIGTERM handler's exception), keep it for finish()
+ * and say stop: the operation fails and the transport tells the peers. */
+static int signals_pending(void *arg)
+{
+    CommObject *self = arg;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int stop = PyErr_CheckSignals() < 0;
+    if (stop) {
+#if PY_VERSION_HEX >= 0x030C0000
+        PyObject *value = PyErr_GetRaisedException();
+#else
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb) PyException_SetTraceback(value, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+#endif
+        Py_XSETREF(self->interrupt, value);
+    }
+    PyGILState_Release(gil);
+    return stop;
+}
+
+/* Only an operation on the main thread listens for signals: elsewhere
+ * PyErr_CheckSignals does nothing, and taking the GIL would be waste. */
+static void arm_interrupt(CommObject *self, int armed)
+{
+    rr_transport *t = self->ring ? self->ring->transport : NULL;
+    if (!t) return;
+    t->interrupted = armed ? signals_pending : NULL;
+    t->interrupt_arg = self;
+}
 
 PyObject *error_class(const char *name)
 {
@@ -136,16 +177,20 @@ static void Comm_dealloc(CommObject *self)
         rr_ring_destroy(self->ring);
         pthread_mutex_destroy(&self->mu);
     }
+    Py_CLEAR(self->interrupt);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* Runs one ring operation with the GIL released and the lock held. */
 #define RUN_LOCKED(self, err, CALL)                                          \
     do {                                                                     \
+        int on_main_thread = PyThread_get_thread_ident() == main_thread;     \
         Py_BEGIN_ALLOW_THREADS                                               \
         pthread_mutex_lock(&(self)->mu);                                     \
         if ((self)->broken.code == RR_OK) {                                  \
+            arm_interrupt(self, on_main_thread);                             \
             CALL;                                                            \
+            arm_interrupt(self, 0);                                          \
             if ((err).code != RR_OK) (self)->broken = (err);                 \
         } else {                                                             \
             (err) = (self)->broken;                                          \
@@ -155,9 +200,16 @@ static void Comm_dealloc(CommObject *self)
         Py_END_ALLOW_THREADS                                                 \
     } while (0)
 
-static PyObject *finish(rr_error *err)
+static PyObject *finish(CommObject *self, rr_error *err)
 {
     if (err->code == RR_OK) Py_RETURN_NONE;
+    if (err->code == RR_E_INTERRUPTED && self->interrupt) { /* the handler's own exception */
+        PyObject *exc = self->interrupt;
+        self->interrupt = NULL;
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+        return NULL;
+    }
     if (err->code < 0) { err->code = -err->code; return raise_error(err, 0); }
     return raise_error(err, 1);
 }
@@ -201,7 +253,7 @@ static PyObject *reduce_op(CommObject *self, PyObject *args, int scatter)
                        : rr_allreduce(self->ring, NULL, src.buf, dst.buf, count, (rr_dtype)dtype, (rr_op)op, &err));
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
-    return finish(&err);
+    return finish(self, &err);
 }
 
 static PyObject *Comm_allreduce(CommObject *self, PyObject *args) { return reduce_op(self, args, 0); }
@@ -250,7 +302,7 @@ static PyObject *Comm_allgather(CommObject *self, PyObject *args)
     RUN_LOCKED(self, err, rr_allgather(self->ring, NULL, view.buf, nbytes, &err));
     PyBuffer_Release(&view);
     PyMem_Free(nbytes);
-    return finish(&err);
+    return finish(self, &err);
 }
 
 static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
@@ -268,7 +320,7 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
     rr_error err = {0};
     RUN_LOCKED(self, err, rr_broadcast(self->ring, NULL, view.buf, (size_t)view.len, root, &err));
     PyBuffer_Release(&view);
-    return finish(&err);
+    return finish(self, &err);
 }
 
 /* The collectives on a device's memory (device.h). Buffers are pointers
@@ -302,7 +354,7 @@ static PyObject *reduce_on_device(CommObject *self, PyObject *args, int scatter)
                                                          (rr_op)op, &err)
                                      : rr_allreduce(self->ring, d->dev, src, dst, count, (rr_dtype)dtype, (rr_op)op,
                                                     &err));
-    return finish(&err);
+    return finish(self, &err);
 }
 
 static PyObject *Comm_allreduce_device(CommObject *self, PyObject *args) { return reduce_on_device(self, args, 0); }
@@ -324,7 +376,7 @@ static PyObject *Comm_allgather_device(CommObject *self, PyObject *args)
     rr_error err = {0};
     RUN_ON_DEVICE(self, d, err, rr_allgather(self->ring, d->dev, buf, nbytes, &err));
     PyMem_Free(nbytes);
-    return finish(&err);
+    return finish(self, &err);
 }
 
 static PyObject *Comm_broadcast_device(CommObject *self, PyObject *args)
@@ -342,7 +394,7 @@ static PyObject *Comm_broadcast_device(CommObject *self, PyObject *args)
     }
     rr_error err = {0};
     RUN_ON_DEVICE(self, d, err, rr_broadcast(self->ring, d->dev, buf, (size_t)nbytes, root, &err));
-    return finish(&err);
+    return finish(self, &err);
 }
 
 /* Every blob in rank order, as a list of bytes. */
@@ -373,7 +425,7 @@ static PyObject *Comm_exchange_blobs(CommObject *self, PyObject *args)
     RUN_LOCKED(self, err, rr_exchange_blobs(self->ring, head.buf, (size_t)head.len, data.buf,
                                             (size_t)data.len, &all, lens, &err));
     if (err.code == RR_OK) result = blob_list(all, lens, N);
-    else finish(&err);
+    else finish(self, &err);
 done:
     free(all);
     PyMem_Free(lens);
@@ -398,7 +450,7 @@ static PyObject *Comm_allreduce_small(CommObject *self, PyObject *args)
     int agreed = 0;
     RUN_LOCKED(self, err, rr_allreduce_small(self->ring, head.buf, (size_t)head.len, data.buf, (size_t)data.len,
                                              out.buf, (rr_dtype)dtype, (rr_op)op, &agreed, &all, lens, &err));
-    if (err.code != RR_OK) finish(&err);
+    if (err.code != RR_OK) finish(self, &err);
     else if (agreed) { Py_INCREF(Py_None); result = Py_None; }
     else result = blob_list(all, lens, N);
 done:
@@ -508,6 +560,33 @@ static PyObject *core_reduce(PyObject *Py_UNUSED(m), PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *core_mean_fold(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *dst_obj;
+    Py_buffer x;
+    int dtype, k;
+    if (!PyArg_ParseTuple(args, "Oy*ii", &dst_obj, &x, &dtype, &k)) return NULL;
+    if (dtype < 0 || dtype >= RR_NUM_DTYPES || !rr_avg_is_mean((rr_dtype)dtype) || k < 2) {
+        PyBuffer_Release(&x);
+        PyErr_SetString(PyExc_ValueError, "mean_fold takes a 16-bit float dtype and k >= 2");
+        return NULL;
+    }
+    Py_buffer dst;
+    if (get_writable(dst_obj, &dst)) { PyBuffer_Release(&x); return NULL; }
+    if (dst.len != x.len) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&x);
+        PyErr_SetString(PyExc_ValueError, "dst and x differ in size");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rr_mean_fold(dst.buf, x.buf, dst.buf, (size_t)dst.len / 2, (rr_dtype)dtype, k);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&x);
+    Py_RETURN_NONE;
+}
+
 static PyObject *core_divide(PyObject *Py_UNUSED(m), PyObject *args)
 {
     PyObject *obj;
@@ -529,6 +608,8 @@ static PyObject *core_divide(PyObject *Py_UNUSED(m), PyObject *args)
 
 static PyMethodDef core_methods[] = {
     {"reduce", core_reduce, METH_VARARGS, "reduce(dst, src, dtype, op): dst = dst OP src, elementwise"},
+    {"mean_fold", core_mean_fold, METH_VARARGS,
+     "mean_fold(dst, x, dtype, k): dst = (dst * (k-1) + x) / k, one fold of a 16-bit float average"},
     {"divide", core_divide, METH_VARARGS, "divide(buf, dtype, n): the division that finishes avg"},
     {NULL, NULL, 0, NULL},
 };
@@ -538,6 +619,15 @@ static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "_core", "ringre
 PyMODINIT_FUNC PyInit__core(void)
 {
     if (PyType_Ready(&CommType) < 0 || PyType_Ready(&DeviceType) < 0) return NULL;
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
+    PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
+    Py_XDECREF(threading);
+    Py_XDECREF(main);
+    if (!ident) return NULL;
+    main_thread = PyLong_AsUnsignedLong(ident);
+    Py_DECREF(ident);
+    if (PyErr_Occurred()) return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (!m) return NULL;
     Py_INCREF(&CommType);

@@ -7,9 +7,21 @@
  * place. A message larger than the window (a framed header, read in two
  * parts) is received once into a carry buffer and handed out piecewise.
  *
- * MPI has no poll(2): a waiting rank tests its requests and yields the core
- * between tests. A peer that makes no progress for the timeout is reported
- * as lost; a dead peer usually makes the MPI runtime end the job itself.
+ * MPI has no poll(2), and MPICH's blocking waits spin: a waiting rank tests
+ * its requests, yielding the core between tests for the first millisecond
+ * (back-to-back messages keep their latency), then sleeping between tests
+ * with naps that grow to a millisecond (a late peer costs almost no CPU).
+ * While it sleeps it also asks the interrupt hook (Ctrl-C) and looks for
+ * failure notices.
+ *
+ * Failure: a rank that gives up (an error, a timeout, an interrupt) sends a
+ * notice, {rank to blame, error code}, to both neighbours, which give up in
+ * turn and pass it on, so the whole ring learns promptly who left. A peer
+ * that makes no progress for the timeout is reported as lost; a dead peer
+ * usually makes the MPI runtime end the job itself. A rank that gives up
+ * first settles its requests (MPICH cannot cancel a send: the receiver takes
+ * and drops it), so no MPI call touches the caller's buffers once the
+ * operation has returned.
  */
 #define _GNU_SOURCE
 #include "mpi_transport.h"
@@ -20,7 +32,13 @@
 #include <string.h>
 #include <time.h>
 
-#define RING_TAG 0x5252 /* "RR" */
+#define RING_TAG 0x5252   /* "RR" */
+#define NOTICE_TAG 0x5253 /* a failure notice: int[2] = {rank to blame, RR_E_* code} */
+
+#define SPIN_S 1e-3       /* yield between tests this long, then sleep */
+#define NAP_MIN_NS 10000L
+#define NAP_MAX_NS 1000000L
+#define SETTLE_S 2.0      /* how long abort waits for its requests to finish */
 
 typedef struct {
     rr_transport base;
@@ -34,6 +52,11 @@ typedef struct {
     int rpending_len;
     char *carry;          /* bytes of a message larger than its window */
     size_t carry_len, carry_off, carry_cap;
+    /* Failure notices: a receive posted for each neighbour's, and ours. */
+    int notice_in[2][2], notice_out[2];
+    MPI_Request notice_rreq[2], notice_sreq[2];
+    char *drop;           /* where abort drains messages nobody will read */
+    size_t drop_cap;
     int aborted;
 } mpi_transport;
 
@@ -42,6 +65,37 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Sleeps a growing nap; *nap_ns 0 starts over. */
+static void nap(long *nap_ns)
+{
+    *nap_ns = *nap_ns ? (*nap_ns * 2 < NAP_MAX_NS ? *nap_ns * 2 : NAP_MAX_NS) : NAP_MIN_NS;
+    struct timespec ts = {0, *nap_ns};
+    nanosleep(&ts, NULL);
+}
+
+/* A neighbour gave up and said whom to blame: so do we. */
+static int notice_received(mpi_transport *t, rr_error *err)
+{
+    for (int i = 0; i < 2; i++) {
+        int done = 0;
+        if (t->notice_rreq[i] == MPI_REQUEST_NULL) continue;
+        if (MPI_Test(&t->notice_rreq[i], &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) continue;
+        int culprit = t->notice_in[i][0], from = i == 0 ? t->prev : t->next;
+        if (culprit < 0 || culprit >= t->base.size) culprit = from;
+        const char *why = t->notice_in[i][1] == RR_E_INTERRUPTED ? "it was interrupted" : "it failed";
+        if (culprit == t->base.rank)
+            rr_set_error(err, RR_E_PEER_LOST, culprit, "rank %d gave up waiting on this rank (%d) and left the ring "
+                         "(over MPI)", from, culprit);
+        else if (culprit == from)
+            rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d: %s and left the ring (over MPI)", culprit, why);
+        else
+            rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d: %s and left the ring (over MPI, told by rank %d)",
+                         culprit, why, from);
+        return err->code;
+    }
+    return RR_OK;
 }
 
 static int mpi_failed(mpi_transport *t, int rc, const char *what, rr_error *err)
@@ -82,7 +136,9 @@ static int mpi_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         t->spending = sbuf;
         t->spending_len = slen;
     }
-    double deadline = now_s() + t->timeout_s;
+    const double start = now_s(), deadline = start + t->timeout_s;
+    long long next_check = (long long)(start * 1000) + RR_INTERRUPT_CHECK_MS;
+    long nap_ns = 0;
     for (;;) {
         if (rlen && !t->rpending) {
             int flag = 0, count = 0;
@@ -135,24 +191,85 @@ static int mpi_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
             }
         }
         if (*sent || *rcvd) return RR_OK;
-        if (now_s() > deadline) {
+        const double now = now_s();
+        if (now > deadline) {
             int waited_on = rlen ? t->prev : t->next;
             rr_set_error(err, RR_E_PEER_LOST, waited_on,
                          "lost rank %d: no progress for %.1f s (RINGREDUCE_TIMEOUT) over MPI", waited_on,
                          t->timeout_s);
             return err->code;
         }
-        sched_yield();
+        if (now - start < SPIN_S) {
+            sched_yield();
+            continue;
+        }
+        if ((rc = notice_received(t, err)) != RR_OK) return rc;
+        if ((rc = rr_should_stop(base, (long long)(now * 1000), &next_check, err)) != RR_OK) return rc;
+        nap(&nap_ns);
     }
+}
+
+/* Takes and drops a message from prev that nobody will read (MPICH cannot
+ * cancel a send: this lets prev's complete). */
+static void drain_one(mpi_transport *t)
+{
+    int flag = 0, count = 0;
+    MPI_Message msg;
+    MPI_Status st;
+    if (MPI_Improbe(t->prev, RING_TAG, t->comm, &flag, &msg, &st) != MPI_SUCCESS || !flag) return;
+    MPI_Get_count(&st, MPI_BYTE, &count);
+    if ((size_t)count > t->drop_cap) {
+        char *grown = realloc(t->drop, (size_t)count);
+        if (grown) {
+            t->drop = grown;
+            t->drop_cap = (size_t)count;
+        }
+    }
+    /* Blocking is safe: the message is matched and its sender is progressing
+     * (it is in a collective, or settling its own requests). */
+    MPI_Mrecv(count <= (int)t->drop_cap ? t->drop : NULL, count <= (int)t->drop_cap ? count : 0, MPI_BYTE, &msg,
+              MPI_STATUS_IGNORE);
+}
+
+/* Waits up to `seconds` for every request on a caller's buffer to finish,
+ * draining what prev sent meanwhile. What is still pending after that (a
+ * neighbour that makes no MPI calls at all) is released to MPI: it finishes
+ * on its own, on memory the caller may have freed. */
+static void settle(mpi_transport *t, double seconds)
+{
+    const double end = now_s() + seconds;
+    long nap_ns = 0;
+    while (t->spending || t->rpending || t->notice_sreq[0] != MPI_REQUEST_NULL ||
+           t->notice_sreq[1] != MPI_REQUEST_NULL) {
+        int done = 0;
+        if (t->spending && (MPI_Test(&t->sreq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done)) t->spending = NULL;
+        if (t->rpending && (MPI_Test(&t->rreq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done)) t->rpending = NULL;
+        for (int i = 0; i < 2; i++)
+            if (t->notice_sreq[i] != MPI_REQUEST_NULL) MPI_Test(&t->notice_sreq[i], &done, MPI_STATUS_IGNORE);
+        drain_one(t);
+        if (now_s() > end) break;
+        nap(&nap_ns);
+    }
+    if (t->spending) MPI_Request_free(&t->sreq);
+    if (t->rpending) MPI_Request_free(&t->rreq);
+    for (int i = 0; i < 2; i++)
+        if (t->notice_sreq[i] != MPI_REQUEST_NULL) MPI_Request_free(&t->notice_sreq[i]);
+    t->spending = NULL;
+    t->rpending = NULL;
 }
 
 static void mpi_abort(rr_transport *base, const rr_error *why)
 {
     mpi_transport *t = (mpi_transport *)base;
-    (void)why;
-    /* Requests still in flight cannot be taken back safely; the job is
-     * failing, and the MPI runtime ends it when a rank exits. */
+    if (t->aborted) return;
     t->aborted = 1;
+    if (t->base.size > 1) { /* tell both neighbours whom to blame */
+        t->notice_out[0] = why && why->rank >= 0 ? why->rank : t->base.rank;
+        t->notice_out[1] = why ? why->code : RR_E_PEER_LOST;
+        MPI_Isend(t->notice_out, 2, MPI_INT, t->next, NOTICE_TAG, t->comm, &t->notice_sreq[0]);
+        MPI_Isend(t->notice_out, 2, MPI_INT, t->prev, NOTICE_TAG, t->comm, &t->notice_sreq[1]);
+    }
+    settle(t, t->timeout_s < SETTLE_S ? t->timeout_s : SETTLE_S);
 }
 
 static void mpi_destroy(rr_transport *base)
@@ -160,8 +277,17 @@ static void mpi_destroy(rr_transport *base)
     mpi_transport *t = (mpi_transport *)base;
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized && !t->aborted) MPI_Comm_free(&t->comm);
+    if (!finalized) {
+        settle(t, SETTLE_S); /* nothing pending after a finished operation */
+        for (int i = 0; i < 2; i++) {
+            if (t->notice_rreq[i] == MPI_REQUEST_NULL) continue;
+            MPI_Cancel(&t->notice_rreq[i]); /* an unmatched receive: cancels at once */
+            MPI_Wait(&t->notice_rreq[i], MPI_STATUS_IGNORE);
+        }
+        if (!t->aborted) MPI_Comm_free(&t->comm);
+    }
     free(t->carry);
+    free(t->drop);
     free(t);
 }
 
@@ -182,5 +308,10 @@ rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s)
     t->next = (t->base.rank + 1) % t->base.size;
     t->prev = (t->base.rank + t->base.size - 1) % t->base.size;
     t->timeout_s = timeout_s;
+    for (int i = 0; i < 2; i++) t->notice_rreq[i] = t->notice_sreq[i] = MPI_REQUEST_NULL;
+    if (t->base.size > 1) {
+        MPI_Irecv(t->notice_in[0], 2, MPI_INT, t->prev, NOTICE_TAG, t->comm, &t->notice_rreq[0]);
+        MPI_Irecv(t->notice_in[1], 2, MPI_INT, t->next, NOTICE_TAG, t->comm, &t->notice_rreq[1]);
+    }
     return &t->base;
 }

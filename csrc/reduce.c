@@ -65,6 +65,24 @@ int rr_reduce3(void *dst, const void *src_a, const void *src_b, size_t count, rr
     }
 }
 
+/* No restrict: dst is x in the ring and mean in the rank-order fold. */
+#define MEAN_LOOP(STEP)                                                      \
+    do {                                                                     \
+        uint16_t *d = (uint16_t *)dst;                                       \
+        const uint16_t *xs = (const uint16_t *)x, *ms = (const uint16_t *)mean; \
+        for (size_t i = 0; i < count; i++) d[i] = STEP(xs[i], ms[i], k);     \
+    } while (0)
+
+int rr_mean_fold(void *dst, const void *x, const void *mean, size_t count, rr_dtype dtype, int k)
+{
+    if (k < 2) return -1;
+    switch (dtype) {
+    case RR_FLOAT16: MEAN_LOOP(rr_mean16_f16); return 0;
+    case RR_BFLOAT16: MEAN_LOOP(rr_mean16_bf16); return 0;
+    default: return -1;
+    }
+}
+
 /* Floor division in int64, so n never overflows the element type. */
 #define FLOOR_DIV(T)                                                         \
     do {                                                                     \

@@ -5,13 +5,20 @@
 #include <stddef.h>
 #include "reduce_math.h"
 
-/* Reduce `count` elements of src into dst. RR_AVG reduces as RR_SUM.
+/* Reduce `count` elements of src into dst. RR_AVG reduces as RR_SUM (16-bit
+ * floats average with rr_mean_fold instead).
  * Returns 0, or -1 for an unknown dtype or op. */
 int rr_reduce(void *dst, const void *src, size_t count, rr_dtype dtype, rr_op op);
 
 /* dst[i] = a[i] OP b[i]; dst may be a (not b). Lets the ring reduce out of
  * place without first copying the input. */
 int rr_reduce3(void *dst, const void *a, const void *b, size_t count, rr_dtype dtype, rr_op op);
+
+/* One fold of a 16-bit float average (rr_avg_is_mean): dst = (mean * (k-1)
+ * + x) / k, where mean averages k-1 contributions and x is the k-th (k >= 2),
+ * computed in double and rounded once. dst may be x or mean. Returns 0, or -1
+ * for another dtype or k < 2. */
+int rr_mean_fold(void *dst, const void *x, const void *mean, size_t count, rr_dtype dtype, int k);
 
 /* The division that finishes an average: buf[i] /= n. Integers floor-divide,
  * as numpy's //, so every rank and the reference agree. */

@@ -5,7 +5,8 @@
  * very same arithmetic: the CPU tests check what the GPU runs.
  *
  * 16-bit floats (IEEE half, bfloat16) are widened to float32, combined, and
- * rounded back once, to nearest even.
+ * rounded back once, to nearest even. Their averages are running means
+ * computed in double (rr_mean16_f16/bf16 below; docs/architecture.md).
  */
 #ifndef RINGREDUCE_REDUCE_MATH_H
 #define RINGREDUCE_REDUCE_MATH_H
@@ -42,7 +43,8 @@ typedef enum {
     RR_PROD = 1,
     RR_MIN = 2,
     RR_MAX = 3,
-    RR_AVG = 4, /* sum on the wire, one division at the end */
+    RR_AVG = 4, /* sum on the wire, one division at the end; 16-bit floats:
+                 * a running mean on the wire, no division (rr_avg_is_mean) */
     RR_NUM_OPS
 } rr_op;
 
@@ -105,6 +107,56 @@ RR_INLINE uint16_t rr_f32_to_f16(float f)
         out = (uint16_t)(u >> 13);
     }
     return (uint16_t)(out | sign);
+}
+
+/* double -> a 16-bit float with `mbits` mantissa and `ebits` exponent bits,
+ * rounded once, to nearest even, straight from the double's bits. (Through
+ * float32 it could round twice: a double just above a 16-bit tie rounds to
+ * float32 exactly onto the tie, which then goes to even, maybe downward.)
+ * Integer arithmetic only, so a GPU gives the CPU's bits. */
+RR_INLINE uint16_t rr_f64_to_16(double x, int mbits, int ebits)
+{
+    uint64_t u;
+    memcpy(&u, &x, 8);
+    const uint16_t sign = (uint16_t)((u >> 63) << 15);
+    u &= 0x7fffffffffffffffull;
+    const int bias = (1 << (ebits - 1)) - 1, drop = 52 - mbits;
+    const uint16_t inf = (uint16_t)(((1u << ebits) - 1u) << mbits);
+    if (u > 0x7ff0000000000000ull) /* NaN: keep it quiet, and the top of its payload */
+        return (uint16_t)(sign | inf | (1u << (mbits - 1)) | ((u >> drop) & ((1u << mbits) - 1u)));
+    const int e = (int)(u >> 52) - 1023;
+    if (e > bias) return (uint16_t)(sign | inf);
+    if (e >= 1 - bias) { /* normal: rebias, round; a carry out of the top gives inf */
+        u -= (uint64_t)(1023 - bias) << 52;
+        u += ((uint64_t)1 << (drop - 1)) - 1u + ((u >> drop) & 1u);
+        return (uint16_t)(sign | (u >> drop));
+    }
+    /* Subnormal or zero: the count of smallest subnormals, 2^(1 - bias - mbits). */
+    const int shift = drop + 1 - bias - e;
+    if (shift > 53) return sign; /* below half the smallest subnormal (doubles' subnormals too) */
+    const uint64_t m = (u & 0xfffffffffffffull) | ((uint64_t)1 << 52);
+    const uint64_t q = m >> shift, rest = m & (((uint64_t)1 << shift) - 1u), half = (uint64_t)1 << (shift - 1);
+    return (uint16_t)(sign | (q + (rest > half || (rest == half && (q & 1u)))));
+}
+RR_INLINE uint16_t rr_f64_to_f16(double x) { return rr_f64_to_16(x, 10, 5); }
+RR_INLINE uint16_t rr_f64_to_bf16(double x) { return rr_f64_to_16(x, 7, 8); }
+
+/* Averages of 16-bit floats travel as running means, never as sums, so no
+ * partial result leaves the type's range (a float16 sum of 40000 + 40000 is
+ * inf). The fold that adds the k-th contribution x to the mean of the first
+ * k-1 computes (mean * (k-1) + x) / k in double and rounds once. The product
+ * is exact in double (11 significant bits times k-1 < 2^31), so a compiler
+ * that fuses it with the add (FMA, as GPU compilers do) changes no bit. */
+#define RR_NUM_MEAN_DTYPES 2 /* RR_FLOAT16 and RR_BFLOAT16, codes 0 and 1 */
+RR_INLINE int rr_avg_is_mean(rr_dtype t) { return t == RR_FLOAT16 || t == RR_BFLOAT16; }
+RR_INLINE double rr_mean_step(double mean, double x, int k) { return (mean * (double)(k - 1) + x) / (double)k; }
+RR_INLINE uint16_t rr_mean16_f16(uint16_t x, uint16_t mean, int k)
+{
+    return rr_f64_to_f16(rr_mean_step((double)rr_f16_to_f32(mean), (double)rr_f16_to_f32(x), k));
+}
+RR_INLINE uint16_t rr_mean16_bf16(uint16_t x, uint16_t mean, int k)
+{
+    return rr_f64_to_bf16(rr_mean_step((double)rr_bf16_to_f32(mean), (double)rr_bf16_to_f32(x), k));
 }
 
 /* min/max as numpy.minimum/maximum: a NaN in either operand wins. */

@@ -144,7 +144,7 @@ static int queue_download(device_queue *q, char *host, const char *dev_src, size
 /* Runs steps g0 .. g1-1 of the schedule above over chunks at byte offsets
  * off[] with byte lengths len[]. Steps below `reduce_until` reduce, later
  * steps copy; for avg, each segment of the owned chunk is divided the moment
- * it is final. The input is read from src (which may be buf): the first step
+ * it is final (16-bit floats: every fold is a running mean, nothing to divide). The input is read from src (which may be buf): the first step
  * sends from it and each reduction reads its own chunk from it, so every
  * byte of buf is written exactly once and out of place costs no copy.
  *
@@ -162,6 +162,7 @@ static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf,
     const int N = ring->size, r = ring->rank;
     const size_t seg = ring->segment, esize = rr_dtype_size(dtype);
     const int slots = dev ? RR_DEVICE_SLOTS : 1;
+    const int mean = op == RR_AVG && rr_avg_is_mean(dtype); /* a running mean: no division at the end */
     rr_transport *t = ring->transport;
     char *host = dev ? dev->mirror : buf;              /* where sends leave from and copies land */
     char *staging = dev ? dev->staging : ring->staging; /* where reducing receives land */
@@ -229,16 +230,21 @@ static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf,
         if (rl && roff == rseg_end) {
             const size_t bytes = rseg_end - rseg_start, n = bytes / esize;
             char *dst = buf + off[rc] + rseg_start;
-            const int last = op == RR_AVG && rg == N - 2;
+            const char *mine = src + off[rc] + rseg_start;
+            /* The received partial holds rg + 1 contributions; ours makes rg + 2. */
+            const int k = rg + 2, last = op == RR_AVG && !mean && rg == N - 2;
             if (!dev) {
-                if (reducing) {
-                    rr_reduce3(dst, src + off[rc] + rseg_start, staging + slot, n, dtype, op);
+                if (reducing && mean) {
+                    rr_mean_fold(dst, mine, staging + slot, n, dtype, k);
+                } else if (reducing) {
+                    rr_reduce3(dst, mine, staging + slot, n, dtype, op);
                     if (last) rr_divide(dst, n, dtype, N);
                 }
                 rdone = rseg_end;
             } else if (reducing) {
                 DEV(dev->ops->to_device(dev, dev->scratch + slot, staging + slot, bytes, err));
-                DEV(dev->ops->reduce3(dev, dst, src + off[rc] + rseg_start, dev->scratch + slot, n, dtype, op, err));
+                if (mean) DEV(dev->ops->mean_fold(dev, dst, mine, dev->scratch + slot, n, dtype, k, err));
+                else DEV(dev->ops->reduce3(dev, dst, mine, dev->scratch + slot, n, dtype, op, err));
                 if (last) DEV(dev->ops->divide(dev, dst, n, dtype, N, err));
                 if (rg + 1 < g1) /* forwarded next step */
                     DEV(dev->ops->to_host(dev, host + off[rc] + rseg_start, dst, bytes, err));
@@ -478,11 +484,13 @@ int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void 
     *agreed = 1;
     blob = *all;
     memcpy(out, blob + hlen, dlen);
+    const int mean = op == RR_AVG && rr_avg_is_mean(dtype);
     for (int i = 1; i < N; i++) {
         blob += hlen + dlen;
-        rr_reduce(out, blob + hlen, dlen / esize, dtype, op);
+        if (mean) rr_mean_fold(out, blob + hlen, out, dlen / esize, dtype, i + 1);
+        else rr_reduce(out, blob + hlen, dlen / esize, dtype, op);
     }
-    if (op == RR_AVG) rr_divide(out, dlen / esize, dtype, N);
+    if (op == RR_AVG && !mean) rr_divide(out, dlen / esize, dtype, N);
     free(*all);
     *all = NULL;
     return RR_OK;

@@ -228,6 +228,7 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
     int rc = star_verdict(t, err);
     if (rc != RR_OK || (slen == 0 && rlen == 0)) return rc;
     int64_t deadline = t->timeout_ms >= 0 ? now_ms() + t->timeout_ms : INT64_MAX;
+    long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
     int spins = 0;
     struct pollfd pfd[3];
     for (;;) {
@@ -254,10 +255,13 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         pfd[1] = (struct pollfd){.fd = rlen ? t->prev_fd : -1, .events = POLLIN};
         pfd[2] = (struct pollfd){.fd = rr_star_wake_fd(t->star), .events = POLLIN};
         int64_t left = deadline - now_ms();
-        int r = left > 0 ? poll(pfd, 3, (int)(left < 1000 ? left : 1000)) : 0;
+        int r = left > 0 ? poll(pfd, 3, (int)(left < RR_INTERRUPT_CHECK_MS ? left : RR_INTERRUPT_CHECK_MS)) : 0;
         int poll_errno = errno;
         if (tx_sleeps) rr_shm_link_writer_done(t->tx_shm);
         if (rx_sleeps) rr_shm_link_reader_done(t->rx_shm);
+        /* Interrupted: the error names this rank, and the abort that follows
+         * says so on the control star, so the peers blame it at once. */
+        if (rr_should_stop(base, now_ms(), &next_check, err)) return err->code;
         if (left <= 0) return peer_silent(t, rlen ? prev_rank(t) : next_rank(t), err);
         if (r < 0 && poll_errno != EINTR) {
             rr_set_error(err, RR_E_SYSTEM, -1, "poll failed: %s", strerror(poll_errno));

@@ -30,10 +30,33 @@ typedef struct rr_transport_ops {
     void (*destroy)(rr_transport *t);
 } rr_transport_ops;
 
+/* Asked while exchange() waits (see rr_should_stop): nonzero means give up,
+ * e.g. the user pressed Ctrl-C. Set by the binding; the transport only calls
+ * it, so it stays free of Python. */
+typedef int (*rr_interrupt_hook)(void *arg);
+
 struct rr_transport {
     const rr_transport_ops *ops;
     int rank;
     int size;
+    rr_interrupt_hook interrupted; /* NULL: never asked */
+    void *interrupt_arg;
 };
+
+/* How often a waiting transport asks the hook: a pending Ctrl-C is noticed
+ * within this, and short waits never pay for the question. */
+#define RR_INTERRUPT_CHECK_MS 100
+
+/* For exchange()'s wait loop: asks the hook once *next_ms (a CLOCK_MONOTONIC
+ * millisecond, first set RR_INTERRUPT_CHECK_MS after the wait began) has
+ * passed. Returns RR_E_INTERRUPTED with err filled when it says stop. */
+static inline int rr_should_stop(rr_transport *t, long long now_ms, long long *next_ms, rr_error *err)
+{
+    if (!t->interrupted || now_ms < *next_ms) return RR_OK;
+    *next_ms = now_ms + RR_INTERRUPT_CHECK_MS;
+    if (!t->interrupted(t->interrupt_arg)) return RR_OK;
+    rr_set_error(err, RR_E_INTERRUPTED, t->rank, "rank %d was interrupted while waiting for its peers", t->rank);
+    return err->code;
+}
 
 #endif

@@ -52,6 +52,7 @@ class _State:
         self.comm = None
         self.broken: str | None = None
         self.small_limit = 0
+        self.init_args: tuple = (None, None)  # (backend, comm) the running ring was made with
 
 
 _state = _State()
@@ -61,38 +62,60 @@ _state = _State()
 
 
 def init(backend: str | None = None, comm=None) -> None:
-    """Joins the ring (idempotent). See ringreduce.world for how the world is found.
+    """Joins the ring. See ringreduce.world for how the world is found.
 
     backend: "socket" (TCP, the default outside mpirun), "mpi" (the default
     under mpirun when the MPI transport is built), or None to choose.
     comm: an mpi4py communicator to run the ring over (a process set); implies "mpi".
+
+    Calling it again with the same arguments (or none) does nothing; with a
+    different backend or communicator it raises: call shutdown() first.
     """
     with _state.lock:
         if _state.comm is not None:
+            _check_same_init(backend, comm)
             return
-        backend = backend or _config.Config.from_env().backend or None
+        config = _config.Config.from_env()  # a setting that makes no sense raises here
+        backend = backend or config.backend or None
         if comm is not None and backend not in (None, "mpi"):
             raise ValueError("init(comm=...) runs over MPI; backend must be 'mpi' or None")
         if backend not in (None, "mpi", "socket"):
             raise ValueError(f"unknown backend {backend!r}; choose 'socket' or 'mpi'")
-        if comm is not None or backend == "mpi":
-            _state.world, _state.comm = mpi_backend.connect(_config.Config.from_env(), comm)
+        declared = _world.discover()
+        if comm is not None or backend == "mpi" or (
+                backend is None and declared.source == "mpirun" and mpi_backend.available() is None):
+            world, ring = mpi_backend.connect(config, comm)
+            if comm is None and declared.size > 1 and world.size != declared.size:
+                ring.close()
+                raise RingReduceError(
+                    f"the {declared.source} declares a world of {declared.size} ranks, but MPI sees {world.size}: "
+                    f"this process was not started by mpirun -np {declared.size}. Under ringrun (or with "
+                    "RINGREDUCE_* set) use the socket backend: init() or init(backend='socket'), "
+                    "RINGREDUCE_BACKEND unset or 'socket'")
+            _state.world, _state.comm = world, ring
         else:
-            w = _world.discover()
-            if backend is None and w.source == "mpirun" and mpi_backend.available() is None:
-                _state.world, _state.comm = mpi_backend.connect(w.config)
-            else:
-                if w.source == "mpirun" and w.size > 1:
-                    w.addr, w.secret = _world.bootstrap_over_mpi(w)
-                links = _world.rendezvous(w)
-                c = w.config
-                _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
-                                         c.timeout, c.segment_bytes, c.spin,
-                                         tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
-                w.extra["links"] = links.kinds()
-                _state.world = w
+            w = declared
+            if w.source == "mpirun" and w.size > 1:
+                w.addr, w.secret = _world.bootstrap_over_mpi(w)
+            links = _world.rendezvous(w)
+            _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
+                                     config.ring_timeout, config.segment_bytes, config.spin,
+                                     tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
+            w.extra["links"] = links.kinds()
+            _state.world = w
+        _state.init_args = (backend or ("mpi" if _state.world.source == "MPI communicator" else "socket"), comm)
         _state.broken = None
         _state.small_limit = _state.world.config.small_limit(_state.world.size)
+
+
+def _check_same_init(backend, comm) -> None:
+    running_backend, running_comm = _state.init_args
+    if backend is not None and backend != running_backend:
+        raise RingReduceError(f"ringreduce is already initialized with backend {running_backend!r}; "
+                              f"init(backend={backend!r}) needs shutdown() first")
+    if comm is not None and comm is not running_comm:
+        raise RingReduceError("ringreduce is already initialized over another communicator; "
+                              "init(comm=...) with a new one needs shutdown() first")
 
 
 def shutdown() -> None:
@@ -206,8 +229,16 @@ def _arrays_for(x):
     """The array family of x, and x as one of its arrays (dtype checked)."""
     family = _device_arrays() if _cuda.is_device_array(x) else _HostArrays
     arr = family.asarray(x)
+    if family is _HostArrays:
+        arr = _native(arr)
     _dtype_code(arr.dtype)
     return family, arr
+
+
+def _native(a: np.ndarray) -> np.ndarray:
+    """a in this machine's byte order (a '>f4' array becomes '<f4' on x86):
+    the kernels and the wire work in native order; results come back so."""
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -259,27 +290,28 @@ def _usable_comm():
     return _state.comm
 
 
-def _mismatch(blobs, fields, what):
-    """Explains headers that differ, and breaks the communicator: every rank
-    holds the same blobs, so every rank raises the same error."""
-    try:
+def _agree(blobs, head: bytes, fields, what) -> None:
+    """Raises MismatchError when ranks disagree on a field, on every rank
+    alike (all hold the same blobs). Headers that differ only in the inline
+    flag (RINGREDUCE_SMALL_BYTES differs between ranks) agree: the caller
+    then takes the ring, as every rank does. The communicator stays usable:
+    no data has moved."""
+    if "trailing" in fields or any(b[:len(head)] != head for b in blobs):
         _check_agreement([_parse(b) for b in blobs], fields, what)
-        raise MismatchError(f"ranks sent different headers for {what}")
-    except MismatchError as exc:
-        _state.broken = f"MismatchError: {exc}"
-        raise
 
 
 def _exchange(head: bytes, data, fields, what):
     """The header pass that starts every operation (data rides along when
     small): returns every rank's blob."""
     blobs = _usable_comm().exchange_blobs(head, data)
-    if "trailing" in fields or any(b[:len(head)] != head for b in blobs):
-        try:
-            _check_agreement([_parse(b) for b in blobs], fields, what)
-        except MismatchError:
-            _mismatch(blobs, fields, what)
+    _agree(blobs, head, fields, what)
     return blobs
+
+
+def _all_inline(blobs) -> bool:
+    """Whether every rank sent its data with its header: the path is decided
+    from the agreed headers, never from one rank's own settings."""
+    return all(_parse(b)["inline"] for b in blobs)
 
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -311,13 +343,21 @@ def _payloads(blobs, head_len):
     return [memoryview(b)[head_len:] for b in blobs]
 
 
+# Averaged as running means, never as sums that could overflow (csrc/reduce_math.h).
+_MEAN_CODES = (_core.FLOAT16, _core.BFLOAT16)
+
+
 def _reduce_blobs(payloads, dtype, code, opc, shape):
     """Every rank reduces the same payloads in rank order: the same bits everywhere."""
     acc = np.frombuffer(payloads[0], dtype=dtype).copy()
     flat = _raw(acc)
-    for p in payloads[1:]:
-        _core.reduce(flat, p, code, opc)
-    if opc == _core.AVG:
+    mean = opc == _core.AVG and code in _MEAN_CODES
+    for k, p in enumerate(payloads[1:], start=2):
+        if mean:
+            _core.mean_fold(flat, p, code, k)
+        else:
+            _core.reduce(flat, p, code, opc)
+    if opc == _core.AVG and not mean:
         _core.divide(flat, code, len(payloads))
     return acc.reshape(shape)
 
@@ -331,27 +371,30 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None):
         x = np.asarray(x)
     code = _DTYPES.get(x.dtype)
     if code is None:
-        _dtype_code(x.dtype)  # raises the TypeError
+        x = _native(x)
+        code = _dtype_code(x.dtype)  # raises the TypeError
     opc = _OPS.get(op)
     if opc is None:
         _op_code(op)  # raises the ValueError
-    if out is not None and (type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype):
+    if out is not None and (type(out) is not np.ndarray or out.shape != x.shape
+                            or out.dtype.newbyteorder("=") != x.dtype):
         raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}")
     with _state.lock:
-        w = _require_world()
+        _require_world()
         small = x.nbytes <= _state.small_limit
         head = _header(ALLREDUCE, opc, code, x.shape, name, small)
-        in_place = out is not None and out.flags.c_contiguous and out.flags.writeable
+        in_place = out is not None and out.flags.c_contiguous and out.flags.writeable and out.dtype == x.dtype
         src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         dst = out if in_place else np.empty(x.shape, dtype=x.dtype)
         raw = code == _core.BFLOAT16  # the buffer protocol has no bfloat16: pass bytes
         if small:
             blobs = _usable_comm().allreduce_small(head, _bytes(src) if raw else src, _bytes(dst) if raw else dst,
                                                    code, opc)
-            if blobs is not None:
-                _mismatch(blobs, ("op", "dtype", "shape", "name"), "allreduce")
-            return dst if out is None or dst is out else _deliver(dst, out)
-        _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce")
+            if blobs is None:  # every header the same: reduced in that pass
+                return dst if out is None or dst is out else _deliver(dst, out)
+            _agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce")  # else another rank chose the ring
+        else:
+            _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce")
         if dst is not src and np.may_share_memory(dst, src):
             src = src.copy()
         _state.comm.allreduce(_raw(src), _raw(dst), code, opc)
@@ -397,7 +440,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None):
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
                           ("op", "dtype", "shape", "name"), "reduce_scatter")
         lo, hi = _chunk_bounds(x.size, w.size, w.rank)
-        if small:
+        if _all_inline(blobs):
             mine = _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
             return g.from_host(mine, like=x)
         work = g.xp.empty(x.size, dtype=x.dtype)
@@ -445,7 +488,7 @@ def broadcast(x, root: int = 0, name: str | None = None):
         head = _header(BROADCAST, 0, code, x.shape, name, root=root, inline=small)
         blobs = _exchange(head, g.to_host(x).tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast")
-        if small:
+        if _all_inline(blobs):
             data = np.frombuffer(blobs[root], dtype=x.dtype, offset=len(head)).reshape(x.shape).copy()
             return g.from_host(data, like=x)
         if w.rank == root:

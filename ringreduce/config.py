@@ -1,13 +1,24 @@
-"""Every tunable read from the environment, once, in one place."""
+"""Every tunable read from the environment, once, in one place, and checked:
+a setting that makes no sense is refused at init() with the variable named,
+never discovered later as a strange failure."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+
+# Largest blob of the header pass (csrc/ring.c MAX_BLOB is 64 MiB): the small
+# path sends header + tensor in one blob, so its limit stays well below.
+MAX_SMALL_BYTES = 32 << 20
+MAX_SEGMENT_BYTES = 64 << 20
+MAX_SHM_BYTES = 1 << 30  # what a taker accepts (ringreduce/shm.py)
+BACKENDS = ("", "socket", "mpi")
 
 
 @dataclass(frozen=True)
 class Config:
-    timeout: float = 60.0           # RINGREDUCE_TIMEOUT: seconds a peer may stay silent
+    timeout: float = 60.0           # RINGREDUCE_TIMEOUT: seconds a peer may stay silent; 0 or inf:
+                                    # never time out a silent peer (a dead one is still seen at once)
     start_timeout: float = 120.0    # RINGREDUCE_START_TIMEOUT: seconds to wait for every rank at init
     segment_bytes: int = 256 << 10  # RINGREDUCE_SEGMENT_BYTES: pipeline segment of the ring
     small_bytes: int = 128 << 10    # RINGREDUCE_SMALL_BYTES: data rides with the header while
@@ -16,6 +27,25 @@ class Config:
     backend: str = ""               # RINGREDUCE_BACKEND: "socket" or "mpi"; empty: choose
     shm_bytes: int = 1 << 20        # RINGREDUCE_SHM_BYTES: buffer of a shared-memory link between
                                     # neighbours on one host (socket backend); 0: sockets only
+    fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
+
+    def __post_init__(self):
+        _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
+        _check("RINGREDUCE_START_TIMEOUT", self.start_timeout, self.start_timeout > 0, "a number of seconds > 0")
+        _check("RINGREDUCE_SEGMENT_BYTES", self.segment_bytes, 0 < self.segment_bytes <= MAX_SEGMENT_BYTES,
+               f"1 .. {MAX_SEGMENT_BYTES} bytes")
+        _check("RINGREDUCE_SMALL_BYTES", self.small_bytes, 0 <= self.small_bytes <= MAX_SMALL_BYTES,
+               f"0 (always the ring) .. {MAX_SMALL_BYTES} bytes")
+        _check("RINGREDUCE_SPIN", self.spin, 0 <= self.spin <= 1_000_000, "0 .. 1000000 yields")
+        _check("RINGREDUCE_BACKEND", self.backend, self.backend in BACKENDS, "'socket', 'mpi' or empty")
+        _check("RINGREDUCE_SHM_BYTES", self.shm_bytes, 0 <= self.shm_bytes <= MAX_SHM_BYTES,
+               f"0 (sockets only) .. {MAX_SHM_BYTES} bytes")
+        _check("RINGREDUCE_FUSION_THRESHOLD", self.fusion_bytes, self.fusion_bytes >= 0, "bytes >= 0")
+
+    @property
+    def ring_timeout(self) -> float:
+        """The timeout the C transport gets: 0 means never, which it spells inf."""
+        return math.inf if self.timeout == 0 else self.timeout
 
     def small_limit(self, size: int) -> int:
         """Largest tensor (bytes) for the one-pass small algorithm on `size`
@@ -26,8 +56,17 @@ class Config:
     @classmethod
     def from_env(cls, env=None) -> "Config":
         env = os.environ if env is None else env
-        get = lambda name, default, kind: kind(env[name]) if env.get(name, "") != "" else default  # noqa: E731
         d = cls()
+
+        def get(name, default, kind):
+            text = env.get(name, "").strip()
+            if text == "":
+                return default
+            try:
+                return kind(text)
+            except ValueError:
+                raise ValueError(f"{name}={text!r} is not {'a number' if kind is float else 'an integer'}") from None
+
         return cls(
             timeout=get("RINGREDUCE_TIMEOUT", d.timeout, float),
             start_timeout=get("RINGREDUCE_START_TIMEOUT", d.start_timeout, float),
@@ -36,4 +75,10 @@ class Config:
             spin=get("RINGREDUCE_SPIN", d.spin, int),
             backend=get("RINGREDUCE_BACKEND", d.backend, str),
             shm_bytes=get("RINGREDUCE_SHM_BYTES", d.shm_bytes, int),
+            fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
         )
+
+
+def _check(name: str, value, ok: bool, allowed: str) -> None:
+    if not ok or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(f"{name}={value!r} makes no sense: use {allowed}")

@@ -19,11 +19,12 @@ from .errors import RingReduceError
 
 PACKAGE = Path(__file__).resolve().parent
 FATBIN = PACKAGE / "reduce_kernels.fatbin"
-SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # installed copy, then the source tree
+SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # a wheel's copy (setup.py), then the source tree
 
 # In the C core's code order (rr_dtype, rr_op): the ring's device takes its kernels so.
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 OPS = ("sum", "prod", "min", "max")
+MEAN_DTYPES = ("float16", "bfloat16")  # averaged as running means (rr_mean_<dtype>), not sum-then-divide
 THREADS = 256
 
 
@@ -56,10 +57,18 @@ def _module():
         raise RingReduceError(f"GPU arrays need cupy and a CUDA device: {why}")
     if FATBIN.exists():
         return cp.RawModule(path=str(FATBIN))
+    src = kernel_source()
+    d = src.parent.parent
+    return cp.RawModule(code=src.read_text(), options=("-std=c++17", f"-I{d}", f"-I{d / 'cuda'}"))
+
+
+def kernel_source() -> Path:
+    """csrc/cuda/reduce.cu (next to the reduce_math.h it includes), which cupy
+    compiles where no fatbin was built."""
     for d in SOURCE_DIRS:
         src = d / "cuda" / "reduce.cu"
         if src.exists():
-            return cp.RawModule(code=src.read_text(), options=("-std=c++17", f"-I{d}", f"-I{d / 'cuda'}"))
+            return src
     raise RingReduceError("csrc/cuda/reduce.cu not found: reinstall ringreduce, or build with RINGREDUCE_CUDA=1")
 
 
@@ -75,7 +84,8 @@ def _grid(count: int) -> tuple[int]:
 
 
 def reduce3(dst, a, b, op: str, dtype=None) -> None:
-    """dst = a OP b, element-wise (avg reduces as sum); dst may be a. `dtype`
+    """dst = a OP b, element-wise (avg reduces as sum; 16-bit floats average
+    with mean_fold); dst may be a. `dtype`
     names the element type where the arrays are raw views (cupy has no
     bfloat16: pass uint16 arrays and dtype="bfloat16")."""
     if op == "avg":
@@ -85,6 +95,16 @@ def reduce3(dst, a, b, op: str, dtype=None) -> None:
     kernel = _module().get_function(f"rr_reduce_{_dtype_name(dtype or dst.dtype)}_{op}")
     count = dst.size
     kernel(_grid(count), (THREADS,), (dst, a, b, np.uint64(count)))
+
+
+def mean_fold(dst, x, mean, k: int, dtype=None) -> None:
+    """dst = (mean * (k-1) + x) / k for 16-bit floats, in double, rounded once:
+    one fold of an average, as the CPU kernels do it; dst may be x or mean."""
+    name = _dtype_name(dtype or dst.dtype)
+    if name not in MEAN_DTYPES:
+        raise TypeError(f"running means are for {MEAN_DTYPES}, not {name}")
+    kernel = _module().get_function(f"rr_mean_{name}")
+    kernel(_grid(dst.size), (THREADS,), (dst, x, mean, np.uint64(dst.size), np.int32(k)))
 
 
 def divide(buf, n: int, dtype=None) -> None:
@@ -117,16 +137,18 @@ def ring_device(ordinal: int):
     cp = cupy_or_none()
     module = _module()
     with cp.cuda.Device(ordinal):
-        reduce, divide = kernel_table(lambda name: module.get_function(name).kernel.ptr)
-    return _core.Device.cuda(ordinal, reduce, divide)
+        table = kernel_table(lambda name: module.get_function(name).kernel.ptr)
+    return _core.Device.cuda(ordinal, *table)
 
 
 def kernel_table(handle):
     """The CUfunction handles the ring's device takes, in the C core's order:
-    reduce[dtype][op] and divide[dtype]; handle(name) gives one kernel's."""
+    reduce[dtype][op], divide[dtype] and mean[dtype] (16-bit floats);
+    handle(name) gives one kernel's."""
     reduce = [[handle(f"rr_reduce_{d}_{op}") for op in OPS] for d in DTYPES]
     divide = [handle(f"rr_divide_{d}") for d in DTYPES]
-    return reduce, divide
+    mean = [handle(f"rr_mean_{d}") for d in MEAN_DTYPES]
+    return reduce, divide, mean
 
 
 class DeviceArrays:

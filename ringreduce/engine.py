@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import collectives as _c
+from .config import Config
 from .errors import MismatchError, RingReduceError
 from .timeline import Timeline
 
@@ -48,8 +49,7 @@ class Handle:
 
 class Engine:
     def __init__(self, fusion_bytes: int | None = None, timeline_path: str | None = None):
-        self.fusion_bytes = fusion_bytes if fusion_bytes is not None else int(
-            os.environ.get("RINGREDUCE_FUSION_THRESHOLD", 64 << 20))
+        self.fusion_bytes = fusion_bytes if fusion_bytes is not None else Config.from_env().fusion_bytes
         self.timeline = Timeline(timeline_path or os.environ.get("RINGREDUCE_TIMELINE"))
         self._pending: dict[str, Handle] = {}
         self._cond = threading.Condition()
@@ -119,14 +119,18 @@ class Engine:
     def _cycle(self, ready: list[Handle]) -> None:
         mine = [[h.name, h.array.dtype.str, list(h.array.shape), h.op] for h in ready]
         everyone = self._negotiate(mine)
-        agreed = [entry for entry in everyone[0] if all(entry[0] in by_name for by_name in everyone[1:])]
-        for entry in agreed:
-            for r, by_name in enumerate(everyone[1:], start=1):
-                theirs = by_name[entry[0]]
-                if theirs[1:] != entry[1:]:
-                    raise MismatchError(f"tensor {entry[0]!r} differs between ranks: rank 0 has dtype "
-                                        f"{entry[1]} shape {tuple(entry[2])} op {entry[3]}, rank {r} has dtype "
-                                        f"{theirs[1]} shape {tuple(theirs[2])} op {theirs[3]}")
+        ready_everywhere = [entry for entry in everyone[0] if all(entry[0] in by_name for by_name in everyone[1:])]
+        agreed = []
+        for entry in ready_everywhere:  # every rank holds the same lists, so all decide alike
+            problem = _disagreement(entry, everyone[1:])
+            if problem is None:
+                agreed.append(entry)
+            else:  # fails this tensor on every rank; the engine and the ring go on
+                with self._cond:
+                    h = self._pending.pop(entry[0])
+                h.error = MismatchError(problem)
+                self.timeline.end(h.name, "QUEUE")
+                h.done.set()
         if not agreed:
             time.sleep(0.001)  # some rank is still computing; ask again shortly
             return
@@ -188,6 +192,16 @@ class Engine:
                 at += n
                 del self._pending[h.name]
                 h.done.set()
+
+
+def _disagreement(entry, others) -> str | None:
+    for r, by_name in enumerate(others, start=1):
+        theirs = by_name[entry[0]]
+        if theirs[1:] != entry[1:]:
+            return (f"tensor {entry[0]!r} differs between ranks: rank 0 has dtype {entry[1]} shape "
+                    f"{tuple(entry[2])} op {entry[3]}, rank {r} has dtype {theirs[1]} shape "
+                    f"{tuple(theirs[2])} op {theirs[3]}")
+    return None
 
 
 _engine: Engine | None = None

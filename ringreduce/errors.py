@@ -2,8 +2,10 @@
 
 
 class RingReduceError(RuntimeError):
-    """Base class. After one is raised by a collective, the communicator is
-    unusable: every later call raises RingReduceError saying why."""
+    """Base class. After one is raised by a collective once data has moved
+    (a lost peer, a transport error), the communicator is unusable: every
+    later call raises RingReduceError saying why. MismatchError is the
+    exception: it is found before any data moves, and the ring stays usable."""
 
     def __init__(self, message, rank=None):
         super().__init__(message)
@@ -12,7 +14,8 @@ class RingReduceError(RuntimeError):
 
 class MismatchError(RingReduceError):
     """Ranks called a collective with different op, dtype, shape, root or name.
-    Found from a small header every rank sends before any data moves."""
+    Found from a small header every rank sends before any data moves, and
+    raised on every rank alike; the communicator stays usable (as Horovod's)."""
 
 
 class PeerLostError(RingReduceError):

@@ -6,11 +6,14 @@ when the MPI transport is built (see setup.py) and mpi4py imports.
 from __future__ import annotations
 
 import sys
+import time
 
 from . import _core
 from .config import Config
 from .errors import RingReduceError
 from .world import World
+
+ABORT_GRACE = 0.5  # seconds; on a loaded machine Hydra dropped the reason without it
 
 
 def available() -> str | None:
@@ -43,8 +46,8 @@ def connect(config: Config, comm=None):
                   local_size=local.Get_size(), config=config, source="MPI communicator")
     local.Free()
     abort_on_uncaught_exception()
-    transport = _mpi.create(comm.py2f(), config.timeout)
-    return world, _core.Comm(world.rank, world.size, -1, -1, (), config.timeout, config.segment_bytes,
+    transport = _mpi.create(comm.py2f(), config.ring_timeout)
+    return world, _core.Comm(world.rank, world.size, -1, -1, (), config.ring_timeout, config.segment_bytes,
                              config.spin, transport)
 
 
@@ -65,6 +68,7 @@ def abort_on_uncaught_exception() -> None:
         sys.stderr.flush()
         previous(kind, value, tb)
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE)  # let mpirun forward those lines before MPI_Abort kills its proxies
         MPI.COMM_WORLD.Abort(1)
     hook._ringreduce = True
     sys.excepthook = hook

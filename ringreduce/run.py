@@ -5,8 +5,11 @@
 
 Each rank gets RINGREDUCE_RANK/SIZE/ADDR/SECRET/LOCAL_RANK/LOCAL_SIZE (and
 RINGREDUCE_TIMEOUT with --timeout); every output line is prefixed with its
-rank. When any rank exits non-zero or is killed, ringrun stops the others and
-exits non-zero itself: no job lingers half-dead.
+rank. Every rank runs under a guard (guard.py) that ends it when ringrun goes
+away, however ringrun ends. When any rank exits non-zero or is killed, when
+ringrun gets SIGINT/SIGTERM/SIGHUP, or when its stdout or stderr is closed,
+ringrun stops every rank, says why in one line on stderr and exits saying why
+too: no job lingers half-dead.
 """
 from __future__ import annotations
 
@@ -19,11 +22,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
+from . import guard as _guard
 from .world import free_port
 
-GRACE_SECONDS = 3.0
+GRACE_SECONDS = 3.0  # SIGTERM -> SIGKILL, in the guard; ringrun kills what is left a second later
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def parse_hosts(spec: str | None, np_: int) -> list[str]:
@@ -59,38 +65,17 @@ def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -
     return envs
 
 
+def guarded(command: list[str]) -> list[str]:
+    """The command under its guard; -I: the guard needs only the standard library."""
+    return [sys.executable, "-I", os.path.abspath(_guard.__file__), "--grace", str(GRACE_SECONDS), "--", *command]
+
+
 def rank_argv(host: str, env: dict, command: list[str], ssh: str) -> list[str]:
     if host in LOCAL_HOSTS:
-        return command
+        return guarded(command)
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    remote = f"cd {shlex.quote(os.getcwd())} && env {assignments} {shlex.join(command)}"
+    remote = f"cd {shlex.quote(os.getcwd())} && env {assignments} {shlex.join(guarded(command))}"
     return [*shlex.split(ssh), host, remote]
-
-
-class Job:
-    def __init__(self):
-        self.procs: list[subprocess.Popen] = []
-        self.lock = threading.Lock()
-        self.failed: tuple[int, int] | None = None  # (rank, returncode)
-
-    def pump(self, rank: int, stream, sink):
-        """Copies one rank's output to ours, line by line, each line prefixed."""
-        prefix = f"[{rank}] ".encode()
-        for line in iter(stream.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            with self.lock:
-                sink.buffer.write(prefix + line)
-                sink.buffer.flush()
-        stream.close()
-
-    def stop_all(self, sig=signal.SIGTERM):
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
 
 
 def describe(code: int) -> str:
@@ -102,70 +87,164 @@ def describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+def say(message: str) -> None:
+    """One line on ringrun's stderr, if it is still open."""
+    try:
+        print(f"ringrun: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+@dataclass
+class Rank:
+    index: int
+    local: bool
+    proc: subprocess.Popen  # the guard, or ssh running it
+
+
+@dataclass
+class Ending:
+    code: int                       # ringrun's exit status, shell style (128 + N: signal N)
+    own_signal: int | None = None   # ringrun stopped because of this signal: end by it too
+
+
+class Job:
+    def __init__(self):
+        self.ranks: list[Rank] = []
+        self.lock = threading.Lock()
+        self.signals: list[int] = []         # signals ringrun got, in order (from the handler)
+        self.closed_sink: str | None = None  # "stdout"/"stderr" once writing to it failed
+
+    def pump(self, rank: int, stream, sink, sink_name: str):
+        """Copies one rank's output to ours, line by line, each line prefixed.
+
+        Once our sink is closed the lines are read and dropped, so a rank never
+        blocks on a full pipe while it is being stopped."""
+        prefix = f"[{rank}] ".encode()
+        for line in iter(stream.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with self.lock:
+                if self.closed_sink is not None:
+                    continue
+                try:
+                    sink.buffer.write(prefix + line)
+                    sink.buffer.flush()
+                except (OSError, ValueError):  # BrokenPipeError: `| head` is done with us
+                    self.closed_sink = sink_name
+                    _silence(sink)
+        stream.close()
+
+    def running(self) -> list[Rank]:
+        return [r for r in self.ranks if r.proc.poll() is None]
+
+    def stop_all(self, sig=signal.SIGTERM):
+        """Closes every control pipe (the guards stop their ranks, ssh passes the
+        EOF on) and signals the local process groups directly as well."""
+        for r in self.ranks:
+            if r.proc.stdin is not None and not r.proc.stdin.closed:
+                try:
+                    r.proc.stdin.close()
+                except OSError:
+                    pass
+            if r.local or sig == signal.SIGKILL:
+                try:
+                    os.killpg(r.proc.pid, sig)  # the group outlives a dead guard while any of it runs
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def _silence(sink) -> None:
+    """Points a closed stdout/stderr at /dev/null, so nothing later trips on it."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sink.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: float | None = None,
-        ssh: str = "ssh -o BatchMode=yes") -> int:
+        ssh: str = "ssh -o BatchMode=yes") -> Ending:
     hosts = parse_hosts(hosts_spec, np_)
     port = free_port()
     secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
     job = Job()
+    old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
     pumps = []
-    for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout))):
-        argv = rank_argv(host, env, command, ssh)
-        try:
-            p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            print(f"ringrun: cannot start rank {rank} ({argv[0]}): {exc}", file=sys.stderr)
-            job.stop_all(signal.SIGKILL)
-            return 127
-        job.procs.append(p)
-        for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            t = threading.Thread(target=job.pump, args=(rank, stream, sink), daemon=True)
-            t.start()
-            pumps.append(t)
-
-    def on_signal(signum, frame):
-        job.failed = job.failed or (-1, 128 + signum)
-        job.stop_all()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = watch(job)
+        for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout))):
+            argv = rank_argv(host, env, command, ssh)
+            try:
+                # stdin: the control pipe; only ringrun holds its write end (close_fds).
+                p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, stdin=subprocess.PIPE, start_new_session=True)
+            except OSError as exc:
+                say(f"cannot start rank {rank} ({argv[0]}): {exc}")
+                job.stop_all(signal.SIGKILL)
+                return Ending(127)
+            job.ranks.append(Rank(rank, host in LOCAL_HOSTS, p))
+            for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
+                t = threading.Thread(target=job.pump, args=(rank, stream, sink, name), daemon=True)
+                t.start()
+                pumps.append(t)
+        ending = watch(job)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
-    return code
+    return ending
 
 
-def watch(job: Job) -> int:
-    """Waits for every rank; the first failure stops the rest."""
-    stop_deadline = None
+def watch(job: Job) -> Ending:
+    """Waits for every rank; the first failure, signal or closed output stops them all."""
+    ending: Ending | None = None
+    kill_at = None
+    done_early: list[int] = []  # ranks that exited 0 while others still ran
     while True:
-        running = 0
-        for rank, p in enumerate(job.procs):
-            code = p.poll()
-            if code is None:
-                running += 1
-            elif code != 0 and job.failed is None:
-                job.failed = (rank, code)
-                others = sum(q.poll() is None for q in job.procs)
-                print(f"ringrun: rank {rank} {describe(code)}; stopping the other {others} rank(s)",
-                      file=sys.stderr, flush=True)
-        if job.failed is not None and running:
-            if stop_deadline is None:
-                job.stop_all(signal.SIGTERM)
-                stop_deadline = time.monotonic() + GRACE_SECONDS
-            elif time.monotonic() > stop_deadline:
-                job.stop_all(signal.SIGKILL)
+        running = job.running()
+        others = len(running)
+        if ending is None:
+            if job.signals:
+                sig = job.signals[0]
+                ending = Ending(128 + sig, own_signal=sig)
+                reason = f"got {signal.Signals(sig).name}"
+            elif job.closed_sink is not None:
+                ending = Ending(128 + signal.SIGPIPE, own_signal=signal.SIGPIPE)
+                reason = f"{job.closed_sink} was closed"
+            else:
+                failed = next((r for r in job.ranks if r.proc.poll() not in (None, 0)), None)
+                if failed is not None:
+                    code = failed.proc.returncode
+                    ending = Ending(code if code > 0 else 128 - code)
+                    reason = f"rank {failed.index} {describe(code)}"
+                    if done_early:  # often why the failing rank failed: PeerLostError
+                        reason += f" (after rank(s) {', '.join(map(str, done_early))} exited with code 0)"
+                else:
+                    done_early = [r.index for r in job.ranks if r.proc.returncode == 0] if running else []
+            if ending is not None:
+                say(f"{reason}; stopping {'the other ' if not ending.own_signal else ''}{others} rank(s)"
+                    if others else f"{reason}; no rank left to stop")
+                if others:
+                    job.stop_all(signal.SIGTERM)
+                    kill_at = time.monotonic() + GRACE_SECONDS + 1
+        elif running and (time.monotonic() > kill_at or len(job.signals) > 1):
+            # a second Ctrl-C, or ranks that outlived SIGTERM and their guard's SIGKILL
+            say(f"killing {others} rank(s) that did not stop: {', '.join(str(r.index) for r in running)}")
+            job.stop_all(signal.SIGKILL)
+            kill_at = float("inf")
+            job.signals[1:] = []
         if not running:
-            break
+            return ending or Ending(0)
         time.sleep(0.05)
-    if job.failed is None:
-        return 0
-    rank, code = job.failed
-    return code if code > 0 else 128 + (-code)
+
+
+def end_by_signal(sig: int) -> None:
+    """Ends ringrun killed by `sig`, the way a shell expects of a command stopped
+    by a signal (`$?` is 128 + sig; a script stops on Ctrl-C)."""
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command given")
     if args.np < 1:
         parser.error("-np must be at least 1")
-    return run(args.np, args.command, args.hosts, args.timeout, args.ssh)
+    ending = run(args.np, args.command, args.hosts, args.timeout, args.ssh)
+    if ending.own_signal is not None:
+        end_by_signal(ending.own_signal)
+    return ending.code  # also where the signal did not end us
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ MAGIC = b"RRHS1"
 NONCE = 32
 SOCKET_BUFFER = 4 << 20
 HANDSHAKE_TIMEOUT = 10.0
+MAX_UNPROVEN = 32               # connections in their handshake at once, per listener
+ACCEPT_BACKOFF = (0.01, 0.5)    # seconds between tries after accept() fails, growing
 MAX_MESSAGE = 1 << 20
 NO_SECRET_KEY = b"ringreduce: loopback only, no job secret"
 
@@ -179,9 +181,16 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """n bytes; with a deadline, all of them by then (a peer that trickles
+    one byte at a time cannot stretch the socket's per-call timeout)."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConnectionError("timed out during the handshake")
+            sock.settimeout(left)
         part = sock.recv(n - len(buf))
         if not part:
             raise ConnectionError("connection closed during the handshake")
@@ -194,17 +203,17 @@ def send_msg(sock: socket.socket, obj) -> None:
     sock.sendall(struct.pack("<I", len(data)) + data)
 
 
-def recv_msg(sock: socket.socket):
-    (n,) = struct.unpack("<I", _recv_exact(sock, 4))
+def recv_msg(sock: socket.socket, deadline: float | None = None):
+    (n,) = struct.unpack("<I", _recv_exact(sock, 4, deadline))
     if n > MAX_MESSAGE:
         raise ConnectionError(f"message of {n} bytes is too large")
-    return json.loads(_recv_exact(sock, n))
+    return json.loads(_recv_exact(sock, n, deadline))
 
 
-def accept_handshake(sock: socket.socket, key: bytes) -> None:
+def accept_handshake(sock: socket.socket, key: bytes, deadline: float | None = None) -> None:
     nonce_a = secrets.token_bytes(NONCE)
     sock.sendall(MAGIC + nonce_a)
-    hello = _recv_exact(sock, len(MAGIC) + NONCE + 32)
+    hello = _recv_exact(sock, len(MAGIC) + NONCE + 32, deadline)
     if hello[:len(MAGIC)] != MAGIC:
         raise ConnectionError("not a ringreduce handshake")
     nonce_d, proof = hello[len(MAGIC):len(MAGIC) + NONCE], hello[len(MAGIC) + NONCE:]
@@ -246,36 +255,78 @@ def _listen(host: str, port: int) -> socket.socket:
 class _Acceptor:
     """Accepts on a listener; each connection is checked on its own thread, so
     a stray that connects and says nothing delays no one. `expect(check)`
-    returns the first connection whose hello passes `check`."""
+    returns the first connection whose hello passes `check`.
+
+    Strays never stop it: it keeps accepting through any accept() error
+    (out of descriptors, an aborted connection), backing off; at most
+    MAX_UNPROVEN connections (and threads) wait in their handshake at once,
+    the oldest dropped for a newer one (a real rank proves itself in
+    milliseconds); and each must finish within HANDSHAKE_TIMEOUT overall."""
 
     def __init__(self, listener: socket.socket, key: bytes, who: str):
         self.listener, self.key, self.who = listener, key, who
         self.port = listener.getsockname()[1]
         self.ready: queue.Queue = queue.Queue()
         self.closed = False
+        self.unproven: dict = {}  # connection -> peer, oldest first
+        self.lock = threading.Lock()
         listener.settimeout(0.2)
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
     def _loop(self):
+        backoff = ACCEPT_BACKOFF[0]
         while not self.closed:
             try:
                 conn, peer = self.listener.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                return
+            except OSError as exc:
+                if self.closed:
+                    return
+                if backoff == ACCEPT_BACKOFF[0]:
+                    log.warning("ringreduce: %s cannot accept a connection (%s): dropping the oldest "
+                                "unproven one and retrying", self.who, exc)
+                self._drop_oldest()  # frees a descriptor if that was the trouble
+                time.sleep(backoff)
+                backoff = min(backoff * 2, ACCEPT_BACKOFF[1])
+                continue
+            backoff = ACCEPT_BACKOFF[0]
+            with self.lock:
+                crowded = len(self.unproven) >= MAX_UNPROVEN
+                self.unproven[conn] = peer
+            if crowded:
+                self._drop_oldest()
             threading.Thread(target=self._check, args=(conn, peer), daemon=True).start()
 
-    def _check(self, conn: socket.socket, peer):
+    def _drop_oldest(self):
+        with self.lock:
+            if not self.unproven:
+                return
+            conn = next(iter(self.unproven))
+            peer = self.unproven.pop(conn)
+        log.warning("ringreduce: %s dropped a connection from %s that had not proven itself yet "
+                    "(too many at once)", self.who, _fmt(peer))
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT)
-            accept_handshake(conn, self.key)
-            hello = recv_msg(conn)
+            conn.shutdown(socket.SHUT_RDWR)  # its checking thread wakes, fails and closes it
+        except OSError:
+            pass
+
+    def _check(self, conn: socket.socket, peer):
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        try:
+            accept_handshake(conn, self.key, deadline)
+            hello = recv_msg(conn, deadline)
             if not isinstance(hello, dict):
                 raise ConnectionError("malformed hello")
+            with self.lock:
+                dropped = self.unproven.pop(conn, None) is None
+            if dropped:
+                raise ConnectionError("dropped while proving itself")
             self.ready.put((conn, peer, hello))
         except (OSError, ConnectionError, ValueError) as exc:
+            with self.lock:
+                self.unproven.pop(conn, None)
             log.warning("ringreduce: %s refused a connection from %s: %s", self.who, _fmt(peer), exc)
             conn.close()
 

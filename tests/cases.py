@@ -55,12 +55,35 @@ def reference(inputs: list, dtype: str, op: str) -> np.ndarray:
     return out.astype(dt)
 
 
-def close_enough(got: np.ndarray, want: np.ndarray, dtype: str, op: str) -> bool:
-    """Exact, except avg of floats, where our float32 division (then rounding to
-    16 bits) may differ from numpy's float64 one by one unit in the last place."""
+def ulp16(v, dtype: str) -> np.ndarray:
+    """The spacing of 16-bit floats (float16, bfloat16) at |v|, as float64."""
+    mbits, emin = (10, -14) if dtype == "float16" else (7, -126)
+    exp = np.frexp(np.abs(np.asarray(v, dtype=np.float64)))[1] - 1
+    return np.ldexp(1.0, np.maximum(exp, emin) - mbits)
+
+
+def mean_error_bound(inputs: list, dtype: str) -> np.ndarray:
+    """How far a 16-bit average may be from the exact mean: the final rounding
+    (half an ulp of the result, one here for the reference's own rounding),
+    plus each earlier fold's rounding of a running mean no larger than the
+    largest input M, carried forward with weight k/N: at most (N-1)/4 ulp(M)
+    (docs/architecture.md). N = 2 has no earlier fold: correctly rounded."""
+    n = len(inputs)
+    big = np.max(np.abs(np.stack([x.astype(np.float64) for x in inputs])), axis=0)
+    mean = np.mean(np.stack([x.astype(np.float64) for x in inputs]), axis=0)
+    return ulp16(mean, dtype) + (n - 1) / 4 * ulp16(big, dtype)
+
+
+def close_enough(got: np.ndarray, want: np.ndarray, dtype: str, op: str, inputs: list | None = None) -> bool:
+    """Exact, except avg of floats: float32/64 divide once, so they may differ
+    from numpy's float64 division by one unit in the last place; 16-bit floats
+    average as running means, within mean_error_bound of the exact mean."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
-    if op == "avg" and np_dtype(dtype).kind == "f" or dtype == "bfloat16" and op == "avg":
+    if op == "avg" and dtype in ("float16", "bfloat16") and inputs is not None:
+        exact = np.mean(np.stack([x.astype(np.float64) for x in inputs]), axis=0)
+        return bool(np.all(np.abs(got.astype(np.float64) - exact) <= mean_error_bound(inputs, dtype)))
+    if op == "avg" and np_dtype(dtype).kind == "f":
         eps = float(np.finfo(np.float16).eps) if dtype == "float16" else (
             2.0 ** -7 if dtype == "bfloat16" else float(np.finfo(np_dtype(dtype)).eps))
         g, w = got.astype(np.float64), want.astype(np.float64)
@@ -83,6 +106,6 @@ def check_all_allreduce(rr) -> dict:
                 shape = shape if isinstance(shape, tuple) else (shape,)
                 inputs = [make_input(i, shape, dtype, op) for i in range(n)]
                 got = rr.allreduce(inputs[r], op=op)
-                ok = close_enough(got, reference(inputs, dtype, op), dtype, op)
+                ok = close_enough(got, reference(inputs, dtype, op), dtype, op, inputs)
                 out[(dtype, op, shape)] = (ok, digest(got), got.dtype.name, got.shape)
     return out

@@ -77,9 +77,62 @@ def raises():
     time.sleep(120)
 
 
+def late_peer():
+    """Rank 1 comes 3 s late: rank 0's CPU time across the wait."""
+    import time
+    rr.init()
+    rr.allreduce(np.ones(4))
+    if rr.rank() == 1:
+        time.sleep(3)
+    wall, cpu = time.monotonic(), time.process_time()
+    y = rr.allreduce(np.ones(1000))
+    return {"wall": time.monotonic() - wall, "cpu": time.process_time() - cpu, "sum": float(y[0])}
+
+
+def stalled_mid_ring():
+    """Rank 0 stops rank 1 (SIGSTOP) in the middle of a large allreduce and
+    wakes it 1.2 s later; with RINGREDUCE_TIMEOUT=1 both fail with requests in
+    flight. Each then frees the collective's buffer and does more MPI work in
+    the same process: no MPI call may touch the freed memory."""
+    import signal
+    import threading
+    import time
+    from mpi4py import MPI
+    rr.init()
+    world = MPI.COMM_WORLD
+    pids = world.allgather(os.getpid())
+    rr.allreduce(np.ones(4))
+    x = np.ones(32 << 20, dtype=np.float32)  # 128 MiB, munmap'ed when freed
+    out = {}
+    if rr.rank() == 0:
+        def stall():
+            # Rank 0 reduces chunk 0 first: once a quarter of it is done, the
+            # ring is surely mid-message.
+            while x[len(x) // 8] != 2.0:
+                time.sleep(0.0005)
+            os.kill(pids[1], signal.SIGSTOP)
+            time.sleep(1.2)
+            os.kill(pids[1], signal.SIGCONT)
+        threading.Thread(target=stall, daemon=True).start()
+    try:
+        rr.allreduce(x, out=x)
+        out["error"] = None
+    except rr.RingReduceError as exc:
+        out["error"] = (type(exc).__name__, exc.rank)
+    del x
+    time.sleep(2.5)  # rank 1 runs again; both ranks have given up
+    canary = [np.full(1 << 20, 7.0) for _ in range(8)]
+    out["world_sum"] = world.allreduce(rr.rank() + 1)
+    big = np.ones(4 << 20)
+    world.Allreduce(MPI.IN_PLACE, big)
+    out["big_ok"] = bool((big == 2).all())
+    out["canary_ok"] = all((c == 7.0).all() for c in canary)
+    return out
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     result = {"correctness": correctness, "subcomm": subcomm, "socket": socket, "raises": raises,
-              "device": device}[mode]()
+              "device": device, "late_peer": late_peer, "stalled_mid_ring": stalled_mid_ring}[mode]()
     with open(f"{out}.rank{rr.rank() if mode != 'subcomm' else __import__('mpi4py.MPI').MPI.COMM_WORLD.Get_rank()}.pkl", "wb") as f:
         pickle.dump(result, f)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from cases import DTYPES, OPS, np_dtype
+from ringreduce.config import MAX_SMALL_BYTES
 from ranks import run_ranks
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
@@ -13,7 +14,7 @@ WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 # header), the one-pass small algorithm alone, and the default choice by size.
 # The ring also over TCP links (no shared memory), and over shared-memory
 # links smaller than a segment and of an odd size, so every window wraps.
-ALGORITHMS = {"ring": {"RINGREDUCE_SMALL_BYTES": "0"}, "small": {"RINGREDUCE_SMALL_BYTES": str(1 << 30)},
+ALGORITHMS = {"ring": {"RINGREDUCE_SMALL_BYTES": "0"}, "small": {"RINGREDUCE_SMALL_BYTES": str(MAX_SMALL_BYTES)},
               "auto": {},
               "ring-tcp": {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_SHM_BYTES": "0"},
               "ring-tiny-shm": {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_SHM_BYTES": "1001"}}
@@ -79,3 +80,68 @@ def test_random_floats_within_rounding(tmp_path):
     for r in ranks:
         assert r.result[0] < 1e-5, f"rank {r.rank}: error {r.result[0]}"
         assert r.result[1] == ranks[0].result[1]
+
+
+# 16-bit averages at the edges of the range. Each rank builds every rank's
+# input from its rank, returns its allreduce and its reduce_scatter chunk.
+EDGE16_BODY = """
+import ml_dtypes
+from cases import np_dtype
+n, r = rr.size(), rr.rank()
+out = {}
+for dtype in ["float16", "bfloat16"]:
+    info = ml_dtypes.finfo(np_dtype(dtype))
+    big, tiny = float(info.max), float(info.smallest_subnormal)
+    g = np.random.default_rng([r, len(dtype)])
+    top = 2.0 ** int(np.log2(big))  # the top binade [top, max]: one ulp throughout
+    columns = {
+        "40000": np.full(7, 40000.0 if dtype == "float16" else 3.0e38),
+        "max": np.full(7, big),
+        "-max": np.full(7, -big),
+        "+-max": np.full(7, big if r % 2 else -big),
+        "tiny": np.full(7, tiny),
+        "tinies": np.full(7, tiny * (r + 1)),
+        "random top": g.uniform(top, big, 3001),
+        "random ones": g.uniform(1, 2, 3001),
+        "random subnormal": np.round(g.uniform(0, 1023 if dtype == "float16" else 127, 3001)) * tiny,
+    }
+    for key, values in columns.items():
+        x = values.astype(np_dtype(dtype))
+        out[dtype, key] = (x, rr.allreduce(x, op="avg"), rr.reduce_scatter(x, op="avg"))
+result = out
+"""
+
+
+def ordinal16(a: np.ndarray) -> np.ndarray:
+    """16-bit floats as integers in value order, so ulps between them subtract."""
+    b = a.view(np.uint16).astype(np.int64)
+    return np.where(b & 0x8000, -(b & 0x7FFF), b)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "small"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_16_bit_average_keeps_the_range_and_the_mean(tmp_path, n, algorithm):
+    """float16/bfloat16 avg never overflows (40000 + 40000 is inf in float16)
+    nor flushes subnormals: equal inputs give themselves back, N = 2 gives the
+    correctly rounded mean, N > 2 within one ulp of it here (inputs of one
+    binade; +max and -max alternating cancel, within the general bound);
+    every rank, allreduce and reduce_scatter, the same bits."""
+    from cases import close_enough
+    from test_kernels import nearest16
+    ranks = run_ranks(n, EDGE16_BODY, tmp_path, env=ALGORITHMS[algorithm], timeout=180)
+    for (dtype, key), (_, first, _) in ranks[0].result.items():
+        inputs = [r.result[dtype, key][0] for r in ranks]
+        want = nearest16(np.mean(np.stack([x.astype(np.float64) for x in inputs]), axis=0), dtype)
+        assert np.isfinite(first.astype(np.float64)).all(), f"n={n} {dtype} {key}: {first!r}"
+        if key == "+-max" and n > 3:  # cancellation: the general bound (docs/architecture.md)
+            assert close_enough(first, want, dtype, "avg", inputs), f"n={n} {dtype} {key}: {first!r}"
+            continue
+        off = np.abs(ordinal16(first) - ordinal16(want))
+        allowed = 0 if n == 2 or key in ("40000", "max", "-max", "tiny", "+-max") else 1
+        assert off.max() <= allowed, \
+            f"n={n} {dtype} {key}: {first[off.argmax()]!r}, the mean is {want[off.argmax()]!r}"
+        for r in ranks:
+            _, mine, chunk = r.result[dtype, key]
+            assert mine.tobytes() == first.tobytes(), f"rank {r.rank}: {dtype} {key} not bit-identical to rank 0"
+            lo = sum(first.size // n + (i < first.size % n) for i in range(r.rank))
+            assert chunk.tobytes() == first[lo:lo + chunk.size].tobytes(), f"rank {r.rank}: {dtype} {key} chunk"

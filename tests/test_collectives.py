@@ -318,8 +318,8 @@ def test_reduce_scatter_every_dtype_and_op(edge_results, n, dtype, op):
             assert c.size == count // n + (i < count % n), f"n={n} {key}: rank {i} has {c.size} elements"
         whole = np.concatenate(chunks)
         assert whole.tobytes() == per_rank[0][key][1].tobytes(), f"n={n} {key}: chunks != this job's allreduce"
-        want = reference([make_input(i, (count,), dtype, op) for i in range(n)], dtype, op)
-        assert close_enough(whole, want, dtype, op), f"n={n} {key}: chunks differ from numpy"
+        inputs = [make_input(i, (count,), dtype, op) for i in range(n)]
+        assert close_enough(whole, reference(inputs, dtype, op), dtype, op, inputs), f"n={n} {key}: chunks differ from numpy"
 
 
 @pytest.mark.parametrize("n", EDGE_WORLDS)
@@ -474,3 +474,50 @@ print("bad:", bad)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "bad: []", out.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_with_different_small_limits_agree_on_the_path(tmp_path, n):
+    # RINGREDUCE_SMALL_BYTES differs: rank 1 would send everything inline, the
+    # others take the ring. The path is decided from the agreed headers.
+    ranks = run_ranks(n, """
+        os.environ["RINGREDUCE_SMALL_BYTES"] = str(32 << 20) if os.environ["RINGREDUCE_RANK"] == "1" else "0"
+        rr.init()
+        count = 50_001
+        x = np.arange(count, dtype=np.float32) + rr.rank()
+        want = np.arange(count, dtype=np.float32) * rr.size() + sum(range(rr.size()))
+        lo, hi = count * rr.rank() // rr.size(), count * (rr.rank() + 1) // rr.size()
+        result = dict(
+            allreduce=np.array_equal(rr.allreduce(x), want),
+            avg=np.array_equal(rr.allreduce(x, op="avg"), want / rr.size()),
+            reduce_scatter=rr.reduce_scatter(x).size > 0,
+            broadcast=np.array_equal(rr.broadcast(x, root=1), np.arange(count, dtype=np.float32) + 1),
+            broadcast0=np.array_equal(rr.broadcast(x, root=0), np.arange(count, dtype=np.float32)),
+            allgather=np.array_equal(rr.allgather(x)[count:2 * count], np.arange(count, dtype=np.float32) + 1),
+            after=rr.allreduce(np.ones(3)).tolist() == [float(rr.size())] * 3,
+        )
+        rs = rr.allgather(rr.reduce_scatter(x))
+        result["reduce_scatter"] = result["reduce_scatter"] and np.array_equal(rs, want)
+    """, tmp_path, init=False, timeout=90)
+    for r in ranks:
+        assert all(r.result.values()), (r.rank, r.result)
+
+
+def test_big_endian_arrays_are_reduced_in_native_order(tmp_path):
+    ranks = run_ranks(2, """
+        out = {}
+        for dt in [">f4", ">i8", ">f8", ">i4"]:
+            for count in [5, 300_000]:
+                x = (np.arange(count) % 100 + rr.rank()).astype(dt)
+                want = (np.arange(count) % 100 * 2 + 1).astype(dt)
+                y = rr.allreduce(x)
+                o = np.empty(count, dtype=dt)
+                rr.allreduce(x, out=o)
+                out[(dt, count)] = (np.array_equal(y, want), y.dtype.isnative, np.array_equal(o, want),
+                                    np.array_equal(rr.broadcast(x, root=1), (np.arange(count) % 100 + 1)),
+                                    np.array_equal(rr.allgather(x)[:count], np.arange(count) % 100))
+        result = out
+    """, tmp_path, timeout=90)
+    for r in ranks:
+        for key, checks in r.result.items():
+            assert all(checks), (r.rank, key, checks)

@@ -48,6 +48,8 @@ def test_kernels_compile_with_nvcc_for_sm80_and_sm90(tmp_path):
         for op in cuda.OPS:
             assert f"rr_reduce_{dtype}_{op}".encode() in symbols
         assert f"rr_divide_{dtype}".encode() in symbols
+    for dtype in cuda.MEAN_DTYPES:
+        assert f"rr_mean_{dtype}".encode() in symbols
     for kind in ("float16", "bfloat16"):
         assert f"rr_cast_float32_to_{kind}".encode() in symbols and f"rr_cast_{kind}_to_float32".encode() in symbols
 
@@ -88,6 +90,7 @@ def test_kernels_compile_at_run_time_with_nvrtc():
     assert lib.nvrtcGetCUBIN(prog, cubin) == 0
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     names = [f"rr_reduce_{d}_{op}" for d in DTYPES for op in cuda.OPS] + [f"rr_divide_{d}" for d in DTYPES]
+    names += [f"rr_mean_{d}" for d in cuda.MEAN_DTYPES]
     missing = [n for n in names if n.encode() not in cubin.raw]
     assert not missing, missing
 
@@ -127,6 +130,12 @@ class GpuKernels:
         cuda.reduce3(out, da, db, op, dtype=name)
         return self.cp.asnumpy(out).tobytes()
 
+    def mean_fold(self, x, mean, name, k, skip=0, into=None):
+        dx, dm = self.put(x)[skip:], self.put(mean)[skip:]
+        out = {"x": dx, "mean": dm}.get(into) if into else self.cp.empty_like(dx)
+        cuda.mean_fold(out, dx, dm, k, dtype=name)
+        return self.cp.asnumpy(out).tobytes()
+
     def divide(self, a, name, n):
         d = self.put(a)
         cuda.divide(d, n, dtype=name)
@@ -164,6 +173,15 @@ class HostKernels:
         count = a.size - skip
         self._launch(f"rr_reduce_{name}_{op}", count, *map(ctypes.c_uint64, (out, pa, pb)), ctypes.c_size_t(count))
         return self.h.read(out, count * a.dtype.itemsize)
+
+    def mean_fold(self, x, mean, name, k, skip=0, into=None):
+        off = skip * x.dtype.itemsize
+        px, pm = self.put(x) + off, self.put(mean) + off
+        count = x.size - skip
+        out = {"x": px, "mean": pm}.get(into) if into else self.put(np.zeros_like(x[skip:]))
+        self._launch(f"rr_mean_{name}", count, *map(ctypes.c_uint64, (out, px, pm)), ctypes.c_size_t(count),
+                     ctypes.c_int(k))
+        return self.h.read(out, count * x.dtype.itemsize)
 
     def divide(self, a, name, n):
         p = self.put(a)
@@ -217,6 +235,21 @@ def assert_same_bits_but_nan_payloads(got: bytes, want: np.ndarray):
     nan = np.isnan(want.astype(np.float64))
     assert np.array_equal(np.isnan(got.astype(np.float64)), nan)
     assert got[~nan].tobytes() == want[~nan].tobytes()
+
+
+@pytest.mark.parametrize("name", cuda.MEAN_DTYPES)
+@pytest.mark.parametrize("k", [2, 3, 7])
+@pytest.mark.parametrize("count", [1, 4096 + 3, 300_007])
+def test_cuda_running_mean_matches_the_cpu_bit_for_bit(kernels, name, k, count):
+    """The 16-bit average's fold (double arithmetic, one rounding) gives the
+    CPU's bits: mixed CPU/GPU rings depend on it. Every bit pattern, in and
+    out of place (dst = x in the ring, dst = mean in the rank-order fold)."""
+    x, m = sample(name, count, 5), sample(name, count, 6)
+    want = m.copy()
+    _core.mean_fold(want.view(np.uint8), x.view(np.uint8).tobytes(), CODES[name], k)
+    assert_same_bits_but_nan_payloads(kernels.mean_fold(x, m, name, k), want)
+    assert_same_bits_but_nan_payloads(kernels.mean_fold(x, m, name, k, into="x"), want)
+    assert_same_bits_but_nan_payloads(kernels.mean_fold(x, m, name, k, skip=1, into="mean"), want[1:])
 
 
 @pytest.mark.parametrize("name", DTYPES)

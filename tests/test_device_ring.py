@@ -234,3 +234,37 @@ def test_no_usable_gpu_is_a_clear_error(tmp_path, hostcuda_dir, devices, ordinal
             result = str(exc)
     """, tmp_path, env={"LD_LIBRARY_PATH": str(hostcuda_dir), "HOSTCUDA_DEVICES": str(devices)})
     assert why in rank.result and rank.result.startswith("CUDA"), rank.result
+
+
+@pytest.mark.parametrize("mode", ["device", "mixed"])
+def test_16_bit_average_on_device_keeps_the_range(tmp_path, device, mode):
+    """The device's running-mean kernels give the host ring's bits at the edges
+    of the float16/bfloat16 range, where a sum would overflow to inf."""
+    ranks = run_ranks(3, job("""
+        import ml_dtypes
+        bad = []
+        for dtype in ["float16", "bfloat16"]:
+            info = ml_dtypes.finfo(np_dtype(dtype))
+            big, tiny = float(info.max), float(info.smallest_subnormal)
+            g = np.random.default_rng([rr.rank(), len(dtype)])
+            for count in [5, 5_003]:
+                x = np.concatenate([np.full(count, big), np.full(count, 40000.0 if dtype == "float16" else 3e38),
+                                    np.full(count, big if rr.rank() % 2 else -big), np.full(count, tiny),
+                                    g.uniform(-big, big, count)]).astype(np_dtype(dtype))
+                want = host_allreduce(x, dtype, "avg")
+                if on_device(mode):
+                    src = Buf(x)
+                    comm.allreduce_device(dev, src.ptr, src.ptr, x.nbytes, codes[dtype], opcodes["avg"])
+                    got = src.get(x.dtype)
+                else:
+                    got = host_allreduce(x, dtype, "avg")
+                if got.tobytes() != want.tobytes():
+                    bad.append(("differs from the host ring", dtype, count))
+                if got[:2 * count].tobytes() != x[:2 * count].tobytes() or got[3 * count:4 * count].tobytes() != x[3 * count:4 * count].tobytes():
+                    bad.append(("equal inputs changed", dtype, count))
+                if not np.isfinite(got.astype(np.float64)).all():
+                    bad.append(("not finite", dtype, count))
+        result = bad
+    """, mode, 2, device[0]), tmp_path, env=env_for(device, 2, RINGREDUCE_SEGMENT_BYTES="1024"), timeout=180)
+    for r in ranks:
+        assert r.result == [], f"rank {r.rank}: {r.result[:5]}"

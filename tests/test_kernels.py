@@ -94,3 +94,82 @@ def test_float_average_divides_once():
     got = x.copy()
     _core.divide(got.view(np.uint8), _core.FLOAT32, 3)
     assert got.tobytes() == (x / np.float32(3)).tobytes()
+
+
+# ----------------------------------------------------------------- 16-bit averages: running means
+
+def nearest16(y: np.ndarray, name: str) -> np.ndarray:
+    """float64 -> float16/bfloat16 rounded once, to nearest even: the closest of
+    the float32 route's answer and its two neighbours (that route can round
+    twice, and ml_dtypes' float64 -> bfloat16 takes it), ties to the even one.
+    Finite values only."""
+    c = y.astype(np.float32).astype(dt(name)).view(np.uint16).astype(np.int32)
+    cand = np.stack([c - 1, c, c + 1]) & 0xFFFF
+    vals = cand.astype(np.uint16).view(dt(name)).astype(np.float64)
+    dist = np.where(np.isfinite(vals), np.abs(vals - y), np.inf)
+    best = dist.min(axis=0)
+    pick = np.where(dist == best, 2 - (cand & 1), 0).argmax(axis=0)  # nearest; of two, the even one
+    return cand[pick, np.arange(y.size)].astype(np.uint16).view(dt(name))
+
+
+def mean_fold(x, mean, name, k):
+    out = mean.copy()
+    _core.mean_fold(out.view(np.uint8), x.view(np.uint8).tobytes(), CODES[name], k)
+    return out
+
+
+def finite16(name, count, seed):
+    bits = np.random.default_rng(seed).integers(0, 1 << 16, size=count, dtype=np.uint16)
+    x = bits.view(dt(name))
+    return x[np.isfinite(x.astype(np.float32))]
+
+
+def test_the_reference_rounds_like_numpys_float64_to_float16():
+    y = np.random.default_rng(1).standard_normal(100_000) * 3e4 * np.random.default_rng(2).random(100_000) ** 8
+    y = np.clip(y, -65504, 65504)
+    assert nearest16(y, "float16").tobytes() == y.astype(np.float16).tobytes()  # numpy rounds once, from double
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("k", [2, 3, 7, 1000])
+def test_mean_fold_is_the_double_mean_rounded_once(name, k):
+    """(mean * (k-1) + x) / k in double, rounded straight to 16 bits: k = 7
+    hits doubles just above a float16 tie, which float32 would round onto."""
+    x, m = finite16(name, 1_000_000, k), finite16(name, 1_000_000, k + 1)
+    n = min(x.size, m.size)
+    x, m = x[:n], m[:n]
+    y = (m.astype(np.float64) * (k - 1) + x.astype(np.float64)) / k
+    want = nearest16(y, name)
+    assert mean_fold(x, m, name, k).tobytes() == want.tobytes()
+    if name == "float16" and k == 7:  # the sample holds cases the float32 route gets wrong
+        assert (y.astype(np.float32).astype(np.float16).tobytes() != want.tobytes())
+    if k == 2:  # the mean of two, correctly rounded (float16: the double sum is exact)
+        exact = nearest16((m.astype(np.float64) + x.astype(np.float64)) / 2, name)
+        assert mean_fold(x, m, name, 2).tobytes() == exact.tobytes()
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_mean_fold_never_leaves_the_range(name):
+    info = ml_dtypes.finfo(dt(name))
+    big, tiny = float(info.max), float(info.smallest_subnormal)
+    cases = [  # (mean of k-1, x, k, want)
+        (big, big, 2, big), (big, big, 3, big), (big, big, 1000, big), (-big, -big, 4, -big),
+        (big, -big, 2, 0.0), (-big, big, 3, -big / 3), (tiny, tiny, 2, tiny), (tiny, tiny, 5, tiny),
+        (tiny, 0.0, 2, 0.0), (3 * tiny, tiny, 2, 2 * tiny), (-tiny, -tiny, 3, -tiny)]
+    if name == "float16":
+        cases.append((40000.0, 40000.0, 2, 40000.0))
+    m = np.array([c[0] for c in cases], dt(name))
+    x = np.array([c[1] for c in cases], dt(name))
+    got = np.concatenate([mean_fold(x[i:i + 1], m[i:i + 1], name, c[2]) for i, c in enumerate(cases)])
+    want = np.array([c[3] for c in cases], dtype=np.float64)
+    assert got.tobytes() == nearest16(want, name).tobytes(), got
+
+
+def test_mean_fold_rejects_what_it_cannot_fold():
+    a = np.zeros(4, np.float16)
+    with pytest.raises(ValueError):
+        _core.mean_fold(a, a.tobytes(), _core.FLOAT32, 2)
+    with pytest.raises(ValueError):
+        _core.mean_fold(a, a.tobytes(), _core.FLOAT16, 1)
+    with pytest.raises(ValueError):
+        _core.mean_fold(a, a[:2].tobytes(), _core.FLOAT16, 2)

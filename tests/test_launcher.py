@@ -1,5 +1,10 @@
-"""ringrun: environment per rank, prefixed output, failure propagation, -H."""
+"""ringrun: environment per rank, prefixed output, failure propagation, -H,
+and no rank outliving ringrun however it ends."""
 import os
+import secrets
+import select
+import shlex
+import signal
 import stat
 import subprocess
 import sys
@@ -48,6 +53,19 @@ def test_a_real_job_runs_and_output_lines_stay_whole():
         mine = lines_of(out.stdout, r)
         assert mine[-1] == "sum 10.0" and mine[:-1] == ["x" * 500] * 200
     assert all(line[:1] == "[" for line in out.stdout.splitlines())
+
+
+def test_a_lone_failing_rank_has_nobody_to_stop():
+    out = ringrun("-np", "1", sys.executable, "-c", "raise SystemExit(3)")
+    assert out.returncode == 3
+    assert out.stderr.strip().splitlines()[-1] == "ringrun: rank 0 exited with code 3; no rank left to stop"
+
+
+def test_a_rank_failing_after_another_exited_0_names_both():
+    code = "import os, sys, time\nif os.environ['RINGREDUCE_RANK'] == '1': time.sleep(1); sys.exit(2)"
+    out = ringrun("-np", "2", sys.executable, "-c", code)
+    assert out.returncode == 2
+    assert "ringrun: rank 1 exited with code 2 (after rank(s) 0 exited with code 0)" in out.stderr
 
 
 def test_failing_rank_stops_the_others():
@@ -110,3 +128,150 @@ def test_two_hosts_over_ssh_in_network_namespaces(tmp_path):
     # Shared memory within a host only: 0 -> 1 and 2 -> 3; 1 -> 2 and 3 -> 0 cross hosts.
     assert [row[5:] for row in rows] == [["shm", "tcp"], ["tcp", "shm"], ["shm", "tcp"], ["tcp", "shm"]]
     assert cluster.leftovers() == []
+
+
+# -- ringrun ending in every way leaves no rank behind -------------------------
+
+RANK_UP_THEN_SPIN = "import os, time\nprint('up', flush=True)\nwhile True: time.sleep(0.05)"
+
+
+def processes_with(marker: str) -> list:
+    """Pids of live processes whose command line holds marker (zombies count as gone)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def leftovers(marker: str, within: float = 10.0) -> list:
+    """What still runs with marker after `within` seconds; killed then, so no test leaks."""
+    deadline = time.monotonic() + within
+    while (left := processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def start_ringrun(np_: int, *ringrun_args: str, code: str | None = RANK_UP_THEN_SPIN, command=None):
+    """ringrun running np_ ranks of code (or of command), each with a unique marker in
+    its command line, once every rank has said 'up'."""
+    marker = f"rrmarker{secrets.token_hex(6)}"
+    command = command or [sys.executable, "-c", code, marker]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RINGREDUCE_SECRET", None)
+    p = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "-np", str(np_), *ringrun_args, *command],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env)
+    seen, deadline = b"", time.monotonic() + 30
+    while seen.count(b"] up\n") < np_:
+        ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            p.kill()
+            pytest.fail(f"ranks did not start: {seen!r}")
+        seen += os.read(p.stdout.fileno(), 4096)
+    return p, marker
+
+
+def finish(p: subprocess.Popen):
+    """ringrun's exit status and stderr (it must end within 20 s)."""
+    try:
+        _, err = p.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+        pytest.fail(f"ringrun did not end: {err.decode()}")
+    return p.returncode, err.decode()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_ringrun_stops_every_rank_and_says_so(sig):
+    p, marker = start_ringrun(2)
+    p.send_signal(sig)
+    code, err = finish(p)
+    assert leftovers(marker) == []
+    assert code == -sig, "ringrun ends by the signal it got, as a shell expects"
+    assert err.strip().splitlines() == [f"ringrun: got {sig.name}; stopping 2 rank(s)"]
+
+
+def test_sigkill_to_ringrun_still_stops_every_rank():
+    p, marker = start_ringrun(3)
+    p.kill()
+    code, _ = finish(p)
+    assert code == -signal.SIGKILL
+    assert leftovers(marker) == [], "the guards see their control pipe close and stop their ranks"
+
+
+def test_sigkill_to_ringrun_stops_the_children_of_a_shell_rank():
+    # The rank is a shell whose python is its child (`; true` keeps sh from exec'ing it).
+    marker = f"rrmarker{secrets.token_hex(6)}"
+    script = f"{shlex.join([sys.executable, '-c', RANK_UP_THEN_SPIN, marker])}; true"
+    p, _ = start_ringrun(2, code=None, command=["sh", "-c", script])
+    p.kill()
+    finish(p)
+    assert leftovers(marker) == []
+
+
+def test_a_guard_killed_alone_takes_its_rank_with_it_and_fails_the_job():
+    p, marker = start_ringrun(2)
+    guards = [pid for pid in processes_with(marker) if b"guard.py" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(guards) == 2
+    os.kill(guards[0], signal.SIGKILL)
+    code, err = finish(p)
+    assert code == 128 + signal.SIGKILL and "was killed by SIGKILL; stopping the other 1 rank(s)" in err
+    assert leftovers(marker) == [], "PR_SET_PDEATHSIG ends the rank whose guard died"
+
+
+def test_a_rank_ignoring_sigterm_is_killed_after_the_grace():
+    code = ("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\n"
+            "while True: time.sleep(0.05)")
+    p, marker = start_ringrun(2, code=code)
+    p.send_signal(signal.SIGTERM)
+    code, _ = finish(p)
+    assert code == -signal.SIGTERM
+    assert leftovers(marker, within=2) == []
+
+
+def test_closed_stdout_stops_the_job_quietly_and_promptly():
+    marker = f"rrmarker{secrets.token_hex(6)}"
+    loop = "import itertools\nfor i in itertools.count(): print('line', i)"
+    ringrun_cmd = shlex.join([sys.executable, "-m", "ringreduce.run", "-np", "2", sys.executable, "-c", loop,
+                              marker])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", "-c", f"set -o pipefail; {ringrun_cmd} | head -1"], capture_output=True,
+                         text=True, timeout=40, env=env)
+    assert time.monotonic() - t0 < 20
+    assert leftovers(marker) == []
+    assert out.returncode == 128 + signal.SIGPIPE, "like any command whose reader went away"
+    assert out.stdout.startswith("[") and out.stdout.count("\n") == 1
+    assert out.stderr.strip().splitlines() == ["ringrun: stdout was closed; stopping 2 rank(s)"]
+
+
+def _fake_remote_ssh(tmp_path):
+    """An 'ssh' that runs the remote command in a session of its own, out of
+    ringrun's reach as on another host: only the connection (stdin) links them."""
+    script = tmp_path / "fake_remote_ssh"
+    script.write_text('#!/bin/sh\nshift\nexec setsid -w sh -c "$1"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_ranks_over_ssh_end_with_ringrun(tmp_path, sig):
+    p, marker = start_ringrun(2, "-H", "nodeA:1,nodeB:1", "--ssh", _fake_remote_ssh(tmp_path))
+    p.send_signal(sig)
+    code, _ = finish(p)
+    assert code == -sig
+    assert leftovers(marker) == []

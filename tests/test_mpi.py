@@ -85,3 +85,24 @@ def test_a_rank_that_raises_ends_the_whole_job(tmp_path):
 def test_staged_device_ring_over_mpi_meets_host_ranks(tmp_path):
     _, ranks = mpirun(3, "device", tmp_path)
     assert ranks == [[], [], []]
+
+
+def test_a_rank_waiting_for_a_late_peer_sleeps(tmp_path):
+    """Waiting 3 s for a late peer costs little CPU: MPI has no poll(2), so the
+    transport naps between tests instead of spinning."""
+    _, ranks = mpirun(2, "late_peer", tmp_path, timeout=120)
+    waiter = ranks[0]
+    assert waiter["sum"] == 2.0 and waiter["wall"] > 2.5, waiter
+    assert waiter["cpu"] < 0.5, f"rank 0 burned {waiter['cpu']:.2f} s of CPU in {waiter['wall']:.1f} s of waiting"
+
+
+def test_failure_mid_ring_leaves_no_request_on_freed_buffers(tmp_path):
+    """Both ranks fail with sends and receives in flight, free the buffers and
+    go on with MPI: the transport settled its requests first, so nothing
+    faults or writes into freed memory, and the job ends cleanly."""
+    proc, ranks = mpirun(2, "stalled_mid_ring", tmp_path, {"RINGREDUCE_TIMEOUT": "1"}, timeout=120, check=False)
+    report = proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and None not in ranks, report
+    for r, res in enumerate(ranks):
+        assert res["error"] == ("PeerLostError", 1), (r, res, report)  # both blame the stalled rank
+        assert res["world_sum"] == 3 and res["big_ok"] and res["canary_ok"], (r, res)

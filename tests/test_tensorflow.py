@@ -229,3 +229,111 @@ def test_ops_as_py_functions_the_path_tensorflow_takes_with_a_gpu(tmp_path):
     np.testing.assert_array_equal(ranks[0].result["py_function"][0], base * 3)
     np.testing.assert_array_equal(ranks[0].result["py_function"][1], 2 * (base * 3) * 2)  # d/dx sum(y^2), allreduced
     assert ranks[0].result["py_function"][2].shape == (3, 4)  # 1 row from rank 0, 2 from rank 1
+
+
+def test_accumulation_on_a_lazily_built_model_trains_like_one_process(tmp_path):
+    """backward_passes_per_step=2 on a model without keras.Input (built by fit):
+    two local passes summed, averaged over ranks, equal one process's step on
+    the four batches together at twice the rate (gradients summed over passes).
+    The broadcast callback must not break such a model either."""
+    ranks = run_ranks(2, """
+        import os
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import numpy as np, keras
+        import ringreduce.tensorflow as rrtf
+        rrtf.init()
+        n, r, batch, steps, lr = rrtf.size(), rrtf.rank(), 4, 6, 0.05
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(n * batch * steps, 5)).astype(np.float32), rng.normal(size=(n * batch * steps, 2)).astype(np.float32)
+
+        def make_model(seed):
+            keras.utils.set_random_seed(seed)
+            return keras.Sequential([keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
+
+        # The same start on every rank: a lazily built model is only broadcast after its first step.
+        model = make_model(seed=0)
+        model.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(lr), backward_passes_per_step=2), loss="mse")
+        idx = np.concatenate([np.arange((i * n + r) * batch, (i * n + r + 1) * batch) for i in range(steps)])
+        model.fit(x[idx], y[idx], batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[rrtf.BroadcastGlobalVariablesCallback(0)])
+        result = {"weights": model.get_weights()}
+        if r == 0:  # one process: 2 passes x 2 ranks of batches per update, gradients summed over passes
+            single = make_model(seed=0)
+            single.compile(optimizer=keras.optimizers.SGD(2 * lr), loss="mse")
+            single.fit(x, y, batch_size=2 * n * batch, epochs=1, shuffle=False, verbose=0)
+            result["single"] = single.get_weights()
+    """, tmp_path, timeout=180, init=False)
+    single = ranks[0].result["single"]
+    for r in ranks:
+        for mine, want in zip(r.result["weights"], single):
+            np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-5)
+
+
+SAVE_WITH_CHECKPOINT = """
+import os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np, keras
+import ringreduce.tensorflow as rrtf
+rrtf.init()
+keras.utils.set_random_seed(0)
+x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+y = (x.sum(axis=1) > 0).astype(np.int64)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+model.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.Adam(1e-2)),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+callbacks = [rrtf.BroadcastGlobalVariablesCallback(0)]
+if rrtf.rank() == 0:
+    callbacks.append(keras.callbacks.ModelCheckpoint(sys.argv[1]))
+model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
+keras.models.clone_model(model)  # serializes the compiled model, optimizer included, as saving does
+"""
+
+LOAD_AND_TRAIN_ON = """
+import os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np, keras
+out = {}
+for with_ringreduce in (False, True):
+    if with_ringreduce:
+        import ringreduce.tensorflow
+    out[with_ringreduce] = {"ringreduce imported": "ringreduce" in sys.modules}
+    model = keras.models.load_model(sys.argv[1])
+    keras.models.clone_model(model)
+    opt = model.optimizer
+    out[with_ringreduce]["optimizer"] = f"{type(opt).__module__}.{type(opt).__qualname__}"
+    out[with_ringreduce]["iterations before"] = int(opt.iterations.numpy())
+    x = np.random.default_rng(1).normal(size=(64, 4)).astype(np.float32)
+    y = (x.sum(axis=1) > 0).astype(np.int64)
+    out[with_ringreduce]["loss"] = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history["loss"][-1]
+    out[with_ringreduce]["iterations after"] = int(opt.iterations.numpy())
+print(repr(out))
+"""
+
+
+def test_checkpoint_of_a_distributed_optimizer_loads_without_ringreduce(tmp_path):
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    from ranks import REPO
+    (tmp_path / "save.py").write_text(SAVE_WITH_CHECKPOINT)
+    (tmp_path / "load.py").write_text(LOAD_AND_TRAIN_ON)
+    checkpoint = tmp_path / "model.keras"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    saved = subprocess.run([sys.executable, "-m", "ringreduce.run", "-np", "2", sys.executable,
+                            str(tmp_path / "save.py"), str(checkpoint)],
+                           capture_output=True, text=True, timeout=180, env=env)
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    # One plain process, run from elsewhere with no path to ringreduce until it imports it on purpose.
+    plain_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("RINGREDUCE_")}
+    loaded = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(checkpoint)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=180, env=plain_env)
+    assert loaded.returncode == 0, loaded.stdout + loaded.stderr
+    out = ast.literal_eval(loaded.stdout.strip().splitlines()[-1])
+    assert out[False]["ringreduce imported"] is False and out[True]["ringreduce imported"] is True
+    for res in out.values():
+        assert res["optimizer"] == "keras.src.optimizers.adam.Adam", res
+        assert res["iterations before"] == 64 // 8  # the saved optimizer state came back
+        assert res["iterations after"] == 2 * 64 // 8
+        assert np.isfinite(res["loss"]), res

@@ -3,7 +3,8 @@
  * The element-wise arithmetic is reduce_math.h, the very header the CPU
  * kernels (reduce.c) compile: RR_DEVICE makes its inline functions callable
  * on the device, so the CPU tests check what the GPU runs. 16-bit floats
- * are widened to float32, combined, and rounded back once.
+ * are widened to float32, combined, and rounded back once; their averages
+ * are running means in double (rr_mean_<dtype>, below).
  *
  * Kernels are extern "C" with plain names, so the same source serves nvcc
  * (setup.py, RINGREDUCE_CUDA=1) and cupy.RawModule (compiled at run time by
@@ -145,6 +146,31 @@ __device__ void divide_float(T *buf, size_t count, int n)
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) buf[i] /= (T)n;
 }
 } // namespace
+
+namespace {
+/* dst = (mean * (k-1) + x) / k in double, rounded once: reduce.c's rr_mean_fold.
+ * Scalar loads: the double arithmetic, not the memory, bounds it. */
+struct MeanF16 { __device__ static uint16_t apply(uint16_t x, uint16_t m, int k) { return rr_mean16_f16(x, m, k); } };
+struct MeanBF16 { __device__ static uint16_t apply(uint16_t x, uint16_t m, int k) { return rr_mean16_bf16(x, m, k); } };
+
+template <class Step>
+__device__ void mean_fold(uint16_t *dst, const uint16_t *x, const uint16_t *mean, size_t count, int k)
+{
+    const size_t stride = (size_t)blockDim.x * gridDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        dst[i] = Step::apply(x[i], mean[i], k);
+}
+} // namespace
+
+/* One fold of a 16-bit average; dst may be x or mean. */
+extern "C" __global__ void rr_mean_float16(uint16_t *dst, const uint16_t *x, const uint16_t *mean, size_t count, int k)
+{
+    mean_fold<MeanF16>(dst, x, mean, count, k);
+}
+extern "C" __global__ void rr_mean_bfloat16(uint16_t *dst, const uint16_t *x, const uint16_t *mean, size_t count, int k)
+{
+    mean_fold<MeanBF16>(dst, x, mean, count, k);
+}
 
 /* The division that finishes an average, as reduce.c's rr_divide. */
 extern "C" __global__ void rr_divide_float16(uint16_t *buf, size_t count, int n) { divide16<FromF16, ToF16>(buf, count, n); }

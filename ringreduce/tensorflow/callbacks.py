@@ -10,18 +10,31 @@ from .ops import broadcast_variables
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """Starts every rank from root's weights (and optimizer state)."""
+    """Starts every rank from root's weights (and optimizer state). A model
+    built lazily (no keras.Input) has no weights until its first step builds
+    them: it is broadcast after that step instead, as Horovod does."""
 
     def __init__(self, root_rank: int = 0):
         super().__init__()
         self.root_rank = root_rank
+        self._pending = True
 
     def on_train_begin(self, logs=None):
+        self._pending = True
+        if self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._pending:
+            self._broadcast()
+
+    def _broadcast(self):
         opt = self.model.optimizer
         if opt is not None and not opt.built:
             opt.build(self.model.trainable_variables)
         variables = list(self.model.variables) + (list(opt.variables) if opt is not None else [])
         broadcast_variables(variables, self.root_rank)
+        self._pending = False
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

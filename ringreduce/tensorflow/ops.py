@@ -12,12 +12,25 @@ import ringreduce as rr
 
 
 def _numpy_op(fn, inputs, dtype, shape, name):
+    _refuse_tf1_graphs()
     if on_gpu_hosts():
         out = tf.py_function(lambda *ts: _to_tf(fn(*[_from_tf(t) for t in ts])), inputs, dtype, name=name)
     else:
         out = tf.numpy_function(fn, inputs, dtype, stateful=True, name=name)
     out.set_shape(shape)
     return out
+
+
+def _refuse_tf1_graphs() -> None:
+    """Eager code and tf.function run collectives in program order, the same
+    on every rank (tf.function orders stateful ops). A TF1 graph run by a
+    Session does not: independent collectives would run in a different order
+    on each rank and pair different tensors, silently. So they are refused."""
+    if not tf.compat.v1.executing_eagerly_outside_functions():
+        raise RuntimeError(
+            "ringreduce.tensorflow collectives need TensorFlow 2 execution (eager code or tf.function): "
+            "in a TF1 graph (tf.compat.v1 Session, or eager execution disabled) independent collectives "
+            "run in a different order on each rank and would pair different tensors")
 
 
 def on_gpu_hosts() -> bool:

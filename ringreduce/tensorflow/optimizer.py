@@ -28,14 +28,19 @@ def DistributedOptimizer(optimizer, compression=Compression.none, backward_passe
         return _accumulate_then_apply(self, base, grads, variables, backward_passes_per_step,
                                       lambda gs: reduce_gradients(gs, variables, op, compression, sparse_as_dense))
 
-    cls = type(base.__name__, (base,), {"apply": apply, "_ringreduce_wrapped": True})
+    # Named and placed as the base class (as Horovod's wrapper is): a saved model
+    # then records the plain Keras optimizer, which loads without ringreduce.
+    cls = type(base.__name__, (base,), {"apply": apply, "_ringreduce_wrapped": True,
+                                         "__module__": base.__module__, "__qualname__": base.__qualname__})
     return cls.from_config(optimizer.get_config())
 
 
 def _accumulate_then_apply(opt, base, grads, variables, k, reduce):
     if not hasattr(opt, "_rr_accumulators"):
+        # Shaped from the variables' declared shapes: a lazily built model's
+        # variables may have no value yet when the first step is traced.
         with tf.init_scope():
-            opt._rr_accumulators = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
+            opt._rr_accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in variables]
             opt._rr_passes = tf.Variable(0, dtype=tf.int64, trainable=False)
     for acc, g in zip(opt._rr_accumulators, grads):
         if g is not None:

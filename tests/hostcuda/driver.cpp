@@ -59,7 +59,7 @@ enum : CUresult {
 
 namespace {
 
-enum Kind { REDUCE, DIVIDE, CAST };
+enum Kind { REDUCE, MEAN, DIVIDE, CAST };
 
 struct Work {
     bool launch;
@@ -72,7 +72,7 @@ struct Work {
     unsigned grid, block;
     void *p[3];
     size_t count;
-    int divisor;
+    int divisor; /* DIVIDE: n; MEAN: k */
 };
 
 } // namespace
@@ -164,7 +164,7 @@ bool launch_is_legal(const Work &w)
 {
     const CUfunc_st &f = *w.f;
     switch (f.kind) {
-    case REDUCE:
+    case REDUCE: case MEAN:
         return holds(device_blocks, w.p[0], w.count * f.dst_size) && holds(device_blocks, w.p[1], w.count * f.src_size) &&
                holds(device_blocks, w.p[2], w.count * f.src_size);
     case DIVIDE: return holds(device_blocks, w.p[0], w.count * f.dst_size);
@@ -184,6 +184,10 @@ void run_launch(const Work &w)
             threadIdx = {t, 0, 0};
             switch (w.f->kind) {
             case REDUCE: ((void (*)(void *, const void *, const void *, size_t))w.f->fn)(w.p[0], w.p[1], w.p[2], w.count); break;
+            case MEAN:
+                ((void (*)(void *, const void *, const void *, size_t, int))w.f->fn)(w.p[0], w.p[1], w.p[2], w.count,
+                                                                                     w.divisor);
+                break;
             case DIVIDE: ((void (*)(void *, size_t, int))w.f->fn)(w.p[0], w.count, w.divisor); break;
             case CAST: ((void (*)(void *, const void *, size_t))w.f->fn)(w.p[0], w.p[1], w.count); break;
             }
@@ -243,6 +247,9 @@ bool describe(const std::string &name, CUfunc_st *f)
         size_t last = name.rfind('_');
         f->kind = REDUCE;
         f->dst_size = f->src_size = dtype_size(name.substr(10, last - 10));
+    } else if (starts("rr_mean_")) {
+        f->kind = MEAN;
+        f->dst_size = f->src_size = dtype_size(name.substr(8)) == 2 ? 2 : 0; /* 16-bit floats only */
     } else if (starts("rr_divide_")) {
         f->kind = DIVIDE;
         f->dst_size = f->src_size = dtype_size(name.substr(10));
@@ -500,6 +507,9 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     auto ptr = [&](int i) { return (void *)*(CUdeviceptr *)params[i]; };
     switch (f->kind) {
     case REDUCE: w.p[0] = ptr(0); w.p[1] = ptr(1); w.p[2] = ptr(2); w.count = *(size_t *)params[3]; break;
+    case MEAN:
+        w.p[0] = ptr(0); w.p[1] = ptr(1); w.p[2] = ptr(2); w.count = *(size_t *)params[3]; w.divisor = *(int *)params[4];
+        break;
     case DIVIDE: w.p[0] = ptr(0); w.count = *(size_t *)params[1]; w.divisor = *(int *)params[2]; break;
     case CAST: w.p[0] = ptr(0); w.p[1] = ptr(1); w.count = *(size_t *)params[2]; break;
     }

@@ -1,0 +1,10 @@
+"""`python -m ringreduce ARGS` is `ringrun ARGS`: the same launcher, arguments and exit code.
+
+    python -m ringreduce -np 4 python train.py
+"""
+import sys
+
+from .run import main
+
+if __name__ == "__main__":
+    sys.exit(main())
