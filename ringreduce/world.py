@@ -299,14 +299,14 @@ class _Acceptor:
                 self._drop_oldest()
             threading.Thread(target=self._check, args=(conn, peer), daemon=True).start()
 
-    def _drop_oldest(self):
+    def _drop_oldest(self, why: str = "too many at once"):
         with self.lock:
             if not self.unproven:
                 return
             conn = next(iter(self.unproven))
             peer = self.unproven.pop(conn)
-        log.warning("ringreduce: %s dropped a connection from %s that had not proven itself yet "
-                    "(too many at once)", self.who, _fmt(peer))
+        log.warning("ringreduce: %s dropped a connection from %s that had not proven itself yet (%s)",
+                    self.who, _fmt(peer), why)
         try:
             conn.shutdown(socket.SHUT_RDWR)  # its checking thread wakes, fails and closes it
         except OSError:
@@ -359,6 +359,8 @@ class _Acceptor:
             pass
         self.thread.join(timeout=1.0)
         self.listener.close()
+        while self.unproven:  # strays still in their handshake: free their descriptors now
+            self._drop_oldest("no longer listening")
 
 
 def _fmt(peer) -> str:
