@@ -1,5 +1,6 @@
-"""Gradient compression on the wire: cast before the ring, back after (the
-C kernels accumulate 16-bit values in float32 and round once)."""
+"""Gradient compression on the wire: cast before the ring, back after. Each
+hop widens the 16-bit values, reduces and rounds once (sum in float32; avg as
+a running mean in double, so an average never overflows the 16-bit range)."""
 import tensorflow as tf
 
 
