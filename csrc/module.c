@@ -8,6 +8,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <unistd.h>
 
 #include "device_binding.h"
@@ -22,19 +23,30 @@ typedef struct {
     int closed;
     rr_error broken; /* the first error; code RR_OK while healthy */
     PyObject *interrupt; /* what a signal handler raised while we waited (see signals_pending) */
+    pid_t pid;           /* the process that made the ring: a forked child must not touch it */
+    atomic_int busy;     /* an operation runs, on thread `owner` */
+    pthread_t owner;
+    int close_pending;   /* close() came from a signal handler inside an operation: done after it */
+    atomic_int stop_requested; /* interrupt() from any thread: the running operation gives up */
 } CommObject;
+
+static void close_ring(CommObject *self);
 
 /* The main thread's id: only it runs Python's signal handlers. */
 static unsigned long main_thread;
 
 /* The transport's interrupt hook (transport.h), asked every ~100 ms while an
- * operation waits with the GIL released: runs Python's signal handlers, so
- * Ctrl-C need not wait for RINGREDUCE_TIMEOUT. If one raised (SIGINT's
- * KeyboardInterrupt, a SIGTERM handler's exception), keep it for finish()
- * and say stop: the operation fails and the transport tells the peers. */
+ * operation waits with the GIL released. interrupt() from another thread
+ * (shutdown() while the engine's thread waits) says stop. On the main thread
+ * it also runs Python's signal handlers, so Ctrl-C need not wait for
+ * RINGREDUCE_TIMEOUT: if one raised (SIGINT's KeyboardInterrupt, a SIGTERM
+ * handler's exception), keep it for finish() and say stop. Either way the
+ * operation fails and the transport tells the peers this rank left. */
 static int signals_pending(void *arg)
 {
     CommObject *self = arg;
+    if (atomic_load(&self->stop_requested)) return 1;
+    if (PyThread_get_thread_ident() != main_thread) return 0; /* only it runs signal handlers */
     PyGILState_STATE gil = PyGILState_Ensure();
     int stop = PyErr_CheckSignals() < 0;
     if (stop) {
@@ -54,14 +66,34 @@ static int signals_pending(void *arg)
     return stop;
 }
 
-/* Only an operation on the main thread listens for signals: elsewhere
- * PyErr_CheckSignals does nothing, and taking the GIL would be waste. */
 static void arm_interrupt(CommObject *self, int armed)
 {
     rr_transport *t = self->ring ? self->ring->transport : NULL;
     if (!t) return;
     t->interrupted = armed ? signals_pending : NULL;
     t->interrupt_arg = self;
+}
+
+/* A signal handler run by the hook is Python on the thread that holds the
+ * lock: a collective or close() from it would wait for itself forever. */
+static int reentered(CommObject *self)
+{
+    return atomic_load(&self->busy) && pthread_equal(self->owner, pthread_self());
+}
+
+static int forked_away(CommObject *self) { return self->pid != getpid(); }
+
+/* Before each operation: after interrupt() nothing more runs (and the peers
+ * are told), and a ring that knows a peer is lost fails at once. */
+static int begin_op(CommObject *self, rr_error *err)
+{
+    if (atomic_load(&self->stop_requested)) {
+        rr_set_error(err, RR_E_INTERRUPTED, self->ring->rank, "rank %d was interrupted while leaving the ring",
+                     self->ring->rank);
+        self->ring->transport->ops->abort(self->ring->transport, err);
+        return err->code;
+    }
+    return rr_ring_begin(self->ring, err);
 }
 
 PyObject *error_class(const char *name)
@@ -128,6 +160,7 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
         /* The Comm owns it from here: make the capsule unusable for a second Comm. */
         if (PyCapsule_SetName(capsule, "ringreduce.transport.taken")) return -1;
         self->ring = rr_ring_create(t, (size_t)segment);
+        self->pid = getpid();
         if (!self->ring) { t->ops->destroy(t); PyErr_NoMemory(); return -1; }
         pthread_mutex_init(&self->mu, NULL);
         return 0;
@@ -156,6 +189,7 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
     }
     PyMem_Free(fds);
     self->ring = rr_ring_create(t, (size_t)segment);
+    self->pid = getpid();
     if (!self->ring) {
         if (t) t->ops->destroy(t);
         PyErr_NoMemory();
@@ -173,31 +207,40 @@ fail_shm:
 
 static void Comm_dealloc(CommObject *self)
 {
-    if (self->ring) {
-        rr_ring_destroy(self->ring);
-        pthread_mutex_destroy(&self->mu);
-    }
+    close_ring(self);
     Py_CLEAR(self->interrupt);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Runs one ring operation with the GIL released and the lock held. */
+/* Runs one ring operation with the GIL released and the lock held. A ring
+ * that already knows a peer is lost fails before the operation starts
+ * (rr_ring_begin); one called from a signal handler inside an operation, or
+ * in a forked child, fails without touching the ring. */
 #define RUN_LOCKED(self, err, CALL)                                          \
     do {                                                                     \
-        int on_main_thread = PyThread_get_thread_ident() == main_thread;     \
+        if (reentered(self) || forked_away(self)) {                          \
+            rr_set_error(&(err), RR_E_INVALID, -1, forked_away(self)         \
+                ? "this communicator belongs to the process that forked this one: call ringreduce.init() here" \
+                : "a collective cannot run inside a signal handler that interrupted another one");            \
+            break;                                                           \
+        }                                                                    \
         Py_BEGIN_ALLOW_THREADS                                               \
         pthread_mutex_lock(&(self)->mu);                                     \
+        (self)->owner = pthread_self();                                      \
+        atomic_store(&(self)->busy, 1);                                      \
         if ((self)->broken.code == RR_OK) {                                  \
-            arm_interrupt(self, on_main_thread);                             \
-            CALL;                                                            \
+            arm_interrupt(self, 1);                                          \
+            if (begin_op(self, &(err)) == RR_OK) { CALL; }                   \
             arm_interrupt(self, 0);                                          \
             if ((err).code != RR_OK) (self)->broken = (err);                 \
         } else {                                                             \
             (err) = (self)->broken;                                          \
             (err).code = -(err).code;                                        \
         }                                                                    \
+        atomic_store(&(self)->busy, 0);                                      \
         pthread_mutex_unlock(&(self)->mu);                                   \
         Py_END_ALLOW_THREADS                                                 \
+        if ((self)->close_pending) close_ring(self);                         \
     } while (0)
 
 static PyObject *finish(CommObject *self, rr_error *err)
@@ -462,18 +505,41 @@ done:
     return result;
 }
 
-static PyObject *Comm_close(CommObject *self, PyObject *Py_UNUSED(ignored))
+/* Says goodbye and frees the ring. In a forked child the ring (sockets,
+ * shared mappings, the control star's thread) is the parent's: forget it. */
+static void close_ring(CommObject *self)
 {
-    if (!self->closed && self->ring) {
+    self->close_pending = 0;
+    if (self->closed || !self->ring) {
+        self->closed = 1;
+        return;
+    }
+    if (forked_away(self)) {
+        self->ring = NULL; /* leaked on purpose: destroying it would say goodbye for the parent */
+    } else {
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&self->mu);
         rr_ring_destroy(self->ring);
         self->ring = NULL;
         pthread_mutex_unlock(&self->mu);
         Py_END_ALLOW_THREADS
-        pthread_mutex_destroy(&self->mu);
     }
+    pthread_mutex_destroy(&self->mu);
     self->closed = 1;
+}
+
+static PyObject *Comm_close(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (reentered(self)) /* from a signal handler inside an operation: once it returns */
+        self->close_pending = 1;
+    else
+        close_ring(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Comm_interrupt(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    atomic_store(&self->stop_requested, 1);
     Py_RETURN_NONE;
 }
 
@@ -513,6 +579,8 @@ static PyMethodDef Comm_methods[] = {
     {"allreduce_small", (PyCFunction)Comm_allreduce_small, METH_VARARGS,
      "allreduce_small(head, data, out, dtype, op) -> None, or every rank's blob when headers differ"},
     {"close", (PyCFunction)Comm_close, METH_NOARGS, "say goodbye to the peers and free everything"},
+    {"interrupt", (PyCFunction)Comm_interrupt, METH_NOARGS,
+     "from any thread: the running operation (and every later one) fails, and the peers learn this rank left"},
     {NULL, NULL, 0, NULL},
 };
 

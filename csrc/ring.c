@@ -87,6 +87,13 @@ static int fail(rr_ring *ring, int code, rr_error *err)
     return code;
 }
 
+int rr_ring_begin(rr_ring *ring, rr_error *err)
+{
+    const rr_transport_ops *ops = ring->transport->ops;
+    int rc = ops->begin ? ops->begin(ring->transport, err) : RR_OK;
+    return rc == RR_OK ? RR_OK : fail(ring, rc, err);
+}
+
 /* Work queued on the device that the schedule waits for, oldest first:
  * completion comes in queue order, since the device runs one stream. */
 enum { STAGED_FIRST, STAGED_REDUCED };

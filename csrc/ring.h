@@ -20,6 +20,10 @@ typedef struct rr_ring {
 rr_ring *rr_ring_create(rr_transport *t, size_t segment_bytes);
 void rr_ring_destroy(rr_ring *ring);
 
+/* Before each operation: fails (and aborts the transport) when a peer is
+ * already known lost, so no rank starts what cannot finish. */
+int rr_ring_begin(rr_ring *ring, rr_error *err);
+
 /* How many elements of `count` chunk i holds: the first count % size chunks
  * get one extra element. */
 size_t rr_chunk_count(size_t count, int size, int i);

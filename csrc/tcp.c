@@ -224,9 +224,8 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
         return err->code;
     }
-    /* A rank lost while this one was away (computing, in Python) was noted. */
-    int rc = star_verdict(t, err);
-    if (rc != RR_OK || (slen == 0 && rlen == 0)) return rc;
+    if (slen == 0 && rlen == 0) return RR_OK;
+    int rc;
     int64_t deadline = t->timeout_ms >= 0 ? now_ms() + t->timeout_ms : INT64_MAX;
     long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
     int spins = 0;
@@ -243,6 +242,11 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
             sched_yield();
             continue;
         }
+        /* Nothing can move. A rank lost while this one was away (computing,
+         * in Python) or waiting was noted by the star: that verdict decides
+         * now. Only now: bytes a lost rank sent before it went are taken
+         * first, so an operation it had finished its part of still completes. */
+        if ((rc = star_verdict(t, err)) != RR_OK) return rc;
         int tx_sleeps = slen && t->tx_shm, rx_sleeps = rlen && t->rx_shm;
         if (!ready_to_sleep(t, tx_sleeps, rx_sleeps)) continue;
 
@@ -269,7 +273,8 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         }
         if (r > 0 && t->tx_shm && pfd[0].fd >= 0 && pfd[0].revents && drain(t->next_fd)) t->next_closed = 1;
         if (r > 0 && t->rx_shm && pfd[1].fd >= 0 && pfd[1].revents && drain(t->prev_fd)) t->prev_closed = 1;
-        if (r > 0 && pfd[2].revents && (rc = star_verdict(t, err)) != RR_OK) return rc;
+        /* pfd[2] (a verdict came in) needs nothing here: the next turn moves
+         * what it can, then consults the verdict. */
     }
 }
 
@@ -299,7 +304,19 @@ static void tcp_destroy(rr_transport *base)
     free(t);
 }
 
-static const rr_transport_ops tcp_ops = {tcp_exchange, tcp_abort, tcp_destroy};
+/* A rank lost while this one was away (computing, in Python) was noted by
+ * the star: the next operation fails at once, naming it. */
+static int tcp_begin(rr_transport *base, rr_error *err)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    if (t->aborted) {
+        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
+        return err->code;
+    }
+    return star_verdict(t, err);
+}
+
+static const rr_transport_ops tcp_ops = {tcp_exchange, tcp_abort, tcp_destroy, tcp_begin};
 
 rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
                             const int *ctrl_fds, int n_ctrl, double timeout_s, int spin_rounds,

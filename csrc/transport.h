@@ -28,6 +28,9 @@ typedef struct rr_transport_ops {
     void (*abort)(rr_transport *t, const rr_error *why);
     /* Orderly goodbye, then free everything. */
     void (*destroy)(rr_transport *t);
+    /* Optional (NULL: nothing to check). An operation starts: fail now,
+     * with err filled, if the transport already knows a peer is lost. */
+    int (*begin)(rr_transport *t, rr_error *err);
 } rr_transport_ops;
 
 /* Asked while exchange() waits (see rr_should_stop): nonzero means give up,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import os
 import struct
 import threading
 
@@ -119,13 +120,31 @@ def _check_same_init(backend, comm) -> None:
 
 
 def shutdown() -> None:
-    """Leaves the ring; init() may join a new one later."""
-    with _state.lock:
+    """Leaves the ring; init() may join a new one later. A collective running
+    on another thread (the engine's) is interrupted, so this rank leaves at
+    once and its peers learn that it left, instead of waiting it out."""
+    if not _state.lock.acquire(blocking=False):
+        comm = _state.comm
+        if comm is not None:
+            comm.interrupt()
+        _state.lock.acquire()
+    try:
         if _state.comm is not None:
             _state.comm.close()
         _state.comm = _state.world = None
+    finally:
+        _state.lock.release()
 
 
+def _forget_in_child() -> None:
+    """A forked child inherits the parent's ring (sockets, shared mappings, a
+    control thread that did not survive the fork): it must neither use nor
+    close it. The child starts uninitialised; the C side leaks its copy."""
+    _state.lock = threading.RLock()  # another thread may have held it at the fork
+    _state.comm = _state.world = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 atexit.register(shutdown)
 
 

@@ -51,8 +51,10 @@ def _exit_like(code: int):
         sys.exit(code)
     sig = -code
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the command dumped core already if it was to
-    if sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)  # the others we never caught (SIGKILL cannot be)
+    try:
+        signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE and SIGXFSZ, and we caught the stop signals
+    except (OSError, ValueError):
+        pass  # SIGKILL and SIGSTOP cannot be caught, nor need to be
     os.kill(os.getpid(), sig)
     sys.exit(128 + sig)  # a signal that does not end a process
 
@@ -88,7 +90,42 @@ def guard(command: list[str], grace: float) -> None:
             stop_requested.append(0)
         if wake_r in ready:
             os.read(wake_r, 4096)
+    _end_the_group(grace)
     _exit_like(child.returncode)
+
+
+def _end_the_group(grace: float) -> None:
+    """Whatever the command left running in its group (a background job)
+    ends with it: SIGTERM, then SIGKILL after `grace` seconds."""
+    if not _others_in_group():
+        return
+    _stop(grace)
+    deadline = time.monotonic() + grace
+    while _others_in_group() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in _others_in_group():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _others_in_group() -> list[int]:
+    """Live processes of our group other than the guard (Linux /proc; elsewhere none are seen)."""
+    me, group, found = os.getpid(), os.getpgrp(), []
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit() and int(e) != me]
+    except OSError:
+        return found
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            found.append(int(pid))
+    return found
 
 
 def _stop(grace: float) -> float:

@@ -18,15 +18,17 @@ ABORT_GRACE = 0.5  # seconds; on a loaded machine Hydra dropped the reason witho
 
 def available() -> str | None:
     """None if the MPI backend can run here, else what is missing."""
+    # mpi4py first: it loads the MPI library of this environment, which then
+    # serves _mpi too (whatever library path the build machine baked in).
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed: pip install 'ringreduce[mpi]'"
     try:
         from . import _mpi  # noqa: F401
     except ImportError:
         return ("ringreduce was built without the MPI transport: pip install 'ringreduce[mpi]', then rebuild "
                 "with MPICC=<path to mpicc> pip install -e .")
-    try:
-        from mpi4py import MPI  # noqa: F401
-    except ImportError:
-        return "mpi4py is not installed: pip install 'ringreduce[mpi]'"
     return None
 
 
