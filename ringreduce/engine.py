@@ -34,7 +34,7 @@ import numpy as np
 from . import collectives as _c
 from .config import Config
 from .errors import MismatchError, RingReduceError
-from .negotiation import DTYPE, NAME, OP, PROCESS_SET, SHAPE, Negotiator
+from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
 from .timeline import Timeline
 
 GLOBAL_PROCESS_SET = 0  # the only one until ringreduce/process_sets.py plugs in here
