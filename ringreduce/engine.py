@@ -101,6 +101,7 @@ class Engine:
         self._stop = False
         self._joining: threading.Event | None = None  # set while this rank has joined
         self._last_joined: int | None = None
+        self._join_error: BaseException | None = None  # why the last join() failed, the engine going on
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
 
@@ -178,6 +179,9 @@ class Engine:
         with self._cond:
             if self._error is not None:
                 raise RingReduceError(f"the engine stopped after an earlier error: {self._error}")
+            if self._join_error is not None:
+                exc, self._join_error = self._join_error, None
+                raise exc
             return self._last_joined
 
     def shutdown(self) -> None:
@@ -212,7 +216,11 @@ class Engine:
                 return
 
     def _cycle(self, ready: list[Handle], joined: bool) -> None:
-        agreement = self.negotiator.negotiate([h.key for h in ready], joined)
+        try:
+            agreement = self.negotiator.negotiate([h.key for h in ready], joined)
+        except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
+            self._fail_waiting(MismatchError(f"the engine's negotiation met another collective: {exc}"))
+            return
         for key, problem in agreement.failed:  # fails this request on every rank; the engine goes on
             with self._cond:
                 h = self._pending.pop((key[PROCESS_SET], key[NAME]), None)
@@ -235,6 +243,17 @@ class Engine:
             done.set()
         elif not handles and not agreement.failed:
             time.sleep(0.001)  # some rank is still computing; ask again shortly
+
+    def _fail_waiting(self, exc: BaseException) -> None:
+        with self._cond:
+            for h in self._pending.values():
+                h.error = exc
+                h.done.set()
+            self._pending.clear()
+            if self._joining is not None:
+                self._join_error = exc
+                self._joining.set()
+                self._joining = None
 
     def _buckets(self, handles: list[Handle]):
         """Per dtype, op and process set (in agreed order), up to the fusion threshold."""
