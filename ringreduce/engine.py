@@ -112,11 +112,12 @@ class Engine:
 
     # -- the caller's side -------------------------------------------------
 
-    def enqueue(self, name: str, array, kind: str = "allreduce", op: str = "avg", root: int = 0,
+    def enqueue(self, name: str, array, op: str = "avg", kind: str = "allreduce", root: int = 0,
                 process_set: int = GLOBAL_PROCESS_SET, **extra) -> Handle:
         """array: numpy, or a GPU array (cupy), reduced on its device. Returns
         at once; wait(handle) gives the result. extra: keywords a kind needs
-        (alltoall: splits)."""
+        (alltoall: splits). op stays third, where callers of the
+        allreduce-only engine passed it."""
         spec = KINDS.get(kind)
         if spec is None:
             raise ValueError(f"unknown collective kind {kind!r}; the engine runs {', '.join(KINDS)}")
