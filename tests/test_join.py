@@ -9,15 +9,16 @@ UNEVEN_JOB = """
 from ringreduce.engine import engine
 STEPS = [int(s) for s in os.environ["STEPS"].split(",")]
 n, me = rr.size(), rr.rank()
-def grad(rank, step, dtype, shape):
-    return np.full(shape, (rank + 1) * (step + 1) * 3, dtype=dtype)
+def grad(rank, step, dtype, shape, op):
+    sign = -1 if op == "max" else 1   # a joined rank's zeros would win a max of negatives: it adds -inf
+    return np.full(shape, sign * (rank + 1) * (step + 1) * 3, dtype=dtype)
 wrong, errors = [], {}
 for step in range(STEPS[me]):
-    handles = {(dt, op): engine().enqueue(f"g/{dt}/{op}", grad(me, step, dt, (5, 3) if dt == "float64" else (17,)), op=op)
+    handles = {(dt, op): engine().enqueue(f"g/{dt}/{op}", grad(me, step, dt, (5, 3) if dt == "float64" else (17,), op), op=op)
                for dt in ("float64", "int32", "float16") for op in ("avg", "sum", "max")}
     for (dt, op), h in handles.items():
         got = engine().wait(h)
-        active = [grad(r, step, dt, got.shape) for r in range(n) if STEPS[r] > step]
+        active = [grad(r, step, dt, got.shape, op) for r in range(n) if STEPS[r] > step]
         total = np.sum(active, axis=0, dtype=np.float64)
         want = {"sum": total, "avg": total / n if dt != "int32" else total // n, "max": np.max(active, axis=0)}[op]
         if not np.array_equal(got, want.astype(dt)):
