@@ -19,11 +19,12 @@ from .collectives import (
     shutdown,
     size,
 )
+from .engine import join
 
 __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier",
+    "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "join",
     "RingReduceError", "MismatchError", "PeerLostError",
 ]

@@ -13,6 +13,7 @@ MAX_SMALL_BYTES = 32 << 20
 MAX_SEGMENT_BYTES = 64 << 20
 MAX_SHM_BYTES = 1 << 30  # what a taker accepts (ringreduce/shm.py)
 BACKENDS = ("", "socket", "mpi")
+MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class Config:
     shm_bytes: int = 1 << 20        # RINGREDUCE_SHM_BYTES: buffer of a shared-memory link between
                                     # neighbours on one host (socket backend); 0: sockets only
     fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
+    cache_capacity: int = 1024      # RINGREDUCE_CACHE_CAPACITY: requests the engine's response cache
+                                    # holds (ringreduce/response_cache.py); 0: no cache
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -41,6 +44,8 @@ class Config:
         _check("RINGREDUCE_SHM_BYTES", self.shm_bytes, 0 <= self.shm_bytes <= MAX_SHM_BYTES,
                f"0 (sockets only) .. {MAX_SHM_BYTES} bytes")
         _check("RINGREDUCE_FUSION_THRESHOLD", self.fusion_bytes, self.fusion_bytes >= 0, "bytes >= 0")
+        _check("RINGREDUCE_CACHE_CAPACITY", self.cache_capacity, 0 <= self.cache_capacity <= MAX_CACHE_CAPACITY,
+               f"0 (no cache) .. {MAX_CACHE_CAPACITY} requests")
 
     @property
     def ring_timeout(self) -> float:
@@ -76,6 +81,7 @@ class Config:
             backend=get("RINGREDUCE_BACKEND", d.backend, str),
             shm_bytes=get("RINGREDUCE_SHM_BYTES", d.shm_bytes, int),
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
+            cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
         )
 
 

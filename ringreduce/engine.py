@@ -1,81 +1,158 @@
-"""The background engine: tensors handed over one by one travel in fused
-ring allreduces on a thread of their own, while the caller goes on.
+"""The background engine: collectives handed over one by one run on a thread
+of their own, allreduces fused, while the caller goes on.
 
     h = engine().enqueue("dense/kernel", grad, op="avg")    # returns at once
-    ...                                                     # more backprop
-    reduced = engine().wait(h)
+    g = engine().enqueue("ids", ids, kind="allgather")      # any kind, any order
+    reduced, rows = engine().wait(h), engine().wait(g)
+    last = join()                                           # out of data (Horovod's hvd.join)
 
-Ranks must agree on what goes next even when their tensors become ready in
-different orders. The engine negotiates, as Horovod's coordinator does: each
-cycle every rank sends the names (with dtype and shape) of the tensors it has
-ready, in one ring pass of the header exchange; the tensors ready on every
-rank go, in rank 0's order, packed into fusion buffers of up to
-RINGREDUCE_FUSION_THRESHOLD bytes (one ring op for many small tensors); the
-rest wait for a later cycle. A tensor whose dtype or shape differs between
-ranks raises MismatchError on every rank, naming it.
+Ranks pair collectives BY NAME, so they may be issued in any order and from
+several threads at once. Each cycle the ranks agree on what runs
+(ringreduce/negotiation.py, with its response cache): what is ready on every
+rank runs, allreduces packed into fusion buffers of up to
+RINGREDUCE_FUSION_THRESHOLD bytes, per dtype and op; the rest waits. A
+request whose kind, dtype, shape, op or root differs between ranks fails on
+every rank with MismatchError naming it and the ranks; the engine goes on.
 
-Framework-free: the TensorFlow layer calls only enqueue and wait.
+A rank that calls join() goes on negotiating with nothing of its own: it
+adds zeros to every allreduce the others run (so avg still divides by every
+rank, as Horovod's), until every rank has joined; then join() returns the
+rank that joined last, on every rank.
+
+Framework-free: the TensorFlow layer calls only enqueue, wait and join.
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from . import collectives as _c
 from .config import Config
 from .errors import MismatchError, RingReduceError
+from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
 from .timeline import Timeline
 
-NEGOTIATE = 5  # header kind of a negotiation pass (see collectives._KIND_NAMES)
+GLOBAL_PROCESS_SET = 0  # the only one until ringreduce/process_sets.py plugs in here
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What the engine needs to know of a collective. run(handle) does it
+    (None: the engine's fused allreduce); reduces: takes an op; rooted:
+    takes a root; ragged: ranks may differ in dim 0."""
+    run: Callable | None
+    reduces: bool = False
+    rooted: bool = False
+    ragged: bool = False
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register_kind(name: str, run: Callable | None, *, reduces=False, rooted=False, ragged=False) -> None:
+    """Lets engine().enqueue(..., kind=name) run `run(handle)`; handle.array,
+    .op, .root, .name and .extra (enqueue's extra keywords) are there to use."""
+    KINDS[name] = Kind(run, reduces, rooted, ragged)
+
+
+register_kind("allreduce", None, reduces=True)
+register_kind("reduce_scatter", lambda h: _c.reduce_scatter(h.array, op=h.op, name=h.name), reduces=True)
+register_kind("allgather", lambda h: _c.allgather(h.array, name=h.name), ragged=True)
+register_kind("broadcast", lambda h: _c.broadcast(h.array, root=h.root, name=h.name), rooted=True)
+if hasattr(_c, "alltoall"):  # rr.alltoall(x, splits, name) -> (received, received_splits)
+    register_kind("alltoall", lambda h: _c.alltoall(h.array, h.extra.get("splits"), name=h.name), ragged=True)
 
 
 @dataclass
 class Handle:
     name: str
     array: object  # numpy or cupy
+    kind: str
     op: str
+    root: int
+    process_set: int
+    key: tuple  # what every rank must agree on (ringreduce/negotiation.py)
     seq: int
+    extra: dict = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
     family: object = None  # how the collectives handle `array` (collectives._arrays_for)
     ready: object = None  # GPU arrays: an event after the caller's work on `array`
+    stand_in: bool = False  # a joined rank's zeros: nobody waits for it
 
 
 class Engine:
-    def __init__(self, fusion_bytes: int | None = None, timeline_path: str | None = None):
-        self.fusion_bytes = fusion_bytes if fusion_bytes is not None else Config.from_env().fusion_bytes
+    def __init__(self, fusion_bytes: int | None = None, timeline_path: str | None = None,
+                 cache_capacity: int | None = None):
+        config = Config.from_env()
+        self.fusion_bytes = fusion_bytes if fusion_bytes is not None else config.fusion_bytes
+        self.negotiator = Negotiator(cache_capacity if cache_capacity is not None else config.cache_capacity)
         self.timeline = Timeline(timeline_path or os.environ.get("RINGREDUCE_TIMELINE"))
-        self._pending: dict[str, Handle] = {}
+        self._pending: dict[tuple, Handle] = {}  # (process_set, name) -> handle
         self._cond = threading.Condition()
         self._seq = 0
         self._error: BaseException | None = None
         self._stop = False
+        self._joining: threading.Event | None = None  # set while this rank has joined
+        self._last_joined: int | None = None
+        self._join_error: BaseException | None = None  # why the last join() failed, the engine going on
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def stats(self):
+        """Negotiation cost so far: cycles, bytes_sent, seconds."""
+        return self.negotiator.stats
+
     # -- the caller's side -------------------------------------------------
 
-    def enqueue(self, name: str, array, op: str = "avg") -> Handle:
-        """array: numpy, or a GPU array (cupy), reduced on its device."""
+    def enqueue(self, name: str, array, op: str = "avg", kind: str = "allreduce", root: int = 0,
+                process_set: int = GLOBAL_PROCESS_SET, **extra) -> Handle:
+        """array: numpy, or a GPU array (cupy), reduced on its device. Returns
+        at once; wait(handle) gives the result. extra: keywords a kind needs
+        (alltoall: splits). op stays third, where callers of the
+        allreduce-only engine passed it."""
+        spec = KINDS.get(kind)
+        if spec is None:
+            raise ValueError(f"unknown collective kind {kind!r}; the engine runs {', '.join(KINDS)}")
+        if not isinstance(name, str) or not name:
+            raise ValueError("every collective in the engine needs a name, the same on every rank")
+        if process_set != GLOBAL_PROCESS_SET:
+            raise ValueError(f"process set {process_set!r} is not known to the engine")
         family, array = _c._arrays_for(array)
         with family.on(array):
             array = family.xp.ascontiguousarray(array)
+        if spec.ragged and array.ndim == 0:
+            array = array.reshape(1)
+        if spec.reduces:
+            _c._op_code(op)
+        else:
+            op = ""
+        if spec.rooted:
+            size = _c.size()
+            if not (isinstance(root, (int, np.integer)) and 0 <= root < size):
+                raise ValueError(f"root {root!r} is not a rank of this world of {size}")
+            root = int(root)
+        else:
+            root = 0
+        shape = ((-1,) + tuple(array.shape[1:])) if spec.ragged else tuple(array.shape)
+        key = (name, kind, array.dtype.name, shape, op, root, process_set)
         ready = family.mark(array)  # the engine's thread reads array after the caller's stream wrote it
-        _c._op_code(op)
         with self._cond:
             if self._error is not None:
                 raise RingReduceError(f"the engine stopped after an earlier error: {self._error}")
-            if name in self._pending:
+            if (process_set, name) in self._pending:
                 raise ValueError(f"tensor {name!r} is already in flight")
             self._seq += 1
-            h = Handle(name, array, op, self._seq, family=family, ready=ready)
-            self._pending[name] = h
+            h = Handle(name, array, kind, op, root, process_set, key, self._seq, extra,
+                       family=family, ready=ready)
+            self._pending[(process_set, name)] = h
             self.timeline.begin(name, "QUEUE")
             self._cond.notify()
         return h
@@ -87,6 +164,26 @@ class Engine:
         if h.error is not None:
             raise h.error
         return h.result
+
+    def join(self) -> int:
+        """This rank has no more data: until every rank has joined, it adds
+        zeros to the allreduces of the others. Returns, on every rank once
+        all have joined, the rank that joined last."""
+        with self._cond:
+            if self._error is not None:
+                raise RingReduceError(f"the engine stopped after an earlier error: {self._error}")
+            if self._joining is not None:
+                raise RuntimeError("join() is already waiting on this rank")
+            done = self._joining = threading.Event()
+            self._cond.notify()
+        done.wait()
+        with self._cond:
+            if self._error is not None:
+                raise RingReduceError(f"the engine stopped after an earlier error: {self._error}")
+            if self._join_error is not None:
+                exc, self._join_error = self._join_error, None
+                raise exc
+            return self._last_joined
 
     def shutdown(self) -> None:
         with self._cond:
@@ -100,13 +197,14 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._stop:
+                while not self._pending and self._joining is None and not self._stop:
                     self._cond.wait()
                 if self._stop:
                     return
                 ready = sorted(self._pending.values(), key=lambda h: h.seq)
+                joined = self._joining is not None
             try:
-                self._cycle(ready)
+                self._cycle(ready, joined)
             except BaseException as exc:  # every waiter learns, on every rank
                 with self._cond:
                     self._error = exc
@@ -114,52 +212,65 @@ class Engine:
                         h.error = exc
                         h.done.set()
                     self._pending.clear()
+                    if self._joining is not None:
+                        self._joining.set()
                 return
 
-    def _cycle(self, ready: list[Handle]) -> None:
-        mine = [[h.name, h.array.dtype.str, list(h.array.shape), h.op] for h in ready]
-        everyone = self._negotiate(mine)
-        ready_everywhere = [entry for entry in everyone[0] if all(entry[0] in by_name for by_name in everyone[1:])]
-        agreed = []
-        for entry in ready_everywhere:  # every rank holds the same lists, so all decide alike
-            problem = _disagreement(entry, everyone[1:])
-            if problem is None:
-                agreed.append(entry)
-            else:  # fails this tensor on every rank; the engine and the ring go on
-                with self._cond:
-                    h = self._pending.pop(entry[0])
+    def _cycle(self, ready: list[Handle], joined: bool) -> None:
+        try:
+            agreement = self.negotiator.negotiate([h.key for h in ready], joined)
+        except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
+            self._fail_waiting(MismatchError(f"the engine's negotiation met another collective: {exc}"))
+            return
+        for key, problem in agreement.failed:  # fails this request on every rank; the engine goes on
+            with self._cond:
+                h = self._pending.pop((key[PROCESS_SET], key[NAME]), None)
+            if h is not None:
                 h.error = MismatchError(problem)
                 self.timeline.end(h.name, "QUEUE")
                 h.done.set()
-        if not agreed:
-            time.sleep(0.001)  # some rank is still computing; ask again shortly
-            return
         with self._cond:
-            handles = [self._pending[e[0]] for e in agreed]
-        for bucket in self._buckets(handles):
+            handles = [self._pending.get((k[PROCESS_SET], k[NAME])) or _stand_in(k) for k in agreement.run]
+        reductions = [h for h in handles if h.kind == "allreduce"]
+        for bucket in self._buckets(reductions):
             self._run(bucket)
+        for h in handles:
+            if h.kind != "allreduce":
+                self._run_one(h)
+        if agreement.join_done is not None:
+            with self._cond:
+                self._last_joined = agreement.join_done
+                done, self._joining = self._joining, None
+            done.set()
+        elif not handles and not agreement.failed:
+            time.sleep(0.001)  # some rank is still computing; ask again shortly
 
-    def _negotiate(self, mine: list) -> list:
-        """Every rank's ready list; rank 0's as a list, the others as dicts by name."""
-        blob = json.dumps(mine).encode()
-        head = _c._header(NEGOTIATE, 0, 0, (), "", 0, False)
-        with _c._state.lock:
-            blobs = _c._exchange(head, blob, ("name",), "engine negotiation")
-        lists = [json.loads(bytes(b[len(head):])) for b in blobs]
-        return [lists[0]] + [{e[0]: e for e in lst} for lst in lists[1:]]
+    def _fail_waiting(self, exc: BaseException) -> None:
+        with self._cond:
+            for h in self._pending.values():
+                h.error = exc
+                h.done.set()
+            self._pending.clear()
+            if self._joining is not None:
+                self._join_error = exc
+                self._joining.set()
+                self._joining = None
 
     def _buckets(self, handles: list[Handle]):
-        """Consecutive tensors of one dtype and op, up to the fusion threshold."""
-        bucket, size = [], 0
+        """Per dtype, op and process set (in agreed order), up to the fusion threshold."""
+        groups: dict[tuple, list[Handle]] = {}
         for h in handles:
-            if bucket and (h.array.dtype != bucket[0].array.dtype or h.op != bucket[0].op
-                           or size + h.array.nbytes > self.fusion_bytes):
+            groups.setdefault((h.key[DTYPE], h.op, h.process_set), []).append(h)
+        for group in groups.values():
+            bucket, size = [], 0
+            for h in group:
+                if bucket and size + h.array.nbytes > self.fusion_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append(h)
+                size += h.array.nbytes
+            if bucket:
                 yield bucket
-                bucket, size = [], 0
-            bucket.append(h)
-            size += h.array.nbytes
-        if bucket:
-            yield bucket
 
     def _run(self, bucket: list[Handle]) -> None:
         for h in bucket:
@@ -190,18 +301,46 @@ class Engine:
                 if mixed:
                     h.result = f.from_host(h.result, like=h.array)
                 at += n
-                del self._pending[h.name]
-                h.done.set()
+                self._finish(h)
+
+    def _run_one(self, h: Handle) -> None:
+        self.timeline.end(h.name, "QUEUE")
+        h.family.wait(h.ready)
+        try:
+            with h.family.on(h.array):
+                h.result = KINDS[h.kind].run(h)
+        except MismatchError as exc:  # the collective's own header check: the ring stays usable
+            h.error = exc
+        with self._cond:
+            self._finish(h)
+
+    def _finish(self, h: Handle) -> None:
+        if not h.stand_in:
+            del self._pending[(h.process_set, h.name)]
+        h.done.set()
 
 
-def _disagreement(entry, others) -> str | None:
-    for r, by_name in enumerate(others, start=1):
-        theirs = by_name[entry[0]]
-        if theirs[1:] != entry[1:]:
-            return (f"tensor {entry[0]!r} differs between ranks: rank 0 has dtype {entry[1]} shape "
-                    f"{tuple(entry[2])} op {entry[3]}, rank {r} has dtype {theirs[1]} shape "
-                    f"{tuple(theirs[2])} op {theirs[3]}")
-    return None
+_NUMPY_DTYPES = {str(d): d for d in _c._DTYPES}
+
+
+def _stand_in(key: tuple) -> Handle:
+    """What a joined rank adds to an allreduce it has no tensor for: zeros
+    for sum and avg (Horovod's join), the op's identity for the others, so
+    min, max and prod are those of the ranks that have data."""
+    dtype, op = _NUMPY_DTYPES[key[DTYPE]], key[OP]
+    if op == "prod":
+        fill = 1
+    elif op in ("min", "max"):
+        if dtype.kind == "f" or key[DTYPE] == "bfloat16":
+            fill = np.inf if op == "min" else -np.inf
+        else:
+            info = np.iinfo(dtype)
+            fill = info.max if op == "min" else info.min
+    else:
+        fill = 0
+    array = np.full(key[SHAPE], fill, dtype=dtype)
+    return Handle(key[NAME], array, key[KIND], op, 0, key[PROCESS_SET], key, 0,
+                  family=_c._HostArrays, stand_in=True)
 
 
 _engine: Engine | None = None
@@ -215,3 +354,12 @@ def engine() -> Engine:
         if _engine is None or not _engine._thread.is_alive():
             _engine = Engine()
         return _engine
+
+
+def join() -> int:
+    """Horovod's hvd.join(): call it when this rank has run out of data. Until
+    every rank has joined, allreduces the others issue through the engine
+    complete with this rank adding zeros (avg still divides by every rank);
+    other collectives raise MismatchError. Returns, on every rank, the rank
+    that joined last."""
+    return engine().join()

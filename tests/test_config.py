@@ -15,6 +15,7 @@ BAD = {
     "RINGREDUCE_BACKEND": ["gloo"],
     "RINGREDUCE_SHM_BYTES": ["-1", str(2 << 30)],
     "RINGREDUCE_FUSION_THRESHOLD": ["-1"],
+    "RINGREDUCE_CACHE_CAPACITY": ["-1", "lots", str((1 << 20) + 1)],
 }
 
 
@@ -29,6 +30,11 @@ def test_timeout_zero_and_inf_mean_never_and_huge_values_stay_huge():
     assert Config.from_env({"RINGREDUCE_TIMEOUT": "inf"}).ring_timeout == math.inf
     assert Config.from_env({"RINGREDUCE_TIMEOUT": "3000000"}).ring_timeout == 3e6
     assert Config.from_env({}).ring_timeout == 60.0
+
+
+def test_cache_capacity_defaults_to_1024_and_zero_turns_it_off():
+    assert Config.from_env({}).cache_capacity == 1024
+    assert Config.from_env({"RINGREDUCE_CACHE_CAPACITY": "0"}).cache_capacity == 0
 
 
 def test_init_refuses_a_bad_setting_on_every_rank_before_connecting(tmp_path):

@@ -2,7 +2,7 @@
 orders, fusion, mismatches, the timeline."""
 import json
 
-import numpy as np
+import pytest
 
 from ranks import run_ranks
 
@@ -56,3 +56,167 @@ def test_a_tensor_that_differs_between_ranks_raises_everywhere(tmp_path):
         message, after = r.result
         assert "'w'" in message and "rank 2" in message and "(4, 5)" in message, message
         assert after == [3.0] * 3, f"rank {r.rank}: the engine stopped after a mismatch"
+
+
+MIXED_JOB = """
+import random, threading, time, zlib, hashlib
+from ringreduce.engine import Engine
+from ringreduce.collectives import _chunk_bounds
+n, me = rr.size(), rr.rank()
+eng = Engine(fusion_bytes=4096)
+KINDS = ["allreduce-sum", "allgather", "allreduce-avg", "broadcast", "reduce_scatter", "allreduce-max"]
+
+def data(name, rank, rows=None):
+    rng = np.random.default_rng([zlib.crc32(name.encode()), rank])
+    kind = name.split("/")[1]
+    if kind == "allgather":
+        return rng.integers(-9, 10, size=(rank + 1 + len(name) % 2, 3)).astype(np.float32)
+    if kind == "allreduce-avg":
+        return rng.integers(-50, 50, size=(7, 3)).astype(np.int32)
+    size = 70_001 if name.endswith("c5") and kind == "allreduce-sum" else 2 * n + 1
+    return rng.integers(-20, 21, size=size).astype(np.float64 if kind == "broadcast" else np.float32)
+
+def expected(name):
+    kind = name.split("/")[1]
+    every = [data(name, r) for r in range(n)]
+    if kind == "allgather":
+        return np.concatenate(every)
+    if kind == "allreduce-avg":
+        return np.sum(every, axis=0, dtype=np.int32) // np.int32(n)
+    if kind == "allreduce-max":
+        return np.max(every, axis=0)
+    if kind == "broadcast":
+        return every[len(name) % n]
+    total = np.sum(every, axis=0, dtype=np.float32)
+    if kind == "reduce_scatter":
+        lo, hi = _chunk_bounds(total.size, n, me)
+        return total[lo:hi]
+    return total
+
+def issue(name):
+    kind = name.split("/")[1]
+    x = data(name, me)
+    if kind.startswith("allreduce"):
+        return eng.enqueue(name, x, op=kind.split("-")[1])
+    if kind == "broadcast":
+        return eng.enqueue(name, x, kind="broadcast", root=len(name) % n)
+    if kind == "reduce_scatter":
+        return eng.enqueue(name, x, kind="reduce_scatter", op="sum")
+    return eng.enqueue(name, x, kind=kind)
+
+lists = [[f"t{t}/{KINDS[(t + i) % len(KINDS)]}/c{i}" for i in range(8)] for t in range(3)]
+found, digests, lock = {}, {}, threading.Lock()
+
+def worker(t):
+    rnd = random.Random(me * 10 + t)
+    names = lists[(t + me) % 3][:]       # a name is issued by a different thread on each rank
+    for step in range(2):
+        rnd.shuffle(names)               # and in a different order
+        handles = []
+        for name in names:
+            handles.append((name, issue(name)))
+            time.sleep(0.002 * rnd.random())
+        for name, h in handles:
+            got = eng.wait(h)
+            with lock:
+                found[(step, name)] = got.dtype == expected(name).dtype and np.array_equal(got, expected(name))
+                digests[(step, name)] = hashlib.sha1(got.tobytes()).hexdigest()
+
+threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+for th in threads: th.start()
+for th in threads: th.join(timeout=100)
+eng.shutdown()
+result = (sorted(k for k, ok in found.items() if not ok), len(found), digests)
+"""
+
+
+@pytest.mark.parametrize("n,env", [(2, {}), (3, {}), (3, {"RINGREDUCE_CACHE_CAPACITY": "0"}),
+                                   (3, {"RINGREDUCE_CACHE_CAPACITY": "5"})])
+def test_mixed_collectives_from_three_threads_in_any_order_meet_by_name(tmp_path, n, env):
+    ranks = run_ranks(n, MIXED_JOB, tmp_path, env=env, timeout=180)
+    for r in ranks:
+        wrong, count, _ = r.result
+        assert count == 48 and wrong == [], f"rank {r.rank}: wrong results for {wrong}"
+    shared = [k for k in ranks[0].result[2] if "reduce_scatter" not in k[1]]  # a chunk each: differs per rank
+    for r in ranks[1:]:
+        assert all(r.result[2][k] == ranks[0].result[2][k] for k in shared), "ranks' results differ in bits"
+
+
+def test_mismatches_of_every_field_fail_that_request_on_every_rank(tmp_path):
+    ranks = run_ranks(3, """
+        from ringreduce.engine import Engine
+        eng = Engine()
+        me = rr.rank()
+        def attempt(name, x, **kw):
+            try:
+                got = eng.wait(eng.enqueue(name, x, **kw))
+                return ("ok", got.tolist())
+            except rr.MismatchError as e:
+                return ("mismatch", str(e))
+        f32 = np.ones(4, dtype=np.float32)
+        out = {}
+        out["kind"] = attempt("k", f32, kind="allgather" if me == 2 else "allreduce")
+        out["op"] = attempt("o", f32, op="max" if me == 1 else "sum")
+        out["root"] = attempt("r", f32, kind="broadcast", root=1 if me else 0)
+        out["dtype"] = attempt("d", f32.astype(np.float64) if me == 2 else f32)
+        out["trailing"] = attempt("g", np.ones((2, 4 if me == 1 else 3), np.float32), kind="allgather")
+        for step in range(3):   # cached by now
+            attempt("w", f32, op="sum")
+        out["changed"] = attempt("w", np.ones(5 if me == 2 else 4, np.float32), op="sum")
+        out["all changed"] = attempt("w", np.ones(5, np.float32), op="sum")
+        out["cache"] = [k for k in eng.negotiator.cache._slot_of if k[0] == "w"]
+        eng.shutdown()
+        result = out
+    """, tmp_path, timeout=120)
+    for r in ranks:
+        out = r.result
+        for case, words in {"kind": ["'k'", "rank 2", "allgather", "allreduce"], "op": ["'o'", "rank 1", "op max"],
+                            "root": ["'r'", "root 0", "root 1"], "dtype": ["'d'", "rank 2", "float64"],
+                            "trailing": ["'g'", "rank 1", "(*, 4)", "(*, 3)"],
+                            "changed": ["'w'", "rank 2", "(5,)", "(4,)"]}.items():
+            status, text = out[case]
+            assert status == "mismatch" and all(w in text for w in words), (r.rank, case, text)
+        assert out["all changed"] == ("ok", [3.0] * 5), f"rank {r.rank}: the engine stopped after a mismatch"
+        assert out["cache"] == [("w", "allreduce", "float32", (5,), "sum", 0, 0)]
+
+
+def test_the_cache_makes_a_repeated_cycle_cost_bits_not_names(tmp_path):
+    ranks = run_ranks(3, """
+        from ringreduce.negotiation import Negotiator
+        keys = [(f"layer{i}/kernel", "allreduce", "float32", (300, 70), "avg", 0, 0) for i in range(100)]
+        out = {}
+        for capacity in (0, 1024):
+            neg = Negotiator(capacity)
+            runs = []
+            for step in range(3):
+                before = neg.stats.bytes_sent
+                runs.append(neg.negotiate(keys[::-1] if rr.rank() == 1 else keys, False).run)
+            out[capacity] = (neg.stats.bytes_sent - before, runs, list(neg.cache._slot_of.items()),
+                             all(sorted(run) == sorted(keys) for run in runs))
+        result = out
+    """, tmp_path, timeout=60)
+    for r in ranks:
+        off, on = r.result[0], r.result[1024]
+        assert off[3] and on[3], "every cycle must agree on all 100 requests"
+        assert on[0] * 20 < off[0], f"cached cycle sent {on[0]} bytes, uncached {off[0]}"
+        assert on[0] < 200
+        assert on[1][0] == ranks[0].result[1024][1][0] and on[1][2] == ranks[0].result[1024][1][2]
+        assert on[2] == ranks[0].result[1024][2], "caches differ between ranks"
+
+
+def test_a_kind_registered_in_a_few_lines_runs_through_negotiation(tmp_path):
+    ranks = run_ranks(2, """
+        from ringreduce import engine as E
+        E.register_kind("max_rows", lambda h: rr.allgather(h.array, name=h.name).max(axis=0), ragged=True)
+        eng = E.Engine()
+        got = eng.wait(eng.enqueue("m", np.full((rr.rank() + 1, 2), rr.rank() + 5.0), kind="max_rows"))
+        try:
+            eng.enqueue("bad", np.ones(2), kind="no such kind")
+        except ValueError as e:
+            bad = str(e)
+        eng.shutdown()
+        result = (got.tolist(), bad)
+    """, tmp_path, timeout=60)
+    for r in ranks:
+        assert r.result[0] == [6.0, 6.0]
+        assert "no such kind" in r.result[1] and "max_rows" in r.result[1]

@@ -1,0 +1,199 @@
+"""How the engine's ranks agree, each cycle, on which collectives run next.
+
+Each cycle every rank sends one message in one header pass of the ring
+(every rank then holds every rank's message):
+
+    flags (u8: bit 0 = this rank has called join), n (u32),
+    n bytes: a bit per response-cache slot whose request is ready here,
+    JSON: the full key of every ready request the cache does not hold
+
+A key is what must be the same on every rank for a request to run:
+(name, kind, dtype, shape, op, root, process_set); kinds whose ranks may
+differ in dim 0 (allgather) carry -1 there. A request runs once every rank
+that has not joined has it ready (the AND of the bit vectors, and the same
+name in every rank's list); requests that disagree fail on every rank, the
+rest wait for a later cycle. Every rank decides from the same messages with
+the same code, so all decide alike; the cache (ringreduce/response_cache.py)
+then changes the same way everywhere: agreed requests are recorded in agreed
+order, a name that failed loses its slot.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+
+from . import collectives as _c
+from .response_cache import ResponseCache
+
+NEGOTIATE = 5  # header kind of a negotiation pass (see collectives._KIND_NAMES)
+_FLAGS = struct.Struct("<BI")
+JOINED = 1
+
+# Key fields, by position.
+NAME, KIND, DTYPE, SHAPE, OP, ROOT, PROCESS_SET = range(7)
+
+
+@dataclass
+class Message:
+    joined: bool
+    bits: int  # bit s: the request in cache slot s is ready on this rank
+    entries: dict  # (process_set, name) -> key, requests sent in full, in this rank's order
+
+
+@dataclass
+class Agreement:
+    run: list = field(default_factory=list)  # keys, in the order every rank runs them
+    failed: list = field(default_factory=list)  # (key, message): fails on every rank holding it
+    joined: list = field(default_factory=list)  # ranks that have called join, this cycle
+    join_done: int | None = None  # every rank has joined and nothing is left: the last to join
+
+
+@dataclass
+class Stats:
+    """What negotiating cost this rank so far (the benchmark reads it)."""
+    cycles: int = 0
+    bytes_sent: int = 0  # this rank's share of the header pass: every blob but its next's, framed
+    seconds: float = 0.0
+
+
+def encode(keys: list, joined: bool, cache: ResponseCache) -> bytes:
+    bits, full = 0, []
+    for key in keys:
+        slot = cache.slot(key)
+        if slot is None:
+            full.append([key[NAME], key[KIND], key[DTYPE], list(key[SHAPE]), key[OP], key[ROOT], key[PROCESS_SET]])
+        else:
+            bits |= 1 << slot
+    vector = bits.to_bytes((bits.bit_length() + 7) // 8, "little")
+    return _FLAGS.pack(JOINED if joined else 0, len(vector)) + vector + (json.dumps(full).encode() if full else b"")
+
+
+def decode(blob) -> Message:
+    flags, n = _FLAGS.unpack_from(blob)
+    at = _FLAGS.size
+    bits = int.from_bytes(bytes(blob[at:at + n]), "little")
+    rest = bytes(blob[at + n:])
+    entries = {}
+    for e in json.loads(rest) if rest else []:
+        key = (e[0], e[1], e[2], tuple(e[3]), e[4], e[5], e[6])
+        entries[(key[PROCESS_SET], key[NAME])] = key
+    return Message(bool(flags & JOINED), bits, entries)
+
+
+def _set_bits(bits: int):
+    slot = 0
+    while bits:
+        if bits & 1:
+            yield slot
+        bits >>= 1
+        slot += 1
+
+
+def describe(key) -> str:
+    text = f"{key[KIND]} {key[DTYPE]} shape {_shape_text(key[SHAPE])}"
+    if key[OP]:
+        text += f" op {key[OP]}"
+    if key[KIND] == "broadcast":
+        text += f" root {key[ROOT]}"
+    return text
+
+
+def _shape_text(shape) -> str:
+    if shape and shape[0] == -1:
+        return "(*, " + ", ".join(map(str, shape[1:])) + ")" if len(shape) > 1 else "(*,)"
+    return str(tuple(shape))
+
+
+def agree(messages: list[Message], cache: ResponseCache) -> Agreement:
+    """The decision every rank makes alike from every rank's message; then
+    updates the cache alike."""
+    out = Agreement(joined=[r for r, m in enumerate(messages) if m.joined])
+    active = [m for m in messages if not m.joined]
+    ready_bits = 0
+    if active:
+        ready_bits = active[0].bits
+        for m in active[1:]:
+            ready_bits &= m.bits
+    else:  # every rank joined: what any rank still has runs, the others add zeros
+        for m in messages:
+            ready_bits |= m.bits
+
+    names = {}  # (process_set, name) of every request sent in full, first-seen order across ranks
+    for m in messages:
+        names.update(dict.fromkeys(m.entries))
+    contested = set()  # cached slots of names some rank sent in full: decided by comparison below
+    for ps, name in names:
+        slot = cache.slot_for_name(ps, name)
+        if slot is not None:
+            contested.add(slot)
+    out.run = [cache.key(s) for s in _set_bits(ready_bits) if s not in contested]
+
+    for ps, name in names:
+        slot = cache.slot_for_name(ps, name)
+        views = {}
+        for r, m in enumerate(messages):
+            key = m.entries.get((ps, name))
+            if key is None and slot is not None and m.bits >> slot & 1:
+                key = cache.key(slot)
+            if key is not None:
+                views[r] = key
+        if any(r not in views for r, m in enumerate(messages) if not m.joined):
+            continue  # some rank has not got there yet
+        first_rank, first = next(iter(views.items()))
+        differing = [(r, k) for r, k in views.items() if k != first]
+        if differing:
+            text = ", ".join(f"rank {r} has {describe(k)}" for r, k in differing)
+            out.failed.append((first, f"tensor {name!r} differs between ranks: rank {first_rank} has "
+                                      f"{describe(first)}, {text}"))
+            cache.invalidate(ps, name)  # a changed request under a cached name: its slot goes everywhere
+        else:
+            out.run.append(first)
+
+    if out.joined:
+        kept = []
+        for key in out.run:
+            if key[KIND] == "allreduce":
+                kept.append(key)
+            else:
+                out.failed.append((key, f"{key[KIND]} {key[NAME]!r} cannot run while rank(s) "
+                                        f"{', '.join(map(str, out.joined))} have joined (rr.join): "
+                                        "until every rank has joined only allreduce goes on"))
+        out.run = kept
+
+    for key in out.run:
+        cache.put(key)
+    return out
+
+
+class Negotiator:
+    """One rank's side of negotiation: the cache, the join order, the cost."""
+
+    def __init__(self, capacity: int):
+        self.cache = ResponseCache(capacity)
+        self.stats = Stats()
+        self._cycle = 0
+        self._joined_at: dict[int, int] = {}  # rank -> cycle its join was first seen
+
+    def negotiate(self, keys: list, joined: bool) -> Agreement:
+        t0 = time.perf_counter()
+        blob = encode(keys, joined, self.cache)
+        head = _c._header(NEGOTIATE, 0, 0, (), "", 0, False)
+        with _c._state.lock:
+            blobs = _c._exchange(head, blob, ("name",), "engine negotiation")
+            me = _c._state.world.rank
+        messages = [decode(memoryview(b)[len(head):]) for b in blobs]
+        out = agree(messages, self.cache)
+        self._cycle += 1
+        for r in out.joined:
+            self._joined_at.setdefault(r, self._cycle)
+        if len(out.joined) == len(messages) and not out.run and not out.failed and not any(
+                m.bits or m.entries for m in messages):
+            # the rank that joined last; ranks that joined in the same cycle: the highest
+            out.join_done = max(self._joined_at, key=lambda r: (self._joined_at[r], r))
+            self._joined_at.clear()
+        self.stats.cycles += 1
+        self.stats.bytes_sent += sum(len(b) + 8 for b in blobs) - (len(blobs[(me + 1) % len(blobs)]) + 8)
+        self.stats.seconds += time.perf_counter() - t0
+        return out
