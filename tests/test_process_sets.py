@@ -76,7 +76,7 @@ def _assert_sets_correct(results):
         assert sorted({case[0] for case in res["checks"] if case[0] != "global"}) == want_sets
     for set_id, members in enumerate(SETS, start=1):
         for case, digest in results[members[0]]["digests"].items():
-            if case[0] == set_id:
+            if case[0] == set_id and case[1] != "reduce_scatter":  # each member holds its own chunk
                 for k in members:
                     assert results[k]["digests"][case] == digest, f"{case}: rank {k} differs from rank {members[0]}"
 
