@@ -16,12 +16,17 @@ SETS = [[0, 2], [1, 3], [0, 1, 2], [3]]
 
 # Every collective on each set this rank belongs to, against numpy; the
 # global set in between; then two sets sharing ranks 0 and 2, interleaved.
-CHECK_SETS = f"""
+def check_sets(sets: list) -> str:
+    """The job body: each rank checks the sets it belongs to; the ids must be 1, 2, ..."""
+    return CHECK_SETS.replace("SETS_HERE", repr(sets))
+
+
+CHECK_SETS = """
     import hashlib
     import ml_dtypes
     r = rr.rank()
-    sets = [rr.add_process_set(s) for s in {SETS}]
-    checks, digests = {{}}, {{}}
+    sets = [rr.add_process_set(s) for s in SETS_HERE]
+    checks, digests = {}, {}
 
     def record(key, got, want):
         checks[key] = bool(np.array_equal(got, want)) and got.dtype == np.asarray(want).dtype
@@ -43,7 +48,7 @@ CHECK_SETS = f"""
             lo = i * base + min(i, extra)
             record((sid, "reduce_scatter", count), rr.reduce_scatter(x, process_set=ps),
                    full[lo:lo + base + (i < extra)])
-            parts = {{k: np.full((count + k, 2), k, dtype=np.int32) for k in m}}
+            parts = {k: np.full((count + k, 2), k, dtype=np.int32) for k in m}
             record((sid, "allgather", count), rr.allgather(parts[r], process_set=ps),
                    np.concatenate([parts[k] for k in m]))
             for root in m:
@@ -56,25 +61,25 @@ CHECK_SETS = f"""
             check(ps)
         record(("global", ps.process_set_id), rr.allreduce(np.full(100_000, r + 1.0)),
                np.full(100_000, sum(range(1, rr.size() + 1)), dtype=np.float64))
-    pair, trio = sets[0], sets[2]
-    for step in range(3):  # ranks 0 and 2 alternate between the two sets; rank 1 uses the trio only
+    pair, trio = sets[0], sets[min(2, len(sets) - 1)]
+    for step in range(3):  # members of both sets alternate between them (ranks 0 and 2 of 4)
         for ps in (pair, trio):
             if ps.included():
                 x = np.full(70_000 * (step + 1), float(r + step))
                 record((ps.process_set_id, "interleaved", step), rr.allreduce(x, process_set=ps),
                        np.full(x.size, float(sum(k + step for k in ps.ranks))))
-    result = {{"ids": [ps.process_set_id for ps in sets], "checks": checks, "digests": digests}}
+    result = {"ids": [ps.process_set_id for ps in sets], "checks": checks, "digests": digests}
 """
 
 
-def _assert_sets_correct(results):
-    assert all(res["ids"] == [1, 2, 3, 4] for res in results), [res["ids"] for res in results]
+def _assert_sets_correct(results, sets=SETS):
+    assert all(res["ids"] == list(range(1, len(sets) + 1)) for res in results), [res["ids"] for res in results]
     for r, res in enumerate(results):
         wrong = [case for case, ok in res["checks"].items() if not ok]
         assert not wrong, f"rank {r}: {wrong[:5]} differ from numpy"
-        want_sets = [i + 1 for i, s in enumerate(SETS) if r in s]
+        want_sets = [i + 1 for i, s in enumerate(sets) if r in s]
         assert sorted({case[0] for case in res["checks"] if case[0] != "global"}) == want_sets
-    for set_id, members in enumerate(SETS, start=1):
+    for set_id, members in enumerate(sets, start=1):
         for case, digest in results[members[0]]["digests"].items():
             if case[0] == set_id and case[1] != "reduce_scatter":  # each member holds its own chunk
                 for k in members:
@@ -86,13 +91,19 @@ LINKS = {"shm": {"RINGREDUCE_SHM_BYTES": "65536"}, "tcp": {"RINGREDUCE_SHM_BYTES
 
 @pytest.mark.parametrize("links", list(LINKS))
 def test_every_collective_on_each_set_matches_numpy(tmp_path, links):
-    ranks = run_ranks(4, CHECK_SETS + """
+    ranks = run_ranks(4, check_sets(SETS) + """
     from ringreduce.collectives import _state
     result["links"] = [_state.sets[ps.process_set_id].comm.links for ps in sets if ps.included() and ps.size() > 1]
 """, tmp_path, timeout=240, env=LINKS[links])
     _assert_sets_correct([r.result for r in ranks])
     for r in ranks:  # every sub-ring link of these local ranks is of the kind asked for
         assert r.result["links"] and all(k == {"next": links, "prev": links} for k in r.result["links"]), r.result
+
+
+@pytest.mark.parametrize("n, sets", [(2, [[0], [1]]), (3, [[0, 2], [1], [1, 2]])])
+def test_sets_on_smaller_worlds(tmp_path, n, sets):
+    ranks = run_ranks(n, check_sets(sets), tmp_path, timeout=180)
+    _assert_sets_correct([r.result for r in ranks], sets)
 
 
 def test_errors_of_sets_on_every_rank(tmp_path):
@@ -224,7 +235,7 @@ def _mpi_missing():
 def test_every_collective_on_each_set_matches_numpy_under_mpirun(tmp_path):
     from test_mpi import MPIRUN
     script = tmp_path / "sets.py"
-    script.write_text(PRELUDE + "rr.init()\n" + textwrap.dedent(CHECK_SETS) + """
+    script.write_text(PRELUDE + "rr.init()\n" + textwrap.dedent(check_sets(SETS)) + """
 from ringreduce.collectives import _state
 result["source"] = _state.world.source
 """ + MPI_EPILOGUE)
