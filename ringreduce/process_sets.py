@@ -104,7 +104,10 @@ def add_process_set(process_set) -> ProcessSet:
         sockets = _c._state.world.source != "MPI communicator"
         listener = None
         if ranks is not None and sockets and ring.rank in ranks and len(ranks) > 1:
-            listener = _world.open_subring_listener(_c._state.world)
+            try:
+                listener = _world.open_subring_listener(_c._state.world)
+            except OSError as exc:  # told to every rank in the pass below, not raised alone
+                ranks, problem = None, f"cannot listen for the set's ring: {exc}"
         try:
             offers = _agree({"ranks": ranks, "error": problem, "port": listener.port if listener else None},
                             "ringreduce.add_process_set")
@@ -115,11 +118,9 @@ def add_process_set(process_set) -> ProcessSet:
                 comm, links = _connect(ring, ranks, set_id, [o["port"] for o in offers], listener)
             except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
                 failure = f"{type(exc).__name__}: {exc}"
-            finally:
-                listener = None  # connect closed it
         finally:
             if listener is not None:
-                listener.close()
+                listener.close()  # connect_subring closed it already, unless it never ran (closing twice is fine)
         # Added everywhere or nowhere: every rank learns whether every member made its ring.
         outcome = _agree({"error": failure}, "ringreduce.add_process_set.done")
         failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcome) if o.get("error")]
