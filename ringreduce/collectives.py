@@ -16,6 +16,7 @@ import functools
 import os
 import struct
 import threading
+from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
@@ -46,11 +47,25 @@ _HEAD = struct.Struct("<4sBBBBiII")
 _MAGIC = b"RRH1"
 
 
+@dataclass
+class _Ring:
+    """What a collective runs over: the world's ring, or a process set's
+    (ringreduce/process_sets.py). `ranks[i]` is the world rank of ring rank i."""
+    comm: object
+    rank: int
+    size: int
+    small_limit: int
+    ranks: list
+    owners: list = field(default_factory=list)  # the ProcessSet objects naming it, invalidated at its end
+
+
 class _State:
     def __init__(self):
         self.lock = threading.RLock()
         self.world: _world.World | None = None
         self.comm = None
+        self.ring: _Ring | None = None  # the world's
+        self.sets: dict = {}  # process set id -> _Ring (comm None on a non-member), see process_sets.py
         self.broken: str | None = None
         self.small_limit = 0
         self.init_args: tuple = (None, None)  # (backend, comm) the running ring was made with
@@ -107,6 +122,8 @@ def init(backend: str | None = None, comm=None) -> None:
         _state.init_args = (backend or ("mpi" if _state.world.source == "MPI communicator" else "socket"), comm)
         _state.broken = None
         _state.small_limit = _state.world.config.small_limit(_state.world.size)
+        _state.ring = _Ring(_state.comm, _state.world.rank, _state.world.size, _state.small_limit,
+                            list(range(_state.world.size)))
 
 
 def _check_same_init(backend, comm) -> None:
@@ -120,18 +137,25 @@ def _check_same_init(backend, comm) -> None:
 
 
 def shutdown() -> None:
-    """Leaves the ring; init() may join a new one later. A collective running
-    on another thread (the engine's) is interrupted, so this rank leaves at
-    once and its peers learn that it left, instead of waiting it out."""
+    """Leaves the ring and ends every process set; init() may join a new one
+    later. A collective running on another thread (the engine's) is
+    interrupted, so this rank leaves at once and its peers learn that it
+    left, instead of waiting it out."""
     if not _state.lock.acquire(blocking=False):
-        comm = _state.comm
-        if comm is not None:
-            comm.interrupt()
+        for comm in [_state.comm, *(ring.comm for ring in _state.sets.values())]:
+            if comm is not None:
+                comm.interrupt()
         _state.lock.acquire()
     try:
+        for ring in _state.sets.values():
+            if ring.comm is not None:
+                ring.comm.close()
+            for ps in ring.owners:
+                ps.invalidate()
+        _state.sets.clear()
         if _state.comm is not None:
             _state.comm.close()
-        _state.comm = _state.world = None
+        _state.comm = _state.world = _state.ring = None
     finally:
         _state.lock.release()
 
@@ -141,7 +165,11 @@ def _forget_in_child() -> None:
     control thread that did not survive the fork): it must neither use nor
     close it. The child starts uninitialised; the C side leaks its copy."""
     _state.lock = threading.RLock()  # another thread may have held it at the fork
-    _state.comm = _state.world = None
+    for ring in _state.sets.values():
+        for ps in ring.owners:
+            ps.invalidate()
+    _state.sets.clear()
+    _state.comm = _state.world = _state.ring = None
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -289,12 +317,14 @@ def _describe(field, value):
     return repr(value)
 
 
-def _check_agreement(heads, fields, what: str) -> None:
-    """Raises MismatchError on every rank alike: all hold the same headers."""
+def _check_agreement(heads, fields, what: str, ranks=None) -> None:
+    """Raises MismatchError on every rank alike: all hold the same headers.
+    ranks: the world rank of each header's sender (a process set's members)."""
+    ranks = range(len(heads)) if ranks is None else ranks
     for f in ["kind", *fields]:
         values = [h[f] if f != "trailing" else h["shape"][1:] for h in heads]
         if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {i}: {_describe(f, v)}" for i, v in enumerate(values))
+            per_rank = ", ".join(f"rank {r}: {_describe(f, v)}" for r, v in zip(ranks, values))
             if f == "kind":
                 raise MismatchError(f"ranks disagree on which collective to run ({per_rank})")
             label = "shape[1:]" if f == "trailing" else f
@@ -309,22 +339,35 @@ def _usable_comm():
     return _state.comm
 
 
-def _agree(blobs, head: bytes, fields, what) -> None:
+def _agree(blobs, head: bytes, fields, what, ring: _Ring | None = None) -> None:
     """Raises MismatchError when ranks disagree on a field, on every rank
     alike (all hold the same blobs). Headers that differ only in the inline
     flag (RINGREDUCE_SMALL_BYTES differs between ranks) agree: the caller
     then takes the ring, as every rank does. The communicator stays usable:
     no data has moved."""
     if "trailing" in fields or any(b[:len(head)] != head for b in blobs):
-        _check_agreement([_parse(b) for b in blobs], fields, what)
+        _check_agreement([_parse(b) for b in blobs], fields, what, ring.ranks if ring is not None else None)
 
 
-def _exchange(head: bytes, data, fields, what):
+def _exchange(head: bytes, data, fields, what, ring: _Ring | None = None):
     """The header pass that starts every operation (data rides along when
-    small): returns every rank's blob."""
-    blobs = _usable_comm().exchange_blobs(head, data)
-    _agree(blobs, head, fields, what)
+    small): returns every rank's blob (of ring's members; default the world)."""
+    blobs = (_usable_comm() if ring is None or ring is _state.ring else ring.comm).exchange_blobs(head, data)
+    _agree(blobs, head, fields, what, ring)
     return blobs
+
+
+def _ring(process_set) -> _Ring:
+    """The ring a collective runs over: the world's for None or the global
+    set; a process set's, which this rank must be a member of."""
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        if _state.ring is None:
+            raise RingReduceError("ringreduce is not initialized: call ringreduce.init() first")
+        if _state.broken is not None:
+            raise RingReduceError(f"communicator is unusable after an earlier error: {_state.broken}")
+        return _state.ring
+    from .process_sets import ring_of  # process_sets imports this module
+    return ring_of(process_set)
 
 
 def _all_inline(blobs) -> bool:
@@ -381,12 +424,12 @@ def _reduce_blobs(payloads, dtype, code, opc, shape):
     return acc.reshape(shape)
 
 
-def allreduce(x, op: str = "sum", out=None, name: str | None = None):
-    """Reduces x over all ranks; returns a new array, or writes `out` (may be x) and returns it."""
+def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set=None):
+    """Reduces x over all ranks (of process_set); returns a new array, or writes `out` (may be x) and returns it."""
     # Small allreduces are latency-bound, so this path keeps its Python short.
     if type(x) is not np.ndarray:
         if _cuda.is_device_array(x):
-            return _allreduce_device(x, op, out, name)
+            return _allreduce_device(x, op, out, name, process_set)
         x = np.asarray(x)
     code = _DTYPES.get(x.dtype)
     if code is None:
@@ -399,45 +442,46 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None):
                             or out.dtype.newbyteorder("=") != x.dtype):
         raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}")
     with _state.lock:
-        _require_world()
-        small = x.nbytes <= _state.small_limit
+        ring = _ring(process_set)
+        small = x.nbytes <= ring.small_limit
         head = _header(ALLREDUCE, opc, code, x.shape, name, small)
         in_place = out is not None and out.flags.c_contiguous and out.flags.writeable and out.dtype == x.dtype
         src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         dst = out if in_place else np.empty(x.shape, dtype=x.dtype)
         raw = code == _core.BFLOAT16  # the buffer protocol has no bfloat16: pass bytes
         if small:
-            blobs = _usable_comm().allreduce_small(head, _bytes(src) if raw else src, _bytes(dst) if raw else dst,
-                                                   code, opc)
+            blobs = ring.comm.allreduce_small(head, _bytes(src) if raw else src, _bytes(dst) if raw else dst,
+                                              code, opc)
             if blobs is None:  # every header the same: reduced in that pass
                 return dst if out is None or dst is out else _deliver(dst, out)
-            _agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce")  # else another rank chose the ring
+            _agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce", ring)  # another rank chose the ring
         else:
-            _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce")
+            _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
         if dst is not src and np.may_share_memory(dst, src):
             src = src.copy()
-        _state.comm.allreduce(_raw(src), _raw(dst), code, opc)
+        ring.comm.allreduce(_raw(src), _raw(dst), code, opc)
         return _deliver(dst, out)
 
 
-def _allreduce_device(x, op, out, name):
+def _allreduce_device(x, op, out, name, process_set=None):
     g, x = _arrays_for(x)
     code, opc = _dtype_code(x.dtype), _op_code(op)
     if out is not None and (not _cuda.is_device_array(out) or out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"out must be a GPU array of shape {x.shape} and dtype {x.dtype}")
     with _state.lock, g.on(x):
-        _require_world()
-        if x.nbytes <= _state.small_limit:
+        ring = _ring(process_set)
+        if x.nbytes <= ring.small_limit:
             # Latency-bound: one copy each way and the host path, whose
             # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
-            return _deliver(g.from_host(allreduce(g.to_host(x), op, name=name), like=x), out, g.xp)
+            return _deliver(g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x),
+                            out, g.xp)
         head = _header(ALLREDUCE, opc, code, x.shape, name, False)
-        _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce")
+        _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
         src = g.xp.ascontiguousarray(x)
         dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
         if dst is not src and g.xp.may_share_memory(dst, src):
             src = src.copy()
-        g.allreduce(_state.comm, src, dst, code, opc)
+        g.allreduce(ring.comm, src, dst, code, opc)
         return _deliver(dst, out, g.xp)
 
 
@@ -448,37 +492,37 @@ def _chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
     return start, start + base + (1 if i < extra else 0)
 
 
-def reduce_scatter(x, op: str = "sum", name: str | None = None):
+def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None):
     """Returns this rank's chunk of the flattened reduction (chunks in rank order)."""
     g, x = _arrays_for(x)
     code, opc = _dtype_code(x.dtype), _op_code(op)
     with _state.lock, g.on(x):
-        w = _require_world()
-        small = x.nbytes <= _state.small_limit
+        w = _ring(process_set)
+        small = x.nbytes <= w.small_limit
         head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small)
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
-                          ("op", "dtype", "shape", "name"), "reduce_scatter")
+                          ("op", "dtype", "shape", "name"), "reduce_scatter", w)
         lo, hi = _chunk_bounds(x.size, w.size, w.rank)
         if _all_inline(blobs):
             mine = _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
             return g.from_host(mine, like=x)
         work = g.xp.empty(x.size, dtype=x.dtype)
-        g.reduce_scatter(_state.comm, g.xp.ascontiguousarray(x), work, code, opc)
+        g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
         return work[lo:hi].copy()
 
 
-def allgather(x, name: str | None = None):
+def allgather(x, name: str | None = None, process_set=None):
     """Concatenates every rank's x along axis 0 (ranks may differ in dim 0 only)."""
     g, x = _arrays_for(x)
     if x.ndim == 0:
         x = x.reshape(1)
     code = _dtype_code(x.dtype)
     with _state.lock, g.on(x):
-        w = _require_world()
-        small = x.nbytes <= _state.small_limit
+        w = _ring(process_set)
+        small = x.nbytes <= w.small_limit
         head = _header(ALLGATHER, 0, code, x.shape, name, inline=small)
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
-                          ("dtype", "trailing", "name"), "allgather")
+                          ("dtype", "trailing", "name"), "allgather", w)
         heads = [_parse(b) for b in blobs]
         rows = [h["shape"][0] for h in heads]
         shape = (sum(rows),) + x.shape[1:]
@@ -491,22 +535,26 @@ def allgather(x, name: str | None = None):
         nbytes = [r * row_bytes for r in rows]
         at = sum(nbytes[:w.rank])
         flat[at:at + nbytes[w.rank]] = _bytes(g.xp.ascontiguousarray(x))
-        g.allgather(_state.comm, flat, nbytes)
+        g.allgather(w.comm, flat, nbytes)
         return out
 
 
-def broadcast(x, root: int = 0, name: str | None = None):
-    """Returns a new array holding root's x (same shape and dtype on every rank)."""
+def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
+    """Returns a new array holding root's x (same shape and dtype on every rank).
+    root is a world rank; with a process set, one of its members (as Horovod's)."""
     g, x = _arrays_for(x)
     code = _dtype_code(x.dtype)
     with _state.lock, g.on(x):
-        w = _require_world()
-        if not 0 <= root < w.size:
-            raise ValueError(f"root {root} is not a rank of this world of {w.size}")
-        small = x.nbytes <= _state.small_limit
+        w = _ring(process_set)
+        if root not in w.ranks:
+            raise ValueError(f"root {root} is not a rank of this world of {w.size}" if w is _state.ring
+                             else f"root {root} is not a member of process set {process_set.process_set_id} "
+                                  f"(ranks {w.ranks})")
+        root = w.ranks.index(root) if w is not _state.ring else root
+        small = x.nbytes <= w.small_limit
         head = _header(BROADCAST, 0, code, x.shape, name, root=root, inline=small)
         blobs = _exchange(head, g.to_host(x).tobytes() if small and w.rank == root else b"",
-                          ("dtype", "shape", "root", "name"), "broadcast")
+                          ("dtype", "shape", "root", "name"), "broadcast", w)
         if _all_inline(blobs):
             data = np.frombuffer(blobs[root], dtype=x.dtype, offset=len(head)).reshape(x.shape).copy()
             return g.from_host(data, like=x)
@@ -514,13 +562,13 @@ def broadcast(x, root: int = 0, name: str | None = None):
             buf = g.xp.array(x, order="C", copy=True)
         else:
             buf = g.xp.empty(x.shape, dtype=x.dtype)
-        g.broadcast(_state.comm, buf, root)
+        g.broadcast(w.comm, buf, root)
         return buf
 
 
-def barrier(name: str | None = None) -> None:
-    """Returns once every rank has entered the barrier."""
+def barrier(name: str | None = None, process_set=None) -> None:
+    """Returns once every rank (of process_set) has entered the barrier."""
     with _state.lock:
-        _require_world()
+        w = _ring(process_set)
         head = _header(BARRIER, 0, 0, (), name)
-        _exchange(head, b"", ("name",), "barrier")
+        _exchange(head, b"", ("name",), "barrier", w)

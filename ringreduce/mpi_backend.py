@@ -74,3 +74,21 @@ def abort_on_uncaught_exception() -> None:
         MPI.COMM_WORLD.Abort(1)
     hook._ringreduce = True
     sys.excepthook = hook
+
+
+def process_set_ring(config: Config, comm, members: list, rank: int):
+    """A process set's ring over MPI: a sub-communicator of `comm` (the one
+    the world's ring runs over; default COMM_WORLD) holding `members` (its
+    ranks, in set order), split by every rank of comm. Returns the set's
+    _core.Comm on a member, None elsewhere."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD if comm is None else comm
+    member = rank in members
+    sub = comm.Split(0 if member else MPI.UNDEFINED, members.index(rank) if member else 0)
+    if not member:
+        return None
+    try:
+        _, ring = connect(config, sub)
+    finally:
+        sub.Free()  # the transport runs on its own duplicate
+    return ring

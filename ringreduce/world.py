@@ -405,11 +405,10 @@ def rendezvous(world: World) -> Links:
         return Links()
     key = world.secret or NO_SECRET_KEY
     host, port = world.addr
-    loopback_only = world.secret is None
-    if loopback_only:
+    if world.secret is None:
         log.warning("ringreduce: RINGREDUCE_SECRET is not set: listening on loopback only "
                     "(set it, as ringrun does, to run across hosts)")
-    bind_host = "127.0.0.1" if loopback_only else ("::" if ":" in host else "0.0.0.0")
+    bind_host = _bind_host(world)
     deadline = time.monotonic() + world.config.start_timeout
     # Each rank opens its ring listener only once rank 0's listener holds the
     # rendezvous port: an ephemeral ring port can then never take that port.
@@ -434,6 +433,7 @@ def rendezvous(world: World) -> Links:
                 raise RingReduceError(f"rank 0 refused rank {world.rank}: {reply['error']}")
             table, job = reply["table"], reply["job"]
             ctrl = [ctrl_sock]
+        world.extra["table"], world.extra["job"] = table, job  # process sets dial members there
         nxt, prv = (world.rank + 1) % world.size, (world.rank - 1) % world.size
         to_next = _dial(tuple(table[nxt]), deadline, key, f"rank {nxt}")
         send_msg(to_next, {"rank": world.rank, "job": job, "ring": True})
@@ -453,6 +453,18 @@ def rendezvous(world: World) -> Links:
     finally:
         if ring_listener is not None:
             ring_listener.close()
+    return _links(to_next, from_prev, ctrl, tx_shm, rx_shm)
+
+
+def _bind_host(world: World) -> str:
+    """Without a secret, ranks listen on loopback only."""
+    if world.secret is None:
+        return "127.0.0.1"
+    return "::" if ":" in world.addr[0] else "0.0.0.0"
+
+
+def _links(to_next, from_prev, ctrl, tx_shm: int, rx_shm: int) -> Links:
+    """The connected sockets, blocking and without delay, as descriptors."""
     try:
         for s in [to_next, from_prev, *ctrl]:
             if s is not None:
@@ -465,6 +477,79 @@ def rendezvous(world: World) -> Links:
         raise
     return Links(to_next.detach(), from_prev.detach(), [s.detach() if s is not None else -1 for s in ctrl],
                  tx_shm, rx_shm)
+
+
+# ---------------------------------------------------------------------------
+# Sub-rings: a process set's own ring among some of the world's ranks
+# (ringreduce/process_sets.py). Each member opens a listener first; the world
+# then shares the ports (a collective on the world's ring); then every member
+# dials its next member and accepts its previous one, and the set's first
+# member plays rank 0 of the set's control star. Same handshake, same shared
+# memory agreement as the world's ring.
+
+
+def open_subring_listener(world: World):
+    """A member's listener for its set's ring, open before the ports are shared."""
+    return _Acceptor(_listen(_bind_host(world), 0), world.secret or NO_SECRET_KEY, f"rank {world.rank}")
+
+
+def connect_subring(world: World, listener, me: int, members: list, ports: list, label: str,
+                    generation: int) -> Links:
+    """Connects the ring of a process set: members[i] (a world rank) is the
+    set's rank i and listens at ports[i]; this process is the set's rank
+    `me`. Every hello carries the job, the set's label and the generation
+    (how many sets the world has added), so no connection of another set, or
+    of an earlier one with the same id, is taken. Closes the listener."""
+    k = len(members)
+    try:
+        if k == 1:
+            return Links()
+        key = world.secret or NO_SECRET_KEY
+        table = world.extra["table"]
+        tag = f"{world.extra['job']}/{label}/{generation}"
+        deadline = time.monotonic() + world.config.start_timeout
+        addr = [(table[w][0], p) for w, p in zip(members, ports)]
+        name = [f"rank {w} (rank {i} of {label})" for i, w in enumerate(members)]
+        nxt, prv = (me + 1) % k, (me - 1) % k
+        ctrl: list = [None] * k if me == 0 else []
+        to_next = from_prev = None
+        opened: list = []
+        try:
+            if me != 0:
+                ctrl.append(_dial(addr[0], deadline, key, name[0]))
+                opened.append(ctrl[0])
+                send_msg(ctrl[0], {"rank": me, "job": tag, "ctrl": True})
+            to_next = _dial(addr[nxt], deadline, key, name[nxt])
+            opened.append(to_next)
+            send_msg(to_next, {"rank": me, "job": tag, "ring": True})
+
+            def check(hello):
+                r = hello.get("rank")
+                if hello.get("job") != tag:
+                    return f"not from {label} of this job"
+                if hello.get("ring"):
+                    return None if r == prv and from_prev is None else f"claims rank {r}, expected {prv}"
+                if hello.get("ctrl") and me == 0 and isinstance(r, int) and 0 < r < k and ctrl[r] is None:
+                    return None
+                return f"unexpected hello from rank {r!r}"
+            for _ in range(1 + (k - 1 if me == 0 else 0)):  # prev; on the first member, every control link
+                conn, hello = listener.expect(check, deadline, f"the members of {label} to connect")
+                opened.append(conn)
+                if hello.get("ring"):
+                    from_prev = conn
+                else:
+                    ctrl[hello["rank"]] = conn
+            tx_shm, rx_shm = shm.connect(to_next, from_prev, f"{tag.replace('/', '-').replace(' ', '')}-{me}",
+                                         world.config.shm_bytes, send_msg, recv_msg)
+        except BaseException:
+            for s in opened:
+                s.close()
+            raise
+    except (OSError, ConnectionError, ValueError) as exc:
+        raise RingReduceError(f"rank {world.rank}: connecting the ring of {label} failed: {exc}") from exc
+    finally:
+        listener.close()
+    return _links(to_next, from_prev, ctrl, tx_shm, rx_shm)
 
 
 def _listen_for_rendezvous(bind_host: str, port: int) -> socket.socket:

@@ -1,0 +1,265 @@
+"""Process sets: collectives among some of the world's ranks, as Horovod's
+hvd.ProcessSet / add_process_set / remove_process_set / global_process_set.
+
+    evens = rr.add_process_set([0, 2])       # every rank calls it, same arguments, same order
+    if evens.included():
+        y = rr.allreduce(x, process_set=evens)   # ranks 0 and 2 only
+    rr.remove_process_set(evens)             # every rank again
+
+A set's ranks are sorted (as Horovod's); its rank i is ranks[i]. Each set
+has its own ring: over MPI a sub-communicator of the world's, over sockets
+its own connections among the members (ringreduce.world.connect_subring),
+with its own control star whose rank 0 is the set's first member. Adding and
+removing are collectives of the whole world: every rank takes part, so a
+mismatch or a bad argument raises on every rank, and a set is added on every
+rank or on none. shutdown() ends every set.
+"""
+from __future__ import annotations
+
+import json
+import operator
+
+import numpy as np
+
+from . import _core, collectives as _c, mpi_backend, world as _world
+from .errors import MismatchError, RingReduceError
+
+
+class ProcessSet:
+    """Some ranks of the world, to run collectives among. Pass it to
+    add_process_set() (on every rank), then as process_set= to any collective."""
+
+    def __init__(self, ranks):
+        try:
+            self.ranks = sorted(operator.index(r) for r in ranks)
+        except TypeError:
+            raise ValueError(f"ProcessSet needs a sequence of integer ranks, got {ranks!r}") from None
+        self.process_set_id: int | None = None
+        self.mpi_comm = None  # as Horovod's ProcessSet; sets here are always made from ranks
+
+    def size(self) -> int:
+        """How many ranks the set holds."""
+        return len(self.ranks)
+
+    def included(self) -> bool:
+        """Whether this process is a member."""
+        return _c.rank() in self.ranks
+
+    def rank(self) -> int:
+        """This process's rank within the set (its index in ranks)."""
+        me = _c.rank()
+        if me not in self.ranks:
+            raise ValueError(f"rank {me} is not a member of {self}")
+        return self.ranks.index(me)
+
+    def invalidate(self) -> None:
+        """Called when the set is removed; the ranks stay, so it may be added again."""
+        self.process_set_id = None
+
+    def __str__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm=None)"
+
+    __repr__ = __str__
+
+
+class _GlobalProcessSet(ProcessSet):
+    """Every rank of the world: the set collectives use by default."""
+
+    def __init__(self):
+        self.process_set_id = 0
+        self.mpi_comm = None
+
+    @property
+    def ranks(self):
+        return list(range(_c.size())) if _c.is_initialized() else []
+
+    def invalidate(self) -> None:
+        pass  # the global set is never removed
+
+
+global_process_set = _GlobalProcessSet()
+
+_generation = 0  # sets added (or tried) since init, the same count on every rank: names each set's links
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Registers a set (a ProcessSet or a sequence of ranks) and returns it.
+
+    Every rank of the world calls it, with the same ranks, in the same order
+    as every other collective. Raises on every rank: ValueError when any
+    rank's ranks are invalid (not integers, out of range, repeated, empty,
+    or equal to a registered set's, the global one included), MismatchError
+    when ranks disagree, RingReduceError when the set's ring cannot be built."""
+    global _generation
+    with _c._state.lock:
+        ring = _c._ring(None)  # raises when not initialized
+        ps, problem = None, None
+        try:
+            ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+            problem = _invalid(ps, ring.size)
+        except ValueError as exc:
+            problem = str(exc)
+        ranks = ps.ranks if ps is not None and problem is None else None
+        _generation += 1
+        sockets = _c._state.world.source != "MPI communicator"
+        listener = None
+        if ranks is not None and sockets and ring.rank in ranks and len(ranks) > 1:
+            try:
+                listener = _world.open_subring_listener(_c._state.world)
+            except OSError as exc:  # told to every rank in the pass below, not raised alone
+                ranks, problem = None, f"cannot listen for the set's ring: {exc}"
+        try:
+            offers = _agree({"ranks": ranks, "error": problem, "port": listener.port if listener else None},
+                            "ringreduce.add_process_set")
+            _check_offers(offers, "add_process_set")
+            set_id = min(set(range(1, len(_c._state.sets) + 2)) - set(_c._state.sets))
+            comm, links, failure = None, None, None
+            try:
+                comm, links = _connect(ring, ranks, set_id, [o["port"] for o in offers], listener)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
+                failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            if listener is not None:
+                listener.close()  # connect_subring closed it already, unless it never ran (closing twice is fine)
+        # Added everywhere or nowhere: every rank learns whether every member made its ring.
+        outcome = _agree({"error": failure}, "ringreduce.add_process_set.done")
+        failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcome) if o.get("error")]
+        if failed:
+            if comm is not None:
+                comm.close()
+            raise RingReduceError(f"add_process_set({ranks}) failed: " + "; ".join(failed))
+        member = ranks.index(ring.rank) if ring.rank in ranks else -1
+        if comm is not None:
+            comm = _SetComm(comm, set_id, ranks, links)
+        _c._state.sets[set_id] = _c._Ring(comm, member, len(ranks), _c._state.world.config.small_limit(len(ranks)),
+                                          ranks, [ps])
+        ps.process_set_id = set_id
+        return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Removes a set added by add_process_set, closing its ring, and
+    invalidates the set (its process_set_id becomes None; it may be added again). Every
+    rank calls it, in the same order as every other collective. Returns
+    False for the global set (never removed), True otherwise."""
+    if process_set is global_process_set or getattr(process_set, "process_set_id", None) == 0:
+        return False
+    with _c._state.lock:
+        _c._ring(None)
+        set_id = getattr(process_set, "process_set_id", None)
+        problem = None
+        if not isinstance(process_set, ProcessSet):
+            problem = f"remove_process_set needs a ProcessSet, got {type(process_set).__name__}"
+        elif set_id not in _c._state.sets or _c._state.sets[set_id].ranks != process_set.ranks:
+            problem = f"{process_set} is not a registered process set"
+        offers = _agree({"ranks": str(process_set) if problem is None else None, "error": problem},
+                        "ringreduce.remove_process_set")
+        _check_offers(offers, "remove_process_set")
+        ring = _c._state.sets.pop(set_id)
+        if ring.comm is not None:
+            ring.comm.close()
+        for ps in ring.owners:
+            ps.invalidate()
+        return True
+
+
+def ring_of(process_set) -> "_c._Ring":
+    """The ring of a registered set this rank belongs to (collectives.py's
+    process_set= ends here); ValueError at once on anything else."""
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ringreduce.ProcessSet, got {type(process_set).__name__}")
+    _c._ring(None)  # raises when not initialized
+    ring = _c._state.sets.get(process_set.process_set_id)
+    if ring is None or process_set.process_set_id is None or ring.ranks != process_set.ranks:
+        raise ValueError(f"{process_set} is not registered: call add_process_set on every rank first "
+                         "(shutdown() and remove_process_set end a set)")
+    if ring.comm is None:
+        raise ValueError(f"rank {_c.rank()} is not a member of {process_set}: only its members "
+                         "may call collectives on it")
+    return ring
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _invalid(ps: ProcessSet, size: int) -> str | None:
+    """Why ps cannot be added on this world, or None."""
+    if not ps.ranks:
+        return "a process set needs at least one rank"
+    if ps.ranks[0] < 0 or ps.ranks[-1] >= size:
+        return f"ranks {ps.ranks} are not all ranks of this world of {size}"
+    if len(set(ps.ranks)) != len(ps.ranks):
+        return f"ranks {ps.ranks} repeat a rank"
+    if ps.ranks == list(range(size)):
+        return f"ranks {ps.ranks} are the global process set's"
+    for set_id, ring in _c._state.sets.items():
+        if ring.ranks == ps.ranks:
+            return f"ranks {ps.ranks} are already process set {set_id}'s"
+    if ps.process_set_id is not None and ps.process_set_id in _c._state.sets:
+        return f"{ps} is already registered"
+    return None
+
+
+def _agree(obj: dict, name: str) -> list:
+    """Every world rank's obj, in rank order: one header pass of the world's
+    ring, which fails with MismatchError on every rank if a rank runs another
+    collective meanwhile."""
+    data = json.dumps(obj).encode()
+    head = _c._header(_c.ALLGATHER, 0, _c._DTYPES[np.dtype(np.uint8)], (len(data),), name, inline=True)
+    blobs = _c._exchange(head, data, ("dtype", "trailing", "name"), name)
+    return [json.loads(bytes(_c._parse(b)["payload"])) for b in blobs]
+
+
+def _check_offers(offers: list, what: str) -> None:
+    """Raises on every rank alike (all hold the same offers)."""
+    errors = [f"rank {r}: {o['error']}" for r, o in enumerate(offers) if o.get("error")]
+    if errors:
+        raise ValueError(f"{what} failed: " + "; ".join(errors))
+    wanted = [o["ranks"] for o in offers]
+    if any(w != wanted[0] for w in wanted):
+        per_rank = ", ".join(f"rank {r}: {w}" for r, w in enumerate(wanted))
+        raise MismatchError(f"ranks disagree on the process set to {what.split('_')[0]} ({per_rank})")
+
+
+def _connect(ring, ranks: list, set_id: int, ports: list, listener):
+    """This rank's _core.Comm for the new set (None on a non-member), and how
+    its links move data (None over MPI)."""
+    world = _c._state.world
+    if world.source == "MPI communicator":
+        return mpi_backend.process_set_ring(world.config, _c._state.init_args[1], ranks, ring.rank), None
+    if ring.rank not in ranks:
+        return None, None
+    me = ranks.index(ring.rank)
+    links = _world.connect_subring(world, listener, me, ranks, [ports[r] for r in ranks],
+                                   f"process set {set_id}", _generation) if listener is not None else _world.Links()
+    cfg = world.config
+    return _core.Comm(me, len(ranks), links.next_fd, links.prev_fd, links.ctrl_fds, cfg.ring_timeout,
+                      cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd), links.kinds()
+
+
+class _SetComm:
+    """A set's _core.Comm whose errors name world ranks: the C core knows
+    only the set's ranks, so a lost member is named as both."""
+
+    def __init__(self, comm, set_id: int, ranks: list, links: dict | None):
+        self._comm, self._set_id, self._ranks = comm, set_id, ranks
+        self.links = links  # {"next": "shm" or "tcp", "prev": ...}; None over MPI
+
+    def __getattr__(self, attr):
+        fn = getattr(self._comm, attr)
+
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except RingReduceError as exc:
+                raise self._in_world_terms(exc) from None
+        return call
+
+    def _in_world_terms(self, exc: RingReduceError) -> RingReduceError:
+        where = f"process set {self._set_id} (ranks {self._ranks})"
+        if exc.rank is None or not 0 <= exc.rank < len(self._ranks):
+            return type(exc)(f"{where}: {exc}")
+        world_rank = self._ranks[exc.rank]
+        new = type(exc)(f"{where}: {exc} [rank {exc.rank} of the set is world rank {world_rank}]", world_rank)
+        new.set_rank = exc.rank
+        return new
