@@ -90,7 +90,7 @@ static int begin_op(CommObject *self, rr_error *err)
     if (atomic_load(&self->stop_requested)) {
         rr_set_error(err, RR_E_INTERRUPTED, self->ring->rank, "rank %d was interrupted while leaving the ring",
                      self->ring->rank);
-        self->ring->transport->ops->abort(self->ring->transport, err);
+        if (self->ring->transport) self->ring->transport->ops->abort(self->ring->transport, err);
         return err->code;
     }
     return rr_ring_begin(self->ring, err);

@@ -89,6 +89,7 @@ static int fail(rr_ring *ring, int code, rr_error *err)
 
 int rr_ring_begin(rr_ring *ring, rr_error *err)
 {
+    if (!ring->transport) return RR_OK; /* a world of one */
     const rr_transport_ops *ops = ring->transport->ops;
     int rc = ops->begin ? ops->begin(ring->transport, err) : RR_OK;
     return rc == RR_OK ? RR_OK : fail(ring, rc, err);
