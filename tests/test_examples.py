@@ -34,3 +34,19 @@ def test_keras_digits_full_flow_on_four_ranks(tmp_path):
     assert accuracy > 0.9, out.stdout
     assert sorted(os.listdir(tmp_path / "ckpt")) == [f"epoch{e:02d}.keras" for e in range(1, 7)]
     assert not re.search(r"^\[[123]\]", out.stdout, re.M), "only rank 0 may print"
+
+
+def test_horovod_keras_script_runs_with_only_its_import_line_changed(tmp_path):
+    pytest.importorskip("tensorflow", reason="tensorflow-cpu not installed (pip install 'ringreduce[tf]')")
+    script = REPO / "examples" / "horovod_keras_digits.py"
+    # A Horovod user's script: ringreduce appears on the import line and nowhere else.
+    lines = [line for line in script.read_text().splitlines() if "ringreduce" in line]
+    assert lines == ["import ringreduce.tensorflow.keras as hvd"], lines
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "ringreduce.run", "-np", "2", sys.executable, str(script), "4",
+                          str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out.stdout).group(1))
+    assert accuracy > 0.85, out.stdout
+    assert sorted(os.listdir(tmp_path)) == [f"checkpoint-{e}.keras" for e in range(1, 5)]
+    assert out.stdout.count("test accuracy") == 1, "only rank 0 evaluates and prints"

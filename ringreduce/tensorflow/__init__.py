@@ -13,10 +13,13 @@ from .callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallb
 from .compression import Compression
 from .ops import allgather, allreduce, broadcast, broadcast_variables
 from .optimizer import DistributedGradientTape, DistributedOptimizer
+from .partial import PartialDistributedGradientTape, PartialDistributedOptimizer
+from .sync_batch_norm import SyncBatchNormalization
 
 __all__ = [
     "init", "shutdown", "rank", "size", "local_rank", "local_size",
     "allreduce", "allgather", "broadcast", "broadcast_variables",
     "DistributedOptimizer", "DistributedGradientTape", "Compression",
+    "PartialDistributedOptimizer", "PartialDistributedGradientTape", "SyncBatchNormalization",
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
 ]

@@ -1,78 +1,274 @@
 """DistributedOptimizer (Keras 3) and DistributedGradientTape: synchronous
-data-parallel training over the ring, with gradients handed over as
-backprop produces them (overlap.py)."""
+data-parallel training over the ring, with horovod.tensorflow's options, and
+gradients handed over as backprop produces them (overlap.py).
+
+Horovod's semantics, kept here: op Average or Sum; gradient_predivide_factor f
+divides by f before the sum and by size/f after it; groups (or num_groups)
+hand the gradients of a group over together, so they travel fused; variables
+registered as local (register_local_var / register_local_source, or the
+Partial* wrappers) keep their own gradient, divided by size when
+scale_local_gradients; backward_passes_per_step k sums k passes locally and
+communicates on every k-th (divided by k if average_aggregated_gradients)."""
 from __future__ import annotations
 
+import warnings
+
+import keras
+import numpy as np
 import tensorflow as tf
 
+import ringreduce as rr
+
+from . import ops as _ops
 from .compression import Compression
 from .overlap import reduce_gradients
 
+try:  # the process-sets module; without it only the global set exists
+    from ringreduce import global_process_set
+except ImportError:
+    global_process_set = None
 
-def DistributedOptimizer(optimizer, compression=Compression.none, backward_passes_per_step: int = 1,
-                         average: bool = True, sparse_as_dense: bool = False):
-    """Wraps a Keras 3 optimizer: before each update, every gradient is
-    averaged (or summed, average=False) over all ranks. With
-    backward_passes_per_step=k, gradients of k local steps are summed and
-    communicated once, then applied."""
+Average = getattr(_ops, "Average", "avg")
+Sum = getattr(_ops, "Sum", "sum")
+
+
+def reduction_op(op, average=None) -> str:
+    """'avg' or 'sum' for Horovod's op argument: the Average/Sum constants,
+    ringreduce's strings, or objects named so. `average` is Horovod's
+    deprecated boolean, which wins when given."""
+    if average is not None:
+        return "avg" if average else "sum"
+    if op is None:
+        return "avg"
+    for constant, name in ((getattr(_ops, "Average", None), "avg"), (getattr(_ops, "Sum", None), "sum")):
+        if constant is not None and type(op) is type(constant) and op == constant:
+            return name
+    if isinstance(op, int) and not isinstance(op, bool):
+        label = {0: "avg", 1: "sum"}.get(op)  # Horovod's numbering: Average = 0, Sum = 1
+    else:
+        label = str(op if isinstance(op, str) else getattr(op, "name", None) or getattr(op, "__name__", op)).lower()
+    label = {"avg": "avg", "average": "avg", "mean": "avg", "sum": "sum"}.get(label)
+    if label is None:
+        raise ValueError(f"gradients are combined with Average or Sum, not {op!r} "
+                         "(Adasum is not supported; Min, Max and Product are not gradient reductions)")
+    return label
+
+
+def check_global_process_set(process_set) -> None:
+    """Only the global process set for now: another set raises."""
+    if process_set is None or process_set is global_process_set:
+        return
+    ps_id = getattr(process_set, "process_set_id", None)
+    ranks = getattr(process_set, "ranks", None)
+    if ps_id == 0 or (ranks is not None and sorted(ranks) == list(range(rr.size()))):
+        return
+    raise NotImplementedError("gradients are reduced over the global process set only; "
+                              f"got {process_set!r}")
+
+
+class GradientReduction:
+    """How gradients are combined over ranks: shared by DistributedOptimizer
+    and DistributedGradientTape. Holds the options, not the local variables
+    (those belong to each optimizer or tape)."""
+
+    def __init__(self, op=Average, compression=Compression.none, sparse_as_dense=False,
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None, process_set=global_process_set,
+                 scale_local_gradients=True, average=None, name=None):
+        self.op = reduction_op(op, average)
+        if gradient_predivide_factor != 1.0 and self.op != "avg":
+            raise ValueError("gradient_predivide_factor needs op=Average")
+        if num_groups:
+            warnings.warn("num_groups is replaced by groups (as in Horovod)", DeprecationWarning, stacklevel=3)
+            groups = num_groups if groups is None else groups
+        if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+            raise ValueError("groups must be a positive integer or a list of lists of variables")
+        check_global_process_set(process_set)
+        self.compression, self.sparse_as_dense = compression, sparse_as_dense
+        self.predivide = float(gradient_predivide_factor)
+        self.groups, self.scale_local_gradients = groups, scale_local_gradients
+        self.name = name or "RingAllreduce"
+
+    def __call__(self, grads, variables, local_ids=frozenset()):
+        """Every rank's gradients combined, in the order given; local ones
+        stay this rank's own (scaled by 1/size if scale_local_gradients)."""
+        grads, variables = list(grads), list(variables)
+        shared = [i for i, v in enumerate(variables) if id(v) not in local_ids]
+        out = list(grads)
+        size = rr.size()
+        with tf.name_scope(self.name):
+            if shared:
+                sg, sv = [grads[i] for i in shared], [variables[i] for i in shared]
+                op = self.op
+                if self.predivide != 1.0:  # the average split around the sum, as Horovod does
+                    sg, op = [_scale(g, 1.0 / self.predivide) for g in sg], "sum"
+                reduced = reduce_gradients(sg, sv, op, self.compression, self.sparse_as_dense,
+                                           groups=self._group_positions(sg, sv))
+                if self.predivide != 1.0:
+                    reduced = [_scale(g, self.predivide / size) for g in reduced]
+                for i, g in zip(shared, reduced):
+                    out[i] = g
+            if self.scale_local_gradients and size > 1:
+                for i, v in enumerate(variables):
+                    if id(v) in local_ids:
+                        out[i] = _scale(grads[i], 1.0 / size)
+        return out
+
+    def _group_positions(self, grads, variables):
+        """Groups as lists of positions in grads; a group is handed over as one."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if self.groups is None:
+            return None
+        if isinstance(self.groups, int):
+            return [list(chunk) for chunk in np.array_split(present, min(self.groups, len(present))) if len(chunk)]
+        where = {id(v): i for i, v in enumerate(variables)}
+        groups = [[where[id(v)] for v in group if id(v) in where and grads[where[id(v)]] is not None]
+                  for group in self.groups]
+        return [g for g in groups if g]  # a variable in no group forms a group of its own
+
+
+def _scale(g, factor):
+    if g is None or factor == 1.0:
+        return g
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
+
+
+class _LocalVariables:
+    """Variables whose gradients are not reduced: registered one by one, or
+    every trainable weight of a local layer (read at each step, so a layer
+    built lazily by its first call counts too)."""
+
+    def __init__(self):
+        self.variables, self.layers = {}, []
+
+    def add_variable(self, var):
+        self.variables[id(var)] = var  # kept referenced, so its id stays its own
+
+    def add_layers(self, layers):
+        if layers is None:
+            return
+        layers = [layers] if isinstance(layers, keras.layers.Layer) else list(layers)
+        if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+            raise ValueError("local_layers must be Keras layers")
+        self.layers.extend(layers)
+
+    def ids(self) -> frozenset:
+        return frozenset(self.variables) | {id(v) for layer in self.layers for v in layer.trainable_weights}
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                         sparse_as_dense=False, backward_passes_per_step=1, op=Average,
+                         gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0,
+                         groups=None, process_set=global_process_set, scale_local_gradients=True, average=None,
+                         use_locking=False):
+    """Makes a Keras 3 optimizer distributed: before each update its
+    gradients are combined over all ranks (see the module docstring for the
+    options). The optimizer is wrapped in place and returned, so a built one
+    keeps its state (iterations, slot variables); wrapping a wrapped one
+    replaces its options. device_dense, device_sparse and use_locking are
+    accepted for Horovod's sake and have no effect: the ring reduces tensors
+    where they are."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer, not {type(optimizer).__name__}")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
-    base = optimizer.__class__
-    op = "avg" if average else "sum"
+    reduction = GradientReduction(op, compression, sparse_as_dense, gradient_predivide_factor, num_groups, groups,
+                                  process_set, scale_local_gradients, average,
+                                  name or f"Distributed{type(optimizer).__name__}")
+    base = getattr(type(optimizer), "_rr_base", type(optimizer))
+    optimizer.__class__ = _distributed_class(base, reduction, backward_passes_per_step, average_aggregated_gradients)
+    return optimizer
 
+
+def _distributed_class(base, reduction, passes, average_passes):
     def apply(self, grads, trainable_variables=None):
         variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
         grads = list(grads)
-        if backward_passes_per_step == 1:
-            return base.apply(self, reduce_gradients(grads, variables, op, compression, sparse_as_dense), variables)
-        return _accumulate_then_apply(self, base, grads, variables, backward_passes_per_step,
-                                      lambda gs: reduce_gradients(gs, variables, op, compression, sparse_as_dense))
+        local = _local_variables(self).ids()
+        if passes == 1:
+            return base.apply(self, reduction(grads, variables, local), variables)
+        return _accumulate_then_apply(self, base, grads, variables, passes, average_passes,
+                                      lambda gs: reduction(gs, variables, local))
+
+    def register_local_var(self, var):
+        """This variable's gradient stays this rank's own (not reduced)."""
+        _local_variables(self).add_variable(var)
 
     # Named and placed as the base class (as Horovod's wrapper is): a saved model
     # then records the plain Keras optimizer, which loads without ringreduce.
-    cls = type(base.__name__, (base,), {"apply": apply, "_ringreduce_wrapped": True,
-                                         "__module__": base.__module__, "__qualname__": base.__qualname__})
-    return cls.from_config(optimizer.get_config())
+    # The options live on the class, so from_config and clone_model copy them.
+    return type(base.__name__, (base,), {
+        "apply": apply, "register_local_var": register_local_var, "_rr_base": base,
+        "_rr_reduction": reduction, "__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
-def _accumulate_then_apply(opt, base, grads, variables, k, reduce):
-    if not hasattr(opt, "_rr_accumulators"):
+def _local_variables(opt) -> _LocalVariables:
+    if "_rr_local" not in opt.__dict__:
+        opt.__dict__["_rr_local"] = _LocalVariables()  # past Keras' attribute tracking: not state to save
+    return opt.__dict__["_rr_local"]
+
+
+def _accumulate_then_apply(opt, base, grads, variables, k, average_passes, reduce):
+    if "_rr_accumulators" not in opt.__dict__:
         # Shaped from the variables' declared shapes: a lazily built model's
         # variables may have no value yet when the first step is traced.
         with tf.init_scope():
-            opt._rr_accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in variables]
-            opt._rr_passes = tf.Variable(0, dtype=tf.int64, trainable=False)
-    for acc, g in zip(opt._rr_accumulators, grads):
+            opt.__dict__["_rr_accumulators"] = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+                                                for v in variables]
+            opt.__dict__["_rr_passes"] = tf.Variable(0, dtype=tf.int64, trainable=False)
+    accumulators, passes = opt.__dict__["_rr_accumulators"], opt.__dict__["_rr_passes"]
+    for acc, g in zip(accumulators, grads):
         if g is not None:
             acc.assign_add(tf.convert_to_tensor(g))
-    opt._rr_passes.assign_add(1)
+    passes.assign_add(1)
 
     def communicate_and_apply():
-        summed = [tf.identity(a) for a in opt._rr_accumulators]
+        summed = [tf.identity(a) if g is not None else None for a, g in zip(accumulators, grads)]
+        if average_passes:
+            summed = [None if s is None else s / tf.cast(k, s.dtype) for s in summed]
         base.apply(opt, reduce(summed), variables)
-        for a in opt._rr_accumulators:
+        for a in accumulators:
             a.assign(tf.zeros_like(a))
         return tf.constant(True)
 
-    return tf.cond(opt._rr_passes % k == 0, communicate_and_apply, lambda: tf.constant(False))
+    def count_the_pass():  # as Horovod: iterations counts every pass, applied or not
+        opt.iterations.assign_add(1)
+        return tf.constant(False)
+
+    return tf.cond(passes % k == 0, communicate_and_apply, count_the_pass)
 
 
 class DistributedGradientTape:
-    """Wraps a tf.GradientTape: gradient() returns gradients averaged (or
-    summed) over all ranks, handed over as backprop produces them."""
+    """Wraps a tf.GradientTape: gradient() returns gradients combined over
+    all ranks (the same options as DistributedOptimizer), handed over as
+    backprop produces them. register_local_source(v) keeps v's gradient local."""
 
-    def __init__(self, tape: tf.GradientTape, compression=Compression.none, average: bool = True,
-                 sparse_as_dense: bool = False):
-        self._tape, self._compression = tape, compression
-        self._op = "avg" if average else "sum"
-        self._sparse_as_dense = sparse_as_dense
+    def __init__(self, gradtape: tf.GradientTape, device_dense="", device_sparse="",
+                 compression=Compression.none, sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0,
+                 num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True,
+                 average=None):
+        self._tape = gradtape
+        self._reduction = GradientReduction(op, compression, sparse_as_dense, gradient_predivide_factor,
+                                            num_groups, groups, process_set, scale_local_gradients, average,
+                                            "DistributedGradientTape")
+        self._local = _LocalVariables()
 
-    def gradient(self, target, sources, output_gradients=None):
-        grads = self._tape.gradient(target, sources, output_gradients=output_gradients)
-        flat_sources = tf.nest.flatten(sources)
-        flat = reduce_gradients(tf.nest.flatten(grads), flat_sources, self._op, self._compression,
-                                self._sparse_as_dense)
+    def register_local_source(self, source):
+        """This source's gradient stays this rank's own (not reduced)."""
+        self._local.add_variable(source)
+
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False, **kwargs):
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
+        flat = self._reduction(tf.nest.flatten(grads), tf.nest.flatten(sources), self._local.ids())
         return tf.nest.pack_sequence_as(grads, flat)
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
 
     def __getattr__(self, name):
         return getattr(self._tape, name)

@@ -37,6 +37,10 @@ def _enqueue(name: bytes, op: bytes, array: np.ndarray) -> np.int64:
     return np.int64(key)
 
 
+def _enqueue_all(names, op: bytes, arrays) -> np.ndarray:
+    return np.array([_enqueue(n, op, a) for n, a in zip(names, arrays)], dtype=np.int64)
+
+
 def _wait(key: np.int64) -> np.ndarray:
     with _lock:
         h = _handles.pop(int(key))
@@ -48,8 +52,10 @@ def overlap_enabled() -> bool:
 
 
 def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.none,
-                     sparse_as_dense: bool = False):
-    """Every rank's gradients reduced, in the order given. None stays None."""
+                     sparse_as_dense: bool = False, groups=None):
+    """Every rank's gradients reduced, in the order given. None stays None.
+    groups: lists of positions in grads whose dense gradients are handed over
+    together, once the last of them exists, so they travel fused."""
     items = []
     for i, (g, v) in enumerate(zip(grads, variables)):
         if g is None:
@@ -60,7 +66,7 @@ def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.
     out = list(grads)
     dense = [(i, g, n) for i, g, n in items if not isinstance(g, tf.IndexedSlices)]
     if dense and overlap_enabled():
-        _hand_over_as_ready(dense, out, op, compression)
+        _hand_over_as_ready(dense, out, op, compression, groups or [])
     elif dense:
         _reduce_all_at_once(dense, out, op, compression)
     # Sparse gradients are allgathered directly, so only once the engine is idle
@@ -71,13 +77,23 @@ def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.
     return out
 
 
-def _hand_over_as_ready(dense, out, op, compression):
+def _hand_over_as_ready(dense, out, op, compression, groups):
+    by_position = {i: (i, g, name) for i, g, name in dense}
+    units, grouped = [], set()
+    for group in groups:
+        unit = [by_position[i] for i in group if i in by_position]
+        grouped.update(i for i, _, _ in unit)
+        if unit:
+            units.append(unit)
+    units += [[item] for item in dense if item[0] not in grouped]
     handles = []
-    for i, g, name in reversed(dense):  # backprop's order: last layer first
-        wire, ctx = compression.compress(g)
-        key = tf.numpy_function(lambda a, n=name.encode(), o=op.encode(): _enqueue(n, o, a), [wire], tf.int64,
-                                stateful=False, name="RingHandOver")
-        handles.append((i, g, key, wire.dtype, ctx))
+    for unit in sorted(units, key=lambda u: -max(i for i, _, _ in u)):  # backprop's order: last layer first
+        wires = [compression.compress(g) for _, g, _ in unit]
+        names = [name.encode() for _, _, name in unit]
+        keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode(): _enqueue_all(ns, o, arrays),
+                                 [w for w, _ in wires], tf.int64, stateful=False, name="RingHandOver")
+        for j, ((i, g, _), (wire, ctx)) in enumerate(zip(unit, wires)):
+            handles.append((i, g, keys[j], wire.dtype, ctx))
     for i, g, key, wire_dtype, ctx in handles:
         reduced = tf.numpy_function(_wait, [key], wire_dtype, stateful=True, name="RingWait")
         reduced.set_shape(g.shape)
