@@ -8,6 +8,7 @@ from .errors import MismatchError, PeerLostError, RingReduceError
 from .collectives import (
     allgather,
     allreduce,
+    alltoall,
     barrier,
     broadcast,
     init,
@@ -24,6 +25,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier",
+    "allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier",
     "RingReduceError", "MismatchError", "PeerLostError",
 ]
