@@ -516,12 +516,12 @@ def broadcast(x, root: int = 0, name: str | None = None):
         blobs = _exchange(head, g.to_host(x).tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast")
         if _all_inline(blobs):
-            data = np.frombuffer(blobs[root], dtype=x.dtype, offset=len(head)).reshape(x.shape).copy()
+            # Copied as bytes: numpy copies a padded structured dtype field by field, dropping the padding.
+            data = np.frombuffer(blobs[root], np.uint8, offset=len(head)).copy().view(x.dtype).reshape(x.shape)
             return g.from_host(data, like=x)
-        if w.rank == root:
-            buf = g.xp.array(x, order="C", copy=True)
-        else:
-            buf = g.xp.empty(x.shape, dtype=x.dtype)
+        buf = g.xp.empty(x.shape, dtype=x.dtype)
+        if w.rank == root:  # as bytes, padding included (see above)
+            _bytes(buf)[...] = _bytes(g.xp.ascontiguousarray(x))
         g.broadcast(_state.comm, buf, root)
         return buf
 
