@@ -366,6 +366,50 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
     return finish(self, &err);
 }
 
+/* alltoall(src, dst, bytes): bytes is the N*N block matrix, row-major
+ * (bytes[o*N + d] = what rank o sends to rank d), the same on every rank. */
+static PyObject *Comm_alltoall(CommObject *self, PyObject *args)
+{
+    PyObject *src_obj, *dst_obj, *sizes;
+    if (!PyArg_ParseTuple(args, "OOO", &src_obj, &dst_obj, &sizes)) return NULL;
+    if (check_usable(self)) return NULL;
+    const int N = self->ring->size;
+    PyObject *seq = PySequence_Fast(sizes, "bytes must be a sequence");
+    if (!seq) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != (Py_ssize_t)N * N) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "bytes needs size * size entries");
+        return NULL;
+    }
+    size_t *bytes = PyMem_Malloc(sizeof(size_t) * (size_t)N * (size_t)N);
+    if (!bytes) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)N * N; i++) bytes[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(seq, i));
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) { PyMem_Free(bytes); return NULL; }
+    size_t sends = 0, gets = 0;
+    const int r = self->ring->rank;
+    for (int i = 0; i < N; i++) {
+        sends += bytes[(size_t)r * N + i];
+        gets += bytes[(size_t)i * N + r];
+    }
+    Py_buffer src, dst;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS)) { PyMem_Free(bytes); return NULL; }
+    if (get_writable(dst_obj, &dst)) { PyBuffer_Release(&src); PyMem_Free(bytes); return NULL; }
+    if ((size_t)src.len != sends || (size_t)dst.len != gets) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        PyMem_Free(bytes);
+        PyErr_SetString(PyExc_ValueError, "src or dst differs from this rank's row or column of bytes");
+        return NULL;
+    }
+    rr_error err = {0};
+    RUN_LOCKED(self, err, rr_alltoall(self->ring, src.buf, dst.buf, bytes, &err));
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    PyMem_Free(bytes);
+    return finish(self, &err);
+}
+
 /* The collectives on a device's memory (device.h). Buffers are pointers
  * given as integers, Python having checked them (cupy's data.ptr); both the
  * Comm and the Device are held for the whole operation. */
@@ -566,6 +610,8 @@ static PyMethodDef Comm_methods[] = {
     {"allgather", (PyCFunction)Comm_allgather, METH_VARARGS,
      "allgather(buf, nbytes): in place; this rank's block already filled"},
     {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, "broadcast(buf, root): in place"},
+    {"alltoall", (PyCFunction)Comm_alltoall, METH_VARARGS,
+     "alltoall(src, dst, bytes): block bytes[r*N + d] of src goes to rank d; dst gets every rank's block for us"},
     {"allreduce_device", (PyCFunction)Comm_allreduce_device, METH_VARARGS,
      "allreduce_device(device, src, dst, nbytes, dtype, op): allreduce of device memory (pointers)"},
     {"reduce_scatter_device", (PyCFunction)Comm_reduce_scatter_device, METH_VARARGS,
@@ -702,7 +748,8 @@ PyMODINIT_FUNC PyInit__core(void)
     PyModule_AddObject(m, "Comm", (PyObject *)&CommType);
     Py_INCREF(&DeviceType);
     PyModule_AddObject(m, "Device", (PyObject *)&DeviceType);
-    static const char *dtypes[] = {"FLOAT16", "BFLOAT16", "FLOAT32", "FLOAT64", "INT8", "UINT8", "INT32", "INT64"};
+    static const char *dtypes[] = {"FLOAT16", "BFLOAT16", "FLOAT32", "FLOAT64", "INT8", "UINT8", "INT32", "INT64",
+                                   "INT16", "UINT16"};
     for (int i = 0; i < RR_NUM_DTYPES; i++) PyModule_AddIntConstant(m, dtypes[i], i);
     static const char *ops[] = {"SUM", "PROD", "MIN", "MAX", "AVG"};
     for (int i = 0; i < RR_NUM_OPS; i++) PyModule_AddIntConstant(m, ops[i], i);

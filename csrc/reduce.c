@@ -5,7 +5,8 @@
  * loops (restrict pointers, no calls in the body); the 16-bit float loops
  * stay scalar, since their conversions branch (NaN, rounding) and gcc
  * reports "control flow in loop". Integer sums and products wrap like numpy's: they are computed
- * in the unsigned type, where overflow is defined.
+ * in an unsigned type, where overflow is defined. 16-bit integers use uint32_t, not uint16_t: C
+ * promotes uint16_t to int, and 65535 * 65535 overflows int.
  */
 #include "reduce.h"
 
@@ -61,6 +62,8 @@ int rr_reduce3(void *dst, const void *src_a, const void *src_b, size_t count, rr
     case RR_UINT8: INT_OPS(uint8_t, uint8_t)
     case RR_INT32: INT_OPS(int32_t, uint32_t)
     case RR_INT64: INT_OPS(int64_t, uint64_t)
+    case RR_INT16: INT_OPS(int16_t, uint32_t)
+    case RR_UINT16: INT_OPS(uint16_t, uint32_t)
     default: return -1;
     }
 }
@@ -113,6 +116,8 @@ int rr_divide(void *buf, size_t count, rr_dtype dtype, int n)
     case RR_UINT8: FLOOR_DIV(uint8_t); return 0;
     case RR_INT32: FLOOR_DIV(int32_t); return 0;
     case RR_INT64: FLOOR_DIV(int64_t); return 0;
+    case RR_INT16: FLOOR_DIV(int16_t); return 0;
+    case RR_UINT16: FLOOR_DIV(uint16_t); return 0;
     default: return -1;
     }
 }

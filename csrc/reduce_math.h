@@ -35,6 +35,8 @@ typedef enum {
     RR_UINT8 = 5,
     RR_INT32 = 6,
     RR_INT64 = 7,
+    RR_INT16 = 8, /* appended, so the older codes keep their values */
+    RR_UINT16 = 9,
     RR_NUM_DTYPES
 } rr_dtype;
 
@@ -51,7 +53,7 @@ typedef enum {
 RR_INLINE size_t rr_dtype_size(rr_dtype t)
 {
     switch (t) {
-    case RR_FLOAT16: case RR_BFLOAT16: return 2;
+    case RR_FLOAT16: case RR_BFLOAT16: case RR_INT16: case RR_UINT16: return 2;
     case RR_FLOAT32: case RR_INT32: return 4;
     case RR_FLOAT64: case RR_INT64: return 8;
     case RR_INT8: case RR_UINT8: return 1;

@@ -1,5 +1,6 @@
 /* The ring schedule: allreduce, reduce-scatter, allgather, broadcast and the
- * small-message header exchange, over any rr_transport. See ring.c. */
+ * small-message header exchange, over any rr_transport (ring.c); alltoall
+ * (alltoall.c). */
 #ifndef RINGREDUCE_RING_H
 #define RINGREDUCE_RING_H
 
@@ -47,6 +48,12 @@ int rr_allgather(rr_ring *ring, rr_device *dev, void *buf, const size_t *nbytes,
 
 /* Root's nbytes flow along the ring, pipelined by segment. */
 int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int root, rr_error *err);
+
+/* Alltoall (alltoall.c): bytes is the N*N matrix of block sizes,
+ * bytes[o * N + d] = what origin o sends to d, the same on every rank. src
+ * holds this rank's blocks for d = 0 .. N-1 back to back, dst receives every
+ * origin's block for this rank, in origin order. */
+int rr_alltoall(rr_ring *ring, const void *src, void *dst, const size_t *bytes, rr_error *err);
 
 /* Every rank contributes one blob of any length (up to 64 MiB), given as a
  * header and data; every rank gets all of them, in rank order. *all is one malloc'ed block holding the

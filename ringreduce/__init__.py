@@ -8,6 +8,7 @@ from .errors import MismatchError, PeerLostError, RingReduceError
 from .collectives import (
     allgather,
     allreduce,
+    alltoall,
     barrier,
     broadcast,
     init,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "join",
+    "allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier", "join",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "RingReduceError", "MismatchError", "PeerLostError",
 ]

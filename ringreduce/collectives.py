@@ -34,17 +34,23 @@ _DTYPES = {
     np.dtype(np.uint8): _core.UINT8,
     np.dtype(np.int32): _core.INT32,
     np.dtype(np.int64): _core.INT64,
+    np.dtype(np.int16): _core.INT16,
+    np.dtype(np.uint16): _core.UINT16,
 }
 _OPS = {"sum": _core.SUM, "prod": _core.PROD, "min": _core.MIN, "max": _core.MAX, "avg": _core.AVG}
 _OP_NAMES = {v: k for k, v in _OPS.items()}
 _DTYPE_NAMES = {v: str(k) for k, v in _DTYPES.items()}
 
 ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, BARRIER = range(5)
-_KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "engine negotiation"]
+ALLTOALL = 6  # 5 is the engine's negotiation
+_KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "engine negotiation", "alltoall"]
 
-# magic, kind, op, dtype, inline?, root, ndim, name length; then shape, name.
-_HEAD = struct.Struct("<4sBBBBiII")
-_MAGIC = b"RRH1"
+# magic, kind, op, dtype code, inline?, root, ndim, name length, dtype
+# descriptor length, number of splits; then shape, splits (int64 each), name,
+# descriptor. The descriptor (str of the numpy dtype) lets ranks catch a dtype
+# mismatch on ops that only move bytes, whose dtypes have no code.
+_HEAD = struct.Struct("<4sBBBBiIIHI")
+_MAGIC = b"RRH2"
 
 
 @dataclass
@@ -213,6 +219,14 @@ def _dtype_code(dtype: np.dtype) -> int:
         raise TypeError(f"ringreduce does not support dtype {dtype}; supported: {supported}") from None
 
 
+def _check_movable(dtype: np.dtype) -> None:
+    """Ops that only move bytes (allgather, broadcast, alltoall) take any
+    fixed-size dtype whose bytes are its value: not objects (pointers)."""
+    dtype = np.dtype(dtype)
+    if dtype.hasobject or dtype.itemsize == 0 or dtype.kind == "T":
+        raise TypeError(f"ringreduce cannot move dtype {dtype}: only fixed-size dtypes without Python objects")
+
+
 def _op_code(op: str) -> int:
     if op not in _OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {', '.join(_OPS)}")
@@ -264,7 +278,7 @@ class _HostArrays:
 
     @staticmethod
     def broadcast(comm, buf, root):
-        comm.broadcast(_raw(buf), root)
+        comm.broadcast(_bytes(buf), root)  # any dtype: the buffer protocol has no code for some
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,39 +286,54 @@ def _device_arrays():
     return _cuda.DeviceArrays()
 
 
-def _arrays_for(x):
-    """The array family of x, and x as one of its arrays (dtype checked)."""
+def _arrays_for(x, reduces: bool = True):
+    """The array family of x, and x as one of its arrays, its dtype checked:
+    reducible (reduces) or merely movable."""
     family = _device_arrays() if _cuda.is_device_array(x) else _HostArrays
     arr = family.asarray(x)
     if family is _HostArrays:
         arr = _native(arr)
-    _dtype_code(arr.dtype)
+    if reduces:
+        _dtype_code(arr.dtype)
+    else:
+        _check_movable(arr.dtype)
     return family, arr
 
 
 def _native(a: np.ndarray) -> np.ndarray:
     """a in this machine's byte order (a '>f4' array becomes '<f4' on x86):
     the kernels and the wire work in native order; results come back so."""
-    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+    if a.dtype.isnative or a.dtype.hasobject:
+        return a
+    return a.astype(a.dtype.newbyteorder("="))
 
 
 @functools.lru_cache(maxsize=4096)
-def _header(kind, op, dtype, shape, name, root=0, inline=False) -> bytes:
+def _header(kind, op, dtype, shape, name, root=0, inline=False, descr=None, splits=()) -> bytes:
+    """descr: the numpy dtype; None takes the name of code `dtype`."""
     encoded = (name or "").encode()
-    return (_HEAD.pack(_MAGIC, kind, op, dtype, int(inline), root, len(shape), len(encoded))
-            + struct.pack(f"<{len(shape)}q", *shape) + encoded)
+    described = (str(descr) if descr is not None else _DTYPE_NAMES.get(dtype, "")).encode()
+    if len(described) > 0xFFFF:
+        raise TypeError(f"dtype {descr} is too complex to describe in a header")
+    return (_HEAD.pack(_MAGIC, kind, op, dtype, int(inline), root, len(shape), len(encoded), len(described),
+                       len(splits))
+            + struct.pack(f"<{len(shape)}q{len(splits)}q", *shape, *splits) + encoded + described)
 
 
 def _parse(blob: bytes) -> dict:
-    magic, kind, op, dtype, inline, root, ndim, nlen = _HEAD.unpack_from(blob)
+    magic, kind, op, dtype, inline, root, ndim, nlen, dlen, nsplits = _HEAD.unpack_from(blob)
     if magic != _MAGIC:
         raise RingReduceError("malformed header from a peer")
     at = _HEAD.size
     shape = struct.unpack_from(f"<{ndim}q", blob, at)
     at += 8 * ndim
+    splits = struct.unpack_from(f"<{nsplits}q", blob, at)
+    at += 8 * nsplits
     name = blob[at:at + nlen].decode(errors="replace")
-    return {"kind": kind, "op": op, "dtype": dtype, "root": root, "shape": shape, "name": name,
-            "inline": bool(inline), "payload": memoryview(blob)[at + nlen:]}
+    at += nlen
+    described = blob[at:at + dlen].decode(errors="replace")
+    return {"kind": kind, "op": op, "dtype": described, "code": dtype, "root": root, "shape": shape, "name": name,
+            "splits": splits, "inline": bool(inline), "payload": memoryview(blob)[at + dlen:]}
 
 
 def _describe(field, value):
@@ -313,7 +342,7 @@ def _describe(field, value):
     if field == "op":
         return _OP_NAMES.get(value, str(value))
     if field == "dtype":
-        return _DTYPE_NAMES.get(value, str(value))
+        return str(value)
     return repr(value)
 
 
@@ -513,14 +542,13 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
 
 def allgather(x, name: str | None = None, process_set=None):
     """Concatenates every rank's x along axis 0 (ranks may differ in dim 0 only)."""
-    g, x = _arrays_for(x)
+    g, x = _arrays_for(x, reduces=False)
     if x.ndim == 0:
         x = x.reshape(1)
-    code = _dtype_code(x.dtype)
     with _state.lock, g.on(x):
         w = _ring(process_set)
         small = x.nbytes <= w.small_limit
-        head = _header(ALLGATHER, 0, code, x.shape, name, inline=small)
+        head = _header(ALLGATHER, 0, 0, x.shape, name, inline=small, descr=x.dtype)
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
                           ("dtype", "trailing", "name"), "allgather", w)
         heads = [_parse(b) for b in blobs]
@@ -542,8 +570,7 @@ def allgather(x, name: str | None = None, process_set=None):
 def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
     """Returns a new array holding root's x (same shape and dtype on every rank).
     root is a world rank; with a process set, one of its members (as Horovod's)."""
-    g, x = _arrays_for(x)
-    code = _dtype_code(x.dtype)
+    g, x = _arrays_for(x, reduces=False)
     with _state.lock, g.on(x):
         w = _ring(process_set)
         if root not in w.ranks:
@@ -552,18 +579,97 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
                                   f"(ranks {w.ranks})")
         root = w.ranks.index(root) if w is not _state.ring else root
         small = x.nbytes <= w.small_limit
-        head = _header(BROADCAST, 0, code, x.shape, name, root=root, inline=small)
+        head = _header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype)
         blobs = _exchange(head, g.to_host(x).tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast", w)
         if _all_inline(blobs):
-            data = np.frombuffer(blobs[root], dtype=x.dtype, offset=len(head)).reshape(x.shape).copy()
+            # Copied as bytes: numpy copies a padded structured dtype field by field, dropping the padding.
+            data = np.frombuffer(blobs[root], np.uint8, offset=len(head)).copy().view(x.dtype).reshape(x.shape)
             return g.from_host(data, like=x)
-        if w.rank == root:
-            buf = g.xp.array(x, order="C", copy=True)
-        else:
-            buf = g.xp.empty(x.shape, dtype=x.dtype)
+        buf = g.xp.empty(x.shape, dtype=x.dtype)
+        if w.rank == root:  # as bytes, padding included (see above)
+            _bytes(buf)[...] = _bytes(g.xp.ascontiguousarray(x))
         g.broadcast(w.comm, buf, root)
         return buf
+
+
+# How a rank asked alltoall to split its rows (the header's op byte).
+_SPLITS_GIVEN, _SPLITS_EQUAL = 0, 1
+
+
+def _read_splits(splits) -> tuple:
+    """splits as a tuple of ints; a TypeError (on this rank, before any
+    communication, like any unsupported input) when they are not integers."""
+    if hasattr(splits, "numpy"):  # a TensorFlow tensor
+        splits = splits.numpy()
+    if _cuda.is_device_array(splits):
+        splits = _device_arrays().to_host(splits)
+    a = np.asarray(splits)
+    if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
+        raise TypeError(f"alltoall splits must be a 1-d sequence of integers, not {a.dtype} of shape {a.shape}")
+    return tuple(int(v) for v in a)
+
+
+def _split_matrix(heads, n: int) -> list:
+    """Every rank's splits (rows it sends to each rank), checked the same way
+    on every rank from the same headers: bad splits raise ValueError on all
+    of them, before data moves, and the ring stays usable."""
+    matrix = []
+    for r, h in enumerate(heads):
+        rows = h["shape"][0]
+        if h["op"] == _SPLITS_EQUAL:
+            if rows % n:
+                raise ValueError(f"alltoall without splits needs rows divisible by the {n} ranks: rank {r} has "
+                                 f"{rows}; pass splits")
+            matrix.append([rows // n] * n)
+            continue
+        splits = list(h["splits"])
+        if len(splits) != n:
+            raise ValueError(f"alltoall splits need one entry per rank ({n}); rank {r} passed {len(splits)}: {splits}")
+        if any(v < 0 for v in splits):
+            raise ValueError(f"alltoall splits must not be negative; rank {r} passed {splits}")
+        if sum(splits) != rows:
+            raise ValueError(f"alltoall splits must sum to the rows of the tensor; rank {r} passed {splits} "
+                             f"(sum {sum(splits)}) for {rows} rows")
+        matrix.append(splits)
+    return matrix
+
+
+def alltoall(x, splits=None, name: str | None = None, process_set=None):
+    """Sends rows of x to every rank: x is split along axis 0 into pieces of
+    splits[i] rows for rank i (default: equal pieces; rows must then divide
+    by size). Returns (received, received_splits): the pieces every rank sent
+    this one, concatenated in rank order, and how many rows came from each
+    (int32). Ranks must agree on dtype and shape[1:]; they may differ in rows.
+    A GPU array goes through the host and comes back on its GPU."""
+    g, x = _arrays_for(x, reduces=False)
+    if x.ndim == 0:
+        raise ValueError("alltoall needs a tensor of at least one dimension (its rows are split)")
+    given = None if splits is None else _read_splits(splits)
+    host = np.ascontiguousarray(g.to_host(x))
+    with _state.lock, g.on(x):
+        w = _ring(process_set)
+        n, me = w.size, w.rank
+        small = host.nbytes <= w.small_limit
+        head = _header(ALLTOALL, _SPLITS_EQUAL if given is None else _SPLITS_GIVEN, 0, host.shape, name,
+                       inline=small, descr=host.dtype, splits=given or ())
+        blobs = _exchange(head, host.tobytes() if small else b"", ("dtype", "trailing", "name"), "alltoall", w)
+        heads = [_parse(b) for b in blobs]
+        matrix = _split_matrix(heads, n)
+        row_bytes = host.itemsize * int(np.prod(host.shape[1:], dtype=np.int64))
+        received_splits = np.array([matrix[o][me] for o in range(n)], dtype=np.int32)
+        out = np.empty((int(received_splits.sum()),) + host.shape[1:], dtype=host.dtype)
+        flat = _bytes(out)
+        if all(h["inline"] for h in heads):
+            at = 0
+            for o, h in enumerate(heads):
+                start = sum(matrix[o][:me]) * row_bytes
+                size = matrix[o][me] * row_bytes
+                flat[at:at + size] = np.frombuffer(h["payload"], dtype=np.uint8)[start:start + size]
+                at += size
+        else:
+            w.comm.alltoall(_bytes(host), flat, [rows * row_bytes for per in matrix for rows in per])
+        return g.from_host(out, like=x), received_splits
 
 
 def barrier(name: str | None = None, process_set=None) -> None:

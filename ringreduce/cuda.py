@@ -22,7 +22,7 @@ FATBIN = PACKAGE / "reduce_kernels.fatbin"
 SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # a wheel's copy (setup.py), then the source tree
 
 # In the C core's code order (rr_dtype, rr_op): the ring's device takes its kernels so.
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "int16", "uint16")
 OPS = ("sum", "prod", "min", "max")
 MEAN_DTYPES = ("float16", "bfloat16")  # averaged as running means (rr_mean_<dtype>), not sum-then-divide
 THREADS = 256

@@ -8,12 +8,51 @@ import hashlib
 import ml_dtypes
 import numpy as np
 
-DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64"]
 OPS = ["sum", "avg", "min", "max", "prod"]
+
+# Ops that only move bytes (allgather, broadcast, alltoall) take these too; a
+# reduction refuses them with a TypeError naming the dtype.
+MOVABLE_ONLY = ["bool", "uint32", "uint64", "complex64", "complex128", "S4", "U3", "datetime64[ms]",
+                "V7", "[('a', '<i4'), ('b', '<f8')]", "{'names': ['x'], 'formats': ['<u2'], 'itemsize': 6}"]
+MOVABLE = DTYPES + MOVABLE_ONLY
 
 
 def np_dtype(name: str) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    if name == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    if name.startswith(("[", "{")):
+        return np.dtype(eval(name))  # a structured dtype's spec, from the list above
+    return np.dtype(name)
+
+
+def any_bytes(shape, dtype: str, seed) -> np.ndarray:
+    """Arbitrary bytes of dtype (bools kept 0/1): byte-moving ops must carry
+    every bit, NaN payloads and padding included."""
+    dt = np_dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = np.random.default_rng(seed).integers(0, 256, count * dt.itemsize, dtype=np.uint8)
+    if dt.kind == "b":
+        raw &= 1
+    return raw.view(dt).reshape(shape)
+
+
+def alltoall_input(rank: int, splits, trailing, dtype: str, case: int) -> np.ndarray:
+    """Rank `rank`'s input for an alltoall with these splits."""
+    return any_bytes((int(sum(splits)),) + tuple(trailing), dtype, [rank, case, MOVABLE.index(dtype)])
+
+
+def alltoall_reference(inputs: list, splits: list, rank: int) -> np.ndarray:
+    """What `rank` receives: from every origin o, its rows addressed to rank,
+    concatenated in origin order. Done on the bytes: numpy copies a padded
+    structured dtype field by field, leaving its padding behind."""
+    pieces = []
+    for o, x in enumerate(inputs):
+        start = int(sum(splits[o][:rank]))
+        row_bytes = x.dtype.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
+        rows = np.frombuffer(np.ascontiguousarray(x).tobytes(), np.uint8).reshape(x.shape[0], row_bytes)
+        pieces.append(rows[start:start + splits[o][rank]])
+    return np.concatenate(pieces).reshape(-1).view(inputs[0].dtype).reshape((-1,) + inputs[0].shape[1:])
 
 
 def sizes(n: int) -> list:

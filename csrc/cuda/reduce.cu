@@ -114,6 +114,8 @@ RR_INT_KERNELS(int8, int8_t, uint8_t)
 RR_INT_KERNELS(uint8, uint8_t, uint8_t)
 RR_INT_KERNELS(int32, int32_t, uint32_t)
 RR_INT_KERNELS(int64, int64_t, uint64_t)
+RR_INT_KERNELS(int16, int16_t, uint32_t) /* uint32_t: uint16_t promotes to int, which 65535 * 65535 overflows */
+RR_INT_KERNELS(uint16, uint16_t, uint32_t)
 
 /* Element-wise conversions: casts for compression, and the 16-bit divides. */
 struct ToF16 { __device__ static uint16_t apply(float x) { return rr_f32_to_f16(x); } };
@@ -181,6 +183,8 @@ extern "C" __global__ void rr_divide_int8(int8_t *buf, size_t count, int n) { fl
 extern "C" __global__ void rr_divide_uint8(uint8_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
 extern "C" __global__ void rr_divide_int32(int32_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
 extern "C" __global__ void rr_divide_int64(int64_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
+extern "C" __global__ void rr_divide_int16(int16_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
+extern "C" __global__ void rr_divide_uint16(uint16_t *buf, size_t count, int n) { floor_divide(buf, count, n); }
 
 /* Compression casts: float32 <-> float16 / bfloat16, rounding to nearest even. */
 extern "C" __global__ void rr_cast_float32_to_float16(uint16_t *dst, const float *src, size_t count)

@@ -9,6 +9,7 @@ This layer uses only ringreduce's public API and its background engine.
 """
 from ringreduce import init, local_rank, local_size, rank, shutdown, size
 
+from .alltoall import alltoall
 from .callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback
 from .compression import Compression
 from .ops import allgather, allreduce, broadcast, broadcast_variables
@@ -18,7 +19,7 @@ from .sync_batch_norm import SyncBatchNormalization
 
 __all__ = [
     "init", "shutdown", "rank", "size", "local_rank", "local_size",
-    "allreduce", "allgather", "broadcast", "broadcast_variables",
+    "allreduce", "allgather", "broadcast", "broadcast_variables", "alltoall",
     "DistributedOptimizer", "DistributedGradientTape", "Compression",
     "PartialDistributedOptimizer", "PartialDistributedGradientTape", "SyncBatchNormalization",
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",

@@ -234,6 +234,7 @@ size_t dtype_size(const std::string &name)
     static const std::map<std::string, size_t> sizes = {
         {"float16", 2}, {"bfloat16", 2}, {"float32", 4}, {"float64", 8},
         {"int8", 1},    {"uint8", 1},    {"int32", 4},   {"int64", 8},
+        {"int16", 2},   {"uint16", 2},
     };
     auto it = sizes.find(name);
     return it == sizes.end() ? 0 : it->second;
