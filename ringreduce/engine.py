@@ -92,7 +92,8 @@ class Engine:
                  cache_capacity: int | None = None):
         config = Config.from_env()
         self.fusion_bytes = fusion_bytes if fusion_bytes is not None else config.fusion_bytes
-        self.negotiator = Negotiator(cache_capacity if cache_capacity is not None else config.cache_capacity)
+        self.negotiator = Negotiator(cache_capacity if cache_capacity is not None else config.cache_capacity,
+                                     stall_seconds=config.timeout or float("inf"))
         self.timeline = Timeline(timeline_path or os.environ.get("RINGREDUCE_TIMELINE"))
         self._pending: dict[tuple, Handle] = {}  # (process_set, name) -> handle
         self._cond = threading.Condition()
@@ -125,7 +126,7 @@ class Engine:
             raise ValueError("every collective in the engine needs a name, the same on every rank")
         if process_set != GLOBAL_PROCESS_SET:
             raise ValueError(f"process set {process_set!r} is not known to the engine")
-        family, array = _c._arrays_for(array)
+        family, array = _c._arrays_for(array, reduces=spec.reduces)
         with family.on(array):
             array = family.xp.ascontiguousarray(array)
         if spec.ragged and array.ndim == 0:

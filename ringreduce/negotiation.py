@@ -3,16 +3,23 @@
 Each cycle every rank sends one message in one header pass of the ring
 (every rank then holds every rank's message):
 
-    flags (u8: bit 0 = this rank has called join), n (u32),
+    flags (u8: bit 0 = this rank has called join; bit 1 = a stall verdict
+    follows), n (u32),
     n bytes: a bit per response-cache slot whose request is ready here,
-    JSON: the full key of every ready request the cache does not hold
+    JSON: the full key of every ready request the cache does not hold (with a
+    stall verdict: {"full": those keys, "stalled": [[process_set, name, why]]})
 
 A key is what must be the same on every rank for a request to run:
 (name, kind, dtype, shape, op, root, process_set); kinds whose ranks may
 differ in dim 0 (allgather) carry -1 there. A request runs once every rank
 that has not joined has it ready (the AND of the bit vectors, and the same
 name in every rank's list); requests that disagree fail on every rank, the
-rest wait for a later cycle. Every rank decides from the same messages with
+rest wait for a later cycle. A request that some ranks have had ready
+for RINGREDUCE_TIMEOUT while others never submitted it (a rank built another
+model, or skipped a collective) is a stall: rank 0, whose clock decides,
+names it in its next message, and it fails on every rank with
+MismatchError naming the ranks that have it and those that do not, instead
+of waiting for ever (Horovod's stall inspector only warns). Every rank decides from the same messages with
 the same code, so all decide alike; the cache (ringreduce/response_cache.py)
 then changes the same way everywhere: agreed requests are recorded in agreed
 order, a name that failed loses its slot.
@@ -29,7 +36,7 @@ from .response_cache import ResponseCache
 
 NEGOTIATE = 5  # header kind of a negotiation pass (see collectives._KIND_NAMES)
 _FLAGS = struct.Struct("<BI")
-JOINED = 1
+JOINED, STALL_VERDICT = 1, 2
 
 # Key fields, by position.
 NAME, KIND, DTYPE, SHAPE, OP, ROOT, PROCESS_SET = range(7)
@@ -40,6 +47,7 @@ class Message:
     joined: bool
     bits: int  # bit s: the request in cache slot s is ready on this rank
     entries: dict  # (process_set, name) -> key, requests sent in full, in this rank's order
+    stalled: list = field(default_factory=list)  # rank 0's stall verdict: [process_set, name, why]
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Agreement:
     failed: list = field(default_factory=list)  # (key, message): fails on every rank holding it
     joined: list = field(default_factory=list)  # ranks that have called join, this cycle
     join_done: int | None = None  # every rank has joined and nothing is left: the last to join
+    waiting: dict = field(default_factory=dict)  # (process_set, name) -> (ranks that have it, ranks that do not)
 
 
 @dataclass
@@ -58,7 +67,7 @@ class Stats:
     seconds: float = 0.0
 
 
-def encode(keys: list, joined: bool, cache: ResponseCache) -> bytes:
+def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = ()) -> bytes:
     bits, full = 0, []
     for key in keys:
         slot = cache.slot(key)
@@ -67,7 +76,9 @@ def encode(keys: list, joined: bool, cache: ResponseCache) -> bytes:
         else:
             bits |= 1 << slot
     vector = bits.to_bytes((bits.bit_length() + 7) // 8, "little")
-    return _FLAGS.pack(JOINED if joined else 0, len(vector)) + vector + (json.dumps(full).encode() if full else b"")
+    flags = (JOINED if joined else 0) | (STALL_VERDICT if stalled else 0)
+    body = {"full": full, "stalled": list(stalled)} if stalled else full
+    return _FLAGS.pack(flags, len(vector)) + vector + (json.dumps(body).encode() if body else b"")
 
 
 def decode(blob) -> Message:
@@ -75,11 +86,15 @@ def decode(blob) -> Message:
     at = _FLAGS.size
     bits = int.from_bytes(bytes(blob[at:at + n]), "little")
     rest = bytes(blob[at + n:])
+    body = json.loads(rest) if rest else []
+    stalled = []
+    if flags & STALL_VERDICT:
+        body, stalled = body["full"], body["stalled"]
     entries = {}
-    for e in json.loads(rest) if rest else []:
+    for e in body:
         key = (e[0], e[1], e[2], tuple(e[3]), e[4], e[5], e[6])
         entries[(key[PROCESS_SET], key[NAME])] = key
-    return Message(bool(flags & JOINED), bits, entries)
+    return Message(bool(flags & JOINED), bits, entries, stalled)
 
 
 def _set_bits(bits: int):
@@ -110,6 +125,7 @@ def agree(messages: list[Message], cache: ResponseCache) -> Agreement:
     """The decision every rank makes alike from every rank's message; then
     updates the cache alike."""
     out = Agreement(joined=[r for r, m in enumerate(messages) if m.joined])
+    stalled = {(ps, name): why for ps, name, why in messages[0].stalled}
     active = [m for m in messages if not m.joined]
     ready_bits = 0
     if active:
@@ -129,6 +145,20 @@ def agree(messages: list[Message], cache: ResponseCache) -> Agreement:
         if slot is not None:
             contested.add(slot)
     out.run = [cache.key(s) for s in _set_bits(ready_bits) if s not in contested]
+    some_bits = 0
+    for m in active:
+        some_bits |= m.bits
+    for slot in _set_bits(some_bits & ~ready_bits):  # cached, ready on some ranks only
+        if slot in contested:
+            continue
+        key = cache.key(slot)
+        have = [r for r, m in enumerate(messages) if m.bits >> slot & 1]
+        missing = [r for r, m in enumerate(messages) if not m.joined and not m.bits >> slot & 1]
+        if (key[PROCESS_SET], key[NAME]) in stalled:
+            out.failed.append((key, stalled[(key[PROCESS_SET], key[NAME])]))
+            cache.invalidate(key[PROCESS_SET], key[NAME])
+        else:
+            out.waiting[(key[PROCESS_SET], key[NAME])] = (have, missing)
 
     for ps, name in names:
         slot = cache.slot_for_name(ps, name)
@@ -139,8 +169,14 @@ def agree(messages: list[Message], cache: ResponseCache) -> Agreement:
                 key = cache.key(slot)
             if key is not None:
                 views[r] = key
-        if any(r not in views for r, m in enumerate(messages) if not m.joined):
-            continue  # some rank has not got there yet
+        missing = [r for r, m in enumerate(messages) if not m.joined and r not in views]
+        if missing:  # some rank has not got there yet, or never will: rank 0 judges (Negotiator)
+            if (ps, name) in stalled:
+                out.failed.append((next(iter(views.values())), stalled[(ps, name)]))
+                cache.invalidate(ps, name)
+            else:
+                out.waiting[(ps, name)] = (sorted(views), missing)
+            continue
         first_rank, first = next(iter(views.items()))
         differing = [(r, k) for r, k in views.items() if k != first]
         if differing:
@@ -170,21 +206,25 @@ def agree(messages: list[Message], cache: ResponseCache) -> Agreement:
 class Negotiator:
     """One rank's side of negotiation: the cache, the join order, the cost."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, stall_seconds: float = float("inf")):
         self.cache = ResponseCache(capacity)
         self.stats = Stats()
         self._cycle = 0
         self._joined_at: dict[int, int] = {}  # rank -> cycle its join was first seen
+        self.stall_seconds = stall_seconds
+        self._waiting_since: dict[tuple, float] = {}  # (process_set, name) -> when first seen on some ranks only
+        self._stalled: list = []  # rank 0's verdict, sent with its next message
 
     def negotiate(self, keys: list, joined: bool) -> Agreement:
         t0 = time.perf_counter()
-        blob = encode(keys, joined, self.cache)
+        blob = encode(keys, joined, self.cache, self._stalled)
         head = _c._header(NEGOTIATE, 0, 0, (), "", 0, False)
         with _c._state.lock:
             blobs = _c._exchange(head, blob, ("name",), "engine negotiation")
             me = _c._state.world.rank
         messages = [decode(memoryview(b)[len(head):]) for b in blobs]
         out = agree(messages, self.cache)
+        self._stalled = self._judge_stalls(out.waiting) if me == 0 else []
         self._cycle += 1
         for r in out.joined:
             self._joined_at.setdefault(r, self._cycle)
@@ -197,3 +237,20 @@ class Negotiator:
         self.stats.bytes_sent += sum(len(b) + 8 for b in blobs) - (len(blobs[(me + 1) % len(blobs)]) + 8)
         self.stats.seconds += time.perf_counter() - t0
         return out
+
+    def _judge_stalls(self, waiting: dict) -> list:
+        """Rank 0: requests some ranks have had ready for stall_seconds while
+        the others never submitted them."""
+        now = time.monotonic()
+        self._waiting_since = {k: self._waiting_since.get(k, now) for k in waiting}
+        verdict = []
+        for (ps, name), since in self._waiting_since.items():
+            if now - since >= self.stall_seconds:
+                have, missing = waiting[(ps, name)]
+                verdict.append([ps, name, (
+                    f"tensor {name!r} was submitted by rank(s) {', '.join(map(str, have))} but not by rank(s) "
+                    f"{', '.join(map(str, missing))} for {now - since:.0f} s (RINGREDUCE_TIMEOUT): do all ranks "
+                    "build the same model and run the same collectives?")])
+        for ps, name, _ in verdict:
+            del self._waiting_since[(ps, name)]
+        return verdict

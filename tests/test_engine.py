@@ -220,3 +220,33 @@ def test_a_kind_registered_in_a_few_lines_runs_through_negotiation(tmp_path):
     for r in ranks:
         assert r.result[0] == [6.0, 6.0]
         assert "no such kind" in r.result[1] and "max_rows" in r.result[1]
+
+
+def test_a_tensor_that_some_ranks_never_submit_fails_everywhere_instead_of_hanging(tmp_path):
+    # Step 0 both ranks reduce "a" (so the response cache holds it). Step 1
+    # rank 1 has built another model: rank 0's "a" (cached: sent as a bit)
+    # never meets rank 1's "b" (new: sent in full). After RINGREDUCE_TIMEOUT
+    # each stall is named on every rank, and the engine goes on.
+    ranks = run_ranks(2, """
+        import time
+        from ringreduce.engine import Engine
+        eng = Engine()
+        eng.wait(eng.enqueue("a", np.ones(4, dtype=np.float32), op="sum"))
+        mine = eng.enqueue("a" if rr.rank() == 0 else "b", np.ones(4, dtype=np.float32))
+        t0 = time.monotonic()
+        try:
+            eng.wait(mine)
+            out = "no error"
+        except rr.MismatchError as e:
+            out = (str(e), time.monotonic() - t0)
+        after = eng.wait(eng.enqueue("after", np.ones(3, dtype=np.float32), op="sum")).tolist()
+        result = (out, after)
+    """, tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "2"})
+    for r in ranks:
+        out, after = r.result
+        assert out != "no error", f"rank {r.rank}: its lone tensor ran"
+        message, waited = out
+        mine, theirs = ("a", "1") if r.rank == 0 else ("b", "0")
+        assert f"'{mine}'" in message and f"not by rank(s) {theirs}" in message, message
+        assert waited < 30, f"rank {r.rank} waited {waited:.0f} s"
+        assert after == [2.0] * 3, f"rank {r.rank}: the engine stopped after a stall"
