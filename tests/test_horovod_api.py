@@ -327,3 +327,140 @@ def test_two_ranks_gradients_and_errors(tmp_path):
     for r in ranks:
         assert r.result["bad"] == [], f"rank {r.rank}:\n" + "\n".join(r.result["bad"])
         assert r.result["layout"] == (r.rank, 0, 1, True)
+
+
+KERAS = """
+import os, warnings
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np, tensorflow as tf, keras
+import ringreduce.tensorflow.keras as hvd
+from ringreduce.tensorflow.keras.callbacks import LearningRateWarmupCallback
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+bad = []
+
+# The names a Horovod Keras script uses resolve from the one module.
+names = ["init", "shutdown", "size", "local_size", "rank", "local_rank", "cross_rank", "cross_size",
+         "is_initialized", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+         "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "Average", "Sum", "Adasum",
+         "Compression", "DistributedOptimizer", "DistributedGradientTape", "broadcast_global_variables",
+         "allreduce", "allgather", "broadcast", "reducescatter", "broadcast_object", "allgather_object",
+         "load_model", "callbacks", "global_process_set"]
+bad += [f"missing {x}" for x in names if not hasattr(hvd, x)]
+bad += [f"missing callbacks.{x}" for x in ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+        "LearningRateScheduleCallback", "LearningRateWarmupCallback"] if not hasattr(hvd.callbacks, x)]
+
+# Keras-level collectives take and return numpy values.
+out = {"allreduce": hvd.allreduce(np.array([r + 1.0])), "allgather": hvd.allgather(np.array([[r]])),
+       "broadcast": hvd.broadcast(np.array([r, r]), 1), "reducescatter": hvd.reducescatter(np.ones((2 * n, 2)), op=hvd.Sum)}
+bad += [f"{k} returned {type(v)}" for k, v in out.items() if type(v) is not np.ndarray]
+try:
+    hvd.broadcast_global_variables(0)
+    bad.append("broadcast_global_variables did not raise")
+except RuntimeError as e:
+    out["bgv"] = str(e)
+
+def model_and_data(seed, lr=0.1, momentum=0.0):
+    keras.utils.set_random_seed(seed)
+    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, bias_initializer="random_normal")])
+    m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=momentum)), loss="mse")
+    rng = np.random.default_rng(seed)
+    return m, rng.normal(size=(16, 3)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32)
+
+class Rates(keras.callbacks.Callback):
+    # The rate each batch runs with: placed after the schedule, which sets it at batch begin.
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates.append(float(np.asarray(self.model.optimizer.learning_rate)))
+
+# Warm-up: initial_lr / n -> initial_lr over 2 epochs of 4 steps, batch by batch; then left alone.
+m, x, y = model_and_data(0)
+rates = Rates()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    hist = m.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[
+        LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2, momentum_correction=False), rates])
+out["warmup"] = rates.rates
+out["warmup logged lr"] = hist.history.get("lr")
+bad += [f"warning: {w.message}" for w in caught if "momentum" in str(w.message)]
+
+# Schedule, staircase: initial_lr * 0.5**epoch on epochs 1 and 2 only; a constant multiplier from epoch 3.
+m, x, y = model_and_data(0, lr=0.2)
+rates = Rates()
+m.fit(x, y, batch_size=8, epochs=5, verbose=0, callbacks=[
+    hvd.callbacks.LearningRateScheduleCallback(0.1, lambda e: 0.5 ** e, start_epoch=1, end_epoch=3),
+    hvd.callbacks.LearningRateScheduleCallback(0.1, 0.3, start_epoch=3), rates])
+out["schedule"] = rates.rates
+
+# Momentum correction cannot reach Keras 3's SGD (a float read at trace time): a warning says so.
+m, x, y = model_and_data(0, momentum=0.9)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    m.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[hvd.callbacks.LearningRateWarmupCallback(0.1, 1)])
+out["momentum warning"] = any("momentum_correction" in str(w.message) for w in caught)
+
+# Broadcast at the start, except the variables named local: with rate 0 nothing moves afterwards.
+m, x, y = model_and_data(10 + r, lr=0.0)
+own_bias = m.layers[0].bias.numpy().copy()
+m.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+    hvd.callbacks.BroadcastGlobalVariablesCallback(1, local_variables=[m.layers[0].bias]),
+    hvd.callbacks.MetricAverageCallback()])
+out["kernel"], out["bias"], out["own bias"] = m.layers[0].kernel.numpy(), m.layers[0].bias.numpy(), own_bias
+
+# load_model: a model saved mid-training with a DistributedOptimizer comes back with its optimizer
+# distributed again and its state (iterations, Adam's moments) kept.
+path = os.path.join(os.path.dirname(os.environ["RR_TEST_RESULT"]), "model.keras")
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+rng = np.random.default_rng(r)  # each rank its own data
+x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.normal(size=(32, 1)).astype(np.float32)
+model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+state = [v.numpy().copy() for v in model.optimizer.variables]
+if r == 0:
+    model.save(path)
+hvd.broadcast_object(None)  # everyone waits for the file
+loaded = hvd.load_model(path)
+opt = loaded.optimizer
+out["loaded class"] = type(opt).__name__
+out["loaded state"] = [v.numpy().copy() for v in opt.variables]
+out["saved state"] = state
+loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # different data per rank: averaged gradients keep them equal
+out["iterations after"] = int(opt.iterations.numpy())
+out["weights after"] = [w.copy() for w in loaded.get_weights()]
+result = {"bad": bad, "out": out}
+"""
+
+
+def test_keras_module_callbacks_and_load_model(tmp_path):
+    ranks = run_ranks(2, KERAS, tmp_path, timeout=420, init=False)
+    n = 2
+    for r in ranks:
+        assert r.result["bad"] == [], f"rank {r.rank}: {r.result['bad']}"
+        out = r.result["out"]
+        np.testing.assert_array_equal(out["allreduce"], [1.5])
+        np.testing.assert_array_equal(out["allgather"], [[0], [1]])
+        np.testing.assert_array_equal(out["broadcast"], [1, 1])
+        np.testing.assert_array_equal(out["reducescatter"], np.full((2, 2), 2.0))
+        assert "broadcast_variables" in out["bgv"]
+        # Horovod's warm-up: lr/n * ((epoch + batch/steps + 1/steps) * (n-1)/warmup + 1), ending on lr.
+        want = [0.1 / n * ((e + b / 4 + 1 / 4) * (n - 1) / 2 + 1) for e in range(2) for b in range(4)]
+        np.testing.assert_allclose(out["warmup"], want + [0.1] * 4, rtol=1e-6)
+        np.testing.assert_allclose(out["warmup logged lr"], [want[3], 0.1, 0.1], rtol=1e-6)
+        np.testing.assert_allclose(out["schedule"], [0.2, 0.2, 0.05, 0.05, 0.025, 0.025, 0.03, 0.03, 0.03, 0.03],
+                                   rtol=1e-6)
+        assert out["momentum warning"]
+        assert out["loaded class"] == "Adam"
+        assert len(out["loaded state"]) == len(out["saved state"]) > 2
+        for got, want in zip(out["loaded state"], out["saved state"]):
+            np.testing.assert_array_equal(got, want)
+        assert out["iterations after"] == 8
+    a, b = ranks[0].result["out"], ranks[1].result["out"]
+    np.testing.assert_array_equal(a["kernel"], b["kernel"])  # rank 1's kernel everywhere
+    np.testing.assert_array_equal(b["bias"], b["own bias"])
+    np.testing.assert_array_equal(a["bias"], a["own bias"])  # local: not broadcast
+    assert not np.array_equal(a["bias"], b["bias"])
+    for wa, wb in zip(a["weights after"], b["weights after"]):
+        np.testing.assert_array_equal(wa, wb)
