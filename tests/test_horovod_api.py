@@ -464,3 +464,45 @@ def test_keras_module_callbacks_and_load_model(tmp_path):
     assert not np.array_equal(a["bias"], b["bias"])
     for wa, wb in zip(a["weights after"], b["weights after"]):
         np.testing.assert_array_equal(wa, wb)
+
+
+MPI_FLAGS = """
+import os, pickle, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np, tensorflow as tf
+import ringreduce.tensorflow as hvd
+hvd.init()  # under mpirun: the ring runs over MPI
+from mpi4py import MPI
+out = {"mpi_built": hvd.mpi_built(), "mpi_enabled": hvd.mpi_enabled(), "threads": hvd.mpi_threads_supported(),
+       "thread level": MPI.Query_thread(), "multiple": MPI.THREAD_MULTIPLE,
+       "sum": hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy().tolist()}
+with open(f"{sys.argv[1]}.rank{hvd.rank()}.pkl", "wb") as f:
+    pickle.dump(out, f)
+"""
+
+
+def test_mpi_flags_under_mpirun(tmp_path):
+    import os
+    import pickle
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ranks import REPO
+    mpirun = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
+    try:
+        from ringreduce import _mpi  # noqa: F401
+    except ImportError:
+        pytest.skip("the MPI transport is not built (MPICC=... pip install -e '.[mpi]')")
+    script = tmp_path / "flags.py"
+    script.write_text(MPI_FLAGS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGREDUCE_")}
+    proc = subprocess.run([mpirun, "-np", "2", sys.executable, str(script), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=240, env={**env, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(2):
+        out = pickle.loads((tmp_path / f"out.rank{r}.pkl").read_bytes())
+        assert out["mpi_built"] is True and out["mpi_enabled"] is True, out
+        assert out["threads"] is (out["thread level"] == out["multiple"]), out
+        assert out["sum"] == [2.0]
