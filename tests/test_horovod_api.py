@@ -430,6 +430,22 @@ out["saved state"] = state
 loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # different data per rank: averaged gradients keep them equal
 out["iterations after"] = int(opt.iterations.numpy())
 out["weights after"] = [w.copy() for w in loaded.get_weights()]
+
+# An optimizer class of the script's own, found by name through custom_optimizers.
+class TestOptimizer(keras.optimizers.RMSprop):
+    pass
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.RepeatVector(3),
+                          keras.layers.TimeDistributed(keras.layers.Dense(3))])
+model.compile(optimizer=hvd.DistributedOptimizer(TestOptimizer(learning_rate=1e-4)), loss="mse")
+model.train_on_batch(np.ones((1, 3), np.float32), np.ones((1, 3, 3), np.float32))
+path = path.replace("model.keras", "custom.keras")
+if r == 0:
+    model.save(path)
+hvd.broadcast_object(None)
+custom = hvd.load_model(path, custom_optimizers=[TestOptimizer]).optimizer
+out["custom"] = (type(custom).__name__, isinstance(custom, TestOptimizer), float(np.asarray(custom.learning_rate)),
+                 all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(custom.variables, model.optimizer.variables)),
+                 len(custom.variables) == len(model.optimizer.variables))
 result = {"bad": bad, "out": out}
 """
 
@@ -457,6 +473,7 @@ def test_keras_module_callbacks_and_load_model(tmp_path):
         for got, want in zip(out["loaded state"], out["saved state"]):
             np.testing.assert_array_equal(got, want)
         assert out["iterations after"] == 8
+        assert out["custom"] == ("TestOptimizer", True, pytest.approx(1e-4), True, True), out["custom"]
     a, b = ranks[0].result["out"], ranks[1].result["out"]
     np.testing.assert_array_equal(a["kernel"], b["kernel"])  # rank 1's kernel everywhere
     np.testing.assert_array_equal(b["bias"], b["own bias"])
