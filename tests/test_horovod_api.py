@@ -294,8 +294,11 @@ for label, op, want in [("rank_op", hvd.rank_op, r), ("size_op", hvd.size_op, n)
 flags = {f: getattr(hvd, f)() for f in ["mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built",
                                         "ddl_built", "ccl_built", "rocm_built", "cuda_built", "is_initialized"]}
 raises("mpi_threads_supported without MPI", ValueError, hvd.mpi_threads_supported)
-if hasattr(rr, "join"):
-    check("join", hvd.join().numpy(), hvd.join().numpy())
+if hasattr(rr, "join"):  # the engine's join: every rank joins; the last to join is a rank
+    last = hvd.join()
+    if last.dtype != tf.int32 or not 0 <= int(last.numpy()) < n:
+        bad.append(f"join returned {last}")
+    check("the ring works after join", hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy(), np.array([float(n)], np.float32))
 else:
     raises("join without ringreduce.join", NotImplementedError, hvd.join)
 result = {"bad": bad, "flags": flags, "layout": (hvd.local_rank(), hvd.cross_rank(), hvd.cross_size(),

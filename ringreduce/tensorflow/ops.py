@@ -1,7 +1,8 @@
-"""ringreduce collectives as TensorFlow ops: eager and inside tf.function,
-with gradients where they have one. Built on tf.numpy_function, whose C
-work (the ring) runs with the GIL released; where TensorFlow sees a GPU, on
-tf.py_function instead, which leaves tensors where they are: GPU tensors
+"""ringreduce collectives as TensorFlow ops, with Horovod's names,
+signatures and gradients: eager and inside tf.function. Eagerly they call
+ringreduce directly; in a tf.function they are tf.numpy_functions, whose C
+work (the ring) runs with the GIL released; where TensorFlow sees a GPU,
+tf.py_functions instead, which leave tensors where they are: GPU tensors
 cross to cupy and back through DLPack and are reduced on the GPU."""
 from __future__ import annotations
 
