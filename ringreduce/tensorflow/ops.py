@@ -258,9 +258,9 @@ def broadcast_(variables, root_rank=0, name=None, process_set=global_process_set
     return out[0] if single else out
 
 
-def broadcast_variables(variables, root_rank=0, process_set=global_process_set):
+def broadcast_variables(variables, root_rank=0, process_set=global_process_set, inplace=False):
     """Assigns root's values to every variable, on every rank (in order);
-    returns the variables."""
+    returns the variables. inplace (Horovod's) changes nothing: it always is."""
     variables = list(variables)
     for v in variables:
         v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"bcast.{_path(v)}", process_set=process_set))
