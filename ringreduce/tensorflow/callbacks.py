@@ -1,5 +1,8 @@
-"""Keras callbacks for synchronous data-parallel training."""
+"""Keras callbacks for synchronous data-parallel training, with Horovod's
+names and signatures."""
 from __future__ import annotations
+
+import warnings
 
 import keras
 import numpy as np
@@ -14,9 +17,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     built lazily (no keras.Input) has no weights until its first step builds
     them: it is broadcast after that step instead, as Horovod does."""
 
-    def __init__(self, root_rank: int = 0):
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
+        self._local = {id(v) for v in (local_variables or [])}  # kept as each rank has them
         self._pending = True
 
     def on_train_begin(self, logs=None):
@@ -33,12 +37,15 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if opt is not None and not opt.built:
             opt.build(self.model.trainable_variables)
         variables = list(self.model.variables) + (list(opt.variables) if opt is not None else [])
-        broadcast_variables(variables, self.root_rank)
+        broadcast_variables([v for v in variables if id(v) not in self._local], self.root_rank)
         self._pending = False
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
     """Replaces each epoch's metrics with their average over all ranks."""
+
+    def __init__(self, device: str = ""):
+        super().__init__()
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
@@ -49,31 +56,96 @@ class MetricAverageCallback(keras.callbacks.Callback):
         logs.update(dict(zip(keys, values.tolist())))
 
 
-class LearningRateWarmupCallback(keras.callbacks.Callback):
-    """Ramps the learning rate linearly from initial_lr / size to initial_lr
-    over the first warmup_epochs: synchronous training on N ranks uses an N
-    times larger batch, and scaling its rate up at once can diverge."""
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Sets the learning rate to initial_lr * multiplier(epoch) from start_epoch
+    until end_epoch (exclusive), as Horovod's does: at each epoch's first
+    batch (staircase=True, or a constant multiplier), or at every batch with
+    a fractional epoch (staircase=False; steps_per_epoch found from fit's
+    parameters when not given). Outside that range the rate is left alone.
 
-    def __init__(self, initial_lr: float, warmup_epochs: int = 5, steps_per_epoch: int | None = None,
-                 verbose: int = 0):
+    momentum_correction scales the momentum with the rate change for one
+    step (Goyal et al.), where the optimizer's momentum is a variable; Keras
+    3's SGD keeps it as a Python float that the compiled train step has
+    already read, so there it is skipped, with a warning."""
+
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=True, steps_per_epoch=None, verbose=0):
         super().__init__()
-        self.initial_lr, self.warmup_epochs = initial_lr, warmup_epochs
+        if initial_lr is None:
+            raise ValueError("initial_lr is required")
+        self.initial_lr, self.start_epoch, self.end_epoch = initial_lr, start_epoch, end_epoch
+        self.staircase, self.momentum_correction = staircase, momentum_correction
         self.steps_per_epoch, self.verbose = steps_per_epoch, verbose
-        self._epoch = 0
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            self.staircase, self.multiplier = True, (lambda epoch: multiplier)
+        self.current_epoch = 0
+        self._restore_momentum = None
+
+    def on_train_begin(self, logs=None):
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self.params.get("steps")
+            if not self.steps_per_epoch:
+                raise ValueError("steps_per_epoch is needed (fit did not say how many steps an epoch has)")
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+        self.current_epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self._epoch >= self.warmup_epochs:
+        if self.current_epoch < self.start_epoch or (self.end_epoch is not None
+                                                     and self.current_epoch >= self.end_epoch):
             return
-        steps = self.steps_per_epoch or self.params.get("steps") or 1
-        progress = (self._epoch + batch / steps) / self.warmup_epochs
-        size = rr.size()
-        self.model.optimizer.learning_rate.assign(self.initial_lr / size * (1 + progress * (size - 1)))
+        if self.staircase and batch == 0:
+            self._adjust(self.current_epoch)
+        elif not self.staircase:
+            self._adjust(self.current_epoch + batch / self.steps_per_epoch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._restore_momentum is not None:
+            self.model.optimizer.momentum.assign(self._restore_momentum)
+            self._restore_momentum = None
 
     def on_epoch_end(self, epoch, logs=None):
-        if epoch + 1 == self.warmup_epochs:
-            self.model.optimizer.learning_rate.assign(self.initial_lr)
-            if self.verbose and rr.rank() == 0:
-                print(f"learning-rate warm-up done: {self.initial_lr}")
+        if logs is not None:
+            logs["lr"] = float(np.asarray(self.model.optimizer.learning_rate))
+
+    def _adjust(self, epoch):
+        opt = self.model.optimizer
+        old_lr = float(np.asarray(opt.learning_rate))
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        opt.learning_rate = new_lr
+        momentum = getattr(opt, "momentum", None)
+        if not self.momentum_correction or not momentum or old_lr == 0:
+            return
+        if hasattr(momentum, "assign"):
+            self._restore_momentum = float(np.asarray(momentum))
+            momentum.assign(self._restore_momentum * new_lr / old_lr)
+        elif not getattr(self, "_warned", False):
+            self._warned = True
+            warnings.warn(f"momentum_correction: {type(opt).__name__}.momentum is a Python float, fixed in the "
+                          "compiled train step, so it is not corrected (pass momentum_correction=False to silence)")
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramps the learning rate from initial_lr / size to initial_lr over the
+    first warmup_epochs, batch by batch, reaching initial_lr at the last batch
+    of the warm-up (Goyal et al., as Horovod's): N ranks train with an N
+    times larger batch, and a rate scaled up at once can diverge."""
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
+        def multiplier(epoch):
+            # Shifted by one step so the last warm-up batch lands on initial_lr exactly.
+            epoch += 1.0 / self.steps_per_epoch
+            return 1.0 / rr.size() * (epoch * (rr.size() - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch,
+                         verbose=verbose)
+        self.warmup_epochs = warmup_epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and rr.rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                  f"{float(np.asarray(self.model.optimizer.learning_rate)):g}.")

@@ -1,18 +1,36 @@
-"""ringreduce collectives as TensorFlow ops: eager and inside tf.function,
-with gradients where they have one. Built on tf.numpy_function, whose C
-work (the ring) runs with the GIL released; where TensorFlow sees a GPU, on
-tf.py_function instead, which leaves tensors where they are: GPU tensors
+"""ringreduce collectives as TensorFlow ops, with Horovod's names,
+signatures and gradients: eager and inside tf.function. Eagerly they call
+ringreduce directly; in a tf.function they are tf.numpy_functions, whose C
+work (the ring) runs with the GIL released; where TensorFlow sees a GPU,
+tf.py_functions instead, which leave tensors where they are: GPU tensors
 cross to cupy and back through DLPack and are reduced on the GPU."""
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
 import ringreduce as rr
 
+from .basics import check_process_set, global_process_set
+from .compression import Compression
+from .errors import raising_tf_errors
+
+# Horovod's reduction ops. They are ringreduce's op names, so op="sum" works too.
+Average, Sum, Min, Max, Product = "avg", "sum", "min", "max", "prod"
+Adasum = "adasum"
+_REDUCE_OPS = (Average, Sum, Min, Max, Product)
+
 
 def _numpy_op(fn, inputs, dtype, shape, name):
+    """Runs fn (numpy/cupy arrays in, one array out) as a TF op. Eagerly it is
+    called directly, so its exceptions (MismatchError) reach the caller as
+    they are; in a tf.function it becomes an op that runs in program order."""
     _refuse_tf1_graphs()
+    fn = raising_tf_errors(fn)
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(_to_tf(fn(*[_from_tf(t) for t in inputs])))
     if on_gpu_hosts():
         out = tf.py_function(lambda *ts: _to_tf(fn(*[_from_tf(t) for t in ts])), inputs, dtype, name=name)
     else:
@@ -60,81 +78,285 @@ def _to_tf(a):
     return tf.experimental.dlpack.from_dlpack(capsule)
 
 
-def allreduce(tensor, op: str = "avg", name: str | None = None):
-    """Reduces tensor over all ranks (op: sum, avg, min, max, prod). For sum
-    and avg the gradient is the same allreduce of the incoming gradient.
-    IndexedSlices (sparse gradients) are allgathered instead."""
-    if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_sparse(tensor, op)
-    tensor = tf.convert_to_tensor(tensor)
 
+# --------------------------------------------------------------------------- arguments
+
+
+def _reduce_op(op, average) -> str:
+    """op from Horovod's arguments: op=None means Average; average= is the
+    deprecated spelling (True: Average, False: Sum)."""
+    if op is not None and average is not None:
+        raise ValueError("the op parameter supersedes average: give only one of them")
+    if average is not None:
+        warnings.warn("allreduce(average=...) is deprecated: use op=Average or op=Sum", DeprecationWarning,
+                      stacklevel=3)
+        op = Average if average else Sum
+    if op is None:
+        op = Average
+    if op == Adasum:
+        raise NotImplementedError("op=Adasum: ringreduce has no Adasum reduction; use Average or Sum")
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"unknown reduction op {op!r}; choose Average, Sum, Min, Max or Product")
+    return op
+
+
+# ringreduce's C kernels and wire know these dtypes; the others travel as
+# their bytes where no arithmetic is needed (allgather, broadcast).
+_RING_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64")} | {
+    np.dtype(tf.bfloat16.as_numpy_dtype)}
+
+
+def _as_bytes(a):
+    """a (at least 1-d) as uint8 along its last axis, if the ring has no code
+    for its dtype; returns (array, how to undo)."""
+    if a.dtype in _RING_DTYPES:
+        return a, lambda b: b
+    dtype, rest = a.dtype, a.shape[1:]
+    raw = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
+    return raw, lambda b: np.ascontiguousarray(b).view(dtype).reshape((b.shape[0],) + rest)
+
+
+def _scale(a, factor: float):
+    """a * factor as Horovod scales: integers in float64 then cast back
+    (truncating), 16-bit floats in float32, the rest in their own dtype."""
+    if factor == 1.0:
+        return a
+    if a.dtype.kind in "iu":
+        return (a.astype(np.float64) * factor).astype(a.dtype)
+    if a.dtype.itemsize == 2:
+        return (a.astype(np.float32) * np.float32(factor)).astype(a.dtype)
+    return a * a.dtype.type(factor)
+
+
+def _reduce_array(a, op: str, prescale: float, postscale: float, name):
+    a = _scale(a, prescale)
+    if op == Average and a.dtype.kind in "iu":  # as Horovod: the sum, scaled by 1/size in float64
+        return _scale(rr.allreduce(a, op=Sum, name=name), postscale / rr.size())
+    return _scale(rr.allreduce(a, op=op, name=name), postscale)
+
+
+# --------------------------------------------------------------------------- allreduce
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set):
+    """Reduces tensor over all ranks (Horovod's signature; op defaults to
+    Average). prescale_factor multiplies each rank's tensor before the
+    reduction, postscale_factor the result. Integers with Average: the sum
+    divided by size in float64, truncated. The gradient (Sum, Average) is
+    the same allreduce of the incoming gradient. IndexedSlices are
+    allgathered (Sum, Average only). device_* are accepted and ignored: a
+    tensor is reduced where it lives."""
+    op = _reduce_op(op, average)
+    check_process_set(process_set)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_sparse(tensor, op, prescale_factor * postscale_factor)
+    tensor = tf.convert_to_tensor(tensor)
+    wire, ctx = compression.compress(tensor)
+    return compression.decompress(_allreduce_dense(wire, op, prescale_factor, postscale_factor, name), ctx)
+
+
+def _allreduce_dense(tensor, op, prescale, postscale, name):
     @tf.custom_gradient
     def _allreduce(x):
-        y = _numpy_op(lambda a: rr.allreduce(a, op=op, name=name), [x], x.dtype, x.shape, "RingAllreduce")
+        y = _numpy_op(lambda a: _reduce_array(a, op, prescale, postscale, name), [x], x.dtype, x.shape,
+                      "RingAllreduce")
 
         def grad(dy):
-            if op not in ("sum", "avg"):
+            if op not in (Sum, Average):
                 raise NotImplementedError(f"allreduce with op={op!r} has no gradient")
-            return allreduce(dy, op=op)
+            return _allreduce_dense(dy, op, prescale, postscale, None)
         return y, grad
     return _allreduce(tensor)
 
 
-def _allreduce_sparse(slices: tf.IndexedSlices, op: str) -> tf.IndexedSlices:
+def _allreduce_sparse(slices: tf.IndexedSlices, op: str, scale: float) -> tf.IndexedSlices:
     """Sparse gradients travel as their rows: every rank's values and indices,
     gathered (duplicates are summed when applied, as TF does)."""
-    if op not in ("sum", "avg"):
-        raise ValueError("sparse allreduce supports sum and avg")
+    if op not in (Sum, Average):
+        raise NotImplementedError(f"allreduce of tf.IndexedSlices supports Sum and Average, not op={op!r}")
     values = allgather(slices.values)
-    if op == "avg":
-        values = values / tf.cast(rr.size(), values.dtype)
+    if op == Average:
+        scale /= rr.size()
+    if scale != 1.0:
+        values = values * tf.cast(scale, values.dtype)
     return tf.IndexedSlices(values, allgather(slices.indices), slices.dense_shape)
 
 
-def allgather(tensor, name: str | None = None):
-    """Concatenates every rank's tensor along axis 0; the gradient is this
-    rank's rows of the summed incoming gradient."""
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """allreduce of each tensor of a list, in order; returns a list."""
+    return [allreduce(t, average, device_dense, device_sparse, compression, op, prescale_factor, postscale_factor,
+                      process_set=process_set) for t in tensors]
+
+
+# --------------------------------------------------------------------------- allgather
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Concatenates every rank's tensor along axis 0 (ranks may differ in dim 0).
+    Gradient, as Horovod's: the incoming gradient averaged over ranks, this
+    rank's rows of it."""
+    check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
 
     @tf.custom_gradient
     def _allgather(x):
         shape = tf.TensorShape([None]).concatenate(x.shape[1:])
-        y = _numpy_op(lambda a: rr.allgather(a, name=name), [x], x.dtype, shape, "RingAllgather")
+        y = _numpy_op(lambda a: _gather_array(a, name), [x], x.dtype, shape, "RingAllgather")
 
         def grad(dy):
-            rows = tf.shape(x)[0]
-            counts = allgather(tf.reshape(rows, [1]))
+            rows = tf.shape(x, out_type=tf.int64)[:1]
+            counts = allgather(rows)
             start = tf.reduce_sum(counts[:rr.rank()])
-            return allreduce(dy, op="sum")[start:start + rows]
+            return _allreduce_dense(dy, Average, 1.0, 1.0, None)[start:start + rows[0]]
         return y, grad
     return _allgather(tensor)
 
 
-def broadcast(tensor, root_rank: int = 0, name: str | None = None):
-    """Root's tensor on every rank; the gradient flows back to the root, summed."""
+def _gather_array(a, name):
+    a = a.reshape(1) if a.ndim == 0 else a
+    raw, undo = _as_bytes(a)
+    return undo(rr.allgather(raw, name=name))
+
+
+def grouped_allgather(tensors, process_set=global_process_set):
+    return [allgather(t, process_set=process_set) for t in tensors]
+
+
+# --------------------------------------------------------------------------- broadcast
+
+
+def broadcast(tensor, root_rank=0, name=None, process_set=global_process_set):
+    """Root's tensor on every rank. Gradient, as Horovod's: the incoming
+    gradient averaged over ranks, at the root; zeros elsewhere."""
+    check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
 
     @tf.custom_gradient
     def _broadcast(x):
-        y = _numpy_op(lambda a: rr.broadcast(a, root=root_rank, name=name), [x], x.dtype, x.shape,
-                      "RingBroadcast")
+        y = _numpy_op(lambda a: _broadcast_array(a, root_rank, name), [x], x.dtype, x.shape, "RingBroadcast")
 
         def grad(dy):
-            summed = allreduce(dy, op="sum")
-            return summed if rr.rank() == root_rank else tf.zeros_like(summed)
+            averaged = _allreduce_dense(dy, Average, 1.0, 1.0, None)
+            return averaged if rr.rank() == root_rank else tf.zeros_like(averaged)
         return y, grad
     return _broadcast(tensor)
 
 
-def broadcast_variables(variables, root_rank: int = 0) -> None:
-    """Assigns root's values to every variable, on every rank (in order)."""
+def _broadcast_array(a, root, name):
+    shape = a.shape
+    raw, undo = _as_bytes(a.reshape(1) if a.ndim == 0 else a)
+    return undo(rr.broadcast(raw, root=root, name=name)).reshape(shape)
+
+
+def broadcast_(variables, root_rank=0, name=None, process_set=global_process_set):
+    """In place: assigns root's value to each variable (one, or a list);
+    returns the variables."""
+    single = not isinstance(variables, (list, tuple))
+    out = broadcast_variables([variables] if single else variables, root_rank, process_set)
+    return out[0] if single else out
+
+
+def broadcast_variables(variables, root_rank=0, process_set=global_process_set, inplace=False):
+    """Assigns root's values to every variable, on every rank (in order);
+    returns the variables. inplace (Horovod's) changes nothing: it always is."""
+    variables = list(variables)
     for v in variables:
-        v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"bcast.{_path(v)}"))
+        v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"bcast.{_path(v)}", process_set=process_set))
+    return variables
+
+
+def broadcast_global_variables(root_rank=0):
+    """TF1's global-variable collection does not exist in TF2, as Horovod says."""
+    raise RuntimeError("broadcast_global_variables() needs TF1's global variables, which eager TF2 code and "
+                       "tf.function do not have: use broadcast_variables(model.variables + optimizer.variables, "
+                       "root_rank) or BroadcastGlobalVariablesCallback(root_rank) instead")
 
 
 def _path(v) -> str:
     return getattr(v, "path", None) or v.name
 
 
-def as_numpy(x) -> np.ndarray:
-    return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+# --------------------------------------------------------------------------- reducescatter
+
+
+def _rows_of(rows: int, n: int, i: int) -> tuple[int, int]:
+    """Horovod's split of `rows` over n ranks: the first rows % n get one more."""
+    base, extra = divmod(rows, n)
+    start = i * base + min(i, extra)
+    return start, start + base + (1 if i < extra else 0)
+
+
+def _reducescatter_array(a, op, prescale, postscale, name):
+    """Reduces, then returns this rank's block of rows. Each block is padded to
+    the largest one, so the ring's equal chunks are exactly the blocks; the
+    shape goes in the header's name, so ranks that differ in rows still fail."""
+    if a.ndim == 0:
+        raise ValueError("reducescatter needs a tensor of at least one dimension (it splits dimension 0)")
+    n, me = rr.size(), rr.rank()
+    rows = a.shape[0]
+    most = -(-rows // n)
+    if rows == most * n:
+        blocks = a
+    else:
+        blocks = np.zeros((n * most,) + a.shape[1:], dtype=a.dtype)
+        for i in range(n):
+            lo, hi = _rows_of(rows, n, i)
+            blocks[i * most:i * most + hi - lo] = a[lo:hi]
+    label = f"{name or 'reducescatter'} of shape {tuple(a.shape)}"
+    blocks = _scale(blocks, prescale)
+    integer_average = op == Average and a.dtype.kind in "iu"
+    chunk = rr.reduce_scatter(blocks, op=Sum if integer_average else op, name=label)
+    lo, hi = _rows_of(rows, n, me)
+    mine = chunk.reshape((most,) + a.shape[1:])[:hi - lo]
+    return _scale(mine, postscale / n if integer_average else postscale)
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces tensor over all ranks and returns this rank's block of rows
+    (dimension 0 split as Horovod splits it: with r rows on n ranks, the first
+    r % n ranks get one row more). Gradient, as Horovod defines it: the
+    incoming gradients allgathered, times size for Sum."""
+    op = _reduce_op(op, None)
+    check_process_set(process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    wire, ctx = compression.compress(tensor)
+    return compression.decompress(_reducescatter(wire, op, prescale_factor, postscale_factor, name), ctx)
+
+
+def _reducescatter(tensor, op, prescale, postscale, name):
+    @tf.custom_gradient
+    def _scatter(x):
+        shape = tf.TensorShape(None)
+        if x.shape.rank:
+            lo, hi = _rows_of(x.shape[0], rr.size(), rr.rank()) if x.shape[0] is not None else (0, None)
+            shape = tf.TensorShape([None if hi is None else hi - lo]).concatenate(x.shape[1:])
+        y = _numpy_op(lambda a: _reducescatter_array(a, op, prescale, postscale, name), [x], x.dtype, shape,
+                      "RingReducescatter")
+
+        def grad(dy):
+            if op not in (Sum, Average):
+                raise NotImplementedError(f"reducescatter with op={op!r} has no gradient")
+            scale = prescale * postscale * (rr.size() if op == Sum else 1)
+            return allgather(dy) * tf.cast(scale, dy.dtype)
+        return y, grad
+    return _scatter(tensor)
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    return [reducescatter(t, device_dense, compression, op, None, process_set, prescale_factor, postscale_factor)
+            for t in tensors]
+
+
+# --------------------------------------------------------------------------- join
+
+
+def join(device=""):
+    """Waits until every rank has joined (ringreduce.join, the engine's), and
+    returns the last rank to join, as an int32 tensor."""
+    if not hasattr(rr, "join"):
+        raise NotImplementedError("join() needs ringreduce.join(), which this ringreduce does not have yet")
+    return _numpy_op(lambda: np.int32(rr.join()), [], tf.int32, tf.TensorShape([]), "RingJoin")
