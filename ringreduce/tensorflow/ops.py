@@ -67,7 +67,7 @@ def _from_tf(t):
 
 
 def _to_tf(a):
-    if isinstance(a, np.ndarray):
+    if isinstance(a, (np.ndarray, np.generic)):  # host results, numpy scalars too (join's rank)
         return a
     # TensorFlow's from_dlpack does not wait for cupy's stream: the result
     # (copied or unpacked there) must be written before TensorFlow reads it.
