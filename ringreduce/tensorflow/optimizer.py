@@ -195,12 +195,31 @@ def _distributed_class(base, reduction, passes, average_passes):
         """This variable's gradient stays this rank's own (not reduced)."""
         _local_variables(self).add_variable(var)
 
+    def __reduce__(self):
+        """Pickled as the plain optimizer (Keras pickles it through its saving
+        format), wrapped again with the same options when unpickled: the
+        class made here cannot be found by name."""
+        cls = type(self)
+        self.__class__ = base
+        try:
+            plain = self.__reduce__()
+        finally:
+            self.__class__ = cls
+        return _unpickle_distributed, (plain, reduction, passes, average_passes)
+
     # Named and placed as the base class (as Horovod's wrapper is): a saved model
     # then records the plain Keras optimizer, which loads without ringreduce.
     # The options live on the class, so from_config and clone_model copy them.
     return type(base.__name__, (base,), {
-        "apply": apply, "register_local_var": register_local_var, "_rr_base": base,
+        "apply": apply, "register_local_var": register_local_var, "__reduce__": __reduce__, "_rr_base": base,
         "_rr_reduction": reduction, "__module__": base.__module__, "__qualname__": base.__qualname__})
+
+
+def _unpickle_distributed(plain, reduction, passes, average_passes):
+    rebuild, args = plain[0], plain[1]
+    optimizer = rebuild(*args)
+    optimizer.__class__ = _distributed_class(type(optimizer), reduction, passes, average_passes)
+    return optimizer
 
 
 def _local_variables(opt) -> _LocalVariables:
