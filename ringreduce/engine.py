@@ -108,6 +108,10 @@ class Engine:
         self._joining: threading.Event | None = None  # set while this rank has joined
         self._last_joined: int | None = None
         self._join_error: BaseException | None = None  # why the last join() failed, the engine going on
+        # Some rank's request waited at the last pass (a process set's, say, whose
+        # members are still coming): negotiate on with nothing of our own, as the
+        # world's ring needs every rank in every pass.
+        self._others_waiting = False
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
 
@@ -207,7 +211,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and self._joining is None and not self._stop:
+                while not self._pending and self._joining is None and not self._stop and not self._others_waiting:
                     self._cond.wait()
                 if self._stop:
                     return
@@ -232,6 +236,7 @@ class Engine:
         except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
             self._fail_waiting(MismatchError(f"the engine's negotiation met another collective: {exc}"))
             return
+        self._others_waiting = bool(agreement.waiting)  # the same on every rank: all stop cycling alike
         for key, problem in agreement.failed:  # fails this request on every rank; the engine goes on
             with self._cond:
                 h = self._pending.pop((key[PROCESS_SET], key[NAME]), None)
