@@ -23,9 +23,9 @@ from ringreduce.tensorflow.optimizer import Average, Sum
 out = {}
 handed = []  # what each rank hands to the engine: (name, op, array)
 real_enqueue = ov._enqueue
-def spying_enqueue(name, op, array):
+def spying_enqueue(name, op, array, process_set=None):
     handed.append((name.decode(), op.decode(), np.array(array)))
-    return real_enqueue(name, op, array)
+    return real_enqueue(name, op, array, process_set)
 ov._enqueue = spying_enqueue
 
 vs = [tf.Variable(np.zeros(k + 2, dtype=np.float32), name=f"v{k}") for k in range(4)]
