@@ -37,7 +37,7 @@ from .errors import MismatchError, RingReduceError
 from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
 from .timeline import Timeline
 
-GLOBAL_PROCESS_SET = 0  # the only one until ringreduce/process_sets.py plugs in here
+GLOBAL_PROCESS_SET = 0  # process set ids: 0 the world, others ringreduce/process_sets.py's
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,20 @@ KINDS: dict[str, Kind] = {}
 
 def register_kind(name: str, run: Callable | None, *, reduces=False, rooted=False, ragged=False) -> None:
     """Lets engine().enqueue(..., kind=name) run `run(handle)`; handle.array,
-    .op, .root, .name and .extra (enqueue's extra keywords) are there to use."""
+    .op, .root, .name, .group (the ProcessSet, None for the world: pass it as
+    process_set=) and .extra (enqueue's extra keywords) are there to use."""
     KINDS[name] = Kind(run, reduces, rooted, ragged)
 
 
 register_kind("allreduce", None, reduces=True)
-register_kind("reduce_scatter", lambda h: _c.reduce_scatter(h.array, op=h.op, name=h.name), reduces=True)
-register_kind("allgather", lambda h: _c.allgather(h.array, name=h.name), ragged=True)
-register_kind("broadcast", lambda h: _c.broadcast(h.array, root=h.root, name=h.name), rooted=True)
-if hasattr(_c, "alltoall"):  # rr.alltoall(x, splits, name) -> (received, received_splits)
-    register_kind("alltoall", lambda h: _c.alltoall(h.array, h.extra.get("splits"), name=h.name), ragged=True)
+register_kind("reduce_scatter", lambda h: _c.reduce_scatter(h.array, op=h.op, name=h.name, process_set=h.group),
+              reduces=True)
+register_kind("allgather", lambda h: _c.allgather(h.array, name=h.name, process_set=h.group), ragged=True)
+register_kind("broadcast", lambda h: _c.broadcast(h.array, root=h.root, name=h.name, process_set=h.group),
+              rooted=True)
+# rr.alltoall(x, splits, name) -> (received, received_splits)
+register_kind("alltoall", lambda h: _c.alltoall(h.array, h.extra.get("splits"), name=h.name, process_set=h.group),
+              ragged=True)
 
 
 @dataclass
@@ -85,6 +89,7 @@ class Handle:
     family: object = None  # how the collectives handle `array` (collectives._arrays_for)
     ready: object = None  # GPU arrays: an event after the caller's work on `array`
     stand_in: bool = False  # a joined rank's zeros: nobody waits for it
+    group: object = None  # the ProcessSet the collective runs on; None: the world
 
 
 class Engine:
@@ -103,6 +108,10 @@ class Engine:
         self._joining: threading.Event | None = None  # set while this rank has joined
         self._last_joined: int | None = None
         self._join_error: BaseException | None = None  # why the last join() failed, the engine going on
+        # Some rank's request waited at the last pass (a process set's, say, whose
+        # members are still coming): negotiate on with nothing of our own, as the
+        # world's ring needs every rank in every pass.
+        self._others_waiting = False
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
 
@@ -114,18 +123,20 @@ class Engine:
     # -- the caller's side -------------------------------------------------
 
     def enqueue(self, name: str, array, op: str = "avg", kind: str = "allreduce", root: int = 0,
-                process_set: int = GLOBAL_PROCESS_SET, **extra) -> Handle:
+                process_set=None, **extra) -> Handle:
         """array: numpy, or a GPU array (cupy), reduced on its device. Returns
-        at once; wait(handle) gives the result. extra: keywords a kind needs
-        (alltoall: splits). op stays third, where callers of the
+        at once; wait(handle) gives the result. process_set: a registered
+        ProcessSet this rank belongs to, or its id (None or 0: the world);
+        the request then waits for the set's members only and runs on the
+        set's ring; root is a world rank, a member. extra: keywords a kind
+        needs (alltoall: splits). op stays third, where callers of the
         allreduce-only engine passed it."""
         spec = KINDS.get(kind)
         if spec is None:
             raise ValueError(f"unknown collective kind {kind!r}; the engine runs {', '.join(KINDS)}")
         if not isinstance(name, str) or not name:
             raise ValueError("every collective in the engine needs a name, the same on every rank")
-        if process_set != GLOBAL_PROCESS_SET:
-            raise ValueError(f"process set {process_set!r} is not known to the engine")
+        group, process_set = _resolve(process_set)
         family, array = _c._arrays_for(array, reduces=spec.reduces)
         with family.on(array):
             array = family.xp.ascontiguousarray(array)
@@ -139,6 +150,8 @@ class Engine:
             size = _c.size()
             if not (isinstance(root, (int, np.integer)) and 0 <= root < size):
                 raise ValueError(f"root {root!r} is not a rank of this world of {size}")
+            if group is not None and root not in group.ranks:
+                raise ValueError(f"root {root} is not a member of {group}")
             root = int(root)
         else:
             root = 0
@@ -152,7 +165,7 @@ class Engine:
                 raise ValueError(f"tensor {name!r} is already in flight")
             self._seq += 1
             h = Handle(name, array, kind, op, root, process_set, key, self._seq, extra,
-                       family=family, ready=ready)
+                       family=family, ready=ready, group=group)
             self._pending[(process_set, name)] = h
             self.timeline.begin(name, "QUEUE")
             self._cond.notify()
@@ -198,7 +211,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and self._joining is None and not self._stop:
+                while not self._pending and self._joining is None and not self._stop and not self._others_waiting:
                     self._cond.wait()
                 if self._stop:
                     return
@@ -223,6 +236,7 @@ class Engine:
         except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
             self._fail_waiting(MismatchError(f"the engine's negotiation met another collective: {exc}"))
             return
+        self._others_waiting = bool(agreement.waiting)  # the same on every rank: all stop cycling alike
         for key, problem in agreement.failed:  # fails this request on every rank; the engine goes on
             with self._cond:
                 h = self._pending.pop((key[PROCESS_SET], key[NAME]), None)
@@ -230,8 +244,10 @@ class Engine:
                 h.error = MismatchError(problem)
                 self.timeline.end(h.name, "QUEUE")
                 h.done.set()
-        with self._cond:
-            handles = [self._pending.get((k[PROCESS_SET], k[NAME])) or _stand_in(k) for k in agreement.run]
+        me = _c.rank()
+        with self._cond:  # every rank runs, in agreed order, what it is a member of
+            handles = [self._pending.get((k[PROCESS_SET], k[NAME])) or _stand_in(k) for k in agreement.run
+                       if (k[PROCESS_SET], k[NAME]) in self._pending or _member(k[PROCESS_SET], me)]
         reductions = [h for h in handles if h.kind == "allreduce"]
         for bucket in self._buckets(reductions):
             self._run(bucket)
@@ -289,8 +305,8 @@ class Engine:
                 flat = families[0].xp.concatenate([h.array.reshape(-1) for h in bucket])
             label = bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors"
             t0 = time.monotonic()
-            result = _c.allreduce(flat, op=bucket[0].op)
-        phases = _c._state.comm.last_phases()
+            result = _c.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
+        phases = _c._ring(bucket[0].group).comm.last_phases()
         if phases[0] < t0:  # the one-pass small algorithm ran: no ring phases to show
             phases = None
         self.timeline.ring_op([h.name for h in bucket], label, flat.nbytes, t0, time.monotonic(), phases)
@@ -341,7 +357,41 @@ def _stand_in(key: tuple) -> Handle:
         fill = 0
     array = np.full(key[SHAPE], fill, dtype=dtype)
     return Handle(key[NAME], array, key[KIND], op, 0, key[PROCESS_SET], key, 0,
-                  family=_c._HostArrays, stand_in=True)
+                  family=_c._HostArrays, stand_in=True, group=_set_of(key[PROCESS_SET]))
+
+
+def _resolve(process_set):
+    """(ProcessSet or None for the world, its id) for enqueue's process_set=:
+    ValueError/TypeError at once for a set that is not registered, or that
+    this rank is not a member of."""
+    if process_set is None:
+        return None, GLOBAL_PROCESS_SET
+    if isinstance(process_set, (int, np.integer)):
+        process_set = _set_of(int(process_set))
+        if process_set is None:
+            return None, GLOBAL_PROCESS_SET
+    elif getattr(process_set, "process_set_id", None) == GLOBAL_PROCESS_SET:
+        return None, GLOBAL_PROCESS_SET
+    from .process_sets import ring_of
+    ring_of(process_set)  # raises for an unknown set or a non-member
+    return process_set, process_set.process_set_id
+
+
+def _set_of(set_id: int):
+    """The registered ProcessSet with this id (None: the world's)."""
+    if set_id == GLOBAL_PROCESS_SET:
+        return None
+    ring = _c._state.sets.get(set_id)
+    if ring is None or not ring.owners:
+        raise ValueError(f"process set {set_id} is not registered: call add_process_set on every rank first")
+    return ring.owners[0]
+
+
+def _member(set_id: int, rank: int) -> bool:
+    if set_id == GLOBAL_PROCESS_SET:
+        return True
+    ring = _c._state.sets.get(set_id)
+    return ring is not None and rank in ring.ranks
 
 
 _engine: Engine | None = None

@@ -13,8 +13,10 @@ A key is what must be the same on every rank for a request to run:
 (name, kind, dtype, shape, op, root, process_set); kinds whose ranks may
 differ in dim 0 (allgather) carry -1 there. A request runs once every rank
 that has not joined has it ready (the AND of the bit vectors, and the same
-name in every rank's list); requests that disagree fail on every rank, the
-rest wait for a later cycle. A request that some ranks have had ready
+name in every rank's list); a request of a process set needs only the set's
+members (the others never hold it, and negotiate on as usual: negotiation
+always runs on the world's ring); requests that disagree fail on every rank,
+the rest wait for a later cycle. A request that some ranks have had ready
 for RINGREDUCE_TIMEOUT while others never submitted it (a rank built another
 model, or skipped a collective) is a stall: rank 0, whose clock decides,
 names it in its next message, and it fails on every rank with
@@ -121,20 +123,22 @@ def _shape_text(shape) -> str:
     return str(tuple(shape))
 
 
-def agree(messages: list[Message], cache: ResponseCache) -> Agreement:
+def agree(messages: list[Message], cache: ResponseCache, members=None) -> Agreement:
     """The decision every rank makes alike from every rank's message; then
-    updates the cache alike."""
+    updates the cache alike. members(process_set) -> the world ranks of that
+    set (default: every rank, the global set's); a set's request needs only
+    its members, and only its members ever hold it."""
+    everyone = list(range(len(messages)))
+    members = members or (lambda ps: everyone)
     out = Agreement(joined=[r for r, m in enumerate(messages) if m.joined])
     stalled = {(ps, name): why for ps, name, why in messages[0].stalled}
-    active = [m for m in messages if not m.joined]
-    ready_bits = 0
-    if active:
-        ready_bits = active[0].bits
-        for m in active[1:]:
-            ready_bits &= m.bits
-    else:  # every rank joined: what any rank still has runs, the others add zeros
-        for m in messages:
-            ready_bits |= m.bits
+
+    def outcome(ps, have):
+        """Whether a request of set ps held by the ranks `have` runs, and the
+        members that hold it not: it runs when every member that has not
+        joined holds it (when all have joined, any holder suffices)."""
+        missing = [r for r in members(ps) if not messages[r].joined and r not in have]
+        return not missing and bool(have), missing
 
     names = {}  # (process_set, name) of every request sent in full, first-seen order across ranks
     for m in messages:
@@ -144,17 +148,18 @@ def agree(messages: list[Message], cache: ResponseCache) -> Agreement:
         slot = cache.slot_for_name(ps, name)
         if slot is not None:
             contested.add(slot)
-    out.run = [cache.key(s) for s in _set_bits(ready_bits) if s not in contested]
     some_bits = 0
-    for m in active:
+    for m in messages:
         some_bits |= m.bits
-    for slot in _set_bits(some_bits & ~ready_bits):  # cached, ready on some ranks only
+    for slot in _set_bits(some_bits):  # cached requests, in slot order
         if slot in contested:
             continue
         key = cache.key(slot)
         have = [r for r, m in enumerate(messages) if m.bits >> slot & 1]
-        missing = [r for r, m in enumerate(messages) if not m.joined and not m.bits >> slot & 1]
-        if (key[PROCESS_SET], key[NAME]) in stalled:
+        runs, missing = outcome(key[PROCESS_SET], have)
+        if runs:
+            out.run.append(key)
+        elif (key[PROCESS_SET], key[NAME]) in stalled:
             out.failed.append((key, stalled[(key[PROCESS_SET], key[NAME])]))
             cache.invalidate(key[PROCESS_SET], key[NAME])
         else:
@@ -169,8 +174,8 @@ def agree(messages: list[Message], cache: ResponseCache) -> Agreement:
                 key = cache.key(slot)
             if key is not None:
                 views[r] = key
-        missing = [r for r, m in enumerate(messages) if not m.joined and r not in views]
-        if missing:  # some rank has not got there yet, or never will: rank 0 judges (Negotiator)
+        _, missing = outcome(ps, list(views))
+        if missing:  # some member has not got there yet, or never will: rank 0 judges (Negotiator)
             if (ps, name) in stalled:
                 out.failed.append((next(iter(views.values())), stalled[(ps, name)]))
                 cache.invalidate(ps, name)
@@ -190,11 +195,12 @@ def agree(messages: list[Message], cache: ResponseCache) -> Agreement:
     if out.joined:
         kept = []
         for key in out.run:
-            if key[KIND] == "allreduce":
+            joined_here = [r for r in out.joined if r in members(key[PROCESS_SET])]
+            if key[KIND] == "allreduce" or not joined_here:
                 kept.append(key)
             else:
                 out.failed.append((key, f"{key[KIND]} {key[NAME]!r} cannot run while rank(s) "
-                                        f"{', '.join(map(str, out.joined))} have joined (rr.join): "
+                                        f"{', '.join(map(str, joined_here))} have joined (rr.join): "
                                         "until every rank has joined only allreduce goes on"))
         out.run = kept
 
@@ -222,8 +228,12 @@ class Negotiator:
         with _c._state.lock:
             blobs = _c._exchange(head, blob, ("name",), "engine negotiation")
             me = _c._state.world.rank
+            # Sets are added and removed by passes of the world's ring, so every
+            # rank holds the same registry at the same negotiation pass.
+            sets = {ps: ring.ranks for ps, ring in _c._state.sets.items()}
         messages = [decode(memoryview(b)[len(head):]) for b in blobs]
-        out = agree(messages, self.cache)
+        everyone = list(range(len(messages)))
+        out = agree(messages, self.cache, lambda ps: sets.get(ps, everyone) if ps else everyone)
         self._stalled = self._judge_stalls(out.waiting) if me == 0 else []
         self._cycle += 1
         for r in out.joined:

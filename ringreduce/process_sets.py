@@ -179,6 +179,17 @@ def ring_of(process_set) -> "_c._Ring":
     return ring
 
 
+def find_process_set(process_set_id: int) -> ProcessSet:
+    """The registered set with this id (0: global_process_set); ValueError if none."""
+    if process_set_id == 0:
+        return global_process_set
+    _c._ring(None)  # raises when not initialized
+    ring = _c._state.sets.get(process_set_id)
+    if ring is None or not ring.owners:
+        raise ValueError(f"no process set has id {process_set_id!r}: add_process_set returns the ids")
+    return ring.owners[0]
+
+
 # --------------------------------------------------------------------------- internals
 
 

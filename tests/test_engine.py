@@ -250,3 +250,83 @@ def test_a_tensor_that_some_ranks_never_submit_fails_everywhere_instead_of_hangi
         assert f"'{mine}'" in message and f"not by rank(s) {theirs}" in message, message
         assert waited < 30, f"rank {r.rank} waited {waited:.0f} s"
         assert after == [2.0] * 3, f"rank {r.rank}: the engine stopped after a stall"
+
+
+SETS_JOB = """
+import hashlib, random, threading, time
+from ringreduce.engine import Engine
+me, n = rr.rank(), rr.size()
+pair, trio = rr.add_process_set([0, 2]), rr.add_process_set([1, 2, 3])
+eng = Engine(fusion_bytes=1 << 16)
+sets = [(None, list(range(n))), (pair, [0, 2]), (trio, [1, 2, 3])]
+def value(k, name):
+    return np.arange(50, dtype=np.float32) * (k + 1) + len(name)
+out, digests = {}, {}
+def expected(name, kind, ranks, root):
+    if kind == "sum":
+        return sum(value(k, name) for k in ranks)
+    if kind == "allgather":
+        return np.concatenate([value(k, name)[:k + 1] for k in ranks])
+    return value(root, name)
+def run(ps, ranks, tag):
+    rnd = random.Random(me * 7 + len(tag))
+    names = [f"{tag}/{kind}/{i}" for i in range(6) for kind in ("sum", "allgather", "broadcast")]
+    rnd.shuffle(names)                       # a different order on every rank
+    handles = []
+    for name in names:
+        kind = name.split("/")[1]
+        root = ranks[-1]
+        if kind == "sum":
+            h = eng.enqueue(name, value(me, name), op="sum", process_set=ps)
+        elif kind == "allgather":
+            h = eng.enqueue(name, value(me, name)[:me + 1], kind="allgather", process_set=ps)
+        else:
+            h = eng.enqueue(name, value(me, name), kind="broadcast", root=root, process_set=ps)
+        handles.append((name, kind, root, h))
+        time.sleep(0.001 * rnd.random())
+    for name, kind, root, h in handles:
+        got = eng.wait(h)
+        out[name] = bool(np.array_equal(got, expected(name, kind, ranks, root)))
+        digests[name] = hashlib.sha1(got.tobytes()).hexdigest()
+threads = [threading.Thread(target=run, args=(ps, ranks, f"set{i}"))
+           for i, (ps, ranks) in enumerate(sets) if me in ranks]
+for th in threads: th.start()
+for th in threads: th.join(timeout=100)
+errors = {}
+def error(fn):
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+if me not in [0, 2]:
+    errors["nonmember"] = error(lambda: eng.enqueue("x", np.ones(2), process_set=pair))
+if me in [0, 2]:
+    errors["root_outside"] = error(lambda: eng.enqueue("y", np.ones(2), kind="broadcast", root=1, process_set=pair))
+    # a mismatch within a set fails on its members; the engine goes on
+    errors["mismatch"] = error(lambda: eng.wait(eng.enqueue("m", np.ones(2 + me), op="sum", process_set=pair)))
+    errors["after"] = eng.wait(eng.enqueue("after", np.ones(3), op="sum", process_set=pair.process_set_id)).tolist()
+errors["global"] = eng.wait(eng.enqueue("g", np.ones(2), op="sum")).tolist()
+eng.shutdown()
+result = (out, digests, errors)
+"""
+
+
+def test_process_set_requests_wait_for_members_only_and_run_on_the_sets_ring(tmp_path):
+    ranks = run_ranks(4, SETS_JOB, tmp_path, timeout=180)
+    members = {0: ["set0", "set1"], 1: ["set0", "set2"], 2: ["set0", "set1", "set2"], 3: ["set0", "set2"]}
+    for r in ranks:
+        out, digests, errors = r.result
+        assert sorted({name.split("/")[0] for name in out}) == members[r.rank]
+        assert len(out) == 18 * len(members[r.rank]) and all(out.values()), \
+            f"rank {r.rank}: wrong {[k for k, ok in out.items() if not ok]}"
+        assert errors["global"] == [4.0, 4.0]
+        if r.rank in (1, 3):
+            assert errors["nonmember"].startswith("ValueError") and "not a member" in errors["nonmember"]
+        else:
+            assert "not a member" in errors["root_outside"], errors
+            assert errors["mismatch"].startswith("MismatchError") and "'m'" in errors["mismatch"], errors
+            assert errors["after"] == [2.0] * 3
+    for name, digest in ranks[2].result[1].items():  # bit-identical on every member
+        for r in ranks:
+            if name in r.result[1]:
+                assert r.result[1][name] == digest, (name, r.rank)

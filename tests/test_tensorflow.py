@@ -149,9 +149,9 @@ def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
         first_output = marker("reached the first layer")  # the first layer's gradients need what passes here
         import ringreduce.tensorflow.overlap as ov
         real_enqueue = ov._enqueue
-        def spying_enqueue(name, op, array):
+        def spying_enqueue(name, op, array, process_set=None):
             marks.setdefault(name.decode(), time.monotonic())
-            return real_enqueue(name, op, array)
+            return real_enqueue(name, op, array, process_set)
         ov._enqueue = spying_enqueue
         layers = [keras.layers.Dense(512, activation="relu") for _ in range(6)] + [keras.layers.Dense(10)]
         model = keras.Sequential([keras.Input((512,)), *layers])
@@ -337,3 +337,105 @@ def test_checkpoint_of_a_distributed_optimizer_loads_without_ringreduce(tmp_path
         assert res["iterations before"] == 64 // 8  # the saved optimizer state came back
         assert res["iterations after"] == 2 * 64 // 8
         assert np.isfinite(res["loss"]), res
+
+
+BY_NAME = """
+import os, random, threading
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np, tensorflow as tf, keras
+import ringreduce.tensorflow as hvd
+hvd.init()
+n, r = hvd.size(), hvd.rank()
+bad = []
+pair = hvd.add_process_set([0, 2])
+
+# 1. Training on a set's members matches one process on the members' batches.
+def make_model():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(64, 6)).astype(np.float32), rng.normal(size=(64, 1)).astype(np.float32)
+batch, steps = 8, 4
+if r in pair.ranks:
+    me = pair.rank()
+    idx = np.concatenate([np.arange((i * 2 + me) * batch, (i * 2 + me + 1) * batch) for i in range(steps)])
+    model = make_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=pair), loss="mse")
+    model.fit(x[idx], y[idx], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    single = make_model()
+    single.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    single.fit(x[:steps * 2 * batch], y[:steps * 2 * batch], batch_size=2 * batch, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), single.get_weights()):
+        if not np.allclose(a, b, atol=1e-5):
+            bad.append(f"set training differs from one process by {np.abs(a - b).max()}")
+    # and the tape, in a tf.function
+    v = tf.Variable(np.ones(3, np.float32) * (r + 1))
+    @tf.function
+    def tape_step():
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(v * v)
+        return hvd.DistributedGradientTape(t, process_set=pair).gradient(loss, [v])[0]
+    if not np.allclose(tape_step().numpy(), np.full(3, (2 * 1 + 2 * 3) / 2.0)):
+        bad.append(f"tape on a set: {tape_step().numpy()}")
+else:
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=pair)
+    w = tf.Variable([1.0])
+    try:
+        opt.apply([tf.constant([1.0])], [w])
+        bad.append("a non-member applied gradients on the set")
+    except ValueError as e:
+        if "not a member" not in str(e):
+            bad.append(f"non-member: {e}")
+
+# 2. Two threads per rank issue named collectives concurrently, in another order on each rank.
+results, lock = {}, threading.Lock()
+def reduce_thread(tag):
+    for i in range(6):
+        got = hvd.allreduce(tf.fill([4], float(r + i)), op=hvd.Sum, name=f"{tag}.sum.{i}")
+        with lock:
+            results[f"{tag}.sum.{i}"] = np.array_equal(got.numpy(), np.full(4, float(sum(range(n)) + n * i), np.float32))
+def gather_thread(tag):
+    f = tf.function(lambda t, i: hvd.allgather(t, name=f"{tag}.fn.{i}"))
+    for i in range(6):
+        got = hvd.allgather(tf.fill([r + 1], float(i)), name=f"{tag}.gather.{i}") if i % 2 else f(tf.fill([r + 1], float(i)), i)
+        with lock:
+            results[f"{tag}.gather.{i}"] = np.array_equal(got.numpy(), np.full(sum(range(1, n + 1)), float(i), np.float32))
+jobs = [(reduce_thread, "A"), (gather_thread, "B")]
+if r % 2:
+    jobs.reverse()  # odd ranks start the other thread first
+random.seed(r)
+threads = [threading.Thread(target=fn, args=(tag,)) for fn, tag in jobs]
+for th in threads: th.start()
+for th in threads: th.join(timeout=120)
+if len(results) != 12 or not all(results.values()):
+    bad.append(f"threads: {results}")
+
+# 3. Two independent collectives in one tf.function; a name fixed at trace time, the same on every rank.
+@tf.function
+def two(t):
+    return hvd.allreduce(t, op=hvd.Sum), hvd.allgather(t), hvd.allreduce(t * 2, op=hvd.Sum)
+for _ in range(2):
+    s, g, s2 = two(tf.fill([2], float(r)))
+    if not (np.array_equal(s.numpy(), [3.0, 3.0]) and np.array_equal(g.numpy(), np.repeat(np.arange(n, dtype=np.float32), 2))
+            and np.array_equal(s2.numpy(), [6.0, 6.0])):
+        bad.append(f"two in one tf.function: {s.numpy()} {g.numpy()} {s2.numpy()}")
+
+# 4. A name clash (the same name, other shapes) fails on every rank; the engine goes on.
+for mode, call in [("eager", lambda: hvd.allreduce(tf.ones(2 + r), name="clash")),
+                   ("tf.function", tf.function(lambda: hvd.allreduce(tf.ones(2 + r), name="clash.fn")))]:
+    try:
+        call()
+        bad.append(f"clash {mode}: no error")
+    except tf.errors.FailedPreconditionError as e:
+        if not isinstance(e, hvd.MismatchError) or "clash" not in str(e):
+            bad.append(f"clash {mode}: {type(e).__name__} {e}")
+    if hvd.allreduce(tf.ones(3), op=hvd.Sum, name="after").numpy().tolist() != [3.0] * 3:
+        bad.append(f"engine after clash {mode}")
+result = bad
+"""
+
+
+def test_collectives_pair_by_name_threads_sets_and_clashes(tmp_path):
+    ranks = run_ranks(3, BY_NAME, tmp_path, timeout=600, init=False)
+    for r in ranks:
+        assert r.result == [], f"rank {r.rank}: {r.result}"

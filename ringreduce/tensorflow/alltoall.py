@@ -1,41 +1,49 @@
 """alltoall as a TensorFlow op, as hvd.alltoall: eager and inside tf.function,
-with Horovod's gradient. Tensors go through the host (tf.numpy_function),
-GPU tensors included: alltoall moves rows, it has no arithmetic to keep on a GPU."""
+on any process set, with Horovod's gradient, through the background engine
+(paired by name, as every op of ops.py). Tensors go through the host
+(tf.numpy_function), GPU tensors included: alltoall moves rows, it has no
+arithmetic to keep on a GPU."""
 from __future__ import annotations
 
 import tensorflow as tf
 
-import ringreduce as rr
+from .basics import check_process_set, global_process_set
+from .errors import raising_tf_errors
+from .naming import collective_name
+from .ops import _refuse_tf1_graphs, run_collective
 
-from .ops import _refuse_tf1_graphs
 
-
-def _alltoall_op(x, splits, name):
+def _alltoall_op(x, splits, name, ps):
     """(received, received_splits) as tensors; splits None: equal split."""
     _refuse_tf1_graphs()
+    label = collective_name("Alltoall", name, ps)
 
+    @raising_tf_errors
     def run(a, *s):
-        received, received_splits = rr.alltoall(a, splits=s[0] if s else None, name=name)
-        return received, received_splits
+        return run_collective(label, a, "alltoall", ps, splits=s[0] if s else None)
 
     inputs = [x] if splits is None else [x, splits]
+    if tf.executing_eagerly():
+        received, received_splits = run(*[t.numpy() for t in inputs])
+        return tf.convert_to_tensor(received), tf.convert_to_tensor(received_splits)
     received, received_splits = tf.numpy_function(run, inputs, [x.dtype, tf.int32], stateful=True,
                                                   name="RingAlltoall")
     received.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
-    received_splits.set_shape([rr.size()])
+    received_splits.set_shape([ps.size()])
     return received, received_splits
 
 
-def alltoall(tensor, splits=None, name: str | None = None):
-    """Scatters tensor's rows to every rank and gathers what each sent here.
+def alltoall(tensor, splits=None, name: str | None = None, process_set=global_process_set):
+    """Scatters tensor's rows to every rank (of the set) and gathers what each sent here.
 
     tensor is split along axis 0 into pieces of splits[i] rows for rank i
-    (splits: int32 or int64, one entry per rank; default: equal pieces, rows
-    divisible by size). Returns, as hvd.alltoall does, (received,
-    received_splits) when splits is given, else received alone: the pieces
-    every rank addressed to this one, concatenated in rank order, and how
-    many rows came from each rank. The gradient is the alltoall of the
-    incoming gradient with received_splits as splits: every row goes home."""
+    (splits: int32 or int64, one entry per rank of the set; default: equal
+    pieces, rows divisible by its size). Returns, as hvd.alltoall does,
+    (received, received_splits) when splits is given, else received alone:
+    the pieces every rank addressed to this one, concatenated in rank order,
+    and how many rows came from each rank. The gradient is the alltoall of
+    the incoming gradient with received_splits as splits: every row goes home."""
+    ps = check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
     if splits is not None:
         splits = tf.convert_to_tensor(splits)
@@ -44,10 +52,10 @@ def alltoall(tensor, splits=None, name: str | None = None):
 
     @tf.custom_gradient
     def _alltoall(x):
-        received, received_splits = _alltoall_op(x, splits, name)
+        received, received_splits = _alltoall_op(x, splits, name, ps)
 
         def grad(dy, _dsplits=None):
-            back, _ = _alltoall_op(tf.convert_to_tensor(dy), received_splits, None)
+            back, _ = _alltoall_op(tf.convert_to_tensor(dy), received_splits, None, ps)
             return tf.reshape(back, tf.shape(x))
         return (received, received_splits), grad
 

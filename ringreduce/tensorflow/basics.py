@@ -11,37 +11,28 @@ import ringreduce as rr
 from ringreduce import is_initialized, local_rank, local_size, rank, size
 from ringreduce import mpi_backend as _mpi_backend
 from ringreduce import cuda as _cuda
+from ringreduce.process_sets import ProcessSet, add_process_set, find_process_set, global_process_set
 
 # ----------------------------------------------------------------- process sets
 
-try:  # built in parallel (ringreduce/process_sets.py); the lead wires the rest
-    from ringreduce.process_sets import global_process_set
-except ImportError:
-    class _GlobalProcessSet:
-        """Placeholder for ringreduce.process_sets.global_process_set: every rank."""
-        process_set_id = 0
 
-        def size(self):
-            return rr.size()
-
-        def rank(self):
-            return rr.rank()
-
-        def included(self):
-            return True
-
-        def __repr__(self):
-            return "ProcessSet(process_set_id=0, ranks=all)"
-
-    global_process_set = _GlobalProcessSet()
-
-
-def check_process_set(process_set) -> None:
-    """The one place the TF layer checks process_set=: only the global set runs
-    today (the lead replaces this when process sets land)."""
-    if process_set is not global_process_set and process_set is not None:
-        raise NotImplementedError(
-            f"process_set={process_set!r}: ringreduce.tensorflow runs collectives on the global process set only")
+def check_process_set(process_set):
+    """The one place the TF layer reads process_set=: the set to run on
+    (None: the global one). TypeError for anything but a ProcessSet;
+    ValueError for a set that is not registered (add_process_set on every
+    rank first) or that this rank is not a member of."""
+    if process_set is None or process_set is global_process_set:
+        return global_process_set
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ringreduce.ProcessSet, got {type(process_set).__name__}")
+    if process_set.process_set_id == 0:
+        return process_set
+    if process_set.process_set_id is None:
+        raise ValueError(f"{process_set} is not registered: call add_process_set on every rank first")
+    if not process_set.included():
+        raise ValueError(f"rank {rr.rank()} is not a member of {process_set}: only its members may call "
+                         "collectives on it")
+    return process_set
 
 
 # ----------------------------------------------------------------- init, topology
@@ -51,13 +42,17 @@ _cross: dict = {}  # {"key": world identity, "cross_rank", "cross_size", "homoge
 
 def init(comm=None, process_sets=None, backend: str | None = None) -> None:
     """Joins the ring (ringreduce.init) and learns the hosts' layout, as
-    Horovod's init does. comm: an mpi4py communicator, as in rr.init."""
-    if process_sets not in (None, [], ()):
-        raise NotImplementedError("init(process_sets=...): ringreduce.tensorflow runs on the global process set only")
+    Horovod's init does. comm: an mpi4py communicator, as in rr.init.
+    process_sets: ProcessSets (or lists of ranks) to add, on every rank."""
+    if isinstance(process_sets, str):
+        raise NotImplementedError(f"init(process_sets={process_sets!r}): pass a list of ProcessSets; "
+                                  "add_process_set and remove_process_set work at any time, on every rank")
     if isinstance(comm, (list, tuple)):
         raise NotImplementedError("init(comm=[ranks]): pass an mpi4py communicator instead")
     rr.init(backend=backend, comm=comm)
     _learn_layout()
+    for ps in process_sets or ():  # as Horovod: registered at init, in order, on every rank
+        add_process_set(ps)
 
 
 def shutdown() -> None:
@@ -103,20 +98,15 @@ def _int_op(value: int, name):
     return tf.constant(value, dtype=tf.int32, name=name)
 
 
-def _only_global(process_set_id) -> None:
-    if process_set_id != 0:
-        raise NotImplementedError(f"process_set_id={process_set_id}: only the global process set (0) exists")
-
-
 def rank_op(process_set_id: int = 0, name=None):
-    """rank() as an int32 tensor (a constant: a rank never changes)."""
-    _only_global(process_set_id)
-    return _int_op(rr.rank(), name)
+    """This rank's rank in the process set with that id (0: the world) as an
+    int32 tensor (a constant: a rank never changes). ValueError on a non-member."""
+    return _int_op(find_process_set(process_set_id).rank(), name)
 
 
 def size_op(process_set_id: int = 0, name=None):
-    _only_global(process_set_id)
-    return _int_op(rr.size(), name)
+    """The size of the process set with that id (0: the world), as an int32 tensor."""
+    return _int_op(find_process_set(process_set_id).size(), name)
 
 
 def local_rank_op(name=None):

@@ -9,6 +9,7 @@ import numpy as np
 
 import ringreduce as rr
 
+from . import ops as _ops
 from .ops import broadcast_variables
 
 
@@ -51,8 +52,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
         if not logs:
             return
         keys = sorted(k for k, v in logs.items() if np.isscalar(v) or np.ndim(v) == 0)
-        values = rr.allreduce(np.array([float(logs[k]) for k in keys], dtype=np.float64), op="avg",
-                              name="metrics")
+        values = _ops.run_collective("metrics", np.array([float(logs[k]) for k in keys], dtype=np.float64),
+                                     "allreduce", None, op="avg")
         logs.update(dict(zip(keys, values.tolist())))
 
 

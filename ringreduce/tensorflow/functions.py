@@ -1,7 +1,7 @@
 """Python objects between ranks, as Horovod's functions.py offers them:
-pickled to bytes, then moved by ringreduce's uint8 collectives (the length
-first, so every rank knows how many bytes to expect). Eager code only: an
-object is not a tensor."""
+pickled to bytes, then moved by the background engine's uint8 collectives
+(the length first, so every rank knows how many bytes to expect), on any
+process set. Eager code only: an object is not a tensor."""
 from __future__ import annotations
 
 import pickle
@@ -12,6 +12,8 @@ import ringreduce as rr
 
 from .basics import check_process_set, global_process_set
 from .errors import raising_tf_errors
+from .naming import collective_name
+from .ops import run_collective
 
 
 def _dumps(obj) -> np.ndarray:
@@ -20,14 +22,18 @@ def _dumps(obj) -> np.ndarray:
 
 @raising_tf_errors
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
-    """Root's obj on every rank (any picklable object; the others' obj is ignored)."""
-    check_process_set(process_set)
-    label = name or "broadcast_object"
+    """Root's obj on every rank of the set (any picklable object; the others'
+    obj is ignored). root_rank is a world rank, a member of the set."""
+    ps = check_process_set(process_set)
+    if root_rank not in ps.ranks:
+        raise ValueError(f"root_rank {root_rank!r} is not a rank of {ps}")
+    label = collective_name("broadcast_object", name, ps)
     data = _dumps(obj) if rr.rank() == root_rank else np.zeros(0, dtype=np.uint8)
-    length = rr.broadcast(np.array([data.size], dtype=np.int64), root=root_rank, name=f"{label}.length")
+    length = run_collective(f"{label}.length", np.array([data.size], dtype=np.int64), "broadcast", ps,
+                            root=root_rank)
     if rr.rank() != root_rank:
         data = np.zeros(int(length[0]), dtype=np.uint8)
-    return pickle.loads(rr.broadcast(data, root=root_rank, name=label).tobytes())
+    return pickle.loads(run_collective(label, data, "broadcast", ps, root=root_rank).tobytes())
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
@@ -37,11 +43,11 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 
 @raising_tf_errors
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
-    """Every rank's obj, as a list in rank order."""
-    check_process_set(process_set)
-    label = name or "allgather_object"
+    """Every rank's obj (of the set), as a list in rank order."""
+    ps = check_process_set(process_set)
+    label = collective_name("allgather_object", name, ps)
     data = _dumps(obj)
-    lengths = rr.allgather(np.array([data.size], dtype=np.int64), name=f"{label}.lengths")
-    gathered = rr.allgather(data, name=label).tobytes()
+    lengths = run_collective(f"{label}.lengths", np.array([data.size], dtype=np.int64), "allgather", ps)
+    gathered = run_collective(label, data, "allgather", ps).tobytes()
     ends = np.cumsum(lengths)
     return [pickle.loads(gathered[end - n:end]) for n, end in zip(lengths.tolist(), ends.tolist())]

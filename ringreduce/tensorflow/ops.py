@@ -1,9 +1,13 @@
 """ringreduce collectives as TensorFlow ops, with Horovod's names,
-signatures and gradients: eager and inside tf.function. Eagerly they call
-ringreduce directly; in a tf.function they are tf.numpy_functions, whose C
-work (the ring) runs with the GIL released; where TensorFlow sees a GPU,
-tf.py_functions instead, which leave tensors where they are: GPU tensors
-cross to cupy and back through DLPack and are reduced on the GPU."""
+signatures and gradients: eager and inside tf.function, on the global
+process set or any other (process_set=: sizes, ranks, Average and gradients
+are the set's). Every op hands its array to the background engine
+(ringreduce/engine.py), which pairs collectives across ranks BY NAME
+(naming.py says which name an op gets), and waits for the result. Eagerly
+the op body runs at once; in a tf.function it is a tf.numpy_function, whose
+wait releases the GIL; where TensorFlow sees a GPU, a tf.py_function
+instead, which leaves tensors where they are: GPU tensors cross to cupy and
+back through DLPack and are reduced on the GPU."""
 from __future__ import annotations
 
 import warnings
@@ -12,10 +16,12 @@ import numpy as np
 import tensorflow as tf
 
 import ringreduce as rr
+from ringreduce.engine import engine, register_kind
 
 from .basics import check_process_set, global_process_set
 from .compression import Compression
 from .errors import raising_tf_errors
+from .naming import collective_name
 
 # Horovod's reduction ops. They are ringreduce's op names, so op="sum" works too.
 Average, Sum, Min, Max, Product = "avg", "sum", "min", "max", "prod"
@@ -79,6 +85,13 @@ def _to_tf(a):
 
 
 
+def run_collective(name: str, array, kind: str, process_set, op: str = "sum", root: int = 0, **extra):
+    """One collective through the background engine, paired across ranks by
+    name; blocks until its result is there."""
+    eng = engine()
+    return eng.wait(eng.enqueue(name, array, op=op, kind=kind, root=root, process_set=process_set, **extra))
+
+
 # --------------------------------------------------------------------------- arguments
 
 
@@ -128,11 +141,11 @@ def _scale(a, factor: float):
     return a * a.dtype.type(factor)
 
 
-def _reduce_array(a, op: str, prescale: float, postscale: float, name):
+def _reduce_array(a, op: str, prescale: float, postscale: float, name, ps):
     a = _scale(a, prescale)
     if op == Average and a.dtype.kind in "iu":  # as Horovod: the sum, scaled by 1/size in float64
-        return _scale(rr.allreduce(a, op=Sum, name=name), postscale / rr.size())
-    return _scale(rr.allreduce(a, op=op, name=name), postscale)
+        return _scale(run_collective(name, a, "allreduce", ps, op=Sum), postscale / ps.size())
+    return _scale(run_collective(name, a, "allreduce", ps, op=op), postscale)
 
 
 # --------------------------------------------------------------------------- allreduce
@@ -148,39 +161,40 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     allgathered (Sum, Average only). device_* are accepted and ignored: a
     tensor is reduced where it lives."""
     op = _reduce_op(op, average)
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_sparse(tensor, op, prescale_factor * postscale_factor)
+        return _allreduce_sparse(tensor, op, prescale_factor * postscale_factor, ps)
     tensor = tf.convert_to_tensor(tensor)
     wire, ctx = compression.compress(tensor)
-    return compression.decompress(_allreduce_dense(wire, op, prescale_factor, postscale_factor, name), ctx)
+    return compression.decompress(_allreduce_dense(wire, op, prescale_factor, postscale_factor, name, ps), ctx)
 
 
-def _allreduce_dense(tensor, op, prescale, postscale, name):
+def _allreduce_dense(tensor, op, prescale, postscale, name, ps):
     @tf.custom_gradient
     def _allreduce(x):
-        y = _numpy_op(lambda a: _reduce_array(a, op, prescale, postscale, name), [x], x.dtype, x.shape,
+        label = collective_name("Allreduce", name, ps)
+        y = _numpy_op(lambda a: _reduce_array(a, op, prescale, postscale, label, ps), [x], x.dtype, x.shape,
                       "RingAllreduce")
 
         def grad(dy):
             if op not in (Sum, Average):
                 raise NotImplementedError(f"allreduce with op={op!r} has no gradient")
-            return _allreduce_dense(dy, op, prescale, postscale, None)
+            return _allreduce_dense(dy, op, prescale, postscale, None, ps)
         return y, grad
     return _allreduce(tensor)
 
 
-def _allreduce_sparse(slices: tf.IndexedSlices, op: str, scale: float) -> tf.IndexedSlices:
+def _allreduce_sparse(slices: tf.IndexedSlices, op: str, scale: float, ps) -> tf.IndexedSlices:
     """Sparse gradients travel as their rows: every rank's values and indices,
     gathered (duplicates are summed when applied, as TF does)."""
     if op not in (Sum, Average):
         raise NotImplementedError(f"allreduce of tf.IndexedSlices supports Sum and Average, not op={op!r}")
-    values = allgather(slices.values)
+    values = allgather(slices.values, process_set=ps)
     if op == Average:
-        scale /= rr.size()
+        scale /= ps.size()
     if scale != 1.0:
         values = values * tf.cast(scale, values.dtype)
-    return tf.IndexedSlices(values, allgather(slices.indices), slices.dense_shape)
+    return tf.IndexedSlices(values, allgather(slices.indices, process_set=ps), slices.dense_shape)
 
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
@@ -197,27 +211,28 @@ def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenates every rank's tensor along axis 0 (ranks may differ in dim 0).
     Gradient, as Horovod's: the incoming gradient averaged over ranks, this
     rank's rows of it."""
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
 
     @tf.custom_gradient
     def _allgather(x):
         shape = tf.TensorShape([None]).concatenate(x.shape[1:])
-        y = _numpy_op(lambda a: _gather_array(a, name), [x], x.dtype, shape, "RingAllgather")
+        label = collective_name("Allgather", name, ps)
+        y = _numpy_op(lambda a: _gather_array(a, label, ps), [x], x.dtype, shape, "RingAllgather")
 
         def grad(dy):
             rows = tf.shape(x, out_type=tf.int64)[:1]
-            counts = allgather(rows)
-            start = tf.reduce_sum(counts[:rr.rank()])
-            return _allreduce_dense(dy, Average, 1.0, 1.0, None)[start:start + rows[0]]
+            counts = allgather(rows, process_set=ps)
+            start = tf.reduce_sum(counts[:ps.rank()])
+            return _allreduce_dense(dy, Average, 1.0, 1.0, None, ps)[start:start + rows[0]]
         return y, grad
     return _allgather(tensor)
 
 
-def _gather_array(a, name):
+def _gather_array(a, name, ps):
     a = a.reshape(1) if a.ndim == 0 else a
     raw, undo = _as_bytes(a)
-    return undo(rr.allgather(raw, name=name))
+    return undo(run_collective(name, raw, "allgather", ps))
 
 
 def grouped_allgather(tensors, process_set=global_process_set):
@@ -228,26 +243,30 @@ def grouped_allgather(tensors, process_set=global_process_set):
 
 
 def broadcast(tensor, root_rank=0, name=None, process_set=global_process_set):
-    """Root's tensor on every rank. Gradient, as Horovod's: the incoming
-    gradient averaged over ranks, at the root; zeros elsewhere."""
-    check_process_set(process_set)
+    """Root's tensor on every rank (of the set: root_rank is a world rank,
+    one of its members). Gradient, as Horovod's: the incoming gradient
+    averaged over ranks, at the root; zeros elsewhere."""
+    ps = check_process_set(process_set)
+    if root_rank not in ps.ranks:
+        raise ValueError(f"root_rank {root_rank!r} is not a rank of {ps}")
     tensor = tf.convert_to_tensor(tensor)
 
     @tf.custom_gradient
     def _broadcast(x):
-        y = _numpy_op(lambda a: _broadcast_array(a, root_rank, name), [x], x.dtype, x.shape, "RingBroadcast")
+        label = collective_name("Broadcast", name, ps)
+        y = _numpy_op(lambda a: _broadcast_array(a, root_rank, label, ps), [x], x.dtype, x.shape, "RingBroadcast")
 
         def grad(dy):
-            averaged = _allreduce_dense(dy, Average, 1.0, 1.0, None)
+            averaged = _allreduce_dense(dy, Average, 1.0, 1.0, None, ps)
             return averaged if rr.rank() == root_rank else tf.zeros_like(averaged)
         return y, grad
     return _broadcast(tensor)
 
 
-def _broadcast_array(a, root, name):
+def _broadcast_array(a, root, name, ps):
     shape = a.shape
     raw, undo = _as_bytes(a.reshape(1) if a.ndim == 0 else a)
-    return undo(rr.broadcast(raw, root=root, name=name)).reshape(shape)
+    return undo(run_collective(name, raw, "broadcast", ps, root=root)).reshape(shape)
 
 
 def broadcast_(variables, root_rank=0, name=None, process_set=global_process_set):
@@ -288,13 +307,14 @@ def _rows_of(rows: int, n: int, i: int) -> tuple[int, int]:
     return start, start + base + (1 if i < extra else 0)
 
 
-def _reducescatter_array(a, op, prescale, postscale, name):
-    """Reduces, then returns this rank's block of rows. Each block is padded to
-    the largest one, so the ring's equal chunks are exactly the blocks; the
-    shape goes in the header's name, so ranks that differ in rows still fail."""
-    if a.ndim == 0:
-        raise ValueError("reducescatter needs a tensor of at least one dimension (it splits dimension 0)")
-    n, me = rr.size(), rr.rank()
+def _reduce_scatter_rows(h):
+    """The engine kind "reducescatter_rows": reduces h.array over the set and
+    returns this rank's block of rows. Each block is padded to the largest
+    one, so the ring's equal chunks are exactly the blocks; the engine's key
+    holds the unpadded shape, so ranks that differ in rows fail."""
+    a = h.array
+    ps = h.group or global_process_set
+    n, me = ps.size(), ps.rank()
     rows = a.shape[0]
     most = -(-rows // n)
     if rows == most * n:
@@ -304,13 +324,20 @@ def _reducescatter_array(a, op, prescale, postscale, name):
         for i in range(n):
             lo, hi = _rows_of(rows, n, i)
             blocks[i * most:i * most + hi - lo] = a[lo:hi]
-    label = f"{name or 'reducescatter'} of shape {tuple(a.shape)}"
-    blocks = _scale(blocks, prescale)
-    integer_average = op == Average and a.dtype.kind in "iu"
-    chunk = rr.reduce_scatter(blocks, op=Sum if integer_average else op, name=label)
+    chunk = rr.reduce_scatter(blocks, op=h.op, name=h.name, process_set=h.group)
     lo, hi = _rows_of(rows, n, me)
-    mine = chunk.reshape((most,) + a.shape[1:])[:hi - lo]
-    return _scale(mine, postscale / n if integer_average else postscale)
+    return chunk.reshape((most,) + a.shape[1:])[:hi - lo]
+
+
+register_kind("reducescatter_rows", _reduce_scatter_rows, reduces=True)
+
+
+def _reducescatter_array(a, op, prescale, postscale, name, ps):
+    if a.ndim == 0:
+        raise ValueError("reducescatter needs a tensor of at least one dimension (it splits dimension 0)")
+    integer_average = op == Average and a.dtype.kind in "iu"
+    mine = run_collective(name, _scale(a, prescale), "reducescatter_rows", ps, op=Sum if integer_average else op)
+    return _scale(mine, postscale / ps.size() if integer_average else postscale)
 
 
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
@@ -320,27 +347,28 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     r % n ranks get one row more). Gradient, as Horovod defines it: the
     incoming gradients allgathered, times size for Sum."""
     op = _reduce_op(op, None)
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
     wire, ctx = compression.compress(tensor)
-    return compression.decompress(_reducescatter(wire, op, prescale_factor, postscale_factor, name), ctx)
+    return compression.decompress(_reducescatter(wire, op, prescale_factor, postscale_factor, name, ps), ctx)
 
 
-def _reducescatter(tensor, op, prescale, postscale, name):
+def _reducescatter(tensor, op, prescale, postscale, name, ps):
     @tf.custom_gradient
     def _scatter(x):
         shape = tf.TensorShape(None)
         if x.shape.rank:
-            lo, hi = _rows_of(x.shape[0], rr.size(), rr.rank()) if x.shape[0] is not None else (0, None)
+            lo, hi = _rows_of(x.shape[0], ps.size(), ps.rank()) if x.shape[0] is not None else (0, None)
             shape = tf.TensorShape([None if hi is None else hi - lo]).concatenate(x.shape[1:])
-        y = _numpy_op(lambda a: _reducescatter_array(a, op, prescale, postscale, name), [x], x.dtype, shape,
+        label = collective_name("Reducescatter", name, ps)
+        y = _numpy_op(lambda a: _reducescatter_array(a, op, prescale, postscale, label, ps), [x], x.dtype, shape,
                       "RingReducescatter")
 
         def grad(dy):
             if op not in (Sum, Average):
                 raise NotImplementedError(f"reducescatter with op={op!r} has no gradient")
-            scale = prescale * postscale * (rr.size() if op == Sum else 1)
-            return allgather(dy) * tf.cast(scale, dy.dtype)
+            scale = prescale * postscale * (ps.size() if op == Sum else 1)
+            return allgather(dy, process_set=ps) * tf.cast(scale, dy.dtype)
         return y, grad
     return _scatter(tensor)
 

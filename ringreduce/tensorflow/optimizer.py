@@ -1,6 +1,7 @@
 """DistributedOptimizer (Keras 3) and DistributedGradientTape: synchronous
-data-parallel training over the ring, with horovod.tensorflow's options, and
-gradients handed over as backprop produces them (overlap.py).
+data-parallel training over the ring (or over a process set's members:
+process_set=), with horovod.tensorflow's options, and gradients handed over
+as backprop produces them (overlap.py).
 
 Horovod's semantics, kept here: op Average or Sum; gradient_predivide_factor f
 divides by f before the sum and by size/f after it; groups (or num_groups)
@@ -20,13 +21,11 @@ import tensorflow as tf
 import ringreduce as rr
 
 from . import ops as _ops
+from .basics import check_process_set
 from .compression import Compression
 from .overlap import reduce_gradients
 
-try:  # the process-sets module; without it only the global set exists
-    from ringreduce import global_process_set
-except ImportError:
-    global_process_set = None
+from ringreduce import ProcessSet, global_process_set
 
 Average = getattr(_ops, "Average", "avg")
 Sum = getattr(_ops, "Sum", "sum")
@@ -54,16 +53,15 @@ def reduction_op(op, average=None) -> str:
     return label
 
 
-def check_global_process_set(process_set) -> None:
-    """Only the global process set for now: another set raises."""
-    if process_set is None or process_set is global_process_set:
-        return
-    ps_id = getattr(process_set, "process_set_id", None)
-    ranks = getattr(process_set, "ranks", None)
-    if ps_id == 0 or (ranks is not None and sorted(ranks) == list(range(rr.size()))):
-        return
-    raise NotImplementedError("gradients are reduced over the global process set only; "
-                              f"got {process_set!r}")
+def _gradient_process_set(process_set):
+    """The set gradients are combined over (None: the global one). Checked at
+    once for its type; registration and membership when gradients are
+    reduced (the set may be added after the optimizer is made)."""
+    if process_set is None:
+        return global_process_set
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ringreduce.ProcessSet, got {type(process_set).__name__}")
+    return process_set
 
 
 class GradientReduction:
@@ -82,19 +80,21 @@ class GradientReduction:
             groups = num_groups if groups is None else groups
         if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
             raise ValueError("groups must be a positive integer or a list of lists of variables")
-        check_global_process_set(process_set)
+        self.process_set = _gradient_process_set(process_set)
         self.compression, self.sparse_as_dense = compression, sparse_as_dense
         self.predivide = float(gradient_predivide_factor)
         self.groups, self.scale_local_gradients = groups, scale_local_gradients
         self.name = name or "RingAllreduce"
 
     def __call__(self, grads, variables, local_ids=frozenset()):
-        """Every rank's gradients combined, in the order given; local ones
-        stay this rank's own (scaled by 1/size if scale_local_gradients)."""
+        """Every rank's gradients (of the process set) combined, in the order
+        given; local ones stay this rank's own (scaled by 1/size if
+        scale_local_gradients; size: the set's)."""
+        ps = check_process_set(self.process_set)
         grads, variables = list(grads), list(variables)
         shared = [i for i, v in enumerate(variables) if id(v) not in local_ids]
         out = list(grads)
-        size = rr.size()
+        size = ps.size()
         with tf.name_scope(self.name):
             if shared:
                 sg, sv = [grads[i] for i in shared], [variables[i] for i in shared]
@@ -102,7 +102,7 @@ class GradientReduction:
                 if self.predivide != 1.0:  # the average split around the sum, as Horovod does
                     sg, op = [_scale(g, 1.0 / self.predivide) for g in sg], "sum"
                 reduced = reduce_gradients(sg, sv, op, self.compression, self.sparse_as_dense,
-                                           groups=self._group_positions(sg, sv))
+                                           groups=self._group_positions(sg, sv), process_set=ps)
                 if self.predivide != 1.0:
                     reduced = [_scale(g, self.predivide / size) for g in reduced]
                 for i, g in zip(shared, reduced):

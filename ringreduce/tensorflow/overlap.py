@@ -29,16 +29,16 @@ _ids = itertools.count(1)
 _lock = threading.Lock()
 
 
-def _enqueue(name: bytes, op: bytes, array: np.ndarray) -> np.int64:
-    h = engine().enqueue(name.decode(), array, op.decode())
+def _enqueue(name: bytes, op: bytes, array: np.ndarray, process_set=None) -> np.int64:
+    h = engine().enqueue(name.decode(), array, op.decode(), process_set=process_set)
     with _lock:
         key = next(_ids)
         _handles[key] = h
     return np.int64(key)
 
 
-def _enqueue_all(names, op: bytes, arrays) -> np.ndarray:
-    return np.array([_enqueue(n, op, a) for n, a in zip(names, arrays)], dtype=np.int64)
+def _enqueue_all(names, op: bytes, arrays, process_set=None) -> np.ndarray:
+    return np.array([_enqueue(n, op, a, process_set) for n, a in zip(names, arrays)], dtype=np.int64)
 
 
 def _wait(key: np.int64) -> np.ndarray:
@@ -52,10 +52,11 @@ def overlap_enabled() -> bool:
 
 
 def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.none,
-                     sparse_as_dense: bool = False, groups=None):
-    """Every rank's gradients reduced, in the order given. None stays None.
-    groups: lists of positions in grads whose dense gradients are handed over
-    together, once the last of them exists, so they travel fused."""
+                     sparse_as_dense: bool = False, groups=None, process_set=None):
+    """Every rank's gradients (of process_set, None: the world) reduced, in
+    the order given. None stays None. groups: lists of positions in grads
+    whose dense gradients are handed over together, once the last of them
+    exists, so they travel fused."""
     items = []
     for i, (g, v) in enumerate(zip(grads, variables)):
         if g is None:
@@ -66,18 +67,18 @@ def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.
     out = list(grads)
     dense = [(i, g, n) for i, g, n in items if not isinstance(g, tf.IndexedSlices)]
     if dense and overlap_enabled():
-        _hand_over_as_ready(dense, out, op, compression, groups or [])
+        _hand_over_as_ready(dense, out, op, compression, groups or [], process_set)
     elif dense:
-        _reduce_all_at_once(dense, out, op, compression)
+        _reduce_all_at_once(dense, out, op, compression, process_set)
     # Sparse gradients are allgathered directly, so only once the engine is idle
     # on every rank: after the waits above (stateful ops run in program order).
     for i, g, _ in items:
         if isinstance(g, tf.IndexedSlices):
-            out[i] = allreduce(g, op=op)
+            out[i] = allreduce(g, op=op, process_set=process_set)
     return out
 
 
-def _hand_over_as_ready(dense, out, op, compression, groups):
+def _hand_over_as_ready(dense, out, op, compression, groups, process_set):
     by_position = {i: (i, g, name) for i, g, name in dense}
     units, grouped = [], set()
     for group in groups:
@@ -90,7 +91,7 @@ def _hand_over_as_ready(dense, out, op, compression, groups):
     for unit in sorted(units, key=lambda u: -max(i for i, _, _ in u)):  # backprop's order: last layer first
         wires = [compression.compress(g) for _, g, _ in unit]
         names = [name.encode() for _, _, name in unit]
-        keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode(): _enqueue_all(ns, o, arrays),
+        keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode(): _enqueue_all(ns, o, arrays, process_set),
                                  [w for w, _ in wires], tf.int64, stateful=False, name="RingHandOver")
         for j, ((i, g, _), (wire, ctx)) in enumerate(zip(unit, wires)):
             handles.append((i, g, keys[j], wire.dtype, ctx))
@@ -100,11 +101,11 @@ def _hand_over_as_ready(dense, out, op, compression, groups):
         out[i] = compression.decompress(reduced, ctx)
 
 
-def _reduce_all_at_once(dense, out, op, compression):
+def _reduce_all_at_once(dense, out, op, compression, process_set):
     wires = [compression.compress(g) for _, g, _ in dense]
 
     def run(*arrays):
-        handles = [engine().enqueue(n, a, op) for (_, _, n), a in zip(dense, arrays)]
+        handles = [engine().enqueue(n, a, op, process_set=process_set) for (_, _, n), a in zip(dense, arrays)]
         return [engine().wait(h) for h in handles]
     reduced = tf.numpy_function(run, [w for w, _ in wires], [w.dtype for w, _ in wires], stateful=True,
                                 name="RingAllAtOnce")
