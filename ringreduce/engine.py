@@ -92,6 +92,9 @@ class Handle:
     group: object = None  # the ProcessSet the collective runs on; None: the world
 
 
+IDLE_BACKOFF_MIN, IDLE_BACKOFF_MAX = 20e-6, 1e-3  # seconds between negotiation passes that agree on nothing
+
+
 class Engine:
     def __init__(self, fusion_bytes: int | None = None, timeline_path: str | None = None,
                  cache_capacity: int | None = None):
@@ -112,6 +115,7 @@ class Engine:
         # members are still coming): negotiate on with nothing of our own, as the
         # world's ring needs every rank in every pass.
         self._others_waiting = False
+        self._idle_cycles = 0  # negotiation passes in a row that agreed on nothing
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
 
@@ -260,7 +264,13 @@ class Engine:
                 done, self._joining = self._joining, None
             done.set()
         elif not handles and not agreement.failed:
-            time.sleep(0.001)  # some rank is still computing; ask again shortly
+            # Some rank is still computing: ask again shortly, backing off from
+            # a yield to a millisecond (an eager op's partner is often only
+            # microseconds late; a rank still in backprop may be seconds away).
+            time.sleep(min(IDLE_BACKOFF_MAX, IDLE_BACKOFF_MIN * 2 ** self._idle_cycles))
+            self._idle_cycles += 1
+            return
+        self._idle_cycles = 0
 
     def _fail_waiting(self, exc: BaseException) -> None:
         with self._cond:
