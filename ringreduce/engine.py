@@ -268,7 +268,7 @@ class Engine:
             # a yield to a millisecond (an eager op's partner is often only
             # microseconds late; a rank still in backprop may be seconds away).
             time.sleep(min(IDLE_BACKOFF_MAX, IDLE_BACKOFF_MIN * 2 ** self._idle_cycles))
-            self._idle_cycles += 1
+            self._idle_cycles = min(self._idle_cycles + 1, 10)  # 20 us * 2**10 > 1 ms: no further
             return
         self._idle_cycles = 0
 
