@@ -143,7 +143,7 @@ class Engine:
         group, process_set = _resolve(process_set)
         family, array = _c._arrays_for(array, reduces=spec.reduces)
         with family.on(array):
-            array = family.xp.ascontiguousarray(array)
+            array = family.xp.ascontiguousarray(array).reshape(array.shape)  # a 0-d array stays 0-d
         if spec.ragged and array.ndim == 0:
             array = array.reshape(1)
         if spec.reduces:

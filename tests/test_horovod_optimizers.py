@@ -1,6 +1,8 @@
 """horovod.tensorflow's optimizer options, Partial* wrappers,
 SyncBatchNormalization and rewrapping a built optimizer: few multi-rank jobs
 (TensorFlow is slow to import), each checking many things."""
+import re
+
 import numpy as np
 import pytest
 
@@ -112,7 +114,7 @@ def test_options_of_the_tape_and_optimizer(tmp_path, n):
         assert res["avg"][1] == 4 and res["groups=2"][1] == 2 and res["groups list"][1] == 3
         # Predivided by 4 before the ring, summed there, and multiplied by 4/size after.
         for name, op, array in res["predivide"][2]:
-            k = int(name.split(".")[1])
+            k = int(re.search(r"v(\d+):0$", name).group(1))  # the variable v{k} the gradient is of
             assert op == "sum"
             np.testing.assert_allclose(array, np.full(k + 2, (rk.rank + 1) * (k + 1) / 4.0), rtol=1e-6)
         # A local source: this rank's own gradient over size; the others averaged.

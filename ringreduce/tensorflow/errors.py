@@ -65,6 +65,9 @@ class MismatchInFunctionError(MismatchError, tf.errors.UnknownError):
         tf.errors.OpError.__init__(self, node_def, op, message, tf.errors.FAILED_PRECONDITION)
         rr.MismatchError.__init__(self, message)
 
+    def __reduce__(self):  # pickled and copied with its message where __init__ expects it
+        return type(self), (None, None, self.message)
+
 
 def _unknown_error_or_mismatch(cls, node_def=None, op=None, message="", *args, **kwargs):
     if cls is tf.errors.UnknownError and isinstance(message, str) and _MISMATCH_TRACE.search(message):

@@ -22,6 +22,8 @@ import tensorflow as tf
 
 from ..engine import engine
 from .compression import Compression
+from .basics import global_process_set
+from .naming import collective_name
 from .ops import allreduce
 
 _handles: dict[int, object] = {}
@@ -47,6 +49,24 @@ def _wait(key: np.int64) -> np.ndarray:
     return engine().wait(h)
 
 
+_nonce_variable = None
+
+
+def _nonce():
+    """A value TensorFlow cannot know before the step runs (a variable read):
+    as an input, it keeps a stateless op from being constant-folded, and it
+    orders nothing (nobody writes the variable)."""
+    global _nonce_variable
+    if _nonce_variable is None:
+        with tf.init_scope():
+            _nonce_variable = tf.Variable(0, dtype=tf.int64, trainable=False, name="ringreduce_nonce")
+    return _nonce_variable.read_value()
+
+
+def _set_of(process_set):
+    return global_process_set if process_set is None else process_set
+
+
 def overlap_enabled() -> bool:
     return os.environ.get("RINGREDUCE_OVERLAP", "1") != "0"
 
@@ -63,7 +83,9 @@ def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.
             continue
         if isinstance(g, tf.IndexedSlices) and sparse_as_dense:
             g = tf.convert_to_tensor(g)
-        items.append((i, g, f"grad.{i}.{getattr(v, 'path', None) or v.name}"))
+        # Named at trace time (naming.py), unique in the graph: two tapes, or a
+        # tape used twice, in one step never share a name; the path is for people.
+        items.append((i, g, f"{collective_name('grad', None, _set_of(process_set))}.{getattr(v, 'path', None) or v.name}"))
     out = list(grads)
     dense = [(i, g, n) for i, g, n in items if not isinstance(g, tf.IndexedSlices)]
     if dense and overlap_enabled():
@@ -91,8 +113,11 @@ def _hand_over_as_ready(dense, out, op, compression, groups, process_set):
     for unit in sorted(units, key=lambda u: -max(i for i, _, _ in u)):  # backprop's order: last layer first
         wires = [compression.compress(g) for _, g, _ in unit]
         names = [name.encode() for _, _, name in unit]
-        keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode(): _enqueue_all(ns, o, arrays, process_set),
-                                 [w for w, _ in wires], tf.int64, stateful=False, name="RingHandOver")
+        # The nonce read keeps the hand-over from being folded when its inputs are
+        # constants (a gradient that does not depend on the data): run once at
+        # optimisation time, it would hand over only the first step.
+        keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode(): _enqueue_all(ns, o, arrays[:-1], process_set),
+                                 [w for w, _ in wires] + [_nonce()], tf.int64, stateful=False, name="RingHandOver")
         for j, ((i, g, _), (wire, ctx)) in enumerate(zip(unit, wires)):
             handles.append((i, g, keys[j], wire.dtype, ctx))
     for i, g, key, wire_dtype, ctx in handles:

@@ -1,0 +1,53 @@
+"""Patterns of real Horovod training scripts that broke (found by review):
+a gradient that is a constant, two tapes in one step, a scalar metric
+allreduced, a mismatch error sent across processes."""
+import pytest
+
+from ranks import run_ranks
+
+pytest.importorskip("tensorflow", reason="tensorflow-cpu not installed (pip install 'ringreduce[tf]')")
+
+
+def test_constant_gradients_two_tapes_and_scalars(tmp_path):
+    ranks = run_ranks(2, """
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import pickle
+        import tensorflow as tf
+        import ringreduce.tensorflow as hvd
+        from ringreduce.tensorflow.errors import MismatchInFunctionError
+        hvd.init()
+        r = hvd.rank()
+
+        # A critic whose loss is linear in its output: the bias's gradient is a
+        # constant (1/batch - 1/batch), the same every step.
+        w, b = tf.Variable(tf.ones([3, 1])), tf.Variable(tf.zeros([1]))
+        g_w = tf.Variable(tf.ones([3, 1]))          # a second model, a second tape
+        @tf.function
+        def step(real, fake):
+            with tf.GradientTape() as t1:
+                critic = tf.reduce_mean(fake @ w + b) - tf.reduce_mean(real @ w + b)
+            with tf.GradientTape() as t2:
+                gen = -tf.reduce_mean((fake @ g_w) @ tf.transpose(w))
+            d1 = hvd.DistributedGradientTape(t1).gradient(critic, [w, b])
+            d2 = hvd.DistributedGradientTape(t2).gradient(gen, [g_w])
+            for v, g in zip([w, b, g_w], d1 + d2):
+                v.assign_sub(0.1 * g)
+            return critic
+        for i in range(4):
+            rng = np.random.default_rng(10 * i + r)
+            step(tf.constant(rng.normal(size=(8, 3)), tf.float32), tf.constant(rng.normal(size=(8, 3)), tf.float32))
+        weights = [v.numpy() for v in (w, b, g_w)]
+        same = all(np.array_equal(x, rr.broadcast(x, root=0)) for x in weights)
+
+        scalar_eager = hvd.allreduce(tf.constant(float(r)))
+        scalar_fn = tf.function(lambda x: hvd.allreduce(x))(tf.constant(float(r)))
+        e = MismatchInFunctionError(None, None, "tensor 'x' differs between ranks")
+        back = pickle.loads(pickle.dumps(e))
+        result = (same, scalar_eager.shape.as_list(), float(scalar_eager), scalar_fn.numpy().shape,
+                  back.message, isinstance(back, tf.errors.FailedPreconditionError))
+    """, tmp_path, init=False, timeout=180, env={"RINGREDUCE_TIMEOUT": "30"})
+    for r in ranks:
+        same, eager_shape, eager_value, fn_shape, message, is_tf_error = r.result
+        assert same, f"rank {r.rank}: weights differ across ranks"
+        assert eager_shape == [] and eager_value == 0.5 and fn_shape == (), r.result
+        assert message == "tensor 'x' differs between ranks" and is_tf_error
