@@ -51,3 +51,29 @@ def test_constant_gradients_two_tapes_and_scalars(tmp_path):
         assert same, f"rank {r.rank}: weights differ across ranks"
         assert eager_shape == [] and eager_value == 0.5 and fn_shape == (), r.result
         assert message == "tensor 'x' differs between ranks" and is_tf_error
+
+
+def test_broadcast_pairs_by_position_and_metrics_by_name(tmp_path):
+    ranks = run_ranks(2, """
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import keras
+        import ringreduce.tensorflow as hvd
+        hvd.init()
+        r = hvd.rank()
+        if r == 0:  # rank 0 builds a probe first: its Keras names shift (dense_1, ...)
+            keras.layers.Dense(2).build((None, 2))
+        keras.utils.set_random_seed(r)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        weights = [w for w in model.get_weights()]
+        same = all(np.array_equal(w, rr.broadcast(w, root=0)) for w in weights)
+        logs = {"loss": float(r), "accuracy": 2.0 * r, "note": "text"}
+        hvd.MetricAverageCallback().on_epoch_end(0, logs)
+        result = (same, [v.path for v in model.variables][:1], logs)
+    """, tmp_path, init=False, timeout=180, env={"RINGREDUCE_TIMEOUT": "30"})
+    paths = {r.result[1][0] for r in ranks}
+    assert len(paths) == 2, "the ranks' variable paths were meant to differ"
+    for r in ranks:
+        same, _, logs = r.result
+        assert same, f"rank {r.rank}: broadcast_variables left different weights"
+        assert logs == {"loss": 0.5, "accuracy": 1.0, "note": "text"}, logs

@@ -9,8 +9,8 @@ import numpy as np
 
 import ringreduce as rr
 
-from . import ops as _ops
 from .ops import broadcast_variables
+from ..engine import engine
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -51,10 +51,12 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
             return
-        keys = sorted(k for k, v in logs.items() if np.isscalar(v) or np.ndim(v) == 0)
-        values = _ops.run_collective("metrics", np.array([float(logs[k]) for k in keys], dtype=np.float64),
-                                     "allreduce", None, op="avg")
-        logs.update(dict(zip(keys, values.tolist())))
+        # One collective per metric, named by it (as Horovod's): ranks pair them
+        # by name, and a metric only some ranks log is named when it stalls.
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.asarray(v).dtype.kind in "biuf")
+        eng = engine()
+        handles = [(k, eng.enqueue(f"metric.{k}", np.float64(logs[k]), op="avg")) for k in keys]
+        logs.update({k: float(eng.wait(h)) for k, h in handles})
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):

@@ -281,8 +281,11 @@ def broadcast_variables(variables, root_rank=0, process_set=global_process_set, 
     """Assigns root's values to every variable, on every rank (in order);
     returns the variables. inplace (Horovod's) changes nothing: it always is."""
     variables = list(variables)
-    for v in variables:
-        v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"bcast.{_path(v)}", process_set=process_set))
+    # Named by position in this call, not by variable path: ranks whose Keras
+    # names differ (one built an extra layer first) still pair.
+    base = collective_name("broadcast_variables", None, check_process_set(process_set))
+    for i, v in enumerate(variables):
+        v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"{base}.{i}", process_set=process_set))
     return variables
 
 

@@ -18,7 +18,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import ringreduce as rr
 
 from . import ops as _ops
 from .basics import check_process_set
