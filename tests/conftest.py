@@ -14,3 +14,10 @@ def hostcuda_dir(tmp_path_factory):
     if why:
         pytest.skip(f"the host CUDA driver cannot be built: {why}")
     return hostcuda.build(tmp_path_factory.mktemp("hostcuda"))
+
+
+@pytest.fixture(autouse=True)
+def _no_rank_outlives_its_test():
+    yield
+    import ranks
+    ranks.kill_leftovers()

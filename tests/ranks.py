@@ -25,6 +25,19 @@ from ringreduce import world as _world
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Every rank process started here, so a test that ends early (pytest-timeout
+# fires, an assertion fails between start and collect) leaves none behind
+# (conftest.py kills what is still alive after each test).
+started: list[subprocess.Popen] = []
+
+
+def kill_leftovers() -> None:
+    while started:
+        p = started.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
 PRELUDE = """\
 import os, pickle, sys
 import numpy as np
@@ -71,8 +84,10 @@ def start_ranks(n: int, body: str, tmp_path: Path, env: dict | None = None, init
         out = tmp_path / f"{script.stem}_rank{r}.pkl"
         e = rank_env(r, n, port, secret, env)
         e["RR_TEST_RESULT"] = str(out)
-        procs.append((subprocess.Popen([sys.executable, str(script)], env=e, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True), out))
+        p = subprocess.Popen([sys.executable, str(script)], env=e, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        started.append(p)
+        procs.append((p, out))
     return procs
 
 
