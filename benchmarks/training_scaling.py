@@ -579,15 +579,18 @@ def section(data, plot_name: str) -> list[str]:
         cells = [f"{s[n]['samples_per_s']:.0f} ({e[n]:.2f})" if n in s else "-" for (_, s, *_), e in zip(series, effs)]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", "Where the step time goes (rank 0's timeline, median step, seconds): the ring was busy for "
-              "`ring busy`, of which `hidden` fell before backprop's last hand-over.", "",
-              "| N | mode | step | ring busy | first hand-over | backprop end | hidden |", "|---|---|---|---|---|---|---|"]
+              "`ring busy`, of which `hidden` fell before backprop's last hand-over; `ring at link rate` is the "
+              "time the same bytes take at the links' payload rate (the bandwidth tables' model; half for fp16).", "",
+              "| N | mode | step | ring busy | ring at link rate | first hand-over | backprop end | hidden |",
+              "|---|---|---|---|---|---|---|---|"]
     for mode, label in (("overlap", "overlap on"), ("no_overlap", "overlap off"), ("compressed", data["compression"])):
         for n in ns:
             r = data["ring"].get(mode, {}).get(n)
             if r and "trace" in r:
                 t = r["trace"]
-                lines.append(f"| {n} | {label} | {t['step_s']:.3f} | {t['comm_s']:.3f} | {t['first_handover_s']:.3f} | "
-                             f"{t['backprop_end_s']:.3f} | {100 * t['hidden_share']:.0f}% |")
+                wire = ring_transfer_s(data, n) / (2 if mode == "compressed" and "16" in data["compression"] else 1)
+                lines.append(f"| {n} | {label} | {t['step_s']:.3f} | {t['comm_s']:.3f} | {wire:.3f} | "
+                             f"{t['first_handover_s']:.3f} | {t['backprop_end_s']:.3f} | {100 * t['hidden_share']:.0f}% |")
     big = max(ns)
     ring_eff, ps_eff = efficiency(data, data["ring"]["overlap"]), efficiency(data, data["ps_sync"])
     met = ring_eff[big] >= 0.85 and ps_eff[big] < 0.3

@@ -16,7 +16,7 @@ import training_scaling as ts  # noqa: E402
 
 
 def test_schedule_splits_the_measured_times_by_each_layers_share():
-    s = ts.stand_in_schedule([1.0, 3.0], [2.0, 6.0, ][:2], fwd_total=0.4, fwd_bwd_total=1.2)
+    s = ts.stand_in_schedule([1.0, 3.0], [2.0, 6.0], fwd_total=0.4, fwd_bwd_total=1.2)
     assert s["fwd"] == pytest.approx([0.1, 0.3])
     assert s["bwd"] == pytest.approx([0.2, 0.6])
     assert sum(s["fwd"]) + sum(s["bwd"]) == pytest.approx(1.2)
