@@ -11,6 +11,7 @@ and answers that worker alone with the current parameters: no barrier.
 
     python ps_baseline.py server --port 7000 --workers 4 --bytes 64M --iters 5 [--async]
     python ps_baseline.py worker --servers 10.0.0.9:7000,10.0.0.10:7000 --bytes 64M --iters 5
+    python ps_baseline.py worker ... --compute 0.8      # each step: 0.8 s of stand-in compute, then push/pull
 
 A worker prints one JSON line: its per-step times (and pushes per second in
 async mode). Plain numpy over TCP sockets: the links, not this code, are the
@@ -127,7 +128,9 @@ def serve(port: int, workers: int, count: int, iters: int, asynchronous: bool = 
         grads = [np.empty(count, dtype=DTYPE) for _ in conns]
         for _ in range(iters):
             _parallel([lambda c=c, g=g: recv_into(c, g) for c, g in zip(conns, grads)])
-            total = np.add.reduce(grads) if len(grads) > 1 else grads[0].copy()
+            total = grads[0].copy()
+            for g in grads[1:]:  # in place: np.add.reduce would first stack every gradient into one array
+                total += g
             _parallel([lambda c=c: send_array(c, total) for c in conns])
             params = total
     for c in conns:
@@ -139,8 +142,10 @@ def serve(port: int, workers: int, count: int, iters: int, asynchronous: bool = 
 
 
 def work(servers: list[tuple[str, int]], count: int, iters: int, grad: np.ndarray | None = None,
-         asynchronous: bool = False) -> dict:
-    """Runs `iters` push/pull steps against every shard; returns times and the last result."""
+         asynchronous: bool = False, compute_s: float = 0.0) -> dict:
+    """Runs `iters` push/pull steps against every shard; returns times and the last result.
+    compute_s: a stand-in for the forward and backward pass, slept before each
+    push and counted in the step's time (a training step, not just its traffic)."""
     k = len(servers)
     conns = []
     for host, port in servers:
@@ -162,6 +167,8 @@ def work(servers: list[tuple[str, int]], count: int, iters: int, grad: np.ndarra
     t_all = time.perf_counter()
     for _ in range(iters):
         t = time.perf_counter()
+        if compute_s:
+            time.sleep(compute_s)
 
         def step(c, lo, hi):
             send_array(c, grad[lo:hi])
@@ -191,6 +198,7 @@ def main() -> None:
         q.add_argument("--bytes", required=True, help="whole tensor, e.g. 64M")
         q.add_argument("--iters", type=int, default=3)
         q.add_argument("--async", dest="asynchronous", action="store_true")
+    w.add_argument("--compute", type=float, default=0.0, help="seconds of stand-in compute before each push")
     args = p.parse_args()
     count = parse_bytes(args.bytes) // np.dtype(DTYPE).itemsize
     if args.role == "server":
@@ -198,7 +206,7 @@ def main() -> None:
         serve(args.port, args.workers, hi - lo, args.iters, args.asynchronous)
     else:
         servers = [(h, int(port)) for h, port in (x.rsplit(":", 1) for x in args.servers.split(","))]
-        out = work(servers, count, args.iters, asynchronous=args.asynchronous)
+        out = work(servers, count, args.iters, asynchronous=args.asynchronous, compute_s=args.compute)
         out.pop("result")
         print(json.dumps(out))
         sys.stdout.flush()

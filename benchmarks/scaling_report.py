@@ -4,6 +4,8 @@ emulated cluster (one network namespace per host, tc-shaped links).
     sudo python benchmarks/scaling_report.py                 # writes docs/scaling.md and docs/scaling_*.png
     sudo python benchmarks/scaling_report.py --quick         # a 1-minute smoke run into /tmp
 
+The training section of docs/scaling.md comes from benchmarks/training_scaling.py.
+
 The claim under test: each ring rank sends 2(N-1)/N of the tensor whatever N
 is, so allreduce time stays nearly flat as N grows, while a parameter
 server's link carries N tensors in and N out.
@@ -107,18 +109,6 @@ def ps_time(cluster, n, shards, nbytes, server_hosts, iters=2) -> float:
     return max(per_worker)
 
 
-def train_throughput(cluster, n) -> float:
-    secret, port = secrets.token_hex(16), 28000 + n
-    procs = [cluster.popen(i, [PY, str(REPO / "examples" / "train_digits.py")],
-                           {**cluster.ring_env(i, port, secret, n), "PYTHONPATH": str(REPO)},
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for line in outs[0][0].splitlines():
-        if line.startswith("throughput:"):
-            return float(line.split()[1])
-    raise RuntimeError("trainer printed no throughput:\n" + outs[0][1][-2000:])
-
-
 def progress(total):
     try:
         from tqdm import tqdm
@@ -138,8 +128,8 @@ def measure(args) -> dict:
     server_hosts = list(range(max_n, max_n + max_shards))
     data = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "rate": args.rate,
             "date": time.strftime("%Y-%m-%d %H:%M"), "ns": ns, "sizes": sizes, "ring": {}, "hop": {},
-            "ps1": {}, "psk": {}, "train": {}, "halved": {}}
-    jobs = len(ns) * (2 + 2 * len(sizes)) + len(ns) + 5
+            "ps1": {}, "psk": {}, "halved": {}}
+    jobs = len(ns) * (2 + 2 * len(sizes)) + 4
     bar = progress(jobs)
     with Cluster(max_n + max_shards, rate=args.rate) as cluster:
         for n in ns:
@@ -153,10 +143,6 @@ def measure(args) -> dict:
                 bar.update()
                 data["psk"].setdefault(n, {})[nbytes] = ps_time(cluster, n, max(n // 2, 1), nbytes, server_hosts)
                 bar.update()
-        for n in [1] + ns:
-            bar.set_description(f"training N={n}")
-            data["train"][n] = train_throughput(cluster, n)
-            bar.update()
     # Links, not cores: halve the rate and the ring's time should double.
     n_check, size_check = ns[len(ns) // 2], max(s for s in sizes if s <= 64 << 20)
     half = f"{rate_bytes(args.rate) * 8 / 2 / 1e6:.0f}mbit"
@@ -227,22 +213,6 @@ def plots(data, out_dir: Path, stem: str) -> list[str]:
     files.append(f"{stem}_busbw.png")
     fig.savefig(out_dir / files[-1], dpi=110)
     plt.close(fig)
-
-    tn = sorted(int(n) for n in data["train"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    t1 = data["train"][1]
-    ax.plot(tn, [data["train"][n] for n in tn], "o-", label="samples/s")
-    ax.plot(tn, [n * t1 for n in tn], "--", color="gray", label="perfect scaling")
-    ax.set_xlabel("N (hosts)")
-    ax.set_ylabel("samples/s")
-    ax.set_xticks(tn)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("digits softmax regression, ringreduce allreduce")
-    fig.tight_layout()
-    files.append(f"{stem}_training.png")
-    fig.savefig(out_dir / files[-1], dpi=110)
-    plt.close(fig)
     return files
 
 
@@ -301,16 +271,6 @@ def report(data, files) -> str:
               f"from {full:.3f} s to {h['seconds']:.3f} s ({h['seconds'] / full:.2f}x; 2x if the link is the "
               f"bottleneck). Unshaped, the same ring at N={u['n']} moves {link_mb(u):.0f} MB/s per link, "
               f"{link_mb(u) / (B / 1e6):.1f}x the shaped payload rate: the cores have room to spare.", ""]
-    tn = sorted(int(n) for n in data["train"])
-    t1 = data["train"][1]
-    lines += ["## Training throughput", "",
-              "`examples/train_digits.py` (softmax regression on digits, batch 32 per rank, a 5 KB gradient "
-              "allreduced every step), one rank per host:", "", f"![training]({files[2]})", "",
-              "| N | samples/s | scaling efficiency |", "|---|---|---|"]
-    lines += [f"| {n} | {data['train'][n]:.0f} | {data['train'][n] / (n * t1):.2f} |" for n in tn]
-    lines += ["", "Each step's gradient is tiny, so the step is latency-bound (N-1 hops of the one-pass small "
-              "algorithm) rather than bandwidth-bound; the Keras trainer of the TensorFlow issue is the "
-              "bandwidth-bound case.", ""]
     return "\n".join(lines)
 
 
@@ -337,7 +297,13 @@ def main():
         data = measure(args)
         (out / "scaling.json").write_text(json.dumps(data, indent=1))
     files = plots(data, out, "scaling")
-    (out / "scaling.md").write_text(report(data, files))
+    text = report(data, files)
+    training = out / "training_scaling.json"
+    if training.exists():  # the training section: benchmarks/training_scaling.py's, kept
+        import training_scaling
+        tdata = json.loads(training.read_text(), object_hook=_int_keys)
+        text += "\n" + "\n".join(training_scaling.section(tdata, "scaling_training.png"))
+    (out / "scaling.md").write_text(text)
     print(f"wrote {out / 'scaling.md'} and {', '.join(files)}")
 
 
