@@ -18,6 +18,7 @@ import tensorflow as tf
 import ringreduce as rr
 from ringreduce.engine import engine, register_kind
 
+from .async_op import async_call, in_tf1_graph
 from .basics import check_process_set, global_process_set
 from .compression import Compression
 from .errors import raising_tf_errors
@@ -32,29 +33,20 @@ _REDUCE_OPS = (Average, Sum, Min, Max, Product)
 def _numpy_op(fn, inputs, dtype, shape, name):
     """Runs fn (numpy/cupy arrays in, one array out) as a TF op. Eagerly it is
     called directly, so its exceptions (MismatchError) reach the caller as
-    they are; in a tf.function it becomes an op that runs in program order."""
-    _refuse_tf1_graphs()
+    they are; in a tf.function it becomes an op that runs in program order;
+    in a TF1 graph, an asynchronous op (async_op.py) that holds no thread
+    while it waits for its partners."""
     fn = raising_tf_errors(fn)
     if tf.executing_eagerly():
         return tf.convert_to_tensor(_to_tf(fn(*[_from_tf(t) for t in inputs])))
-    if on_gpu_hosts():
+    if in_tf1_graph():
+        (out,) = async_call(fn, inputs, [dtype], name=name)
+    elif on_gpu_hosts():
         out = tf.py_function(lambda *ts: _to_tf(fn(*[_from_tf(t) for t in ts])), inputs, dtype, name=name)
     else:
         out = tf.numpy_function(fn, inputs, dtype, stateful=True, name=name)
     out.set_shape(shape)
     return out
-
-
-def _refuse_tf1_graphs() -> None:
-    """Eager code and tf.function run collectives in program order, the same
-    on every rank (tf.function orders stateful ops). A TF1 graph run by a
-    Session does not: independent collectives would run in a different order
-    on each rank and pair different tensors, silently. So they are refused."""
-    if not tf.compat.v1.executing_eagerly_outside_functions():
-        raise RuntimeError(
-            "ringreduce.tensorflow collectives need TensorFlow 2 execution (eager code or tf.function): "
-            "in a TF1 graph (tf.compat.v1 Session, or eager execution disabled) independent collectives "
-            "run in a different order on each rank and would pair different tensors")
 
 
 def on_gpu_hosts() -> bool:
