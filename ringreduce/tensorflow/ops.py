@@ -250,7 +250,12 @@ def broadcast(tensor, root_rank=0, name=None, process_set=global_process_set):
 
         def grad(dy):
             averaged = _allreduce_dense(dy, Average, 1.0, 1.0, None, ps)
-            return averaged if rr.rank() == root_rank else tf.zeros_like(averaged)
+            if rr.rank() == root_rank:
+                return averaged
+            # The zeros wait for the allreduce: a TF1 Session runs only what a fetch
+            # needs, and zeros of a known shape need nothing, so the root would wait alone.
+            with tf.control_dependencies([averaged]):
+                return tf.zeros_like(averaged)
         return y, grad
     return _broadcast(tensor)
 
