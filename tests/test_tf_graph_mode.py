@@ -60,6 +60,8 @@ def expected(r: int, n: int) -> dict:
         alltoall_splits=np.array([q + 1 + r for q in ranks], np.int32),
         uint16_sum=np.full(3, sum(q * 1000 for q in ranks), np.uint16),
     )
+    if n == 3 and r != 1:
+        out["evens"] = np.full(2, 4.0, np.float32)
     return out
 
 
@@ -90,6 +92,10 @@ def test_independent_collectives_in_a_session_pair_by_name_in_any_order(tmp_path
             rows = tf.concat([tf.fill([r + 1 + p, 2], float(100 * r + p)) for p in range(n)], 0)
             fetch["alltoall"], fetch["alltoall_splits"] = rrtf.alltoall(rows, splits)
             fetch["uint16_sum"] = rrtf.allreduce(tf.fill([3], tf.constant(r * 1000, tf.uint16)), op=rrtf.Sum)
+            if n == 3:  # a process set of ranks 0 and 2: rank 1 builds nothing for it
+                evens = rrtf.add_process_set([0, 2])
+                if r != 1:
+                    fetch["evens"] = rrtf.allreduce(tf.fill([2], float(r + 1)), op=rrtf.Sum, process_set=evens)
             static = {{k: v.shape.as_list() for k, v in fetch.items() if hasattr(v, "shape")}}
             with tf.compat.v1.Session(config=CONFIG) as sess:
                 steps = [sess.run(fetch) for _ in range(3)]  # repeated: the engine's cache in use
@@ -217,6 +223,32 @@ def test_a_dead_peer_fails_the_session_run_naming_it(tmp_path):
         assert first == 3.0
         assert "rank 1" in message and "PeerLostError" in message, message
         assert elapsed < 15, elapsed
+
+
+def test_broadcast_global_variables_and_the_session_hook(tmp_path):
+    ranks = run_ranks(2, job("""
+        with tf.Graph().as_default():
+            a = tf.compat.v1.get_variable("a", initializer=tf.fill([3], float(r + 1)))
+            b = tf.compat.v1.Variable(tf.fill([2, 2], 10 * r), name="b")
+            step = tf.compat.v1.assign_add(a, tf.ones([3]))
+            bcast = rrtf.broadcast_global_variables(1)
+            with tf.compat.v1.Session(config=CONFIG) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                before = sess.run([a, b])
+                sess.run(bcast)
+                after = sess.run([a, b])
+            hook = rrtf.BroadcastGlobalVariablesHook(0)
+            with tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:  # initialises, then the hook broadcasts
+                sess.run(step)
+                hooked = sess.run([a, b])
+        result = [[x.tolist() for x in v] for v in (before, after, hooked)]
+    """), tmp_path, init=False, timeout=240)
+    for rank in ranks:
+        before, after, hooked = rank.result
+        r = rank.rank
+        assert before == [[r + 1.0] * 3, [[10 * r] * 2] * 2]
+        assert after == [[2.0] * 3, [[10] * 2] * 2]  # rank 1's
+        assert hooked == [[2.0] * 3, [[0] * 2] * 2]  # rank 0's fresh values, then one step
 
 
 def test_building_without_a_compiler_says_what_is_missing(tmp_path):

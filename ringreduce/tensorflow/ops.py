@@ -268,26 +268,32 @@ def _broadcast_array(a, root, name, ps):
 
 def broadcast_(variables, root_rank=0, name=None, process_set=global_process_set):
     """In place: assigns root's value to each variable (one, or a list);
-    returns the variables."""
+    returns the variables (in a TF1 graph: the op that assigns them)."""
     single = not isinstance(variables, (list, tuple))
     out = broadcast_variables([variables] if single else variables, root_rank, process_set)
-    return out[0] if single else out
+    return out[0] if single and not in_tf1_graph() else out
 
 
 def broadcast_variables(variables, root_rank=0, process_set=global_process_set, inplace=False):
     """Assigns root's values to every variable, on every rank (in order);
-    returns the variables. inplace (Horovod's) changes nothing: it always is."""
+    returns the variables. In a TF1 graph, as Horovod's, returns the op that
+    does it (session.run it). inplace (Horovod's) changes nothing: it always is."""
     variables = list(variables)
     # Named by position in this call, not by variable path: ranks whose Keras
     # names differ (one built an extra layer first) still pair.
     base = collective_name("broadcast_variables", None, check_process_set(process_set))
-    for i, v in enumerate(variables):
-        v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"{base}.{i}", process_set=process_set))
+    assigns = [v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"{base}.{i}", process_set=process_set))
+               for i, v in enumerate(variables)]
+    if in_tf1_graph():  # a Session runs nothing it is not asked for
+        return tf.group(*assigns, name="RingBroadcastVariables")
     return variables
 
 
 def broadcast_global_variables(root_rank=0):
-    """TF1's global-variable collection does not exist in TF2, as Horovod says."""
+    """In a TF1 graph, as Horovod's: the op that assigns root's value to every
+    global variable. Elsewhere there is no such collection: RuntimeError."""
+    if in_tf1_graph():
+        return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
     raise RuntimeError("broadcast_global_variables() needs TF1's global variables, which eager TF2 code and "
                        "tf.function do not have: use broadcast_variables(model.variables + optimizer.variables, "
                        "root_rank) or BroadcastGlobalVariablesCallback(root_rank) instead")
