@@ -251,6 +251,31 @@ def test_broadcast_global_variables_and_the_session_hook(tmp_path):
         assert hooked == [[2.0] * 3, [[0] * 2] * 2]  # rank 0's fresh values, then one step
 
 
+def test_eager_execution_disabled_and_join(tmp_path):
+    """tf.compat.v1.disable_eager_execution(): ops go into the default graph
+    (TF1 mode). Rank 0 joins at once; rank 1's allreduces complete with rank
+    0 adding zeros (avg divides by both ranks), then rank 1 joins too."""
+    ranks = run_ranks(2, """
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import tensorflow as tf
+        tf.compat.v1.disable_eager_execution()
+        import ringreduce.tensorflow as rrtf
+        rrtf.init()
+        r = rrtf.rank()
+        summed = rrtf.allreduce(tf.fill([3], 4.0), op=rrtf.Sum, name="s")
+        averaged = rrtf.allreduce(tf.fill([3], 4.0), op=rrtf.Average, name="a")
+        joined = rrtf.join()
+        with tf.compat.v1.Session() as sess:
+            got = sess.run([summed, averaged]) if r == 1 else []
+            last = sess.run(joined)
+            again = sess.run(summed)  # after join, as before
+        result = ([g.tolist() for g in got], int(last), again.tolist())
+    """, tmp_path, init=False, timeout=240)
+    assert ranks[1].result[0] == [[4.0] * 3, [2.0] * 3]
+    for rank in ranks:
+        assert rank.result[1:] == (1, [8.0] * 3), rank.result
+
+
 def test_building_without_a_compiler_says_what_is_missing(tmp_path):
     from ranks import REPO
     import subprocess
