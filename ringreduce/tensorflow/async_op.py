@@ -246,6 +246,7 @@ _ops = None
 _load_lock = threading.Lock()
 
 
+@tf.autograph.experimental.do_not_convert  # autograph would lose the global assignments
 def load():
     """The op module (tf.load_op_library), built and wired on first use."""
     global _lib, _ops
@@ -272,6 +273,7 @@ def _forget(tokens: list) -> None:
 _graph_tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+@tf.autograph.experimental.do_not_convert
 def async_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
     """Graph tensors: fn(*numpy inputs) run without holding a TensorFlow
     thread; it returns one array (one output) or a sequence of them, of
