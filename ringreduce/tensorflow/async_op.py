@@ -237,6 +237,7 @@ def _start(token: bytes, call: int, n: int, dtypes, ndims, dims, data) -> None:
     _workers.submit(lambda: _run(entry, call, arrays))
 
 
+tf.no_gradient("RingreduceAsyncCall")  # the TF ops define their gradients with tf.custom_gradient
 _START = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
                           ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64),
                           ctypes.POINTER(ctypes.c_void_p))
@@ -260,7 +261,6 @@ def load():
                                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             lib.ringreduce_tf_complete.restype = ctypes.c_int
             lib.ringreduce_tf_set_start(_start_c)
-            tf.no_gradient("RingreduceAsyncCall")  # the TF ops define gradients with tf.custom_gradient
             _lib, _ops = lib, ops
     return _ops
 
