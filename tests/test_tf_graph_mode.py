@@ -251,10 +251,11 @@ def test_broadcast_global_variables_and_the_session_hook(tmp_path):
         assert hooked == [[2.0] * 3, [[0] * 2] * 2]  # rank 0's fresh values, then one step
 
 
-def test_eager_execution_disabled_and_join(tmp_path):
+def test_eager_execution_disabled_join_cond_and_tf_function(tmp_path):
     """tf.compat.v1.disable_eager_execution(): ops go into the default graph
     (TF1 mode). Rank 0 joins at once; rank 1's allreduces complete with rank
-    0 adding zeros (avg divides by both ranks), then rank 1 joins too."""
+    0 adding zeros (avg divides by both ranks), then rank 1 joins too.
+    Collectives inside a tf.cond branch and a tf.function work there too."""
     ranks = run_ranks(2, """
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         import tensorflow as tf
@@ -265,15 +266,22 @@ def test_eager_execution_disabled_and_join(tmp_path):
         summed = rrtf.allreduce(tf.fill([3], 4.0), op=rrtf.Sum, name="s")
         averaged = rrtf.allreduce(tf.fill([3], 4.0), op=rrtf.Average, name="a")
         joined = rrtf.join()
+        # In a tf.cond branch (a graph of its own, gone once built) and a tf.function.
+        flag = tf.compat.v1.placeholder(tf.bool, [])
+        branched = tf.cond(flag, lambda: rrtf.allgather(tf.fill([1], r)), lambda: tf.constant([-1, -1]))
+        in_function = tf.function(lambda t: rrtf.allreduce(t, op=rrtf.Max))(tf.fill([2], float(r)))
+        import gc
+        gc.collect()
         with tf.compat.v1.Session() as sess:
             got = sess.run([summed, averaged]) if r == 1 else []
             last = sess.run(joined)
             again = sess.run(summed)  # after join, as before
-        result = ([g.tolist() for g in got], int(last), again.tolist())
+            inner = sess.run([branched, in_function], {flag: True})
+        result = ([g.tolist() for g in got], int(last), again.tolist(), [x.tolist() for x in inner])
     """, tmp_path, init=False, timeout=240)
     assert ranks[1].result[0] == [[4.0] * 3, [2.0] * 3]
     for rank in ranks:
-        assert rank.result[1:] == (1, [8.0] * 3), rank.result
+        assert rank.result[1:] == (1, [8.0] * 3, [[0, 1], [1.0, 1.0]]), rank.result
 
 
 def test_building_without_a_compiler_says_what_is_missing(tmp_path):
