@@ -74,12 +74,15 @@ def cuda_fatbin():
 core = Extension("ringreduce._core", sources=CORE_SOURCES, depends=HEADERS, extra_compile_args=FLAGS,
                  libraries=["pthread", "dl"])
 
-# Every subpackage, and the CUDA sources that ringreduce.cuda compiles at run
-# time: csrc/ ships as ringreduce/csrc/ holding those two files only (an
-# editable install reads ./csrc itself).
+# Every subpackage, and the sources compiled at run time: the CUDA kernels
+# (ringreduce.cuda, through cupy) and the TensorFlow op for TF1 graphs
+# (ringreduce/tensorflow/async_op.py, against the TensorFlow installed then,
+# which pip's isolated build cannot import). csrc/ ships as ringreduce/csrc/
+# holding those files only (an editable install reads ./csrc itself).
 setup(ext_modules=[core] + [e for e in [mpi_extension()] if e is not None],
-      packages=find_packages(include=["ringreduce", "ringreduce.*"]) + ["ringreduce.csrc", "ringreduce.csrc.cuda"],
+      packages=find_packages(include=["ringreduce", "ringreduce.*"]) + ["ringreduce.csrc", "ringreduce.csrc.cuda",
+                                                                        "ringreduce.csrc.tf"],
       package_dir={"ringreduce.csrc": "csrc"},
       include_package_data=False,
       package_data={"ringreduce": cuda_fatbin(), "ringreduce.csrc": ["reduce_math.h"],
-                    "ringreduce.csrc.cuda": ["reduce.cu"]})
+                    "ringreduce.csrc.cuda": ["reduce.cu"], "ringreduce.csrc.tf": ["async_call.cc"]})

@@ -1,39 +1,298 @@
-"""TF1 graphs (a tf.compat.v1 Session) run independent ops in no fixed order,
-so collectives there would pair different tensors across ranks, silently.
-ringreduce refuses them clearly; eager code and tf.function keep working."""
+"""TF1 graphs (tf.compat.v1 Session, graph mode outside tf.function): every
+collective is an asynchronous op (ringreduce/tensorflow/async_op.py) that
+holds no TensorFlow thread while it waits, paired across ranks by name.
+
+The case that deadlocked the blocking hand-over: more independent
+collectives than the Session has inter-op threads, started in a different
+order on each rank (12 allreduces on 2 threads here; the blocking
+numpy_function hand-over hangs on it)."""
+import textwrap
+
+import numpy as np
 import pytest
 
 from ranks import run_ranks
 
-pytest.importorskip("tensorflow", reason="tensorflow-cpu not installed (pip install 'ringreduce[tf]')")
+tf = pytest.importorskip("tensorflow", reason="tensorflow-cpu not installed (pip install 'ringreduce[tf]')")
+
+PRELUDE = """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+    import ringreduce.tensorflow as rrtf
+    rrtf.init()
+    r, n = rr.rank(), rr.size()
+    # Two inter-op threads, fewer than the collectives in flight: a
+    # collective that held its thread while waiting would deadlock.
+    CONFIG = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)
+"""
+NAMED = 12
 
 
-def test_collectives_in_a_tf1_graph_are_refused_and_tf_function_still_works(tmp_path):
+def job(body: str) -> str:
+    return textwrap.dedent(PRELUDE) + textwrap.dedent(body)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_op():
+    """Compiles the op once here, so the ranks' time limits do not pay for it."""
+    from ringreduce.tensorflow import async_op
+    return async_op.build()
+
+
+def expected(r: int, n: int) -> dict:
+    """What every rank must get, from numpy alone."""
+    ranks = range(n)
+    gathered = np.concatenate([np.full((q + 1, 3), q * 1000 - 7, np.int16) for q in ranks])
+    rows = 7  # reducescatter: 7 rows split over n ranks, the first 7 % n get one more
+    base, extra = divmod(rows, n)
+    lo = r * base + min(r, extra)
+    hi = lo + base + (1 if r < extra else 0)
+    summed = sum(np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * (q + 1) for q in ranks)
+    out = {f"named{i}": np.full(100 + i, float(sum(q + 10 * i for q in ranks)), np.float32) for i in range(NAMED)}
+    out.update(
+        gathered=gathered,
+        broadcast=np.array([[True, False, True]]) if (1 % n) % 2 else np.array([[False, True, False]]),
+        average_int=np.full(5, sum(3 * q + 1 for q in ranks) // n, np.int32),
+        scattered=summed[lo:hi],
+        grouped_max=[np.full(4, n - 1, np.int32), np.full(2, float(n - 1), np.float64)],
+        # rank q sends q + 1 + p rows of value 100 q + p to rank p
+        alltoall=np.concatenate([np.full((q + 1 + r, 2), 100 * q + r, np.float32) for q in ranks]),
+        alltoall_splits=np.array([q + 1 + r for q in ranks], np.int32),
+        uint16_sum=np.full(3, sum(q * 1000 for q in ranks), np.uint16),
+    )
+    if n == 3 and r != 1:
+        out["evens"] = np.full(2, 4.0, np.float32)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_independent_collectives_in_a_session_pair_by_name_in_any_order(tmp_path, n):
+    ranks = run_ranks(n, job(f"""
+        NAMED = {NAMED}
+        with tf.Graph().as_default():
+            fetch = {{}}
+            # Named collectives, created (and so started) in a different order on each rank.
+            order = list(range(NAMED))
+            order = order[r * 5 % NAMED:] + order[:r * 5 % NAMED]
+            if r % 2:
+                order.reverse()
+            for i in order:
+                x = tf.fill([100 + i], float(r + 10 * i))
+                fetch[f"named{{i}}"] = rrtf.allreduce(x, op=rrtf.Sum, name=f"named{{i}}")
+            # Unnamed ones: named by their place in the graph, built in the same order everywhere.
+            fetch["gathered"] = rrtf.allgather(tf.fill([r + 1, 3], tf.constant(r * 1000 - 7, tf.int16)))
+            mine = tf.constant([[True, False, True]] if r % 2 else [[False, True, False]])
+            fetch["broadcast"] = rrtf.broadcast(mine, root_rank=1 % n)
+            fetch["average_int"] = rrtf.allreduce(tf.fill([5], 3 * r + 1), op=rrtf.Average)
+            fetch["scattered"] = rrtf.reducescatter(tf.reshape(tf.range(14, dtype=tf.float64), [7, 2]) * (r + 1),
+                                                    op=rrtf.Sum)
+            fetch["grouped_max"] = rrtf.grouped_allreduce(
+                [tf.fill([4], r), tf.fill([2], tf.constant(float(r), tf.float64))], op=rrtf.Max)
+            splits = tf.constant([r + 1 + p for p in range(n)], tf.int32)
+            rows = tf.concat([tf.fill([r + 1 + p, 2], float(100 * r + p)) for p in range(n)], 0)
+            fetch["alltoall"], fetch["alltoall_splits"] = rrtf.alltoall(rows, splits)
+            fetch["uint16_sum"] = rrtf.allreduce(tf.fill([3], tf.constant(r * 1000, tf.uint16)), op=rrtf.Sum)
+            if n == 3:  # a process set of ranks 0 and 2: rank 1 builds nothing for it
+                evens = rrtf.add_process_set([0, 2])
+                if r != 1:
+                    fetch["evens"] = rrtf.allreduce(tf.fill([2], float(r + 1)), op=rrtf.Sum, process_set=evens)
+            static = {{k: v.shape.as_list() for k, v in fetch.items() if hasattr(v, "shape")}}
+            with tf.compat.v1.Session(config=CONFIG) as sess:
+                steps = [sess.run(fetch) for _ in range(3)]  # repeated: the engine's cache in use
+        result = (steps, static)
+    """), tmp_path, init=False, timeout=240)
+    for rank in ranks:
+        steps, static = rank.result
+        want = expected(rank.rank, n)
+        for step in steps:
+            assert sorted(step) == sorted(want)
+            for key, value in want.items():
+                got = step[key]
+                for g, w in (zip(got, value) if isinstance(value, list) else [(got, value)]):
+                    assert g.dtype == w.dtype and g.shape == w.shape, (rank.rank, key, g.dtype, g.shape, w.shape)
+                    assert np.array_equal(g, w), (rank.rank, key, g, w)
+        # Shapes TensorFlow knows before running: kept from the inputs, dim 0 unknown where ranks may differ.
+        assert static["named3"] == [103] and static["gathered"] == [None, 3] and static["broadcast"] == [1, 3]
+        assert static["alltoall"] == [None, 2] and static["alltoall_splits"] == [n]
+    # Every rank ends with bit-identical results where they must agree.
+    for key in ("gathered", "broadcast", "average_int", "uint16_sum"):
+        assert all(np.array_equal(r.result[0][0][key], ranks[0].result[0][0][key]) for r in ranks)
+
+
+def test_gradients_in_a_tf1_graph_are_horovods(tmp_path):
+    n = 3
+    ranks = run_ranks(n, job("""
+        with tf.Graph().as_default():
+            x = tf.fill([4], float(r + 1))
+            rows = tf.fill([r + 1, 2], float(r))
+            weights = tf.reshape(tf.range(2 * sum(range(1, n + 1)), dtype=tf.float32), [-1, 2])
+            table = tf.reshape(tf.range(12, dtype=tf.float32), [6, 2])
+            splits = tf.constant([1] * n, tf.int32)
+            losses = {
+                "allreduce_sum": tf.reduce_sum(rrtf.allreduce(x, op=rrtf.Sum) * (r + 1)),
+                "allreduce_avg": tf.reduce_sum(rrtf.allreduce(x, op=rrtf.Average) * (r + 1)),
+                "allgather": tf.reduce_sum(rrtf.allgather(rows) * weights),
+                "broadcast": tf.reduce_sum(rrtf.broadcast(x, root_rank=1) * (r + 1)),
+                "reducescatter": tf.reduce_sum(rrtf.reducescatter(table, op=rrtf.Sum) * (r + 1)),
+            }
+            inputs = {"allreduce_sum": x, "allreduce_avg": x, "allgather": rows, "broadcast": x,
+                      "reducescatter": table}
+            grads = {k: tf.compat.v1.gradients(losses[k], inputs[k])[0] for k in inputs}
+            a2a_in = tf.fill([n, 2], float(r))
+            grads["alltoall"] = tf.compat.v1.gradients(tf.reduce_sum(
+                rrtf.alltoall(a2a_in, splits, name="a2a_grad")[0]
+                * tf.reshape(tf.range(2 * n, dtype=tf.float32), [n, 2]) * (r + 1)), a2a_in)[0]
+            with tf.compat.v1.Session(config=CONFIG) as sess:
+                result = sess.run(grads)
+    """), tmp_path, init=False, timeout=240)
+    mean_scale = sum(q + 1 for q in range(n)) / n  # every rank's dy, averaged
+    weights = np.arange(2 * sum(range(1, n + 1)), dtype=np.float32).reshape(-1, 2)
+    for rank in ranks:
+        r, g = rank.rank, rank.result
+        # allreduce: the same allreduce of dy (Sum: summed over ranks; Average: averaged)
+        assert np.array_equal(g["allreduce_sum"], np.full(4, sum(q + 1 for q in range(n)), np.float32))
+        assert np.allclose(g["allreduce_avg"], np.full(4, mean_scale))
+        # allgather: dy averaged over ranks, this rank's rows
+        start = sum(q + 1 for q in range(r))
+        assert np.allclose(g["allgather"], weights[start:start + r + 1])
+        # broadcast: dy averaged over ranks at the root, zeros elsewhere
+        assert np.allclose(g["broadcast"], np.full(4, mean_scale if r == 1 else 0.0))
+        # reducescatter (Sum): every rank's dy gathered, times size
+        assert np.allclose(g["reducescatter"], np.repeat([(q + 1) * n for q in range(n)], [2] * n)[:, None]
+                           * np.ones((6, 2)))
+        # alltoall: every row's gradient goes home; row p of rank r went to rank p, landing at its row r
+        want = np.stack([np.arange(2 * n, dtype=np.float32).reshape(n, 2)[r] * (p + 1) for p in range(n)])
+        assert np.array_equal(g["alltoall"], want), (r, g["alltoall"], want)
+
+
+def test_a_mismatch_raises_failed_precondition_and_the_session_goes_on(tmp_path):
+    ranks = run_ranks(2, job("""
+        @tf.function
+        def summed(a, b):  # tf.function keeps its own path (numpy_function in program order)
+            return rrtf.allreduce(a, op="sum"), rrtf.allreduce(b, op="sum")
+        a, b = summed(tf.fill([5], float(r)), tf.fill([5], 10.0 * (r + 1)))
+        in_function = (a.numpy().tolist(), b.numpy().tolist())
+
+        with tf.Graph().as_default():
+            bad = rrtf.allreduce(tf.ones([2 + r]), name="bad")
+            good = rrtf.allreduce(tf.fill([3], float(r)), op=rrtf.Sum, name="good")
+            gathered = rrtf.allgather(tf.fill([1], r))
+            with tf.compat.v1.Session(config=CONFIG) as sess:
+                try:
+                    sess.run(bad)
+                    caught = "no error"
+                except tf.errors.FailedPreconditionError as e:
+                    caught = (type(e).__name__, isinstance(e, rr.MismatchError), str(e))
+                after = sess.run([good, gathered])
+        result = (in_function, caught, [a.tolist() for a in after])
+    """), tmp_path, init=False, timeout=240)
+    for rank in ranks:
+        in_function, caught, after = rank.result
+        assert in_function == ([1.0] * 5, [30.0] * 5), in_function
+        assert caught != "no error"
+        name, is_mismatch, message = caught
+        assert is_mismatch, name  # `except rr.MismatchError` catches it too
+        assert "bad" in message and "shape" in message, message
+        assert after == [[1.0] * 3, [0, 1]], after
+
+
+def test_a_dead_peer_fails_the_session_run_naming_it(tmp_path):
+    ranks = run_ranks(3, job("""
+        import time
+        with tf.Graph().as_default():
+            outs = [rrtf.allreduce(tf.fill([1000], float(r)), op=rrtf.Sum, name=f"t{i}") for i in range(4)]
+            with tf.compat.v1.Session(config=CONFIG) as sess:
+                first = sess.run(outs)[0][0]
+                if r == 1:
+                    os._exit(0)  # dies without a word
+                time.sleep(0.5)
+                t0 = time.time()
+                try:
+                    sess.run(outs)
+                    result = "no error"
+                except tf.errors.OpError as e:
+                    result = (first, type(e).__name__, str(e), time.time() - t0)
+        with open(os.environ["RR_TEST_RESULT"], "wb") as f:
+            pickle.dump(result, f)
+        os._exit(0)
+    """), tmp_path, init=False, timeout=240, env={"RINGREDUCE_TIMEOUT": "20"}, check=False)
+    for rank in (ranks[0], ranks[2]):
+        assert rank.returncode == 0, rank.stderr[-3000:]
+        assert rank.result != "no error"
+        first, name, message, elapsed = rank.result
+        assert first == 3.0
+        assert "rank 1" in message and "PeerLostError" in message, message
+        assert elapsed < 15, elapsed
+
+
+def test_broadcast_global_variables_and_the_session_hook(tmp_path):
+    ranks = run_ranks(2, job("""
+        with tf.Graph().as_default():
+            a = tf.compat.v1.get_variable("a", initializer=tf.fill([3], float(r + 1)))
+            b = tf.compat.v1.Variable(tf.fill([2, 2], 10 * r), name="b")
+            step = tf.compat.v1.assign_add(a, tf.ones([3]))
+            bcast = rrtf.broadcast_global_variables(1)
+            with tf.compat.v1.Session(config=CONFIG) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                before = sess.run([a, b])
+                sess.run(bcast)
+                after = sess.run([a, b])
+            hook = rrtf.BroadcastGlobalVariablesHook(0)
+            with tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:  # initialises, then the hook broadcasts
+                sess.run(step)
+                hooked = sess.run([a, b])
+        result = [[x.tolist() for x in v] for v in (before, after, hooked)]
+    """), tmp_path, init=False, timeout=240)
+    for rank in ranks:
+        before, after, hooked = rank.result
+        r = rank.rank
+        assert before == [[r + 1.0] * 3, [[10 * r] * 2] * 2]
+        assert after == [[2.0] * 3, [[10] * 2] * 2]  # rank 1's
+        assert hooked == [[2.0] * 3, [[0] * 2] * 2]  # rank 0's fresh values, then one step
+
+
+def test_eager_execution_disabled_join_cond_and_tf_function(tmp_path):
+    """tf.compat.v1.disable_eager_execution(): ops go into the default graph
+    (TF1 mode). Rank 0 joins at once; rank 1's allreduces complete with rank
+    0 adding zeros (avg divides by both ranks), then rank 1 joins too.
+    Collectives inside a tf.cond branch and a tf.function work there too."""
     ranks = run_ranks(2, """
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         import tensorflow as tf
+        tf.compat.v1.disable_eager_execution()
         import ringreduce.tensorflow as rrtf
         rrtf.init()
+        r = rrtf.rank()
+        summed = rrtf.allreduce(tf.fill([3], 4.0), op=rrtf.Sum, name="s")
+        averaged = rrtf.allreduce(tf.fill([3], 4.0), op=rrtf.Average, name="a")
+        joined = rrtf.join()
+        # In a tf.cond branch (a graph of its own, gone once built) and a tf.function.
+        flag = tf.compat.v1.placeholder(tf.bool, [])
+        branched = tf.cond(flag, lambda: rrtf.allgather(tf.fill([1], r)), lambda: tf.constant([-1, -1]))
+        in_function = tf.function(lambda t: rrtf.allreduce(t, op=rrtf.Max))(tf.fill([2], float(r)))
+        import gc
+        gc.collect()
+        with tf.compat.v1.Session() as sess:
+            got = sess.run([summed, averaged]) if r == 1 else []
+            last = sess.run(joined)
+            again = sess.run(summed)  # after join, as before
+            inner = sess.run([branched, in_function], {flag: True})
+        result = ([g.tolist() for g in got], int(last), again.tolist(), [x.tolist() for x in inner])
+    """, tmp_path, init=False, timeout=240)
+    assert ranks[1].result[0] == [[4.0] * 3, [2.0] * 3]
+    for rank in ranks:
+        assert rank.result[1:] == (1, [8.0] * 3, [[0, 1], [1.0, 1.0]]), rank.result
 
-        @tf.function
-        def summed(a, b):  # two independent collectives: tf.function runs them in program order
-            return rrtf.allreduce(a, op="sum"), rrtf.allreduce(b, op="sum")
-        a, b = summed(tf.fill([5], float(rr.rank())), tf.fill([5], 10.0 * (rr.rank() + 1)))
-        in_function = (a.numpy().tolist(), b.numpy().tolist())
 
-        refused = []
-        with tf.Graph().as_default():
-            x = tf.constant([1.0, 2.0])
-            for build in [lambda: rrtf.allreduce(x), lambda: rrtf.allgather(x), lambda: rrtf.broadcast(x, 0)]:
-                try:
-                    build()
-                    refused.append("built")
-                except RuntimeError as e:
-                    refused.append(str(e))
-        result = (in_function, refused)
-    """, tmp_path, init=False, timeout=180)
-    for r in ranks:
-        in_function, refused = r.result
-        assert in_function == ([1.0] * 5, [30.0] * 5), in_function
-        for message in refused:
-            assert "TF1 graph" in message and "pair different tensors" in message, message
+def test_building_without_a_compiler_says_what_is_missing(tmp_path):
+    from ranks import REPO
+    import subprocess
+    import sys
+    code = ("import ringreduce as rr\nfrom ringreduce.tensorflow import async_op\n"
+            "try:\n    async_op.build()\nexcept rr.RingReduceError as e:\n    print('ERROR', e)\n")
+    env = {"CXX": str(tmp_path / "no-such-c++"), "RINGREDUCE_TF_OPS_DIR": str(tmp_path / "cache"),
+           "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ERROR" in out.stdout and "C++ compiler" in out.stdout and "CXX" in out.stdout, out.stdout
+    assert not list((tmp_path / "cache").glob("*.so")) if (tmp_path / "cache").exists() else True

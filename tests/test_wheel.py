@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(600)
 
 WHEEL_MUST_HOLD = ["ringreduce/__init__.py", "ringreduce/__main__.py", "ringreduce/cuda.py",
                    "ringreduce/tensorflow/__init__.py", "ringreduce/tensorflow/optimizer.py",
-                   "ringreduce/csrc/cuda/reduce.cu", "ringreduce/csrc/reduce_math.h"]
+                   "ringreduce/csrc/cuda/reduce.cu", "ringreduce/csrc/reduce_math.h",
+                   "ringreduce/csrc/tf/async_call.cc", "ringreduce/tensorflow/async_op.py"]
 
 
 def run(cmd, timeout, **kw):
@@ -125,3 +126,31 @@ def test_keras_training_step_on_two_ranks_from_the_installed_wheel(venv, tmp_pat
     results = rank_results(out.stdout, 2)
     assert all(r["steps"] == 1 and r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in results), results
     assert results[0]["weights"] == results[1]["weights"], "the ranks' weights differ after a synchronous step"
+
+
+def test_tf1_session_collectives_on_two_ranks_from_the_installed_wheel(venv, tmp_path):
+    """The TF1 op is compiled on first use from the source the wheel ships."""
+    python, env, work = venv
+    (tmp_path / "tf1_step.py").write_text(textwrap.dedent("""
+        import json
+        import tensorflow as tf
+        import ringreduce.tensorflow as rrtf
+        from ringreduce.tensorflow import async_op
+        rrtf.init()
+        r = rrtf.rank()
+        with tf.Graph().as_default():
+            order = range(6) if r == 0 else reversed(range(6))
+            outs = {i: rrtf.allreduce(tf.fill([3], float(r + 10 * i)), op=rrtf.Sum, name=f"t{i}") for i in order}
+            with tf.compat.v1.Session() as sess:
+                got = sess.run([outs[i] for i in range(6)])
+        print("RESULT", json.dumps({"sums": [g.tolist() for g in got], "source": str(async_op.source()),
+                                    "library": str(async_op.library_path())}))
+    """))
+    ops_dir = tmp_path / "tf_ops"
+    out = run([Path(python).parent / "ringrun", "-np", "2", python, tmp_path / "tf1_step.py"], timeout=300,
+              env={**env, "RINGREDUCE_TF_OPS_DIR": str(ops_dir)}, cwd=work)
+    site = Path(python).parent.parent
+    for res in rank_results(out.stdout, 2):
+        assert res["sums"] == [[1.0 + 20 * i] * 3 for i in range(6)], res
+        assert Path(res["source"]).is_relative_to(site), res["source"]
+        assert Path(res["library"]).parent == ops_dir and Path(res["library"]).exists(), res["library"]

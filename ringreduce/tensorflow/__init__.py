@@ -8,7 +8,9 @@ written for horovod.tensorflow runs after one changed line,
 
 This layer uses only ringreduce's public API and its background engine.
 basics.py: who am I and what is built; ops.py: the collectives as TF ops;
-functions.py: Python objects; errors.py: the errors TF code expects.
+functions.py: Python objects; errors.py: the errors TF code expects;
+async_op.py: the asynchronous op collectives use in TF1 graphs; hooks.py: TF1's
+session hook.
 """
 from ringreduce import ProcessSet, add_process_set, remove_process_set
 
@@ -22,6 +24,7 @@ from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCa
 from .compression import Compression
 from .errors import MismatchError
 from .functions import allgather_object, broadcast_object, broadcast_object_fn
+from .hooks import BroadcastGlobalVariablesHook
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, broadcast, broadcast_,
                   broadcast_global_variables, broadcast_variables, grouped_allgather, grouped_allreduce,
                   grouped_reducescatter, join, reducescatter)
@@ -42,5 +45,5 @@ __all__ = [
     "DistributedOptimizer", "DistributedGradientTape", "Compression",
     "PartialDistributedOptimizer", "PartialDistributedGradientTape", "SyncBatchNormalization",
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-    "LearningRateWarmupCallback",
+    "LearningRateWarmupCallback", "BroadcastGlobalVariablesHook",
 ]

@@ -1,21 +1,21 @@
 """alltoall as a TensorFlow op, as hvd.alltoall: eager and inside tf.function,
 on any process set, with Horovod's gradient, through the background engine
 (paired by name, as every op of ops.py). Tensors go through the host
-(tf.numpy_function), GPU tensors included: alltoall moves rows, it has no
-arithmetic to keep on a GPU."""
+(tf.numpy_function; in TF1 graphs the asynchronous op of async_op.py), GPU
+tensors included: alltoall moves rows, it has no arithmetic to keep on a GPU."""
 from __future__ import annotations
 
 import tensorflow as tf
 
+from .async_op import async_call, in_tf1_graph
 from .basics import check_process_set, global_process_set
 from .errors import raising_tf_errors
 from .naming import collective_name
-from .ops import _refuse_tf1_graphs, run_collective
+from .ops import run_collective
 
 
 def _alltoall_op(x, splits, name, ps):
     """(received, received_splits) as tensors; splits None: equal split."""
-    _refuse_tf1_graphs()
     label = collective_name("Alltoall", name, ps)
 
     @raising_tf_errors
@@ -26,8 +26,11 @@ def _alltoall_op(x, splits, name, ps):
     if tf.executing_eagerly():
         received, received_splits = run(*[t.numpy() for t in inputs])
         return tf.convert_to_tensor(received), tf.convert_to_tensor(received_splits)
-    received, received_splits = tf.numpy_function(run, inputs, [x.dtype, tf.int32], stateful=True,
-                                                  name="RingAlltoall")
+    if in_tf1_graph():  # an asynchronous op: no thread held while it waits (async_op.py)
+        received, received_splits = async_call(run, inputs, [x.dtype, tf.int32], name="RingAlltoall")
+    else:
+        received, received_splits = tf.numpy_function(run, inputs, [x.dtype, tf.int32], stateful=True,
+                                                      name="RingAlltoall")
     received.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
     received_splits.set_shape([ps.size()])
     return received, received_splits

@@ -81,3 +81,38 @@ def _surface_mismatches_from_tf_functions() -> None:
 
 
 _surface_mismatches_from_tf_functions()
+
+
+# In a TF1 graph (async_op.py) a mismatch fails the op with FAILED_PRECONDITION
+# and a message that starts `ringreduce.MismatchError: `; session.run raises
+# TensorFlow's FailedPreconditionError for it, made, as above, through the
+# class TensorFlow registered. The same hook on its __new__ makes it a
+# MismatchInGraphError: still that FailedPreconditionError, and a MismatchError.
+_MISMATCH_STATUS = re.compile(r"(?:^|\n)ringreduce\.MismatchError: ")
+
+
+class MismatchInGraphError(MismatchError):
+    """A MismatchError raised by session.run in a TF1 graph; its message is
+    TensorFlow's (ringreduce's own text, then the node)."""
+
+    def __init__(self, node_def=None, op=None, message="", *args):
+        tf.errors.OpError.__init__(self, node_def, op, message, tf.errors.FAILED_PRECONDITION)
+        rr.MismatchError.__init__(self, message)
+
+    def __reduce__(self):
+        return type(self), (None, None, self.message)
+
+
+def _failed_precondition_or_mismatch(cls, *args, **kwargs):
+    message = args[2] if len(args) > 2 else kwargs.get("message")
+    if cls is tf.errors.FailedPreconditionError and isinstance(message, str) and _MISMATCH_STATUS.search(message):
+        cls = MismatchInGraphError
+    return Exception.__new__(cls, *args, **kwargs)
+
+
+def _surface_mismatches_from_tf1_graphs() -> None:
+    if "__new__" not in vars(tf.errors.FailedPreconditionError):
+        tf.errors.FailedPreconditionError.__new__ = _failed_precondition_or_mismatch
+
+
+_surface_mismatches_from_tf1_graphs()

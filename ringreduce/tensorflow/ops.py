@@ -18,6 +18,7 @@ import tensorflow as tf
 import ringreduce as rr
 from ringreduce.engine import engine, register_kind
 
+from .async_op import async_call, in_tf1_graph
 from .basics import check_process_set, global_process_set
 from .compression import Compression
 from .errors import raising_tf_errors
@@ -32,29 +33,20 @@ _REDUCE_OPS = (Average, Sum, Min, Max, Product)
 def _numpy_op(fn, inputs, dtype, shape, name):
     """Runs fn (numpy/cupy arrays in, one array out) as a TF op. Eagerly it is
     called directly, so its exceptions (MismatchError) reach the caller as
-    they are; in a tf.function it becomes an op that runs in program order."""
-    _refuse_tf1_graphs()
+    they are; in a tf.function it becomes an op that runs in program order;
+    in a TF1 graph, an asynchronous op (async_op.py) that holds no thread
+    while it waits for its partners."""
     fn = raising_tf_errors(fn)
     if tf.executing_eagerly():
         return tf.convert_to_tensor(_to_tf(fn(*[_from_tf(t) for t in inputs])))
-    if on_gpu_hosts():
+    if in_tf1_graph():
+        (out,) = async_call(fn, inputs, [dtype], name=name)
+    elif on_gpu_hosts():
         out = tf.py_function(lambda *ts: _to_tf(fn(*[_from_tf(t) for t in ts])), inputs, dtype, name=name)
     else:
         out = tf.numpy_function(fn, inputs, dtype, stateful=True, name=name)
     out.set_shape(shape)
     return out
-
-
-def _refuse_tf1_graphs() -> None:
-    """Eager code and tf.function run collectives in program order, the same
-    on every rank (tf.function orders stateful ops). A TF1 graph run by a
-    Session does not: independent collectives would run in a different order
-    on each rank and pair different tensors, silently. So they are refused."""
-    if not tf.compat.v1.executing_eagerly_outside_functions():
-        raise RuntimeError(
-            "ringreduce.tensorflow collectives need TensorFlow 2 execution (eager code or tf.function): "
-            "in a TF1 graph (tf.compat.v1 Session, or eager execution disabled) independent collectives "
-            "run in a different order on each rank and would pair different tensors")
 
 
 def on_gpu_hosts() -> bool:
@@ -258,7 +250,12 @@ def broadcast(tensor, root_rank=0, name=None, process_set=global_process_set):
 
         def grad(dy):
             averaged = _allreduce_dense(dy, Average, 1.0, 1.0, None, ps)
-            return averaged if rr.rank() == root_rank else tf.zeros_like(averaged)
+            if rr.rank() == root_rank:
+                return averaged
+            # The zeros wait for the allreduce: a TF1 Session runs only what a fetch
+            # needs, and zeros of a known shape need nothing, so the root would wait alone.
+            with tf.control_dependencies([averaged]):
+                return tf.zeros_like(averaged)
         return y, grad
     return _broadcast(tensor)
 
@@ -271,26 +268,32 @@ def _broadcast_array(a, root, name, ps):
 
 def broadcast_(variables, root_rank=0, name=None, process_set=global_process_set):
     """In place: assigns root's value to each variable (one, or a list);
-    returns the variables."""
+    returns the variables (in a TF1 graph: the op that assigns them)."""
     single = not isinstance(variables, (list, tuple))
     out = broadcast_variables([variables] if single else variables, root_rank, process_set)
-    return out[0] if single else out
+    return out[0] if single and not in_tf1_graph() else out
 
 
 def broadcast_variables(variables, root_rank=0, process_set=global_process_set, inplace=False):
     """Assigns root's values to every variable, on every rank (in order);
-    returns the variables. inplace (Horovod's) changes nothing: it always is."""
+    returns the variables. In a TF1 graph, as Horovod's, returns the op that
+    does it (session.run it). inplace (Horovod's) changes nothing: it always is."""
     variables = list(variables)
     # Named by position in this call, not by variable path: ranks whose Keras
     # names differ (one built an extra layer first) still pair.
     base = collective_name("broadcast_variables", None, check_process_set(process_set))
-    for i, v in enumerate(variables):
-        v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"{base}.{i}", process_set=process_set))
+    assigns = [v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"{base}.{i}", process_set=process_set))
+               for i, v in enumerate(variables)]
+    if in_tf1_graph():  # a Session runs nothing it is not asked for
+        return tf.group(*assigns, name="RingBroadcastVariables")
     return variables
 
 
 def broadcast_global_variables(root_rank=0):
-    """TF1's global-variable collection does not exist in TF2, as Horovod says."""
+    """In a TF1 graph, as Horovod's: the op that assigns root's value to every
+    global variable. Elsewhere there is no such collection: RuntimeError."""
+    if in_tf1_graph():
+        return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
     raise RuntimeError("broadcast_global_variables() needs TF1's global variables, which eager TF2 code and "
                        "tf.function do not have: use broadcast_variables(model.variables + optimizer.variables, "
                        "root_rank) or BroadcastGlobalVariablesCallback(root_rank) instead")
