@@ -1,0 +1,227 @@
+/* 16-bit float kernels on x86-64: F16C for float16, AVX2 integer rounding
+ * for bfloat16, eight elements a step (reduce16.h).
+ *
+ * Each function carries its own target attribute, so the rest of the library
+ * builds for baseline x86-64 and these run only where the CPU says it can.
+ * The arithmetic is reduce_math.h's, instruction for instruction:
+ *   - widen exactly: vcvtph2ps, or bfloat16 << 16;
+ *   - combine in float32 (min/max: the same selects as RR_FMIN/RR_FMAX, so
+ *     NaNs and signed zeros come out alike);
+ *   - round once to nearest even: vcvtps2ph with an explicit rounding
+ *     immediate (MXCSR is not consulted), or bfloat16's u + 0x7fff + lsb,
+ *     with NaNs kept quiet as rr_f32_to_bf16 keeps them.
+ * The running-mean fold computes in double like rr_mean_step, then rounds
+ * double -> float32 *to odd* and float32 -> 16 bits to nearest even: with 24
+ * bits against 11 (or 8), at least two more, the two roundings give the one
+ * rounding rr_f64_to_16 computes (Boldo & Melquiond, "Emulation of FMA and
+ * correctly rounded sums: proved algorithms using rounding to odd").
+ * AVX-512 BF16's vcvtneps2bf16 is not used: it flushes subnormals to zero.
+ */
+#include "reduce16.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define RR_HAVE_X86 1
+#include <immintrin.h>
+#endif
+
+static int level_in_use = -1; /* rr_kernels16, or -1 until first asked */
+
+rr_kernels16 rr_kernels16_best(void)
+{
+#ifdef RR_HAVE_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return RR_KERNELS16_AVX2;
+#endif
+    return RR_KERNELS16_PORTABLE;
+}
+
+rr_kernels16 rr_kernels16_current(void)
+{
+    int level = __atomic_load_n(&level_in_use, __ATOMIC_RELAXED);
+    if (level < 0) { /* racing first callers all store the same answer */
+        level = (int)rr_kernels16_best();
+        __atomic_store_n(&level_in_use, level, __ATOMIC_RELAXED);
+    }
+    return (rr_kernels16)level;
+}
+
+rr_kernels16 rr_kernels16_use(rr_kernels16 level)
+{
+    rr_kernels16 best = rr_kernels16_best();
+    if (level > best) level = best;
+    __atomic_store_n(&level_in_use, (int)level, __ATOMIC_RELAXED);
+    return level;
+}
+
+#ifdef RR_HAVE_X86
+
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+/* ------------------------------------------------------------ conversions */
+
+AVX2 static inline __m256 load_f16(const uint16_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+AVX2 static inline void store_f16(uint16_t *p, __m256 v)
+{
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+AVX2 static inline __m256 load_bf16(const uint16_t *p)
+{
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* rr_f32_to_bf16, eight at a time. */
+AVX2 static inline void store_bf16(uint16_t *p, __m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i high = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    __m256i out = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    const __m256i magnitude = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+    out = _mm256_blendv_epi8(out, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+    /* 32 -> 16 bits (all values fit), then gather the two lanes' low halves. */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+/* ------------------------------------------------------------ arithmetic */
+
+AVX2 static inline __m256 v_sum(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+AVX2 static inline __m256 v_prod(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+
+/* RR_FMIN/RR_FMAX: a NaN in a wins, then a NaN in b, else a < b ? a : b. */
+AVX2 static inline __m256 v_min(__m256 a, __m256 b)
+{
+    __m256 r = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
+    r = _mm256_blendv_ps(r, b, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+    return _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
+AVX2 static inline __m256 v_max(__m256 a, __m256 b)
+{
+    __m256 r = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+    r = _mm256_blendv_ps(r, b, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+    return _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
+/* double -> float32 rounded to odd: the conversion truncated toward zero,
+ * with its last bit set when it was inexact. Whatever MXCSR's rounding mode,
+ * a result above y in magnitude is stepped one ulp back toward zero. */
+AVX2 static inline __m128 to_float_odd(__m256d y)
+{
+    const __m128 f = _mm256_cvtpd_ps(y);
+    const __m256d back = _mm256_cvtps_pd(f);
+    const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffll));
+    const __m256d inexact = _mm256_cmp_pd(back, y, _CMP_NEQ_UQ); /* NaN too: its low bit is dropped later */
+    const __m256d above = _mm256_cmp_pd(_mm256_and_pd(back, abs_mask), _mm256_and_pd(y, abs_mask), _CMP_GT_OQ);
+    const __m256i low_halves = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    const __m128i inexact32 =
+        _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(inexact), low_halves));
+    const __m128i above32 =
+        _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(above), low_halves));
+    __m128i bits = _mm_add_epi32(_mm_castps_si128(f), above32); /* -1 where above */
+    bits = _mm_or_si128(bits, _mm_and_si128(inexact32, _mm_set1_epi32(1)));
+    return _mm_castsi128_ps(bits);
+}
+
+/* rr_mean_step on eight widened pairs, rounded to odd in float32. */
+AVX2 static inline __m256 mean_step(__m256 x, __m256 mean, __m256d k_minus_1, __m256d k)
+{
+    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(mean)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(mean, 1));
+    lo = _mm256_div_pd(_mm256_add_pd(_mm256_mul_pd(lo, k_minus_1), _mm256_cvtps_pd(_mm256_castps256_ps128(x))), k);
+    hi = _mm256_div_pd(_mm256_add_pd(_mm256_mul_pd(hi, k_minus_1), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))), k);
+    return _mm256_set_m128(to_float_odd(hi), to_float_odd(lo));
+}
+
+/* ------------------------------------------------------------ loops */
+
+/* The tail (< 8 elements) goes through a zero-padded block, so it rounds by
+ * the same instructions as the rest. */
+#define BINARY_KERNEL(NAME, LOAD, STORE, OP)                                          \
+    AVX2 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *y, size_t count) \
+    {                                                                                 \
+        size_t i = 0;                                                                 \
+        for (; i + 16 <= count; i += 16) {                                            \
+            __m256 r0 = OP(LOAD(x + i), LOAD(y + i)), r1 = OP(LOAD(x + i + 8), LOAD(y + i + 8)); \
+            STORE(d + i, r0);                                                         \
+            STORE(d + i + 8, r1);                                                     \
+        }                                                                             \
+        for (; i + 8 <= count; i += 8) STORE(d + i, OP(LOAD(x + i), LOAD(y + i)));     \
+        if (i < count) {                                                              \
+            uint16_t bx[8] = {0}, by[8] = {0}, bd[8];                                 \
+            memcpy(bx, x + i, (count - i) * 2);                                       \
+            memcpy(by, y + i, (count - i) * 2);                                       \
+            STORE(bd, OP(LOAD(bx), LOAD(by)));                                        \
+            memcpy(d + i, bd, (count - i) * 2);                                       \
+        }                                                                             \
+    }
+
+BINARY_KERNEL(f16_sum, load_f16, store_f16, v_sum)
+BINARY_KERNEL(f16_prod, load_f16, store_f16, v_prod)
+BINARY_KERNEL(f16_min, load_f16, store_f16, v_min)
+BINARY_KERNEL(f16_max, load_f16, store_f16, v_max)
+BINARY_KERNEL(bf16_sum, load_bf16, store_bf16, v_sum)
+BINARY_KERNEL(bf16_prod, load_bf16, store_bf16, v_prod)
+BINARY_KERNEL(bf16_min, load_bf16, store_bf16, v_min)
+BINARY_KERNEL(bf16_max, load_bf16, store_bf16, v_max)
+
+#define MEAN_KERNEL(NAME, LOAD, STORE)                                                \
+    AVX2 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k) \
+    {                                                                                 \
+        const __m256d km1 = _mm256_set1_pd((double)(k - 1)), kd = _mm256_set1_pd((double)k); \
+        size_t i = 0;                                                                 \
+        for (; i + 8 <= count; i += 8) STORE(d + i, mean_step(LOAD(x + i), LOAD(m + i), km1, kd)); \
+        if (i < count) {                                                              \
+            uint16_t bx[8] = {0}, bm[8] = {0}, bd[8];                                 \
+            memcpy(bx, x + i, (count - i) * 2);                                       \
+            memcpy(bm, m + i, (count - i) * 2);                                       \
+            STORE(bd, mean_step(LOAD(bx), LOAD(bm), km1, kd));                        \
+            memcpy(d + i, bd, (count - i) * 2);                                       \
+        }                                                                             \
+    }
+
+MEAN_KERNEL(f16_mean, load_f16, store_f16)
+MEAN_KERNEL(bf16_mean, load_bf16, store_bf16)
+
+typedef void binary_kernel(uint16_t *, const uint16_t *, const uint16_t *, size_t);
+static binary_kernel *const binary_kernels[2][4] = {
+    /* [RR_FLOAT16, RR_BFLOAT16][RR_SUM, RR_PROD, RR_MIN, RR_MAX] */
+    {f16_sum, f16_prod, f16_min, f16_max},
+    {bf16_sum, bf16_prod, bf16_min, bf16_max},
+};
+
+#endif /* RR_HAVE_X86 */
+
+int rr_reduce16_vec(void *dst, const void *a, const void *b, size_t count, rr_dtype dtype, rr_op op)
+{
+#ifdef RR_HAVE_X86
+    if (!rr_avg_is_mean(dtype) || op < 0 || op >= RR_NUM_OPS) return -1;
+    if (rr_kernels16_current() != RR_KERNELS16_AVX2) return -1;
+    if (op == RR_AVG) op = RR_SUM; /* as reduce.c: a 16-bit avg in the ring folds means instead */
+    binary_kernels[dtype][op](dst, a, b, count);
+    return 0;
+#else
+    (void)dst, (void)a, (void)b, (void)count, (void)dtype, (void)op;
+    return -1;
+#endif
+}
+
+int rr_mean_fold16_vec(void *dst, const void *x, const void *mean, size_t count, rr_dtype dtype, int k)
+{
+#ifdef RR_HAVE_X86
+    if (!rr_avg_is_mean(dtype) || k < 2 || rr_kernels16_current() != RR_KERNELS16_AVX2) return -1;
+    (dtype == RR_FLOAT16 ? f16_mean : bf16_mean)(dst, x, mean, count, k);
+    return 0;
+#else
+    (void)dst, (void)x, (void)mean, (void)count, (void)dtype, (void)k;
+    return -1;
+#endif
+}
