@@ -112,32 +112,47 @@ AVX2 static inline __m256 v_max(__m256 a, __m256 b)
     return _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
 }
 
-/* double -> float32 rounded to odd: the conversion truncated toward zero,
- * with its last bit set when it was inexact. Whatever MXCSR's rounding mode,
- * a result above y in magnitude is stepped one ulp back toward zero. */
+/* double -> float32 rounded to odd, in the double itself: drop the 29 low
+ * mantissa bits and set the lowest one kept if any dropped bit was set. The
+ * result has 24 significant bits, so the conversion to float32 is exact where
+ * float32 is normal (|y| >= 2^-126; the caller sees to the rest). NaN stays
+ * NaN (the quiet bit is kept), inf stays inf. */
 AVX2 static inline __m128 to_float_odd(__m256d y)
 {
-    const __m128 f = _mm256_cvtpd_ps(y);
-    const __m256d back = _mm256_cvtps_pd(f);
-    const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffll));
-    const __m256d inexact = _mm256_cmp_pd(back, y, _CMP_NEQ_UQ); /* NaN too: its low bit is dropped later */
-    const __m256d above = _mm256_cmp_pd(_mm256_and_pd(back, abs_mask), _mm256_and_pd(y, abs_mask), _CMP_GT_OQ);
-    const __m256i low_halves = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
-    const __m128i inexact32 =
-        _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(inexact), low_halves));
-    const __m128i above32 =
-        _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(above), low_halves));
-    __m128i bits = _mm_add_epi32(_mm_castps_si128(f), above32); /* -1 where above */
-    bits = _mm_or_si128(bits, _mm_and_si128(inexact32, _mm_set1_epi32(1)));
-    return _mm_castsi128_ps(bits);
+    const __m256i dropped_bits = _mm256_set1_epi64x((1ll << 29) - 1);
+    const __m256i u = _mm256_castpd_si256(y);
+    const __m256i exact = _mm256_cmpeq_epi64(_mm256_and_si256(u, dropped_bits), _mm256_setzero_si256());
+    const __m256i sticky = _mm256_andnot_si256(exact, _mm256_set1_epi64x(1ll << 29));
+    return _mm256_cvtpd_ps(_mm256_castsi256_pd(_mm256_or_si256(_mm256_andnot_si256(dropped_bits, u), sticky)));
 }
 
-/* rr_mean_step on eight widened pairs, rounded to odd in float32. */
-AVX2 static inline __m256 mean_step(__m256 x, __m256 mean, __m256d k_minus_1, __m256d k)
+/* Whether any of y is nonzero and below float32's normal range, where the
+ * float32 step would round a second time. Float16 means never get there
+ * (their least is 2^-24 / k); bfloat16's can. */
+AVX2 static inline int below_float_normal(__m256d y)
+{
+    const __m256d magnitude = _mm256_and_pd(y, _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffll)));
+    const __m256d tiny = _mm256_and_pd(_mm256_cmp_pd(magnitude, _mm256_set1_pd(0x1p-126), _CMP_LT_OQ),
+                                       _mm256_cmp_pd(magnitude, _mm256_setzero_pd(), _CMP_NEQ_OQ));
+    return _mm256_movemask_pd(tiny);
+}
+
+/* rr_mean_step on eight widened pairs, rounded to odd in float32; *tiny
+ * says whether any mean fell below float32's normal range. */
+AVX2 static inline __m256d divide(__m256d a, __m256d k, __m256d one_over_k, int k_is_power_of_2)
+{
+    return k_is_power_of_2 ? _mm256_mul_pd(a, one_over_k) : _mm256_div_pd(a, k); /* the product is exact then */
+}
+
+AVX2 static inline __m256 mean_step(__m256 x, __m256 mean, __m256d k_minus_1, __m256d k, __m256d one_over_k,
+                                    int k_is_power_of_2, int *tiny)
 {
     __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(mean)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(mean, 1));
-    lo = _mm256_div_pd(_mm256_add_pd(_mm256_mul_pd(lo, k_minus_1), _mm256_cvtps_pd(_mm256_castps256_ps128(x))), k);
-    hi = _mm256_div_pd(_mm256_add_pd(_mm256_mul_pd(hi, k_minus_1), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))), k);
+    lo = _mm256_add_pd(_mm256_mul_pd(lo, k_minus_1), _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+    hi = _mm256_add_pd(_mm256_mul_pd(hi, k_minus_1), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+    lo = divide(lo, k, one_over_k, k_is_power_of_2);
+    hi = divide(hi, k, one_over_k, k_is_power_of_2);
+    *tiny = below_float_normal(lo) | below_float_normal(hi);
     return _mm256_set_m128(to_float_odd(hi), to_float_odd(lo));
 }
 
@@ -173,23 +188,38 @@ BINARY_KERNEL(bf16_prod, load_bf16, store_bf16, v_prod)
 BINARY_KERNEL(bf16_min, load_bf16, store_bf16, v_min)
 BINARY_KERNEL(bf16_max, load_bf16, store_bf16, v_max)
 
-#define MEAN_KERNEL(NAME, LOAD, STORE)                                                \
+/* A block with a bfloat16 mean below float32's normal range (rare: values
+ * near 1e-38) is folded again by the scalar rr_mean16_bf16. */
+#define MEAN_KERNEL(NAME, LOAD, STORE, CHECK_TINY)                                    \
     AVX2 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k) \
     {                                                                                 \
         const __m256d km1 = _mm256_set1_pd((double)(k - 1)), kd = _mm256_set1_pd((double)k); \
-        size_t i = 0;                                                                 \
-        for (; i + 8 <= count; i += 8) STORE(d + i, mean_step(LOAD(x + i), LOAD(m + i), km1, kd)); \
-        if (i < count) {                                                              \
-            uint16_t bx[8] = {0}, bm[8] = {0}, bd[8];                                 \
-            memcpy(bx, x + i, (count - i) * 2);                                       \
-            memcpy(bm, m + i, (count - i) * 2);                                       \
-            STORE(bd, mean_step(LOAD(bx), LOAD(bm), km1, kd));                        \
-            memcpy(d + i, bd, (count - i) * 2);                                       \
+        const __m256d inv = _mm256_set1_pd(1.0 / (double)k);                          \
+        const int pow2 = (k & (k - 1)) == 0;                                          \
+        uint16_t bx[8] = {0}, bm[8] = {0}, bd[8];                                     \
+        int tiny;                                                                     \
+        for (size_t i = 0; i < count; i += 8) {                                       \
+            const size_t n = count - i < 8 ? count - i : 8;                           \
+            const uint16_t *xi = x + i, *mi = m + i;                                  \
+            uint16_t *di = d + i;                                                     \
+            if (n < 8) { /* the tail, through a zero-padded block */                  \
+                memcpy(bx, xi, n * 2);                                                \
+                memcpy(bm, mi, n * 2);                                                \
+                xi = bx, mi = bm, di = bd;                                            \
+            }                                                                         \
+            const __m256 r = mean_step(LOAD(xi), LOAD(mi), km1, kd, inv, pow2, &tiny);           \
+            if (CHECK_TINY && tiny) {                                                 \
+                for (size_t j = 0; j < 8; j++) bd[j] = rr_mean16_bf16(xi[j], mi[j], k); \
+                if (n == 8) memcpy(di, bd, 16);                                       \
+            } else {                                                                  \
+                STORE(di, r);                                                         \
+            }                                                                         \
+            if (n < 8) memcpy(d + i, bd, n * 2);                                      \
         }                                                                             \
     }
 
-MEAN_KERNEL(f16_mean, load_f16, store_f16)
-MEAN_KERNEL(bf16_mean, load_bf16, store_bf16)
+MEAN_KERNEL(f16_mean, load_f16, store_f16, 0)
+MEAN_KERNEL(bf16_mean, load_bf16, store_bf16, 1)
 
 typedef void binary_kernel(uint16_t *, const uint16_t *, const uint16_t *, size_t);
 static binary_kernel *const binary_kernels[2][4] = {

@@ -260,7 +260,7 @@ def same_bits_or_both_nan(x, y):
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("k", [2, 3, 7, 1000])
+@pytest.mark.parametrize("k", [2, 3, 4, 7, 1000])
 def test_vector_and_portable_mean_folds_give_the_same_bits(name, k):
     a, b = specials(name)
     portable, vector = both_paths(lambda: mean_fold(a, b, name, k))
@@ -271,3 +271,18 @@ def test_vector_and_portable_mean_folds_give_the_same_bits(name, k):
     for n in range(1, 20):
         p, v = both_paths(lambda: mean_fold(a[:n], b[:n], name, k))
         assert same_bits_or_both_nan(p, v) and same_bits_or_both_nan(v, vector[:n]), n
+
+
+def test_bfloat16_means_below_float32s_normal_range_round_once(kernels16):
+    """A mean just under a bfloat16 subnormal tie: (2^-133 * (k-1) + 2^-116)
+    / k, k = 2^18 + 1, is 1.4999943 * 2^-133, which rounds to 2^-133. Through
+    float32 (subnormal there, 2^-149 apart) it would land on the tie 1.5 *
+    2^-133 and go to even, 2 * 2^-133: the vector kernel refolds such
+    blocks with the scalar arithmetic."""
+    k = (1 << 18) + 1
+    m = np.array([0x0001] * 9, np.uint16).view(ml_dtypes.bfloat16)  # 2^-133, nine: a full block and a tail
+    x = np.array([0x0580] * 9, np.uint16).view(ml_dtypes.bfloat16)  # 2^-116
+    got = mean_fold(x, m, "bfloat16", k)
+    y = (m.astype(np.float64) * (k - 1) + x.astype(np.float64)) / k
+    assert got.view(np.uint16).tolist() == [0x0001] * 9
+    assert got.tobytes() == nearest16(y, "bfloat16").tobytes()
