@@ -177,11 +177,15 @@ def test_mean_fold_rejects_what_it_cannot_fold():
 
 # ----------------------------------------------------------------- 16-bit kernel paths: vector vs portable
 
-@pytest.fixture(params=["portable", "avx2"])
+LEVELS16 = ["portable", "avx2", "avx512"]
+
+
+@pytest.fixture(params=LEVELS16)
 def kernels16(request):
     """Runs a test on each 16-bit kernel path this CPU has (the vector kernels
-    of csrc/reduce16_x86.c where it has AVX2 and F16C), then puts the best back."""
-    best = _core.kernels16("avx2")
+    of csrc/reduce16_x86.c where it has AVX2 and F16C, and AVX-512), then puts
+    the best back."""
+    best = _core.kernels16("avx512")
     if _core.kernels16(request.param) != request.param:
         _core.kernels16(best)
         pytest.skip(f"this CPU runs no {request.param} kernels")
@@ -218,12 +222,18 @@ def specials(name):
 
 
 def both_paths(fn):
+    """fn() with the portable kernels, and with each vector level this CPU has
+    (checked alike); returns the portable and the best level's results."""
     best = _core.kernels16()
     try:
         _core.kernels16("portable")
         portable = fn()
-        _core.kernels16("avx2")
-        vector = fn()
+        vector = portable
+        for level in LEVELS16[1:]:
+            if _core.kernels16(level) == level:
+                got = fn()
+                assert same_bits_or_both_nan(got, vector), level
+                vector = got
     finally:
         _core.kernels16(best)
     return portable, vector
@@ -280,9 +290,9 @@ def test_bfloat16_means_below_float32s_normal_range_round_once(kernels16):
     2^-133 and go to even, 2 * 2^-133: the vector kernel refolds such
     blocks with the scalar arithmetic."""
     k = (1 << 18) + 1
-    m = np.array([0x0001] * 9, np.uint16).view(ml_dtypes.bfloat16)  # 2^-133, nine: a full block and a tail
-    x = np.array([0x0580] * 9, np.uint16).view(ml_dtypes.bfloat16)  # 2^-116
+    m = np.array([0x0001] * 17, np.uint16).view(ml_dtypes.bfloat16)  # 2^-133: full blocks and a tail
+    x = np.array([0x0580] * 17, np.uint16).view(ml_dtypes.bfloat16)  # 2^-116
     got = mean_fold(x, m, "bfloat16", k)
     y = (m.astype(np.float64) * (k - 1) + x.astype(np.float64)) / k
-    assert got.view(np.uint16).tolist() == [0x0001] * 9
+    assert got.view(np.uint16).tolist() == [0x0001] * 17
     assert got.tobytes() == nearest16(y, "bfloat16").tobytes()
