@@ -19,7 +19,7 @@
 typedef enum {
     RR_KERNELS16_PORTABLE = 0, /* reduce.c's loops over reduce_math.h */
     RR_KERNELS16_AVX2 = 1,     /* x86-64 with AVX2 and F16C */
-    RR_KERNELS16_AVX512 = 2,   /* and AVX-512F: the mean fold sixteen a step */
+    RR_KERNELS16_AVX512 = 2,   /* and AVX-512F: sixteen elements a step */
 } rr_kernels16;
 
 /* The best level this CPU runs. */

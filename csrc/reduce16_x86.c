@@ -15,8 +15,7 @@
  * bits against 11 (or 8), at least two more, the two roundings give the one
  * rounding rr_f64_to_16 computes (Boldo & Melquiond, "Emulation of FMA and
  * correctly rounded sums: proved algorithms using rounding to odd").
- * Where the CPU has AVX-512, the fold runs sixteen a step (it is bound by
- * instruction count); the other kernels are near memory speed with AVX2.
+ * Where the CPU has AVX-512F, every kernel runs sixteen a step.
  * AVX-512 BF16's vcvtneps2bf16 is not used: it flushes subnormals to zero.
  */
 #include "reduce16.h"
@@ -224,11 +223,12 @@ BINARY_KERNEL(bf16_max, load_bf16, store_bf16, v_max)
 MEAN_KERNEL(f16_mean, load_f16, store_f16, 0)
 MEAN_KERNEL(bf16_mean, load_bf16, store_bf16, 1)
 
-/* ------------------------------------------------------------ AVX-512: the mean fold, sixteen a step
+/* ------------------------------------------------------------ AVX-512: sixteen a step
  *
- * The fold is bound by instruction count (each element is converted four
- * times), not memory: zmm registers halve the instructions per element. The
- * arithmetic is the AVX2 fold's, with mask registers for the selects. */
+ * The mean fold is bound by instruction count (each element is converted
+ * four times), not memory, and bfloat16's rounding takes a dozen integer
+ * instructions: zmm registers halve the instructions per element. The
+ * arithmetic is the AVX2 kernels', with mask registers for the selects. */
 
 #define AVX512 __attribute__((target("avx512f,avx2,f16c")))
 
@@ -336,14 +336,54 @@ AVX512 static inline __m512 mean_step512(__m512 x, __m512 mean, __m512d k_minus_
         }                                                                             \
     }
 
+AVX512 static inline __m512 v_sum512(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+AVX512 static inline __m512 v_prod512(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+
+AVX512 static inline __m512 v_min512(__m512 a, __m512 b)
+{
+    __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), b, a);
+    r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), r, b);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, a);
+}
+
+AVX512 static inline __m512 v_max512(__m512 a, __m512 b)
+{
+    __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
+    r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), r, b);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, a);
+}
+
+#define BINARY_KERNEL512(NAME, LOAD, STORE, OP)                                       \
+    AVX512 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *y, size_t count) \
+    {                                                                                 \
+        size_t i = 0;                                                                 \
+        for (; i + 16 <= count; i += 16) STORE(d + i, OP(LOAD(x + i), LOAD(y + i)));  \
+        if (i < count) {                                                              \
+            uint16_t bx[16] = {0}, by[16] = {0}, bd[16];                              \
+            memcpy(bx, x + i, (count - i) * 2);                                       \
+            memcpy(by, y + i, (count - i) * 2);                                       \
+            STORE(bd, OP(LOAD(bx), LOAD(by)));                                        \
+            memcpy(d + i, bd, (count - i) * 2);                                       \
+        }                                                                             \
+    }
+
+BINARY_KERNEL512(f16_sum512, load16_f16, store16_f16, v_sum512)
+BINARY_KERNEL512(f16_prod512, load16_f16, store16_f16, v_prod512)
+BINARY_KERNEL512(f16_min512, load16_f16, store16_f16, v_min512)
+BINARY_KERNEL512(f16_max512, load16_f16, store16_f16, v_max512)
+BINARY_KERNEL512(bf16_sum512, load16_bf16, store16_bf16, v_sum512)
+BINARY_KERNEL512(bf16_prod512, load16_bf16, store16_bf16, v_prod512)
+BINARY_KERNEL512(bf16_min512, load16_bf16, store16_bf16, v_min512)
+BINARY_KERNEL512(bf16_max512, load16_bf16, store16_bf16, v_max512)
+
 MEAN_KERNEL512(f16_mean512, load16_f16, store16_f16, 0)
 MEAN_KERNEL512(bf16_mean512, load16_bf16, store16_bf16, 1)
 
 typedef void binary_kernel(uint16_t *, const uint16_t *, const uint16_t *, size_t);
-static binary_kernel *const binary_kernels[2][4] = {
-    /* [RR_FLOAT16, RR_BFLOAT16][RR_SUM, RR_PROD, RR_MIN, RR_MAX] */
-    {f16_sum, f16_prod, f16_min, f16_max},
-    {bf16_sum, bf16_prod, bf16_min, bf16_max},
+static binary_kernel *const binary_kernels[2][2][4] = {
+    /* [AVX2, AVX-512][RR_FLOAT16, RR_BFLOAT16][RR_SUM, RR_PROD, RR_MIN, RR_MAX] */
+    {{f16_sum, f16_prod, f16_min, f16_max}, {bf16_sum, bf16_prod, bf16_min, bf16_max}},
+    {{f16_sum512, f16_prod512, f16_min512, f16_max512}, {bf16_sum512, bf16_prod512, bf16_min512, bf16_max512}},
 };
 
 #endif /* RR_HAVE_X86 */
@@ -352,9 +392,10 @@ int rr_reduce16_vec(void *dst, const void *a, const void *b, size_t count, rr_dt
 {
 #ifdef RR_HAVE_X86
     if (!rr_avg_is_mean(dtype) || op < 0 || op >= RR_NUM_OPS) return -1;
-    if (rr_kernels16_current() < RR_KERNELS16_AVX2) return -1;
+    const rr_kernels16 level = rr_kernels16_current();
+    if (level < RR_KERNELS16_AVX2) return -1;
     if (op == RR_AVG) op = RR_SUM; /* as reduce.c: a 16-bit avg in the ring folds means instead */
-    binary_kernels[dtype][op](dst, a, b, count);
+    binary_kernels[level == RR_KERNELS16_AVX512][dtype][op](dst, a, b, count);
     return 0;
 #else
     (void)dst, (void)a, (void)b, (void)count, (void)dtype, (void)op;
