@@ -128,33 +128,33 @@ AVX2 static inline __m128 to_float_odd(__m256d y)
     return _mm256_cvtpd_ps(_mm256_castsi256_pd(_mm256_or_si256(_mm256_andnot_si256(dropped_bits, u), sticky)));
 }
 
-/* Whether any of y is nonzero and below float32's normal range, where the
- * float32 step would round a second time. Float16 means never get there
- * (their least is 2^-24 / k); bfloat16's can. */
-AVX2 static inline int below_float_normal(__m256d y)
+/* Whether any of the float32 means f is subnormal: its mean y was below
+ * float32's normal range, where the float32 step rounds a second time.
+ * (Where y was below but f rounded up to 2^-126, or down to 0, the 16-bit
+ * answer is that too.) Float16 means never get there (their least is
+ * 2^-24 / k); bfloat16's can. */
+AVX2 static inline int any_subnormal(__m256 f)
 {
-    const __m256d magnitude = _mm256_and_pd(y, _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffll)));
-    const __m256d tiny = _mm256_and_pd(_mm256_cmp_pd(magnitude, _mm256_set1_pd(0x1p-126), _CMP_LT_OQ),
-                                       _mm256_cmp_pd(magnitude, _mm256_setzero_pd(), _CMP_NEQ_OQ));
-    return _mm256_movemask_pd(tiny);
+    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(f), _mm256_set1_epi32(0x7fffffff));
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), magnitude);
+    const __m256i zero = _mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256());
+    return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(zero, below)));
 }
 
-/* rr_mean_step on eight widened pairs, rounded to odd in float32; *tiny
- * says whether any mean fell below float32's normal range. */
 AVX2 static inline __m256d divide(__m256d a, __m256d k, __m256d one_over_k, int k_is_power_of_2)
 {
     return k_is_power_of_2 ? _mm256_mul_pd(a, one_over_k) : _mm256_div_pd(a, k); /* the product is exact then */
 }
 
+/* rr_mean_step on eight widened pairs, rounded to odd in float32. */
 AVX2 static inline __m256 mean_step(__m256 x, __m256 mean, __m256d k_minus_1, __m256d k, __m256d one_over_k,
-                                    int k_is_power_of_2, int *tiny)
+                                    int k_is_power_of_2)
 {
     __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(mean)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(mean, 1));
     lo = _mm256_add_pd(_mm256_mul_pd(lo, k_minus_1), _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
     hi = _mm256_add_pd(_mm256_mul_pd(hi, k_minus_1), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
     lo = divide(lo, k, one_over_k, k_is_power_of_2);
     hi = divide(hi, k, one_over_k, k_is_power_of_2);
-    *tiny = below_float_normal(lo) | below_float_normal(hi);
     return _mm256_set_m128(to_float_odd(hi), to_float_odd(lo));
 }
 
@@ -199,7 +199,6 @@ BINARY_KERNEL(bf16_max, load_bf16, store_bf16, v_max)
         const __m256d inv = _mm256_set1_pd(1.0 / (double)k);                          \
         const int pow2 = (k & (k - 1)) == 0;                                          \
         uint16_t bx[8] = {0}, bm[8] = {0}, bd[8];                                     \
-        int tiny;                                                                     \
         for (size_t i = 0; i < count; i += 8) {                                       \
             const size_t n = count - i < 8 ? count - i : 8;                           \
             const uint16_t *xi = x + i, *mi = m + i;                                  \
@@ -209,8 +208,8 @@ BINARY_KERNEL(bf16_max, load_bf16, store_bf16, v_max)
                 memcpy(bm, mi, n * 2);                                                \
                 xi = bx, mi = bm, di = bd;                                            \
             }                                                                         \
-            const __m256 r = mean_step(LOAD(xi), LOAD(mi), km1, kd, inv, pow2, &tiny);           \
-            if (CHECK_TINY && tiny) {                                                 \
+            const __m256 r = mean_step(LOAD(xi), LOAD(mi), km1, kd, inv, pow2);           \
+            if (CHECK_TINY && any_subnormal(r)) {                                     \
                 for (size_t j = 0; j < 8; j++) bd[j] = rr_mean16_bf16(xi[j], mi[j], k); \
                 if (n == 8) memcpy(di, bd, 16);                                       \
             } else {                                                                  \
@@ -269,11 +268,10 @@ AVX512 static inline __m256 to_float_odd512(__m512d y)
     return _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_or_epi64(kept, inexact, kept, _mm512_set1_epi64(1ll << 29))));
 }
 
-AVX512 static inline int below_float_normal512(__m512d y)
+AVX512 static inline int any_subnormal512(__m512 f)
 {
-    const __m512d magnitude = _mm512_abs_pd(y);
-    return (int)(_mm512_cmp_pd_mask(magnitude, _mm512_set1_pd(0x1p-126), _CMP_LT_OQ) &
-                 _mm512_cmp_pd_mask(magnitude, _mm512_setzero_pd(), _CMP_NEQ_OQ));
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(f), _mm512_set1_epi32(0x7fffffff));
+    return (int)_mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fffff));
 }
 
 /* a / k correctly rounded without vdivpd, whose throughput bounds the fold:
@@ -293,7 +291,7 @@ AVX512 static inline __m512d divide512(__m512d a, __m512d k, __m512d one_over_k,
 }
 
 AVX512 static inline __m512 mean_step512(__m512 x, __m512 mean, __m512d k_minus_1, __m512d k, __m512d one_over_k,
-                                         int k_is_power_of_2, int *tiny)
+                                         int k_is_power_of_2)
 {
     const __m256 mean_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mean), 1));
     const __m256 x_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
@@ -302,7 +300,6 @@ AVX512 static inline __m512 mean_step512(__m512 x, __m512 mean, __m512d k_minus_
     __m512d hi = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(mean_hi), k_minus_1), _mm512_cvtps_pd(x_hi));
     lo = divide512(lo, k, one_over_k, k_is_power_of_2);
     hi = divide512(hi, k, one_over_k, k_is_power_of_2);
-    *tiny = below_float_normal512(lo) | below_float_normal512(hi);
     const __m512d joined = _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(to_float_odd512(lo))),
                                               _mm256_castps_pd(to_float_odd512(hi)), 1);
     return _mm512_castpd_ps(joined);
@@ -315,7 +312,6 @@ AVX512 static inline __m512 mean_step512(__m512 x, __m512 mean, __m512d k_minus_
         const __m512d inv = _mm512_set1_pd(1.0 / (double)k);                          \
         const int pow2 = (k & (k - 1)) == 0;                                          \
         uint16_t bx[16] = {0}, bm[16] = {0}, bd[16];                                  \
-        int tiny;                                                                     \
         for (size_t i = 0; i < count; i += 16) {                                      \
             const size_t n = count - i < 16 ? count - i : 16;                         \
             const uint16_t *xi = x + i, *mi = m + i;                                  \
@@ -325,8 +321,8 @@ AVX512 static inline __m512 mean_step512(__m512 x, __m512 mean, __m512d k_minus_
                 memcpy(bm, mi, n * 2);                                                \
                 xi = bx, mi = bm, di = bd;                                            \
             }                                                                         \
-            const __m512 r = mean_step512(LOAD(xi), LOAD(mi), km1, kd, inv, pow2, &tiny); \
-            if (CHECK_TINY && tiny) {                                                 \
+            const __m512 r = mean_step512(LOAD(xi), LOAD(mi), km1, kd, inv, pow2); \
+            if (CHECK_TINY && any_subnormal512(r)) {                                  \
                 for (size_t j = 0; j < 16; j++) bd[j] = rr_mean16_bf16(xi[j], mi[j], k); \
                 if (n == 16) memcpy(di, bd, 32);                                      \
             } else {                                                                  \
