@@ -37,7 +37,7 @@ CODES = {"float32": _core.FLOAT32, "float16": _core.FLOAT16, "bfloat16": _core.B
 
 def variants(best: str) -> list[tuple[str, str, str]]:
     """(label, dtype, 16-bit kernels) in the order they run."""
-    out = [("float32", "float32", best), (f"float16", "float16", best), ("bfloat16", "bfloat16", best)]
+    out = [("float32", "float32", best), ("float16", "float16", best), ("bfloat16", "bfloat16", best)]
     if best != "portable":
         out += [("float16 portable", "float16", "portable"), ("bfloat16 portable", "bfloat16", "portable")]
     return out
