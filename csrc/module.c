@@ -9,10 +9,12 @@
 #include <Python.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "device_binding.h"
 #include "reduce.h"
+#include "reduce16.h"
 #include "ring.h"
 #include "tcp.h"
 
@@ -720,7 +722,30 @@ static PyObject *core_divide(PyObject *Py_UNUSED(m), PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* kernels16() -> the 16-bit float kernels in use; kernels16(name) uses
+ * those, or the best the CPU runs if that is less, and returns the name. */
+static PyObject *core_kernels16(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    static const char *names[] = {"portable", "avx2", "avx512"};
+    const char *want = NULL;
+    if (!PyArg_ParseTuple(args, "|s", &want)) return NULL;
+    rr_kernels16 level = rr_kernels16_current();
+    if (want) {
+        int i = 0;
+        while (i < (int)(sizeof names / sizeof *names) && strcmp(names[i], want) != 0) i++;
+        if (i == (int)(sizeof names / sizeof *names)) {
+            PyErr_Format(PyExc_ValueError, "kernels16: unknown kernels %R (portable, avx2, avx512)", PyTuple_GET_ITEM(args, 0));
+            return NULL;
+        }
+        level = rr_kernels16_use((rr_kernels16)i);
+    }
+    return PyUnicode_FromString(names[level]);
+}
+
 static PyMethodDef core_methods[] = {
+    {"kernels16", core_kernels16, METH_VARARGS,
+     "kernels16([name]) -> the 16-bit float kernels in use ('portable', 'avx2', 'avx512'); with a name, use those "
+     "(or the best this CPU runs, if less)"},
     {"reduce", core_reduce, METH_VARARGS, "reduce(dst, src, dtype, op): dst = dst OP src, elementwise"},
     {"mean_fold", core_mean_fold, METH_VARARGS,
      "mean_fold(dst, x, dtype, k): dst = (dst * (k-1) + x) / k, one fold of a 16-bit float average"},

@@ -68,10 +68,9 @@ RR_INLINE float rr_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; 
 RR_INLINE float rr_bf16_to_f32(uint16_t h) { return rr_bits_f32((uint32_t)h << 16); }
 RR_INLINE uint16_t rr_f32_to_bf16(float f)
 {
-    uint32_t u = rr_f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t u = rr_f32_bits(f);
+    const uint32_t nan = (u >> 16) | 0x40u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded); /* a select: loops vectorize */
 }
 
 /* IEEE half <-> float32, branch-light bit arithmetic (exact, subnormals
@@ -84,30 +83,24 @@ RR_INLINE float rr_f16_to_f32(uint16_t h)
      * 2^112 (the exponent bias difference); a float multiply handles subnormals. */
     float mag = rr_bits_f32(em << 13) * rr_bits_f32(0x77800000u); /* 2^112 */
     uint32_t bits = rr_f32_bits(mag);
-    if (em >= 0x7c00u) bits = 0x7f800000u | ((uint32_t)(em & 0x3ffu) << 13); /* inf, nan */
+    bits = em >= 0x7c00u ? 0x7f800000u | ((uint32_t)(em & 0x3ffu) << 13) : bits; /* inf, nan */
     return rr_bits_f32(sign | bits);
 }
 
 RR_INLINE uint16_t rr_f32_to_f16(float f)
 {
-    uint32_t u = rr_f32_bits(f);
-    const uint32_t sign = (u >> 16) & 0x8000u;
-    u &= 0x7fffffffu;
-    uint16_t out;
-    if (u > 0x7f800000u) {                /* NaN: keep it quiet */
-        out = (uint16_t)(0x7e00u | ((u >> 13) & 0x3ffu));
-    } else if (u >= 0x477ff000u) {        /* rounds to >= 65520: infinity */
-        out = 0x7c00u;
-    } else if (u < 0x38800000u) {         /* below 2^-14: subnormal or zero */
-        /* Adding 0.5 aligns the half subnormal's bits at the bottom of the
-         * float mantissa; the FPU rounds to nearest even for us. */
-        float g = rr_bits_f32(u) + 0.5f;
-        out = (uint16_t)(rr_f32_bits(g) - rr_f32_bits(0.5f));
-    } else {                              /* normal: rebias, round to nearest even */
-        uint32_t mant_odd = (u >> 13) & 1u;
-        u += ((uint32_t)(15 - 127) << 23) + 0xfffu + mant_odd;
-        out = (uint16_t)(u >> 13);
-    }
+    const uint32_t all = rr_f32_bits(f);
+    const uint32_t sign = (all >> 16) & 0x8000u, u = all & 0x7fffffffu;
+    /* Every case computed, one chosen by selects (no branches: loops vectorize).
+     * NaN: keep it quiet. Normal: rebias, round to nearest even. Below 2^-14
+     * (subnormal or zero): adding 0.5 aligns the half subnormal's bits at the
+     * bottom of the float mantissa and the FPU rounds to nearest even for us. */
+    const uint32_t nan = 0x7e00u | ((u >> 13) & 0x3ffu);
+    const uint32_t normal = (u + ((uint32_t)(15 - 127) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+    const uint32_t subnormal = rr_f32_bits(rr_bits_f32(u) + 0.5f) - rr_f32_bits(0.5f);
+    uint32_t out = u < 0x38800000u ? subnormal : normal;
+    out = u >= 0x477ff000u ? 0x7c00u : out; /* rounds to >= 65520: infinity */
+    out = u > 0x7f800000u ? nan : out;
     return (uint16_t)(out | sign);
 }
 

@@ -27,7 +27,7 @@ def reduce(a, b, name, op):
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
-def test_16_bit_floats_widen_exactly_for_every_bit_pattern(name):
+def test_16_bit_floats_widen_exactly_for_every_bit_pattern(name, kernels16):
     every = np.arange(1 << 16, dtype=np.uint16).view(dt(name))
     # max(x, x) widens to float32 and rounds back: must give x's bits back (NaNs stay NaN).
     got = reduce(every, every, name, "max")
@@ -38,7 +38,7 @@ def test_16_bit_floats_widen_exactly_for_every_bit_pattern(name):
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("op", ["sum", "prod"])
-def test_16_bit_floats_round_once_to_nearest_even(name, op):
+def test_16_bit_floats_round_once_to_nearest_even(name, op, kernels16):
     rng = np.random.default_rng(7)
     bits = rng.integers(0, 1 << 16, size=200_000, dtype=np.uint16)
     a, b = bits.view(dt(name)), rng.permutation(bits).view(dt(name))
@@ -68,7 +68,7 @@ def test_kernels_match_numpy(name, op):
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64"])
-def test_min_max_propagate_nan_like_numpy(name):
+def test_min_max_propagate_nan_like_numpy(name, kernels16):
     a = np.array([np.nan, 1.0, np.nan, -np.inf, 0.0], dtype=dt(name))
     b = np.array([1.0, np.nan, np.nan, np.inf, -0.0], dtype=dt(name))
     for op in ("min", "max"):
@@ -132,7 +132,7 @@ def test_the_reference_rounds_like_numpys_float64_to_float16():
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("k", [2, 3, 7, 1000])
-def test_mean_fold_is_the_double_mean_rounded_once(name, k):
+def test_mean_fold_is_the_double_mean_rounded_once(name, k, kernels16):
     """(mean * (k-1) + x) / k in double, rounded straight to 16 bits: k = 7
     hits doubles just above a float16 tie, which float32 would round onto."""
     x, m = finite16(name, 1_000_000, k), finite16(name, 1_000_000, k + 1)
@@ -149,7 +149,7 @@ def test_mean_fold_is_the_double_mean_rounded_once(name, k):
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
-def test_mean_fold_never_leaves_the_range(name):
+def test_mean_fold_never_leaves_the_range(name, kernels16):
     info = ml_dtypes.finfo(dt(name))
     big, tiny = float(info.max), float(info.smallest_subnormal)
     cases = [  # (mean of k-1, x, k, want)
@@ -173,3 +173,126 @@ def test_mean_fold_rejects_what_it_cannot_fold():
         _core.mean_fold(a, a.tobytes(), _core.FLOAT16, 1)
     with pytest.raises(ValueError):
         _core.mean_fold(a, a[:2].tobytes(), _core.FLOAT16, 2)
+
+
+# ----------------------------------------------------------------- 16-bit kernel paths: vector vs portable
+
+LEVELS16 = ["portable", "avx2", "avx512"]
+
+
+@pytest.fixture(params=LEVELS16)
+def kernels16(request):
+    """Runs a test on each 16-bit kernel path this CPU has (the vector kernels
+    of csrc/reduce16_x86.c where it has AVX2 and F16C, and AVX-512), then puts
+    the best back."""
+    best = _core.kernels16("avx512")
+    if _core.kernels16(request.param) != request.param:
+        _core.kernels16(best)
+        pytest.skip(f"this CPU runs no {request.param} kernels")
+    yield request.param
+    _core.kernels16(best)
+
+
+def test_kernels16_names_and_rejects_unknown():
+    best = _core.kernels16()
+    try:
+        assert _core.kernels16("portable") == "portable" and _core.kernels16() == "portable"
+        with pytest.raises(ValueError, match="unknown kernels"):
+            _core.kernels16("avx9")
+    finally:
+        _core.kernels16(best)
+    assert _core.kernels16() == best
+
+
+def specials(name):
+    """Every 16-bit pattern, and the values that matter paired against each
+    other: zeros of both signs, subnormals, the largest finite, inf, NaNs of
+    both kinds (quiet and signalling payloads)."""
+    if name == "float16":
+        special = [0x0000, 0x8000, 0x0001, 0x8001, 0x03ff, 0x0400, 0x3c00, 0xbc00, 0x7bff, 0xfbff, 0x7c00, 0xfc00,
+                   0x7e00, 0xfe00, 0x7c01, 0x7d55, 0xffff, 0x3555, 0x3800]
+    else:
+        special = [0x0000, 0x8000, 0x0001, 0x8001, 0x007f, 0x0080, 0x3f80, 0xbf80, 0x7f7f, 0xff7f, 0x7f80, 0xff80,
+                   0x7fc0, 0xffc0, 0x7f81, 0x7fa5, 0xffff, 0x3eab, 0x3f00]
+    s = np.array(special, np.uint16)
+    every = np.arange(1 << 16, dtype=np.uint16)
+    a = np.concatenate([np.repeat(s, s.size), every, every, np.random.default_rng(3).permutation(every)])
+    b = np.concatenate([np.tile(s, s.size), every[::-1], np.random.default_rng(4).permutation(every), every])
+    return a.view(dt(name)), b.view(dt(name))
+
+
+def both_paths(fn):
+    """fn() with the portable kernels, and with each vector level this CPU has
+    (checked alike); returns the portable and the best level's results."""
+    best = _core.kernels16()
+    try:
+        _core.kernels16("portable")
+        portable = fn()
+        vector = portable
+        for level in LEVELS16[1:]:
+            if _core.kernels16(level) == level:
+                got = fn()
+                assert same_bits_or_both_nan(got, vector), level
+                vector = got
+    finally:
+        _core.kernels16(best)
+    return portable, vector
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_vector_and_portable_16_bit_kernels_give_the_same_bits(name, op):
+    """NaN, inf, subnormal and signed-zero operands included, and every odd
+    length up to 40 (the vector tail); both paths also match numpy."""
+    a, b = specials(name)
+    got = reduce(a, b, name, op)
+    want = NUMPY[op](a.astype(np.float32), b.astype(np.float32)).astype(dt(name))
+    nan = np.isnan(want.astype(np.float32))
+    assert (np.isnan(got.astype(np.float32)) == nan).all()
+    if op in ("min", "max"):  # numpy keeps zeros' signs by operand order as RR_FMIN does only for a != b
+        same = ~nan & (want.astype(np.float32) != 0)
+    else:
+        same = ~nan
+    assert got.view(np.uint16)[same].tobytes() == want.view(np.uint16)[same].tobytes()
+    portable, vector = both_paths(lambda: reduce(a, b, name, op))
+    assert same_bits_or_both_nan(portable, vector)  # zero signs too
+    for n in range(1, 41):
+        p, v = both_paths(lambda: reduce(a[-n:], b[-n:], name, op))
+        assert same_bits_or_both_nan(p, v) and same_bits_or_both_nan(v, vector[-n:]), n
+
+
+def same_bits_or_both_nan(x, y):
+    """Equal bits, but a NaN's payload may differ: when both operands are
+    NaNs, x86 returns the first operand's and a compiler may swap the operands
+    of a commutative add or multiply, in either path."""
+    nan = np.isnan(x.astype(np.float32))
+    return (nan == np.isnan(y.astype(np.float32))).all() and x[~nan].tobytes() == y[~nan].tobytes()
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("k", [2, 3, 4, 7, 1000])
+def test_vector_and_portable_mean_folds_give_the_same_bits(name, k):
+    a, b = specials(name)
+    portable, vector = both_paths(lambda: mean_fold(a, b, name, k))
+    assert same_bits_or_both_nan(portable, vector)
+    finite = np.isfinite(a.astype(np.float32)) & np.isfinite(b.astype(np.float32))
+    y = (b[finite].astype(np.float64) * (k - 1) + a[finite].astype(np.float64)) / k
+    assert vector[finite].tobytes() == nearest16(y, name).tobytes()
+    for n in range(1, 20):
+        p, v = both_paths(lambda: mean_fold(a[:n], b[:n], name, k))
+        assert same_bits_or_both_nan(p, v) and same_bits_or_both_nan(v, vector[:n]), n
+
+
+def test_bfloat16_means_below_float32s_normal_range_round_once(kernels16):
+    """A mean just under a bfloat16 subnormal tie: (2^-133 * (k-1) + 2^-116)
+    / k, k = 2^18 + 1, is 1.4999943 * 2^-133, which rounds to 2^-133. Through
+    float32 (subnormal there, 2^-149 apart) it would land on the tie 1.5 *
+    2^-133 and go to even, 2 * 2^-133: the vector kernel refolds such
+    blocks with the scalar arithmetic."""
+    k = (1 << 18) + 1
+    m = np.array([0x0001] * 17, np.uint16).view(ml_dtypes.bfloat16)  # 2^-133: full blocks and a tail
+    x = np.array([0x0580] * 17, np.uint16).view(ml_dtypes.bfloat16)  # 2^-116
+    got = mean_fold(x, m, "bfloat16", k)
+    y = (m.astype(np.float64) * (k - 1) + x.astype(np.float64)) / k
+    assert got.view(np.uint16).tolist() == [0x0001] * 17
+    assert got.tobytes() == nearest16(y, "bfloat16").tobytes()

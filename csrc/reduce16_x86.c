@@ -1,0 +1,414 @@
+/* 16-bit float kernels on x86-64: F16C for float16, AVX2 integer rounding
+ * for bfloat16, eight elements a step (reduce16.h).
+ *
+ * Each function carries its own target attribute, so the rest of the library
+ * builds for baseline x86-64 and these run only where the CPU says it can.
+ * The arithmetic is reduce_math.h's, instruction for instruction:
+ *   - widen exactly: vcvtph2ps, or bfloat16 << 16;
+ *   - combine in float32 (min/max: the same selects as RR_FMIN/RR_FMAX, so
+ *     NaNs and signed zeros come out alike);
+ *   - round once to nearest even: vcvtps2ph with an explicit rounding
+ *     immediate (MXCSR is not consulted), or bfloat16's u + 0x7fff + lsb,
+ *     with NaNs kept quiet as rr_f32_to_bf16 keeps them.
+ * The running-mean fold computes in double like rr_mean_step, then rounds
+ * double -> float32 *to odd* and float32 -> 16 bits to nearest even: with 24
+ * bits against 11 (or 8), at least two more, the two roundings give the one
+ * rounding rr_f64_to_16 computes (Boldo & Melquiond, "Emulation of FMA and
+ * correctly rounded sums: proved algorithms using rounding to odd").
+ * Where the CPU has AVX-512F, every kernel runs sixteen a step.
+ * AVX-512 BF16's vcvtneps2bf16 is not used: it flushes subnormals to zero.
+ */
+#include "reduce16.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define RR_HAVE_X86 1
+#include <immintrin.h>
+#endif
+
+static int level_in_use = -1; /* rr_kernels16, or -1 until first asked */
+
+rr_kernels16 rr_kernels16_best(void)
+{
+#ifdef RR_HAVE_X86
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return RR_KERNELS16_PORTABLE;
+    return __builtin_cpu_supports("avx512f") ? RR_KERNELS16_AVX512 : RR_KERNELS16_AVX2;
+#endif
+    return RR_KERNELS16_PORTABLE;
+}
+
+rr_kernels16 rr_kernels16_current(void)
+{
+    int level = __atomic_load_n(&level_in_use, __ATOMIC_RELAXED);
+    if (level < 0) { /* racing first callers all store the same answer */
+        level = (int)rr_kernels16_best();
+        __atomic_store_n(&level_in_use, level, __ATOMIC_RELAXED);
+    }
+    return (rr_kernels16)level;
+}
+
+rr_kernels16 rr_kernels16_use(rr_kernels16 level)
+{
+    rr_kernels16 best = rr_kernels16_best();
+    if (level > best) level = best;
+    __atomic_store_n(&level_in_use, (int)level, __ATOMIC_RELAXED);
+    return level;
+}
+
+#ifdef RR_HAVE_X86
+
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+/* ------------------------------------------------------------ conversions */
+
+AVX2 static inline __m256 load_f16(const uint16_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+AVX2 static inline void store_f16(uint16_t *p, __m256 v)
+{
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+AVX2 static inline __m256 load_bf16(const uint16_t *p)
+{
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* rr_f32_to_bf16, eight at a time. */
+AVX2 static inline void store_bf16(uint16_t *p, __m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i high = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    __m256i out = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    const __m256i magnitude = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+    out = _mm256_blendv_epi8(out, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+    /* 32 -> 16 bits (all values fit), then gather the two lanes' low halves. */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+/* ------------------------------------------------------------ arithmetic */
+
+AVX2 static inline __m256 v_sum(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+AVX2 static inline __m256 v_prod(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+
+/* RR_FMIN/RR_FMAX: a NaN in a wins, then a NaN in b, else a < b ? a : b. */
+AVX2 static inline __m256 v_min(__m256 a, __m256 b)
+{
+    __m256 r = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
+    r = _mm256_blendv_ps(r, b, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+    return _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
+AVX2 static inline __m256 v_max(__m256 a, __m256 b)
+{
+    __m256 r = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+    r = _mm256_blendv_ps(r, b, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+    return _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
+/* double -> float32 rounded to odd, in the double itself: drop the 29 low
+ * mantissa bits and set the lowest one kept if any dropped bit was set. The
+ * result has 24 significant bits, so the conversion to float32 is exact where
+ * float32 is normal (|y| >= 2^-126; the caller sees to the rest). NaN stays
+ * NaN (the quiet bit is kept), inf stays inf. */
+AVX2 static inline __m128 to_float_odd(__m256d y)
+{
+    const __m256i dropped_bits = _mm256_set1_epi64x((1ll << 29) - 1);
+    const __m256i u = _mm256_castpd_si256(y);
+    const __m256i exact = _mm256_cmpeq_epi64(_mm256_and_si256(u, dropped_bits), _mm256_setzero_si256());
+    const __m256i sticky = _mm256_andnot_si256(exact, _mm256_set1_epi64x(1ll << 29));
+    return _mm256_cvtpd_ps(_mm256_castsi256_pd(_mm256_or_si256(_mm256_andnot_si256(dropped_bits, u), sticky)));
+}
+
+/* Whether any of the float32 means f is subnormal: its mean y was below
+ * float32's normal range, where the float32 step rounds a second time.
+ * (Where y was below but f rounded up to 2^-126, or down to 0, the 16-bit
+ * answer is that too.) Float16 means never get there (their least is
+ * 2^-24 / k); bfloat16's can. */
+AVX2 static inline int any_subnormal(__m256 f)
+{
+    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(f), _mm256_set1_epi32(0x7fffffff));
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), magnitude);
+    const __m256i zero = _mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256());
+    return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(zero, below)));
+}
+
+AVX2 static inline __m256d divide(__m256d a, __m256d k, __m256d one_over_k, int k_is_power_of_2)
+{
+    return k_is_power_of_2 ? _mm256_mul_pd(a, one_over_k) : _mm256_div_pd(a, k); /* the product is exact then */
+}
+
+/* rr_mean_step on eight widened pairs, rounded to odd in float32. */
+AVX2 static inline __m256 mean_step(__m256 x, __m256 mean, __m256d k_minus_1, __m256d k, __m256d one_over_k,
+                                    int k_is_power_of_2)
+{
+    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(mean)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(mean, 1));
+    lo = _mm256_add_pd(_mm256_mul_pd(lo, k_minus_1), _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+    hi = _mm256_add_pd(_mm256_mul_pd(hi, k_minus_1), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+    lo = divide(lo, k, one_over_k, k_is_power_of_2);
+    hi = divide(hi, k, one_over_k, k_is_power_of_2);
+    return _mm256_set_m128(to_float_odd(hi), to_float_odd(lo));
+}
+
+/* ------------------------------------------------------------ loops */
+
+/* The tail (< 8 elements) goes through a zero-padded block, so it rounds by
+ * the same instructions as the rest. */
+#define BINARY_KERNEL(NAME, LOAD, STORE, OP)                                          \
+    AVX2 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *y, size_t count) \
+    {                                                                                 \
+        size_t i = 0;                                                                 \
+        for (; i + 16 <= count; i += 16) {                                            \
+            __m256 r0 = OP(LOAD(x + i), LOAD(y + i)), r1 = OP(LOAD(x + i + 8), LOAD(y + i + 8)); \
+            STORE(d + i, r0);                                                         \
+            STORE(d + i + 8, r1);                                                     \
+        }                                                                             \
+        for (; i + 8 <= count; i += 8) STORE(d + i, OP(LOAD(x + i), LOAD(y + i)));     \
+        if (i < count) {                                                              \
+            uint16_t bx[8] = {0}, by[8] = {0}, bd[8];                                 \
+            memcpy(bx, x + i, (count - i) * 2);                                       \
+            memcpy(by, y + i, (count - i) * 2);                                       \
+            STORE(bd, OP(LOAD(bx), LOAD(by)));                                        \
+            memcpy(d + i, bd, (count - i) * 2);                                       \
+        }                                                                             \
+    }
+
+BINARY_KERNEL(f16_sum, load_f16, store_f16, v_sum)
+BINARY_KERNEL(f16_prod, load_f16, store_f16, v_prod)
+BINARY_KERNEL(f16_min, load_f16, store_f16, v_min)
+BINARY_KERNEL(f16_max, load_f16, store_f16, v_max)
+BINARY_KERNEL(bf16_sum, load_bf16, store_bf16, v_sum)
+BINARY_KERNEL(bf16_prod, load_bf16, store_bf16, v_prod)
+BINARY_KERNEL(bf16_min, load_bf16, store_bf16, v_min)
+BINARY_KERNEL(bf16_max, load_bf16, store_bf16, v_max)
+
+/* A block with a bfloat16 mean below float32's normal range (rare: values
+ * near 1e-38) is folded again by the scalar rr_mean16_bf16. */
+#define MEAN_KERNEL(NAME, LOAD, STORE, CHECK_TINY)                                    \
+    AVX2 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k) \
+    {                                                                                 \
+        const __m256d km1 = _mm256_set1_pd((double)(k - 1)), kd = _mm256_set1_pd((double)k); \
+        const __m256d inv = _mm256_set1_pd(1.0 / (double)k);                          \
+        const int pow2 = (k & (k - 1)) == 0;                                          \
+        uint16_t bx[8] = {0}, bm[8] = {0}, bd[8];                                     \
+        for (size_t i = 0; i < count; i += 8) {                                       \
+            const size_t n = count - i < 8 ? count - i : 8;                           \
+            const uint16_t *xi = x + i, *mi = m + i;                                  \
+            uint16_t *di = d + i;                                                     \
+            if (n < 8) { /* the tail, through a zero-padded block */                  \
+                memcpy(bx, xi, n * 2);                                                \
+                memcpy(bm, mi, n * 2);                                                \
+                xi = bx, mi = bm, di = bd;                                            \
+            }                                                                         \
+            const __m256 r = mean_step(LOAD(xi), LOAD(mi), km1, kd, inv, pow2);           \
+            if (CHECK_TINY && any_subnormal(r)) {                                     \
+                for (size_t j = 0; j < 8; j++) bd[j] = rr_mean16_bf16(xi[j], mi[j], k); \
+                if (n == 8) memcpy(di, bd, 16);                                       \
+            } else {                                                                  \
+                STORE(di, r);                                                         \
+            }                                                                         \
+            if (n < 8) memcpy(d + i, bd, n * 2);                                      \
+        }                                                                             \
+    }
+
+MEAN_KERNEL(f16_mean, load_f16, store_f16, 0)
+MEAN_KERNEL(bf16_mean, load_bf16, store_bf16, 1)
+
+/* ------------------------------------------------------------ AVX-512: sixteen a step
+ *
+ * The mean fold is bound by instruction count (each element is converted
+ * four times), not memory, and bfloat16's rounding takes a dozen integer
+ * instructions: zmm registers halve the instructions per element. The
+ * arithmetic is the AVX2 kernels', with mask registers for the selects. */
+
+#define AVX512 __attribute__((target("avx512f,avx2,f16c")))
+
+AVX512 static inline __m512 load16_f16(const uint16_t *p)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+AVX512 static inline void store16_f16(uint16_t *p, __m512 v)
+{
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+AVX512 static inline __m512 load16_bf16(const uint16_t *p)
+{
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+AVX512 static inline void store16_bf16(uint16_t *p, __m512 v)
+{
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i high = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i out = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+    out = _mm512_mask_or_epi32(out, nan, high, _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(out));
+}
+
+AVX512 static inline __m256 to_float_odd512(__m512d y)
+{
+    const __m512i dropped_bits = _mm512_set1_epi64((1ll << 29) - 1);
+    const __m512i u = _mm512_castpd_si512(y);
+    const __mmask8 inexact = _mm512_test_epi64_mask(u, dropped_bits);
+    const __m512i kept = _mm512_andnot_si512(dropped_bits, u);
+    return _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_or_epi64(kept, inexact, kept, _mm512_set1_epi64(1ll << 29))));
+}
+
+AVX512 static inline int any_subnormal512(__m512 f)
+{
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(f), _mm512_set1_epi32(0x7fffffff));
+    return (int)_mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fffff));
+}
+
+/* a / k correctly rounded without vdivpd, whose throughput bounds the fold:
+ * q0 = a * RN(1/k) is faithful, the remainder a - q0 * k is exact (FMA), and
+ * one correction step gives RN(a / k) (Markstein's theorem; Muller et al.,
+ * Handbook of Floating-Point Arithmetic, 2nd ed., 4.9). Our a is 0 or at
+ * least 2^-149 in magnitude, far from double underflow. Where the remainder
+ * is 0 (q0 exact: keeps -0's sign, which + 0 would lose) or NaN (a infinite
+ * or NaN), q0 is the quotient. */
+AVX512 static inline __m512d divide512(__m512d a, __m512d k, __m512d one_over_k, int k_is_power_of_2)
+{
+    const __m512d q0 = _mm512_mul_pd(a, one_over_k);
+    if (k_is_power_of_2) return q0; /* exact */
+    const __m512d rest = _mm512_fnmadd_pd(q0, k, a);
+    const __m512d q = _mm512_fmadd_pd(rest, one_over_k, q0);
+    return _mm512_mask_mov_pd(q0, _mm512_cmp_pd_mask(rest, _mm512_setzero_pd(), _CMP_NEQ_OQ), q);
+}
+
+AVX512 static inline __m512 mean_step512(__m512 x, __m512 mean, __m512d k_minus_1, __m512d k, __m512d one_over_k,
+                                         int k_is_power_of_2)
+{
+    const __m256 mean_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mean), 1));
+    const __m256 x_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+    __m512d lo = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(mean)), k_minus_1),
+                               _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+    __m512d hi = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(mean_hi), k_minus_1), _mm512_cvtps_pd(x_hi));
+    lo = divide512(lo, k, one_over_k, k_is_power_of_2);
+    hi = divide512(hi, k, one_over_k, k_is_power_of_2);
+    const __m512d joined = _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(to_float_odd512(lo))),
+                                              _mm256_castps_pd(to_float_odd512(hi)), 1);
+    return _mm512_castpd_ps(joined);
+}
+
+#define MEAN_KERNEL512(NAME, LOAD, STORE, CHECK_TINY)                                 \
+    AVX512 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k) \
+    {                                                                                 \
+        const __m512d km1 = _mm512_set1_pd((double)(k - 1)), kd = _mm512_set1_pd((double)k); \
+        const __m512d inv = _mm512_set1_pd(1.0 / (double)k);                          \
+        const int pow2 = (k & (k - 1)) == 0;                                          \
+        uint16_t bx[16] = {0}, bm[16] = {0}, bd[16];                                  \
+        for (size_t i = 0; i < count; i += 16) {                                      \
+            const size_t n = count - i < 16 ? count - i : 16;                         \
+            const uint16_t *xi = x + i, *mi = m + i;                                  \
+            uint16_t *di = d + i;                                                     \
+            if (n < 16) {                                                             \
+                memcpy(bx, xi, n * 2);                                                \
+                memcpy(bm, mi, n * 2);                                                \
+                xi = bx, mi = bm, di = bd;                                            \
+            }                                                                         \
+            const __m512 r = mean_step512(LOAD(xi), LOAD(mi), km1, kd, inv, pow2); \
+            if (CHECK_TINY && any_subnormal512(r)) {                                  \
+                for (size_t j = 0; j < 16; j++) bd[j] = rr_mean16_bf16(xi[j], mi[j], k); \
+                if (n == 16) memcpy(di, bd, 32);                                      \
+            } else {                                                                  \
+                STORE(di, r);                                                         \
+            }                                                                         \
+            if (n < 16) memcpy(d + i, bd, n * 2);                                     \
+        }                                                                             \
+    }
+
+AVX512 static inline __m512 v_sum512(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+AVX512 static inline __m512 v_prod512(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+
+AVX512 static inline __m512 v_min512(__m512 a, __m512 b)
+{
+    __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), b, a);
+    r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), r, b);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, a);
+}
+
+AVX512 static inline __m512 v_max512(__m512 a, __m512 b)
+{
+    __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
+    r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), r, b);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, a);
+}
+
+#define BINARY_KERNEL512(NAME, LOAD, STORE, OP)                                       \
+    AVX512 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *y, size_t count) \
+    {                                                                                 \
+        size_t i = 0;                                                                 \
+        for (; i + 16 <= count; i += 16) STORE(d + i, OP(LOAD(x + i), LOAD(y + i)));  \
+        if (i < count) {                                                              \
+            uint16_t bx[16] = {0}, by[16] = {0}, bd[16];                              \
+            memcpy(bx, x + i, (count - i) * 2);                                       \
+            memcpy(by, y + i, (count - i) * 2);                                       \
+            STORE(bd, OP(LOAD(bx), LOAD(by)));                                        \
+            memcpy(d + i, bd, (count - i) * 2);                                       \
+        }                                                                             \
+    }
+
+BINARY_KERNEL512(f16_sum512, load16_f16, store16_f16, v_sum512)
+BINARY_KERNEL512(f16_prod512, load16_f16, store16_f16, v_prod512)
+BINARY_KERNEL512(f16_min512, load16_f16, store16_f16, v_min512)
+BINARY_KERNEL512(f16_max512, load16_f16, store16_f16, v_max512)
+BINARY_KERNEL512(bf16_sum512, load16_bf16, store16_bf16, v_sum512)
+BINARY_KERNEL512(bf16_prod512, load16_bf16, store16_bf16, v_prod512)
+BINARY_KERNEL512(bf16_min512, load16_bf16, store16_bf16, v_min512)
+BINARY_KERNEL512(bf16_max512, load16_bf16, store16_bf16, v_max512)
+
+MEAN_KERNEL512(f16_mean512, load16_f16, store16_f16, 0)
+MEAN_KERNEL512(bf16_mean512, load16_bf16, store16_bf16, 1)
+
+typedef void binary_kernel(uint16_t *, const uint16_t *, const uint16_t *, size_t);
+static binary_kernel *const binary_kernels[2][2][4] = {
+    /* [AVX2, AVX-512][RR_FLOAT16, RR_BFLOAT16][RR_SUM, RR_PROD, RR_MIN, RR_MAX] */
+    {{f16_sum, f16_prod, f16_min, f16_max}, {bf16_sum, bf16_prod, bf16_min, bf16_max}},
+    {{f16_sum512, f16_prod512, f16_min512, f16_max512}, {bf16_sum512, bf16_prod512, bf16_min512, bf16_max512}},
+};
+
+#endif /* RR_HAVE_X86 */
+
+int rr_reduce16_vec(void *dst, const void *a, const void *b, size_t count, rr_dtype dtype, rr_op op)
+{
+#ifdef RR_HAVE_X86
+    if (!rr_avg_is_mean(dtype) || op < 0 || op >= RR_NUM_OPS) return -1;
+    const rr_kernels16 level = rr_kernels16_current();
+    if (level < RR_KERNELS16_AVX2) return -1;
+    if (op == RR_AVG) op = RR_SUM; /* as reduce.c: a 16-bit avg in the ring folds means instead */
+    binary_kernels[level == RR_KERNELS16_AVX512][dtype][op](dst, a, b, count);
+    return 0;
+#else
+    (void)dst, (void)a, (void)b, (void)count, (void)dtype, (void)op;
+    return -1;
+#endif
+}
+
+int rr_mean_fold16_vec(void *dst, const void *x, const void *mean, size_t count, rr_dtype dtype, int k)
+{
+#ifdef RR_HAVE_X86
+    const rr_kernels16 level = rr_kernels16_current();
+    if (!rr_avg_is_mean(dtype) || k < 2 || level < RR_KERNELS16_AVX2) return -1;
+    if (level == RR_KERNELS16_AVX512) (dtype == RR_FLOAT16 ? f16_mean512 : bf16_mean512)(dst, x, mean, count, k);
+    else (dtype == RR_FLOAT16 ? f16_mean : bf16_mean)(dst, x, mean, count, k);
+    return 0;
+#else
+    (void)dst, (void)x, (void)mean, (void)count, (void)dtype, (void)k;
+    return -1;
+#endif
+}
