@@ -33,7 +33,7 @@ import numpy as np
 
 from . import collectives as _c
 from .config import Config
-from .errors import MismatchError, RingReduceError
+from .errors import MismatchError, RingReduceError, WithdrawnError
 from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
 from .timeline import Timeline
 
@@ -90,6 +90,7 @@ class Handle:
     ready: object = None  # GPU arrays: an event after the caller's work on `array`
     stand_in: bool = False  # a joined rank's zeros: nobody waits for it
     group: object = None  # the ProcessSet the collective runs on; None: the world
+    withdrawn: bool = False  # withdraw() was called: no later cycle offers it
 
 
 IDLE_BACKOFF_MIN, IDLE_BACKOFF_MAX = 20e-6, 1e-3  # seconds between negotiation passes that agree on nothing
@@ -116,6 +117,11 @@ class Engine:
         # world's ring needs every rank in every pass.
         self._others_waiting = False
         self._idle_cycles = 0  # negotiation passes in a row that agreed on nothing
+        # The requests the engine's thread is negotiating or running now, and an
+        # event set when that cycle is over: withdraw() cannot take back a
+        # request other ranks may be agreeing to run this very cycle.
+        self._in_cycle: set[int] = set()
+        self._cycle_over = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
 
@@ -183,6 +189,28 @@ class Engine:
             raise h.error
         return h.result
 
+    def withdraw(self, h: Handle) -> None:
+        """Takes back a request whose result nobody will read (its step
+        failed): one not yet agreed leaves the queue, its wait() raising
+        WithdrawnError; one agreed or running is waited out and its result
+        dropped. Either way its name is free again at once. Every rank that
+        handed it over must withdraw it too (a failed step fails on every
+        rank alike): a rank that kept it would stall on it."""
+        while True:
+            with self._cond:
+                h.withdrawn = True
+                if h.done.is_set():
+                    return
+                if id(h) not in self._in_cycle:
+                    if self._pending.get((h.process_set, h.name)) is h:
+                        del self._pending[(h.process_set, h.name)]
+                    h.error = WithdrawnError(f"tensor {h.name!r} was withdrawn before it ran")
+                    self.timeline.end(h.name, "QUEUE")
+                    h.done.set()
+                    return
+                over = self._cycle_over
+            over.wait()
+
     def join(self) -> int:
         """This rank has no more data: until every rank has joined, it adds
         zeros to the allreduces of the others. Returns, on every rank once
@@ -219,12 +247,16 @@ class Engine:
                     self._cond.wait()
                 if self._stop:
                     return
-                ready = sorted(self._pending.values(), key=lambda h: h.seq)
+                ready = sorted((h for h in self._pending.values() if not h.withdrawn), key=lambda h: h.seq)
                 joined = self._joining is not None
+                self._in_cycle = {id(h) for h in ready}
+                self._cycle_over = threading.Event()
             try:
                 self._cycle(ready, joined)
+                self._end_cycle()
             except BaseException as exc:  # every waiter learns, on every rank
                 with self._cond:
+                    self._end_cycle()
                     self._error = exc
                     for h in self._pending.values():
                         h.error = exc
@@ -233,6 +265,11 @@ class Engine:
                     if self._joining is not None:
                         self._joining.set()
                 return
+
+    def _end_cycle(self) -> None:
+        with self._cond:
+            self._in_cycle = set()
+            self._cycle_over.set()
 
     def _cycle(self, ready: list[Handle], joined: bool) -> None:
         try:
