@@ -112,6 +112,7 @@ class Engine:
         self._joining: threading.Event | None = None  # set while this rank has joined
         self._last_joined: int | None = None
         self._join_error: BaseException | None = None  # why the last join() failed, the engine going on
+        self._leaving = False  # leave() was called: this rank is shutting down
         # Some rank's request waited at the last pass (a process set's, say, whose
         # members are still coming): negotiate on with nothing of our own, as the
         # world's ring needs every rank in every pass.
@@ -189,6 +190,11 @@ class Engine:
             raise h.error
         return h.result
 
+    def start_timeline(self, path: str | None, mark_cycles: bool = False) -> None:
+        """Writes the timeline to path from now on (None: stops it)."""
+        old, self.timeline = self.timeline, Timeline(path, mark_cycles, rank=_c.rank())
+        old.close()
+
     def withdraw(self, h: Handle) -> None:
         """Takes back a request whose result nobody will read (its step
         failed): one not yet agreed leaves the queue, its wait() raising
@@ -230,6 +236,20 @@ class Engine:
                 exc, self._join_error = self._join_error, None
                 raise exc
             return self._last_joined
+
+    def leave(self) -> None:
+        """This rank is shutting down (Horovod's shutdown): as join(), it
+        negotiates on with nothing of its own until every rank has joined or
+        left, so the others' process sets it is not a member of go on without
+        it. Unlike join(), no zeros stand in for it: a collective whose set
+        holds it fails, on every rank, naming it. A lost peer ends it too."""
+        self._leaving = True
+        try:
+            self.join()
+        except RingReduceError:
+            pass  # a peer is gone or the engine stopped: nothing left to leave cleanly
+        finally:
+            self._leaving = False
 
     def shutdown(self) -> None:
         with self._cond:
@@ -273,7 +293,7 @@ class Engine:
 
     def _cycle(self, ready: list[Handle], joined: bool) -> None:
         try:
-            agreement = self.negotiator.negotiate([h.key for h in ready], joined)
+            agreement = self.negotiator.negotiate([h.key for h in ready], joined, self._leaving)
         except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
             self._fail_waiting(MismatchError(f"the engine's negotiation met another collective: {exc}"))
             return
@@ -289,6 +309,8 @@ class Engine:
         with self._cond:  # every rank runs, in agreed order, what it is a member of
             handles = [self._pending.get((k[PROCESS_SET], k[NAME])) or _stand_in(k) for k in agreement.run
                        if (k[PROCESS_SET], k[NAME]) in self._pending or _member(k[PROCESS_SET], me)]
+        if handles:
+            self.timeline.cycle(len(handles))
         reductions = [h for h in handles if h.kind == "allreduce"]
         for bucket in self._buckets(reductions):
             self._run(bucket)

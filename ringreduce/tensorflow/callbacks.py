@@ -152,3 +152,24 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if epoch == self.end_epoch - 1 and self.verbose > 0 and rr.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{float(np.asarray(self.model.optimizer.learning_rate)):g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Saves the whole model whenever `monitor` improves (save_best_only), on
+    rank 0 only, as Horovod's. Horovod's estimator sets `filepath` itself;
+    here pass filepath= (a .keras path) or set .filepath before fit()."""
+
+    def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch", filepath=None):
+        # Keras checks the path's suffix now; a stand-in passes, the real one is checked at fit().
+        super().__init__("best.keras", monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=False, mode=mode, save_freq=save_freq)
+        self.filepath = filepath
+
+    def on_train_begin(self, logs=None):
+        if self.filepath is None or not str(self.filepath).endswith((".keras", ".h5")):
+            raise ValueError(f"BestModelCheckpoint needs filepath= ending in .keras, got {self.filepath!r}")
+        super().on_train_begin(logs)
+
+    def _save_model(self, epoch, batch, logs):
+        if rr.rank() == 0:  # every rank holds the same model: one file, one writer
+            super()._save_model(epoch, batch, logs)
