@@ -173,3 +173,5 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def _save_model(self, epoch, batch, logs):
         if rr.rank() == 0:  # every rank holds the same model: one file, one writer
             super()._save_model(epoch, batch, logs)
+        else:  # the others keep `best` as rank 0 does, and write nothing
+            self._should_save_model(epoch, batch, logs, self._get_file_path(epoch, batch, logs))
