@@ -101,3 +101,45 @@ def test_a_non_member_that_shuts_down_early_does_not_hold_up_the_set(tmp_path):
         assert rk.result["sums"] == [float(1 + 2 * step) for step in range(20)]
     name, text = ranks[0].result["world"]
     assert "world.after" in text and "2 of its process set have shut down" in text, text
+
+
+MPI_JOB = """
+import os, pickle, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from mpi4py import MPI
+import tensorflow as tf
+import ringreduce.tensorflow as hvd
+evens = hvd.ProcessSet([0, 2])
+hvd.init(comm=MPI.COMM_WORLD, process_sets=[evens])
+out = {"mpi": hvd.mpi_enabled(), "included": int(hvd.process_set_included_op(evens.process_set_id))}
+if evens.included():
+    out["sum"] = hvd.allreduce(tf.constant([hvd.rank() + 1.0]), op=hvd.Sum, process_set=evens).numpy().tolist()
+try:
+    hvd.ProcessSet(MPI.COMM_WORLD)
+except NotImplementedError as e:
+    out["from_comm"] = str(e)
+hvd.shutdown()
+with open(sys.argv[1] + f".rank{MPI.COMM_WORLD.Get_rank()}.pkl", "wb") as f:
+    pickle.dump(out, f)
+"""
+
+
+def test_init_with_an_mpi_communicator_and_process_sets(tmp_path):
+    import pickle
+    import subprocess
+    import sys
+    from test_mpi import MPIRUN, _missing
+    if _missing():
+        pytest.skip(_missing())
+    from ranks import REPO
+    script = tmp_path / "job.py"
+    script.write_text(MPI_JOB)
+    proc = subprocess.run([MPIRUN, "-np", "3", sys.executable, str(script), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=180, env={**__import__("os").environ,
+                                                                            "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(3):
+        res = pickle.loads((tmp_path / f"out.rank{r}.pkl").read_bytes())
+        assert res["mpi"] is True and res["included"] == int(r != 1)
+        assert res.get("sum") == ([4.0] if r != 1 else None)
+        assert "ProcessSet([0, 2])" in res["from_comm"]
