@@ -1,6 +1,7 @@
 """A training step that fails on one collective of several (a MismatchError)
 leaves nothing in flight: the steps after it train as if it had not run,
-eagerly and in a tf.function, with DistributedGradientTape. And
+eagerly and in a tf.function, with DistributedGradientTape (and eagerly
+with DistributedOptimizer). And
 engine.withdraw, which makes that so."""
 import numpy as np
 import pytest
@@ -92,6 +93,45 @@ def test_a_step_failing_on_one_collective_leaves_nothing_in_flight(tmp_path, mod
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {s} rank {rank}")
         for got0, got1 in zip(outcomes[0][1], outcomes[1][1]):
             np.testing.assert_array_equal(got0, got1)
+
+
+OPTIMIZER = PRELUDE + """
+opt = rrtf.DistributedOptimizer(keras.optimizers.SGD(0.1))
+extra = {k: tf.Variable(np.zeros(k, np.float32), name="extra") for k in (2, 3)}
+result = []
+for step in range(5):
+    x = batch(0)
+    with tf.GradientTape(persistent=True) as tape:
+        loss = loss_of(x)
+    pairs = list(zip(tape.gradient(loss, [w1, w2]), [w1, w2]))
+    if step == BAD:  # a variable whose shape differs between the ranks, this step only
+        v = extra[2 + r]
+        pairs.append((tf.ones_like(v), v))
+    before, local = [w1.numpy(), w2.numpy()], local_grads(x)
+    try:
+        opt.apply_gradients(pairs)
+    except Exception as e:
+        result.append(("error", type(e).__name__, isinstance(e, tf.errors.FailedPreconditionError), str(e)))
+        w1.assign(before[0]); w2.assign(before[1])
+        continue
+    result.append(("ok", [(b - a.numpy()) / 0.1 for a, b in zip((w1, w2), before)], local))
+"""
+
+
+def test_a_failed_optimizer_step_leaves_nothing_in_flight(tmp_path):
+    ranks = run_ranks(2, OPTIMIZER, tmp_path, init=False, timeout=150)
+    steps = [rk.result for rk in ranks]
+    for s in range(5):
+        outcomes = [steps[rank][s] for rank in range(2)]
+        if s == 2:
+            for kind, name, precondition, text in outcomes:
+                assert kind == "error" and precondition and "differs between ranks" in text, (name, text)
+            continue
+        assert [o[0] for o in outcomes] == ["ok", "ok"], (s, outcomes)
+        mean = [np.mean([outcomes[rank][2][i] for rank in range(2)], axis=0) for i in range(2)]
+        for rank in range(2):
+            for got, want in zip(outcomes[rank][1], mean):
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"step {s} rank {rank}")
 
 
 ENGINE = """
