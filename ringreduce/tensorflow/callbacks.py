@@ -56,7 +56,12 @@ class MetricAverageCallback(keras.callbacks.Callback):
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.asarray(v).dtype.kind in "biuf")
         eng = engine()
         handles = [(k, eng.enqueue(f"metric.{k}", np.float64(logs[k]), op="avg")) for k in keys]
-        logs.update({k: float(eng.wait(h)) for k, h in handles})
+        try:
+            logs.update({k: float(eng.wait(h)) for k, h in handles})
+        except BaseException:  # one failed (a metric some rank lacks): the rest go, so next epoch's names are free
+            for _, h in handles:
+                eng.withdraw(h)
+            raise
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
