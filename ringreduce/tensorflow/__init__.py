@@ -20,8 +20,8 @@ from .basics import (ccl_built, check_process_set, cross_rank, cross_size, cuda_
                      local_rank_op, local_size, local_size_op, mpi_built, mpi_enabled, mpi_threads_supported,
                      nccl_built, process_set_included_op, rank, rank_op, rocm_built, shutdown, size, size_op,
                      start_timeline, stop_timeline)
-from .callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback, LearningRateWarmupCallback,
-                        MetricAverageCallback)
+from .callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
+                        LearningRateWarmupCallback, MetricAverageCallback)
 from .compression import Compression
 from .errors import MismatchError
 from .functions import allgather_object, broadcast_object, broadcast_object_fn

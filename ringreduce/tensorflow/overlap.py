@@ -187,10 +187,11 @@ def _hand_over_as_ready(dense, out, op, compression, groups, process_set):
     for unit in sorted(units, key=lambda u: -max(i for i, _, _ in u)):  # backprop's order: last layer first
         wires = [compression.compress(g) for _, g, _ in unit]
         names = [name.encode() for _, _, name in unit]
-        # The nonce read keeps the hand-over from being folded when its inputs are
-        # constants (a gradient that does not depend on the data): run once at
-        # optimisation time, it would hand over only the first step.
-        keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode(): _enqueue_all(arrays[-1], ns, o, arrays[:-1], process_set),
+        # The run id (from the nonce read) keeps the hand-over from being folded
+        # when its inputs are constants (a gradient that does not depend on the
+        # data): run once at optimisation time, it would hand over only the first step.
+        keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode():
+                                 _enqueue_all(arrays[-1], ns, o, arrays[:-1], process_set),
                                  [w for w, _ in wires] + [run], tf.int64, stateful=False, name="RingHandOver")
         for j, ((i, g, _), (wire, ctx)) in enumerate(zip(unit, wires)):
             handles.append((i, g, keys[j], wire.dtype, ctx))
