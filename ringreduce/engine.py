@@ -33,7 +33,7 @@ import numpy as np
 
 from . import collectives as _c
 from .config import Config
-from .errors import MismatchError, RingReduceError
+from .errors import MismatchError, RingReduceError, WithdrawnError
 from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
 from .timeline import Timeline
 
@@ -90,6 +90,7 @@ class Handle:
     ready: object = None  # GPU arrays: an event after the caller's work on `array`
     stand_in: bool = False  # a joined rank's zeros: nobody waits for it
     group: object = None  # the ProcessSet the collective runs on; None: the world
+    withdrawn: bool = False  # withdraw() was called: no later cycle offers it
 
 
 IDLE_BACKOFF_MIN, IDLE_BACKOFF_MAX = 20e-6, 1e-3  # seconds between negotiation passes that agree on nothing
@@ -111,11 +112,17 @@ class Engine:
         self._joining: threading.Event | None = None  # set while this rank has joined
         self._last_joined: int | None = None
         self._join_error: BaseException | None = None  # why the last join() failed, the engine going on
+        self._leaving = False  # leave() was called: this rank is shutting down
         # Some rank's request waited at the last pass (a process set's, say, whose
         # members are still coming): negotiate on with nothing of our own, as the
         # world's ring needs every rank in every pass.
         self._others_waiting = False
         self._idle_cycles = 0  # negotiation passes in a row that agreed on nothing
+        # The requests the engine's thread is negotiating or running now, and an
+        # event set when that cycle is over: withdraw() cannot take back a
+        # request other ranks may be agreeing to run this very cycle.
+        self._in_cycle: set[int] = set()
+        self._cycle_over = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
 
@@ -183,6 +190,33 @@ class Engine:
             raise h.error
         return h.result
 
+    def start_timeline(self, path: str | None, mark_cycles: bool = False) -> None:
+        """Writes the timeline to path from now on (None: stops it)."""
+        old, self.timeline = self.timeline, Timeline(path, mark_cycles, rank=_c.rank())
+        old.close()
+
+    def withdraw(self, h: Handle) -> None:
+        """Takes back a request whose result nobody will read (its step
+        failed): one not yet agreed leaves the queue, its wait() raising
+        WithdrawnError; one agreed or running is waited out and its result
+        dropped. Either way its name is free again at once. Every rank that
+        handed it over must withdraw it too (a failed step fails on every
+        rank alike): a rank that kept it would stall on it."""
+        while True:
+            with self._cond:
+                h.withdrawn = True
+                if h.done.is_set():
+                    return
+                if id(h) not in self._in_cycle:
+                    if self._pending.get((h.process_set, h.name)) is h:
+                        del self._pending[(h.process_set, h.name)]
+                    h.error = WithdrawnError(f"tensor {h.name!r} was withdrawn before it ran")
+                    self.timeline.end(h.name, "QUEUE")
+                    h.done.set()
+                    return
+                over = self._cycle_over
+            over.wait()
+
     def join(self) -> int:
         """This rank has no more data: until every rank has joined, it adds
         zeros to the allreduces of the others. Returns, on every rank once
@@ -203,6 +237,20 @@ class Engine:
                 raise exc
             return self._last_joined
 
+    def leave(self) -> None:
+        """This rank is shutting down (Horovod's shutdown): as join(), it
+        negotiates on with nothing of its own until every rank has joined or
+        left, so the others' process sets it is not a member of go on without
+        it. Unlike join(), no zeros stand in for it: a collective whose set
+        holds it fails, on every rank, naming it. A lost peer ends it too."""
+        self._leaving = True
+        try:
+            self.join()
+        except RingReduceError:
+            pass  # a peer is gone or the engine stopped: nothing left to leave cleanly
+        finally:
+            self._leaving = False
+
     def shutdown(self) -> None:
         with self._cond:
             self._stop = True
@@ -219,12 +267,16 @@ class Engine:
                     self._cond.wait()
                 if self._stop:
                     return
-                ready = sorted(self._pending.values(), key=lambda h: h.seq)
+                ready = sorted((h for h in self._pending.values() if not h.withdrawn), key=lambda h: h.seq)
                 joined = self._joining is not None
+                self._in_cycle = {id(h) for h in ready}
+                self._cycle_over = threading.Event()
             try:
                 self._cycle(ready, joined)
+                self._end_cycle()
             except BaseException as exc:  # every waiter learns, on every rank
                 with self._cond:
+                    self._end_cycle()
                     self._error = exc
                     for h in self._pending.values():
                         h.error = exc
@@ -234,9 +286,14 @@ class Engine:
                         self._joining.set()
                 return
 
+    def _end_cycle(self) -> None:
+        with self._cond:
+            self._in_cycle = set()
+            self._cycle_over.set()
+
     def _cycle(self, ready: list[Handle], joined: bool) -> None:
         try:
-            agreement = self.negotiator.negotiate([h.key for h in ready], joined)
+            agreement = self.negotiator.negotiate([h.key for h in ready], joined, self._leaving)
         except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
             self._fail_waiting(MismatchError(f"the engine's negotiation met another collective: {exc}"))
             return
@@ -252,6 +309,8 @@ class Engine:
         with self._cond:  # every rank runs, in agreed order, what it is a member of
             handles = [self._pending.get((k[PROCESS_SET], k[NAME])) or _stand_in(k) for k in agreement.run
                        if (k[PROCESS_SET], k[NAME]) in self._pending or _member(k[PROCESS_SET], me)]
+        if handles:
+            self.timeline.cycle(len(handles))
         reductions = [h for h in handles if h.kind == "allreduce"]
         for bucket in self._buckets(reductions):
             self._run(bucket)

@@ -21,3 +21,8 @@ class MismatchError(RingReduceError):
 class PeerLostError(RingReduceError):
     """A peer died, closed its connection, or stayed silent past
     RINGREDUCE_TIMEOUT seconds. `.rank` is the lost rank."""
+
+
+class WithdrawnError(RingReduceError):
+    """The request was withdrawn (engine.withdraw) before it ran: its step
+    failed on another collective, so nobody reads its result."""

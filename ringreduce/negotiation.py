@@ -38,7 +38,7 @@ from .response_cache import ResponseCache
 
 NEGOTIATE = 5  # header kind of a negotiation pass (see collectives._KIND_NAMES)
 _FLAGS = struct.Struct("<BI")
-JOINED, STALL_VERDICT = 1, 2
+JOINED, STALL_VERDICT, LEFT = 1, 2, 4
 
 # Key fields, by position.
 NAME, KIND, DTYPE, SHAPE, OP, ROOT, PROCESS_SET = range(7)
@@ -50,6 +50,7 @@ class Message:
     bits: int  # bit s: the request in cache slot s is ready on this rank
     entries: dict  # (process_set, name) -> key, requests sent in full, in this rank's order
     stalled: list = field(default_factory=list)  # rank 0's stall verdict: [process_set, name, why]
+    left: bool = False  # this rank is shutting down (Engine.leave): joined, and runs nothing more
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Agreement:
     joined: list = field(default_factory=list)  # ranks that have called join, this cycle
     join_done: int | None = None  # every rank has joined and nothing is left: the last to join
     waiting: dict = field(default_factory=dict)  # (process_set, name) -> (ranks that have it, ranks that do not)
+    left: list = field(default_factory=list)  # ranks shutting down (also in joined)
 
 
 @dataclass
@@ -69,7 +71,7 @@ class Stats:
     seconds: float = 0.0
 
 
-def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = ()) -> bytes:
+def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = (), left: bool = False) -> bytes:
     bits, full = 0, []
     for key in keys:
         slot = cache.slot(key)
@@ -78,7 +80,7 @@ def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = ()) -
         else:
             bits |= 1 << slot
     vector = bits.to_bytes((bits.bit_length() + 7) // 8, "little")
-    flags = (JOINED if joined else 0) | (STALL_VERDICT if stalled else 0)
+    flags = (JOINED if joined or left else 0) | (STALL_VERDICT if stalled else 0) | (LEFT if left else 0)
     body = {"full": full, "stalled": list(stalled)} if stalled else full
     return _FLAGS.pack(flags, len(vector)) + vector + (json.dumps(body).encode() if body else b"")
 
@@ -96,7 +98,7 @@ def decode(blob) -> Message:
     for e in body:
         key = (e[0], e[1], e[2], tuple(e[3]), e[4], e[5], e[6])
         entries[(key[PROCESS_SET], key[NAME])] = key
-    return Message(bool(flags & JOINED), bits, entries, stalled)
+    return Message(bool(flags & JOINED), bits, entries, stalled, bool(flags & LEFT))
 
 
 def _set_bits(bits: int):
@@ -130,7 +132,8 @@ def agree(messages: list[Message], cache: ResponseCache, members=None) -> Agreem
     its members, and only its members ever hold it."""
     everyone = list(range(len(messages)))
     members = members or (lambda ps: everyone)
-    out = Agreement(joined=[r for r, m in enumerate(messages) if m.joined])
+    out = Agreement(joined=[r for r, m in enumerate(messages) if m.joined],
+                    left=[r for r, m in enumerate(messages) if m.left])
     stalled = {(ps, name): why for ps, name, why in messages[0].stalled}
 
     def outcome(ps, have):
@@ -196,7 +199,11 @@ def agree(messages: list[Message], cache: ResponseCache, members=None) -> Agreem
         kept = []
         for key in out.run:
             joined_here = [r for r in out.joined if r in members(key[PROCESS_SET])]
-            if key[KIND] == "allreduce" or not joined_here:
+            left_here = [r for r in out.left if r in members(key[PROCESS_SET])]
+            if left_here:  # a member has shut down: no zeros stand in for a rank that left
+                out.failed.append((key, f"{key[KIND]} {key[NAME]!r} cannot run: rank(s) "
+                                        f"{', '.join(map(str, left_here))} of its process set have shut down"))
+            elif key[KIND] == "allreduce" or not joined_here:
                 kept.append(key)
             else:
                 out.failed.append((key, f"{key[KIND]} {key[NAME]!r} cannot run while rank(s) "
@@ -221,9 +228,9 @@ class Negotiator:
         self._waiting_since: dict[tuple, float] = {}  # (process_set, name) -> when first seen on some ranks only
         self._stalled: list = []  # rank 0's verdict, sent with its next message
 
-    def negotiate(self, keys: list, joined: bool) -> Agreement:
+    def negotiate(self, keys: list, joined: bool, left: bool = False) -> Agreement:
         t0 = time.perf_counter()
-        blob = encode(keys, joined, self.cache, self._stalled)
+        blob = encode(keys, joined, self.cache, self._stalled, left)
         head = _c._header(NEGOTIATE, 0, 0, (), "", 0, False)
         with _c._state.lock:
             blobs = _c._exchange(head, blob, ("name",), "engine negotiation")

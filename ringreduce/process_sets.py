@@ -30,6 +30,9 @@ class ProcessSet:
     add_process_set() (on every rank), then as process_set= to any collective."""
 
     def __init__(self, ranks):
+        if hasattr(ranks, "Get_group"):  # an mpi4py communicator, as Horovod also takes
+            raise NotImplementedError("ProcessSet(mpi_comm) is not supported: pass the world ranks of its members "
+                                      "(the same list on every rank), e.g. ProcessSet([0, 2])")
         try:
             self.ranks = sorted(operator.index(r) for r in ranks)
         except TypeError:

@@ -14,13 +14,14 @@ import time
 
 
 class Timeline:
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, mark_cycles: bool = False, rank: int | None = None):
         self.path = path
+        self.mark_cycles = mark_cycles
         self._lock = threading.Lock()
         self._tids: dict[str, int] = {}
         self._file = None
         if path:
-            rank = os.environ.get("RINGREDUCE_RANK", "0")
+            rank = str(rank) if rank is not None else os.environ.get("RINGREDUCE_RANK", "0")
             root, ext = os.path.splitext(path)
             self._file = open(f"{root}.rank{rank}{ext or '.json'}" if rank != "0" else path, "w")
             self._file.write("[\n")
@@ -31,7 +32,8 @@ class Timeline:
 
     def _emit(self, event: dict) -> None:
         with self._lock:
-            self._file.write(json.dumps(event) + ",\n")
+            if self._file:  # closed meanwhile (stop_timeline) by another thread: dropped
+                self._file.write(json.dumps(event) + ",\n")
 
     def _tid(self, name: str) -> int:
         if name not in self._tids:
@@ -47,6 +49,12 @@ class Timeline:
     def end(self, name: str, what: str) -> None:
         if self._file:
             self._emit({"name": what, "ph": "E", "ts": self._us(), "pid": self._pid, "tid": self._tid(name)})
+
+    def cycle(self, n_run: int) -> None:
+        """A negotiation cycle agreed to run n_run requests (with mark_cycles)."""
+        if self._file and self.mark_cycles:
+            self._emit({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": self._us(), "pid": self._pid,
+                        "tid": 0, "args": {"requests": n_run}})
 
     def ring_op(self, names, label: str, nbytes: int, t0: float, t1: float, phases=None) -> None:
         if not self._file:

@@ -18,9 +18,10 @@ from .alltoall import alltoall
 from .basics import (ccl_built, check_process_set, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                      gloo_enabled, global_process_set, init, is_homogeneous, is_initialized, local_rank,
                      local_rank_op, local_size, local_size_op, mpi_built, mpi_enabled, mpi_threads_supported,
-                     nccl_built, rank, rank_op, rocm_built, shutdown, size, size_op)
-from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCallback, LearningRateWarmupCallback,
-                        MetricAverageCallback)
+                     nccl_built, process_set_included_op, rank, rank_op, rocm_built, shutdown, size, size_op,
+                     start_timeline, stop_timeline)
+from .callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
+                        LearningRateWarmupCallback, MetricAverageCallback)
 from .compression import Compression
 from .errors import MismatchError
 from .functions import allgather_object, broadcast_object, broadcast_object_fn
@@ -45,5 +46,6 @@ __all__ = [
     "DistributedOptimizer", "DistributedGradientTape", "Compression",
     "PartialDistributedOptimizer", "PartialDistributedGradientTape", "SyncBatchNormalization",
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-    "LearningRateWarmupCallback", "BroadcastGlobalVariablesHook",
+    "LearningRateWarmupCallback", "BestModelCheckpoint", "BroadcastGlobalVariablesHook",
+    "process_set_included_op", "start_timeline", "stop_timeline",
 ]

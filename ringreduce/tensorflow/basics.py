@@ -11,6 +11,7 @@ import ringreduce as rr
 from ringreduce import is_initialized, local_rank, local_size, rank, size
 from ringreduce import mpi_backend as _mpi_backend
 from ringreduce import cuda as _cuda
+from ringreduce.engine import engine
 from ringreduce.process_sets import ProcessSet, add_process_set, find_process_set, global_process_set
 
 # ----------------------------------------------------------------- process sets
@@ -44,9 +45,10 @@ def init(comm=None, process_sets=None, backend: str | None = None) -> None:
     """Joins the ring (ringreduce.init) and learns the hosts' layout, as
     Horovod's init does. comm: an mpi4py communicator, as in rr.init.
     process_sets: ProcessSets (or lists of ranks) to add, on every rank."""
-    if isinstance(process_sets, str):
-        raise NotImplementedError(f"init(process_sets={process_sets!r}): pass a list of ProcessSets; "
-                                  "add_process_set and remove_process_set work at any time, on every rank")
+    if isinstance(process_sets, str) and process_sets != "dynamic":
+        raise ValueError(f"init(process_sets={process_sets!r}): pass \"dynamic\" or a list of ProcessSets")
+    if process_sets == "dynamic":  # sets here are always dynamic: add/remove_process_set work at any time
+        process_sets = None
     if isinstance(comm, (list, tuple)):
         raise NotImplementedError("init(comm=[ranks]): pass an mpi4py communicator instead")
     rr.init(backend=backend, comm=comm)
@@ -56,7 +58,12 @@ def init(comm=None, process_sets=None, backend: str | None = None) -> None:
 
 
 def shutdown() -> None:
+    """Leaves, as Horovod's shutdown: the engine negotiates on until every
+    rank has called shutdown (or join), so a process set's members go on
+    while a non-member that is done waits here for them."""
     _cross.clear()
+    if rr.is_initialized() and rr.size() > 1:
+        engine().leave()
     rr.shutdown()
 
 
@@ -109,12 +116,38 @@ def size_op(process_set_id: int = 0, name=None):
     return _int_op(find_process_set(process_set_id).size(), name)
 
 
+def process_set_included_op(process_set_id: int = 0, name=None):
+    """1 if this rank is a member of the process set with that id (0: the
+    world), else 0, as an int32 tensor; ValueError for an unknown id."""
+    return _int_op(int(find_process_set(process_set_id).included()), name)
+
+
 def local_rank_op(name=None):
     return _int_op(rr.local_rank(), name)
 
 
 def local_size_op(name=None):
     return _int_op(rr.local_size(), name)
+
+
+# ----------------------------------------------------------------- timeline
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Starts writing the engine's Chrome trace to file_path (other ranks:
+    file_path with .rankN before its suffix), as RINGREDUCE_TIMELINE does
+    from the start. mark_cycles: an instant event at each negotiation cycle
+    that runs something. A timeline already running is closed first."""
+    if not rr.is_initialized():
+        raise ValueError("start_timeline: call init() first")
+    engine().start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stops and closes the timeline (a no-op when none runs)."""
+    if not rr.is_initialized():
+        raise ValueError("stop_timeline: call init() first")
+    engine().start_timeline(None)
 
 
 # ----------------------------------------------------------------- what is built
@@ -175,6 +208,7 @@ def cuda_built() -> bool:
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "rank_op", "size_op", "local_rank_op", "local_size_op",
+    "process_set_included_op", "start_timeline", "stop_timeline",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
     "ddl_built", "ccl_built", "rocm_built", "cuda_built", "global_process_set", "check_process_set",
 ]

@@ -56,7 +56,12 @@ class MetricAverageCallback(keras.callbacks.Callback):
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.asarray(v).dtype.kind in "biuf")
         eng = engine()
         handles = [(k, eng.enqueue(f"metric.{k}", np.float64(logs[k]), op="avg")) for k in keys]
-        logs.update({k: float(eng.wait(h)) for k, h in handles})
+        try:
+            logs.update({k: float(eng.wait(h)) for k, h in handles})
+        except BaseException:  # one failed (a metric some rank lacks): the rest go, so next epoch's names are free
+            for _, h in handles:
+                eng.withdraw(h)
+            raise
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
@@ -152,3 +157,26 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if epoch == self.end_epoch - 1 and self.verbose > 0 and rr.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{float(np.asarray(self.model.optimizer.learning_rate)):g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Saves the whole model whenever `monitor` improves (save_best_only), on
+    rank 0 only, as Horovod's. Horovod's estimator sets `filepath` itself;
+    here pass filepath= (a .keras path) or set .filepath before fit()."""
+
+    def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch", filepath=None):
+        # Keras checks the path's suffix now; a stand-in passes, the real one is checked at fit().
+        super().__init__("best.keras", monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=False, mode=mode, save_freq=save_freq)
+        self.filepath = filepath
+
+    def on_train_begin(self, logs=None):
+        if self.filepath is None or not str(self.filepath).endswith((".keras", ".h5")):
+            raise ValueError(f"BestModelCheckpoint needs filepath= ending in .keras, got {self.filepath!r}")
+        super().on_train_begin(logs)
+
+    def _save_model(self, epoch, batch, logs):
+        if rr.rank() == 0:  # every rank holds the same model: one file, one writer
+            super()._save_model(epoch, batch, logs)
+        else:  # the others keep `best` as rank 0 does, and write nothing
+            self._should_save_model(epoch, batch, logs, self._get_file_path(epoch, batch, logs))

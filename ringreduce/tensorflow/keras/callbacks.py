@@ -1,6 +1,6 @@
 """horovod.tensorflow.keras.callbacks' names (ringreduce.tensorflow.callbacks)."""
-from ..callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCallback, LearningRateWarmupCallback,
-                         MetricAverageCallback)
+from ..callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
+                         LearningRateWarmupCallback, MetricAverageCallback)
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback"]
+           "LearningRateWarmupCallback", "BestModelCheckpoint"]
