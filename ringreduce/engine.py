@@ -320,6 +320,9 @@ class Engine:
         if phases[0] < t0:  # the one-pass small algorithm ran: no ring phases to show
             phases = None
         self.timeline.ring_op([h.name for h in bucket], label, flat.nbytes, t0, time.monotonic(), phases)
+        if self.timeline.path:  # bytes this rank has sent on this ring so far (ringreduce/traffic.py)
+            self.timeline.counter("bytes sent", dict(zip(("ring", "blobs", "alltoall"),
+                                                        _c._ring(bucket[0].group).comm.bytes())))
         at = 0
         with self._cond:
             for f, h in zip(families, bucket):
