@@ -83,3 +83,60 @@ def test_bytes_sent_drop_as_each_compressor_promises(tmp_path, n):
         assert b["none"] / b["int8"] == pytest.approx(4, rel=0.05), b
         # n - 1 ranks' (index, value) pairs of 1% of the entries: 8 bytes each
         assert b["topk"] == pytest.approx((n - 1) * 8 * 10486, rel=0.05), b
+
+
+ENGINE_JOB = """
+from ringreduce.compression import PowerSGD, Int8, TopK
+from ringreduce.engine import Engine
+from ringreduce.errors import MismatchError
+eng = Engine(fusion_bytes=1 << 22, timeline_path=os.environ["TIMELINE"])
+me = rr.rank()
+g = np.random.default_rng(5)
+shared = g.standard_normal((256, 3)) @ g.standard_normal((3, 128))
+grads = {f"layer{i}/kernel": (shared * (i + 1) + 0.01 * me).astype(np.float32) for i in range(3)}
+grads["layer0/bias"] = np.full(128, me, dtype=np.float32)
+out = {}
+for c in [PowerSGD(rank=4, min_size=1000), Int8(), TopK(ratio=1.0)]:
+    for step in range(3):
+        hs = {n: eng.enqueue(n, a, op="avg", compression=c) for n, a in reversed(list(grads.items()))}
+        res = {n: eng.wait(h) for n, h in hs.items()}
+    exact = {n: (shared * (int(n[5]) + 1) + 0.01 * (rr.size() - 1) / 2).astype(np.float32) if "kernel" in n
+             else np.full(128, (rr.size() - 1) / 2, dtype=np.float32) for n in grads}
+    out[c.name] = dict(err=max(float(np.abs(res[n] - exact[n]).max() / np.abs(exact[n]).max()) for n in grads),
+                       digest=__import__("hashlib").sha256(b"".join(res[n].tobytes() for n in sorted(res))).hexdigest())
+# different compressors on different ranks: MismatchError on every rank, and the engine goes on
+errors = []
+for name, c in [("a", PowerSGD(rank=4 + me, min_size=1)), ("b", Int8() if me == 0 else None)]:
+    try:
+        eng.wait(eng.enqueue(name, np.ones((64, 64), np.float32), compression=c))
+    except MismatchError as exc:
+        errors.append(str(exc))
+try:
+    eng.enqueue("c", np.ones(4, np.int32), compression=Int8())
+except TypeError as exc:
+    errors.append("type: " + str(exc))
+out["errors"] = errors
+out["after"] = eng.wait(eng.enqueue("after", np.ones(3, np.float32), op="sum")).tolist()
+eng.shutdown()
+result = out
+"""
+
+
+def test_the_engine_fuses_compressed_tensors_and_mismatched_compressors_raise(tmp_path):
+    import json
+    ranks = run_ranks(2, ENGINE_JOB, tmp_path, env={"TIMELINE": str(tmp_path / "t.json")}, timeout=100)
+    res = ranks[0].result
+    for name in ("powersgd", "int8", "topk"):
+        assert all(r.result[name]["digest"] == res[name]["digest"] for r in ranks), name
+    assert res["powersgd"]["err"] < 1e-3 and res["int8"]["err"] < 0.05, res
+    assert res["topk"]["err"] < 1e-6, res  # ratio 1: every entry goes, exact
+    for r in ranks:
+        errs = r.result["errors"]
+        assert len(errs) == 3, errs
+        assert "powersgd(min_size=1,rank=4" in errs[0] and "rank=5" in errs[0], errs[0]
+        assert "int8()" in errs[1], errs[1]
+        assert errs[2].startswith("type:") and "int32" in errs[2]
+        assert r.result["after"] == [2.0, 2.0, 2.0]
+    events = json.loads((tmp_path / "t.json").read_text())
+    labels = {e["args"]["op"] for e in events if e.get("name") == "ALLREDUCE"}
+    assert any(lbl.startswith("powersgd(") and "fused 4 tensors" in lbl for lbl in labels), labels

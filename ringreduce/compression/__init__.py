@@ -15,4 +15,19 @@ from .int8 import Int8
 from .powersgd import PowerSGD
 from .topk import TopK
 
-__all__ = ["Compressor", "PowerSGD", "Int8", "TopK"]
+import ast
+
+__all__ = ["Compressor", "PowerSGD", "Int8", "TopK", "from_tag"]
+
+_BY_NAME = {c.name: c for c in (PowerSGD, Int8, TopK)}
+
+
+def from_tag(tag: str) -> Compressor:
+    """A fresh compressor from Compressor.tag (the engine's stand-in for a
+    rank that has joined and so has no compressor of its own for a tensor)."""
+    name, _, args = tag.partition("(")
+    params = {}
+    for item in filter(None, args.rstrip(")").split(",")):
+        k, _, v = item.partition("=")
+        params[k] = ast.literal_eval(v)
+    return _BY_NAME[name](**params)

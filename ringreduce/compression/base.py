@@ -26,13 +26,14 @@ class Compressor:
     def __init__(self):
         self._state: dict = {}  # (process set id, tensor name) -> the compressor's per-tensor state
 
-    @property
-    def spec(self) -> tuple:
-        """What every rank must agree on (part of the engine's negotiated key)."""
-        return (self.name,) + tuple(sorted(self.params().items()))
-
     def params(self) -> dict:
         return {}
+
+    @property
+    def tag(self) -> str:
+        """The spec as text, e.g. 'powersgd(min_size=4096,rank=4,warmup_steps=0)': what
+        the engine negotiates, and what from_tag() makes a compressor from again."""
+        return f"{self.name}({','.join(f'{k}={v!r}' for k, v in sorted(self.params().items()))})"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
