@@ -143,7 +143,8 @@ class Engine:
         needs (alltoall: splits). op stays third, where callers of the
         allreduce-only engine passed it. compression: a
         ringreduce.compression compressor (allreduce of host floats, sum or
-        avg, only), None for exact."""
+        avg, only), None for exact; compression_key= (in extra) names its
+        state (error feedback, warm start) when the name changes every step."""
         spec = KINDS.get(kind)
         if spec is None:
             raise ValueError(f"unknown collective kind {kind!r}; the engine runs {', '.join(KINDS)}")
@@ -357,7 +358,7 @@ class Engine:
         compressor = own[0] if own else self._stand_in_compressor(tag)
         t0 = time.monotonic()
         results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
-                                           bucket[0].group)
+                                           bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket])
         label = f"{tag} " + (bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors")
         self.timeline.ring_op([h.name for h in bucket], label, sum(h.array.nbytes for h in bucket), t0,
                               time.monotonic())

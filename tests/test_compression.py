@@ -140,3 +140,63 @@ def test_the_engine_fuses_compressed_tensors_and_mismatched_compressors_raise(tm
     events = json.loads((tmp_path / "t.json").read_text())
     labels = {e["args"]["op"] for e in events if e.get("name") == "ALLREDUCE"}
     assert any(lbl.startswith("powersgd(") and "fused 4 tensors" in lbl for lbl in labels), labels
+
+
+KERAS_JOB = """
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf, keras
+from sklearn.datasets import load_digits
+import ringreduce.tensorflow as rrtf
+rrtf.init()
+n, r = rrtf.size(), rrtf.rank()
+digits = load_digits()
+x, y = (digits.data / 16.0).astype(np.float32), digits.target
+xs, ys = x[r::n][:800], y[r::n][:800]
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+def make_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+
+out = {}
+for label, comp in [("none", rrtf.Compression.none), ("powersgd", rrtf.Compression.powersgd(rank=4)),
+                    ("int8", rrtf.Compression.int8), ("topk", rrtf.Compression.topk(ratio=0.1))]:
+    model = make_model()
+    model.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=comp), loss=loss,
+                  metrics=["accuracy"])
+    rr.reset_stats()
+    hist = model.fit(xs, ys, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    sent = rr.stats()["bytes_sent"]
+    w = model.get_weights()
+    out[label] = dict(acc=hist.history["accuracy"][-1], loss=hist.history["loss"], sent=sent,
+                      same=all(np.array_equal(a, rr.broadcast(a, root=0)) for a in w))
+
+# DistributedGradientTape, eagerly: names count up every step, the compressor's state stays the variable's
+comp = rrtf.Compression.powersgd(rank=2)
+model = make_model()
+opt = keras.optimizers.SGD(0.1)
+losses = []
+for step in range(24):
+    xb, yb = xs[32 * step:32 * step + 32], ys[32 * step:32 * step + 32]
+    with tf.GradientTape() as tape:
+        l = loss(yb, model(xb))
+    tape = rrtf.DistributedGradientTape(tape, compression=comp)
+    opt.apply_gradients(zip(tape.gradient(l, model.trainable_variables), model.trainable_variables))
+    losses.append(float(l))
+out["tape"] = dict(first=np.mean(losses[:5]), last=np.mean(losses[-5:]), keys=len(comp.engine._state),
+                   same=all(np.array_equal(a, rr.broadcast(a, root=0)) for a in model.get_weights()))
+result = out
+"""
+
+
+def test_keras_fit_and_the_tape_train_with_each_compressor(tmp_path):
+    for r in run_ranks(2, KERAS_JOB, tmp_path, timeout=150, init=False):
+        res = r.result
+        for label in ("none", "powersgd", "int8", "topk"):
+            assert res[label]["same"], f"{label}: weights differ between ranks"
+            assert res[label]["loss"][-1] < 0.5 * res[label]["loss"][0], (label, res[label]["loss"])
+            assert res[label]["acc"] > res["none"]["acc"] - 0.05, (label, res[label]["acc"], res["none"]["acc"])
+        assert res["powersgd"]["sent"] < res["none"]["sent"] / 2, (res["powersgd"]["sent"], res["none"]["sent"])
+        assert res["int8"]["sent"] < res["none"]["sent"] / 2.5
+        assert res["tape"]["same"] and res["tape"]["last"] < 0.85 * res["tape"]["first"], res["tape"]
+        assert res["tape"]["keys"] == 4, "one state per variable, not one per step"

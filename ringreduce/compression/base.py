@@ -54,18 +54,26 @@ class Compressor:
         out = self.reduce_bucket(names, arrays, op, process_set)
         return out[0] if single else out
 
-    def reduce_bucket(self, names, arrays, op, process_set=None) -> list:
+    def reduce_bucket(self, names, arrays, op, process_set=None, keys=None) -> list:
+        """The bucket's tensors reduced; names go on the wire (the same on
+        every rank), keys (default: the names) say whose state each uses:
+        a name that changes every step (TensorFlow's eager naming) can keep
+        one key."""
         if op not in OPS:
             raise ValueError(f"{self!r} reduces with sum or avg only, not {op!r}")
         ring = _c._ring(process_set)
         set_id = getattr(process_set, "process_set_id", 0) if process_set is not None else 0
         items = []
-        for name, a in zip(names, arrays):
+        for name, key, a in zip(names, keys or names, arrays):
             a = np.asarray(a)
             if a.dtype.kind != "f":
                 raise TypeError(f"{self!r} compresses floating-point tensors; {name!r} is {a.dtype}")
             work = a.astype(np.float64 if a.dtype == np.float64 else np.float32, copy=False)
-            items.append(((set_id, name), work, self._state.setdefault((set_id, name), {})))
+            state = self._state.setdefault((set_id, key), {})
+            if state.get("shape", a.shape) != a.shape:  # another model's tensor of the same name: start afresh
+                state.clear()
+            state["shape"] = a.shape
+            items.append(((set_id, name), work, state))
         sums = self._reduce(items, ring.size, process_set) if items else []
         scale = 1.0 / ring.size if op == "avg" else 1.0
         return [(s * scale).astype(a.dtype, copy=False).reshape(np.shape(a)) for s, a in zip(sums, arrays)]

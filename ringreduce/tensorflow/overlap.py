@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import threading
 
 import numpy as np
 import tensorflow as tf
 
 from ..engine import engine
-from .compression import Compression
+from .compression import Compression, engine_compressor
 from .basics import global_process_set
 from .naming import collective_name
 from .ops import allreduce
@@ -31,16 +32,27 @@ _ids = itertools.count(1)
 _lock = threading.Lock()
 
 
-def _enqueue(name: bytes, op: bytes, array: np.ndarray, process_set=None) -> np.int64:
-    h = engine().enqueue(name.decode(), array, op.decode(), process_set=process_set)
+_EAGER_COUNT = re.compile(r"^grad\.\d+\.")  # naming.py's eager names count up every step
+
+
+def _submit(name: str, op: str, array: np.ndarray, process_set=None, compression=None):
+    if compression is None:
+        return engine().enqueue(name, array, op, process_set=process_set)
+    # A compressor's state (error feedback, warm start) is the variable's, whatever the step's name.
+    return engine().enqueue(name, array, op, process_set=process_set, compression=compression,
+                            compression_key=_EAGER_COUNT.sub("grad.", name))
+
+
+def _enqueue(name: bytes, op: bytes, array: np.ndarray, process_set=None, compression=None) -> np.int64:
+    h = _submit(name.decode(), op.decode(), array, process_set, compression)
     with _lock:
         key = next(_ids)
         _handles[key] = h
     return np.int64(key)
 
 
-def _enqueue_all(names, op: bytes, arrays, process_set=None) -> np.ndarray:
-    return np.array([_enqueue(n, op, a, process_set) for n, a in zip(names, arrays)], dtype=np.int64)
+def _enqueue_all(names, op: bytes, arrays, process_set=None, compression=None) -> np.ndarray:
+    return np.array([_enqueue(n, op, a, process_set, compression) for n, a in zip(names, arrays)], dtype=np.int64)
 
 
 def _wait(key: np.int64) -> np.ndarray:
@@ -116,7 +128,8 @@ def _hand_over_as_ready(dense, out, op, compression, groups, process_set):
         # The nonce read keeps the hand-over from being folded when its inputs are
         # constants (a gradient that does not depend on the data): run once at
         # optimisation time, it would hand over only the first step.
-        keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode(): _enqueue_all(ns, o, arrays[:-1], process_set),
+        keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode(): _enqueue_all(ns, o, arrays[:-1], process_set,
+                                                                                      engine_compressor(compression)),
                                  [w for w, _ in wires] + [_nonce()], tf.int64, stateful=False, name="RingHandOver")
         for j, ((i, g, _), (wire, ctx)) in enumerate(zip(unit, wires)):
             handles.append((i, g, keys[j], wire.dtype, ctx))
@@ -130,7 +143,7 @@ def _reduce_all_at_once(dense, out, op, compression, process_set):
     wires = [compression.compress(g) for _, g, _ in dense]
 
     def run(*arrays):
-        handles = [engine().enqueue(n, a, op, process_set=process_set) for (_, _, n), a in zip(dense, arrays)]
+        handles = [_submit(n, op, a, process_set, engine_compressor(compression)) for (_, _, n), a in zip(dense, arrays)]
         return [engine().wait(h) for h in handles]
     reduced = tf.numpy_function(run, [w for w, _ in wires], [w.dtype for w, _ in wires], stateful=True,
                                 name="RingAllAtOnce")
