@@ -75,8 +75,10 @@ class Compressor:
             state["shape"] = a.shape
             items.append(((set_id, name), work, state))
         sums = self._reduce(items, ring.size, process_set) if items else []
-        scale = 1.0 / ring.size if op == "avg" else 1.0
-        return [(s * scale).astype(a.dtype, copy=False).reshape(np.shape(a)) for s, a in zip(sums, arrays)]
+        if op == "avg":
+            for s in sums:  # fresh arrays, the compressor's own
+                s *= s.dtype.type(1.0 / ring.size)
+        return [s.astype(np.asarray(a).dtype, copy=False).reshape(np.shape(a)) for s, a in zip(sums, arrays)]
 
     def _reduce(self, items, n: int, group) -> list:
         raise NotImplementedError

@@ -26,20 +26,26 @@ class Int8(Compressor):
         levels = limit // n_ranks
         first = items[0][0][1]
         vals = []
-        for key, a, state in items:
-            v = a.reshape(-1)
-            if "error" in state:
-                v = v + state["error"]
-            vals.append(v)
-        peaks = np.array([np.abs(v).max() if v.size else 0.0 for v in vals], dtype=np.float64)
+        for key, a, state in items:  # each v our own copy: rounded and turned into the error in place
+            err = state.get("error")
+            vals.append(a.reshape(-1) + err if err is not None else a.reshape(-1).copy())
+        peaks = np.array([max(v.max(), -v.min()) if v.size else 0.0 for v in vals], dtype=np.float64)
         scales = _c.allreduce(peaks, op="max", name=f"{first}/int8.scale", process_set=group)
         scales = np.where(scales > 0, scales, 1.0)
-        qs = [np.rint(v * (levels / s)).astype(wire) for v, s in zip(vals, scales)]
+        qs = []
+        for v, s in zip(vals, scales):
+            t = v * v.dtype.type(levels / s)
+            qs.append(np.rint(t, out=t).astype(wire))
         total = _c.allreduce(np.concatenate(qs), op="sum", name=f"{first}/int8", process_set=group)
         out, at = [], 0
         for (key, a, state), v, q, s in zip(items, vals, qs, scales):
             step = a.dtype.type(s / levels)
-            state["error"] = v - q.astype(a.dtype) * step
-            out.append(total[at:at + q.size].astype(a.dtype) * step)
+            sent = q.astype(a.dtype)
+            sent *= step
+            v -= sent  # what rounding lost: sent next step
+            state["error"] = v
+            part = total[at:at + q.size].astype(a.dtype)
+            part *= step
+            out.append(part)
             at += q.size
         return out

@@ -67,9 +67,8 @@ class PowerSGD(Compressor):
         for i in low:
             key, a, state = items[i]
             rows, cols = as_matrix(a.shape)
-            m = a.reshape(rows, cols)
-            if "error" in state:
-                m = m + state["error"]
+            err = state.get("error")  # m our own copy: it becomes the error in place
+            m = a.reshape(rows, cols) + err if err is not None else a.reshape(rows, cols).copy()
             q = state.get("q")
             if q is None:  # the same start on every rank: seeded by the name
                 rng = np.random.default_rng(zlib.crc32(key[1].encode()))
@@ -88,7 +87,8 @@ class PowerSGD(Compressor):
             total = p @ q.T  # the sum over ranks of each rank's projection
             state = items[i][2]
             state["q"] = q
-            state["error"] = m - total / n_ranks
+            m -= total * m.dtype.type(1.0 / n_ranks)
+            state["error"] = m
             out[i] = total
         return out
 

@@ -32,9 +32,8 @@ class TopK(Compressor):
         first = items[0][0][1]
         vals, picks, packs = [], [], []
         for key, a, state in items:
-            v = a.reshape(-1).astype(np.float32)
-            if "error" in state:
-                v = v + state["error"]
+            err = state.get("error")  # v our own copy: it becomes the error in place
+            v = np.add(a.reshape(-1), err, dtype=np.float32) if err is not None else a.reshape(-1).astype(np.float32)
             k = min(v.size, max(1, math.ceil(self.ratio * v.size)))
             idx = np.sort(np.argpartition(np.abs(v), v.size - k)[v.size - k:]).astype(np.int32)
             vals.append(v)
@@ -50,9 +49,8 @@ class TopK(Compressor):
             for r in range(n_ranks):  # rank order: the same float additions on every rank
                 row = per_rank[r, at:at + 2 * k]
                 np.add.at(total, row[:k], row[k:].view(np.float32))
-            sent = np.zeros_like(v)
-            sent[idx] = v[idx]
-            state["error"] = v - sent
+            v[idx] = 0  # sent: what is left waits for a later step
+            state["error"] = v
             out.append(total)
             at += 2 * k
         return out
