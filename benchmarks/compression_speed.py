@@ -100,6 +100,7 @@ def table(rows) -> list[str]:
     base = {(r["rate"], r["n"]): r for r in rows if r["compression"] == "none"}
     for r in rows:
         b = base.get((r["rate"], r["n"]))
+        b = None if b is r else b
         fewer = f"{b['bytes_per_step'] / r['bytes_per_step']:.1f}x fewer" if b else ""
         faster = f"{b['step_s'] / r['step_s']:.2f}x faster" if b else ""
         out.append(f"| {r['rate']} | {r['n']} | {r['compression']} | {r['step_s']:.3f} | "
@@ -121,11 +122,14 @@ def main():
     p.add_argument("--no-cluster", action="store_true", help="loopback, no shaped links (no root needed)")
     p.add_argument("--quick", action="store_true", help="a tiny model, N=2, loopback, into /tmp")
     p.add_argument("--out", default=str(REPO / "docs" / "compression_speed.json"))
+    p.add_argument("--from-json", help="print the table of a saved run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compression", default="none", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.from_json:
+        return print("\n".join(table(json.loads(Path(args.from_json).read_text())["rows"])))
     if args.quick:
         args.ns, args.rates, args.features, args.width, args.layers = "2", "loopback", 64, 128, 2
         args.no_cluster, args.out = True, "/tmp/compression_speed.json"
