@@ -121,7 +121,7 @@ def main():
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--no-cluster", action="store_true", help="loopback, no shaped links (no root needed)")
     p.add_argument("--quick", action="store_true", help="a tiny model, N=2, loopback, into /tmp")
-    p.add_argument("--out", default=str(REPO / "docs" / "compression_speed.json"))
+    p.add_argument("--out", help="default: docs/compression_speed.json (--quick: /tmp/compression_speed.json)")
     p.add_argument("--from-json", help="print the table of a saved run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compression", default="none", help=argparse.SUPPRESS)
@@ -132,7 +132,8 @@ def main():
         return print("\n".join(table(json.loads(Path(args.from_json).read_text())["rows"])))
     if args.quick:
         args.ns, args.rates, args.features, args.width, args.layers = "2", "loopback", 64, 128, 2
-        args.no_cluster, args.out = True, "/tmp/compression_speed.json"
+        args.no_cluster, args.out = True, args.out or "/tmp/compression_speed.json"
+    args.out = args.out or str(REPO / "docs" / "compression_speed.json")
     from training_scaling import Hosts
     rows = []
     for rate in args.rates.split(","):

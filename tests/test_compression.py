@@ -200,3 +200,16 @@ def test_keras_fit_and_the_tape_train_with_each_compressor(tmp_path):
         assert res["int8"]["sent"] < res["none"]["sent"] / 2.5
         assert res["tape"]["same"] and res["tape"]["last"] < 0.85 * res["tape"]["first"], res["tape"]
         assert res["tape"]["keys"] == 4, "one state per variable, not one per step"
+
+
+def test_the_speed_benchmark_runs_and_counts_fewer_bytes(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from ranks import REPO
+    out = tmp_path / "speed.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "compression_speed.py"), "--quick", "--out", str(out),
+                    "--steps", "1"], check=True, timeout=100, capture_output=True)
+    rows = {r["compression"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["none"]["bytes_per_step"] / rows["powersgd:rank=4"]["bytes_per_step"] > 4
+    assert rows["none"]["bytes_per_step"] / rows["int8"]["bytes_per_step"] == pytest.approx(4, rel=0.1)
