@@ -162,7 +162,7 @@ int rr_alltoall(rr_ring *ring, const void *src, void *dst, const size_t *bytes, 
             }
         }
         size_t sent = 0, rcvd = 0;
-        rc = t->ops->exchange(t, sp, sl, &sent, rp, rl, &rcvd, err);
+        rc = rr_transport_exchange(t, RR_SENT_ALLTOALL, sp, sl, &sent, rp, rl, &rcvd, err);
         if (rc != RR_OK) { t->ops->abort(t, err); goto out; }
         s.off += sent;
         v.off += rcvd;

@@ -602,7 +602,18 @@ static PyObject *Comm_last_phases(CommObject *self, PyObject *Py_UNUSED(ignored)
     return Py_BuildValue("(ddd)", t[0], t[1], t[2]);
 }
 
+/* Read without the lock: a running operation may be adding to it, and a
+ * 64-bit load on its own is good enough for a statistic. */
+static PyObject *Comm_bytes(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    const unsigned long long *s = self->ring && self->ring->transport ? self->ring->transport->sent : NULL;
+    if (!s) return Py_BuildValue("(KKK)", 0ULL, 0ULL, 0ULL);
+    return Py_BuildValue("(KKK)", s[RR_SENT_RING], s[RR_SENT_BLOBS], s[RR_SENT_ALLTOALL]);
+}
+
 static PyMethodDef Comm_methods[] = {
+    {"bytes", (PyCFunction)Comm_bytes, METH_NOARGS,
+     "bytes sent to the next rank so far: (ring data steps, blob exchanges, alltoall)"},
     {"last_phases", (PyCFunction)Comm_last_phases, METH_NOARGS,
      "(start, ScatterReduce done, end) of the last ring allreduce, in time.monotonic() seconds"},
     {"allreduce", (PyCFunction)Comm_allreduce, METH_VARARGS,

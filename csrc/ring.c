@@ -231,7 +231,7 @@ static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf,
         }
 
         size_t sent = 0, rcvd = 0;
-        rc_ = t->ops->exchange(t, sp, sl, &sent, rp, rl, &rcvd, err);
+        rc_ = rr_transport_exchange(t, RR_SENT_RING, sp, sl, &sent, rp, rl, &rcvd, err);
         if (rc_ != RR_OK) return fail(ring, rc_, err);
         soff += sent;
         roff += rcvd;
@@ -383,7 +383,7 @@ int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int ro
         size_t r_end = (rcvd / seg + 1) * seg;
         if (r_end > nbytes) r_end = nbytes;
         size_t ds = 0, dr = 0;
-        rc = t->ops->exchange(t, host + sent, forwards ? s_end - sent : 0, &ds, host + rcvd, r_end - rcvd, &dr, err);
+        rc = rr_transport_exchange(t, RR_SENT_RING, host + sent, forwards ? s_end - sent : 0, &ds, host + rcvd, r_end - rcvd, &dr, err);
         if (rc != RR_OK) return fail(ring, rc, err);
         sent += ds;
         rcvd += dr;
@@ -432,7 +432,7 @@ int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *
         while (sent < out_len || rcvd < want) {
             char *rp = rcvd < 8 ? (char *)&in_len + rcvd : frame[q] + rcvd;
             size_t ds = 0, dr = 0;
-            int rc = t->ops->exchange(t, frame[s] + sent, out_len - sent, &ds, rp, want - rcvd, &dr, err);
+            int rc = rr_transport_exchange(t, RR_SENT_BLOBS, frame[s] + sent, out_len - sent, &ds, rp, want - rcvd, &dr, err);
             if (rc != RR_OK) { fail(ring, rc, err); goto out; }
             sent += ds;
             rcvd += dr;

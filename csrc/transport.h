@@ -44,7 +44,25 @@ struct rr_transport {
     int size;
     rr_interrupt_hook interrupted; /* NULL: never asked */
     void *interrupt_arg;
+    /* Bytes this rank has sent to next, by what sent them (RR_SENT_*); only
+     * rr_transport_exchange adds to it. Transports allocate zeroed. */
+    unsigned long long sent[3]; /* RR_SENT_KINDS */
 };
+
+/* What the bytes were for: the ring's data steps (allreduce, reduce_scatter,
+ * allgather, broadcast), whole-frame blob exchanges (negotiation, small
+ * allreduces), alltoall. */
+enum { RR_SENT_RING = 0, RR_SENT_BLOBS = 1, RR_SENT_ALLTOALL = 2, RR_SENT_KINDS = 3 };
+
+/* Every exchange goes through here, so what a rank sends is counted in one
+ * place, whatever the transport (ringreduce.stats() reads it). */
+static inline int rr_transport_exchange(rr_transport *t, int kind, const void *sbuf, size_t slen, size_t *sent,
+                                        void *rbuf, size_t rlen, size_t *rcvd, rr_error *err)
+{
+    int rc = t->ops->exchange(t, sbuf, slen, sent, rbuf, rlen, rcvd, err);
+    t->sent[kind] += *sent;
+    return rc;
+}
 
 /* How often a waiting transport asks the hook: a pending Ctrl-C is noticed
  * within this, and short waits never pay for the question. */

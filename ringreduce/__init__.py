@@ -21,6 +21,7 @@ from .collectives import (
     size,
 )
 from .engine import join
+from .traffic import reset_stats, stats
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier", "join",
+    "stats", "reset_stats",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "RingReduceError", "MismatchError", "PeerLostError", "WithdrawnError",
 ]

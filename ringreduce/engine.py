@@ -14,6 +14,12 @@ RINGREDUCE_FUSION_THRESHOLD bytes, per dtype and op; the rest waits. A
 request whose kind, dtype, shape, op or root differs between ranks fails on
 every rank with MismatchError naming it and the ranks; the engine goes on.
 
+compression=: a compressor of ringreduce.compression (PowerSGD, Int8,
+TopK) reduces the allreduce lossily; its tag (name and parameters) is part
+of the negotiated op, so ranks with different compressors fail with
+MismatchError; compressed tensors with the same compressor fuse into
+buckets of their own.
+
 A rank that calls join() goes on negotiating with nothing of its own: it
 adds zeros to every allreduce the others run (so avg still divides by every
 rank, as Horovod's), until every rank has joined; then join() returns the
@@ -123,6 +129,7 @@ class Engine:
         # request other ranks may be agreeing to run this very cycle.
         self._in_cycle: set[int] = set()
         self._cycle_over = threading.Event()
+        self._stand_in_compressors: dict = {}  # compressor tag -> what a joined rank reduces its zeros with
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
 
@@ -134,14 +141,17 @@ class Engine:
     # -- the caller's side -------------------------------------------------
 
     def enqueue(self, name: str, array, op: str = "avg", kind: str = "allreduce", root: int = 0,
-                process_set=None, **extra) -> Handle:
+                process_set=None, compression=None, **extra) -> Handle:
         """array: numpy, or a GPU array (cupy), reduced on its device. Returns
         at once; wait(handle) gives the result. process_set: a registered
         ProcessSet this rank belongs to, or its id (None or 0: the world);
         the request then waits for the set's members only and runs on the
         set's ring; root is a world rank, a member. extra: keywords a kind
         needs (alltoall: splits). op stays third, where callers of the
-        allreduce-only engine passed it."""
+        allreduce-only engine passed it. compression: a
+        ringreduce.compression compressor (allreduce of host floats, sum or
+        avg, only), None for exact; compression_key= (in extra) names its
+        state (error feedback, warm start) when the name changes every step."""
         spec = KINDS.get(kind)
         if spec is None:
             raise ValueError(f"unknown collective kind {kind!r}; the engine runs {', '.join(KINDS)}")
@@ -167,7 +177,12 @@ class Engine:
         else:
             root = 0
         shape = ((-1,) + tuple(array.shape[1:])) if spec.ragged else tuple(array.shape)
-        key = (name, kind, array.dtype.name, shape, op, root, process_set)
+        wire_op = op
+        if compression is not None:
+            _check_compressible(name, kind, op, family, array)
+            wire_op = f"{op}|{compression.tag}"  # negotiated: every rank must compress alike
+            extra["compression"] = compression
+        key = (name, kind, array.dtype.name, shape, wire_op, root, process_set)
         ready = family.mark(array)  # the engine's thread reads array after the caller's stream wrote it
         with self._cond:
             if self._error is not None:
@@ -346,8 +361,8 @@ class Engine:
         """Per dtype, op and process set (in agreed order), up to the fusion threshold."""
         groups: dict[tuple, list[Handle]] = {}
         for h in handles:
-            groups.setdefault((h.key[DTYPE], h.op, h.process_set), []).append(h)
-        for group in groups.values():
+            groups.setdefault((h.key[DTYPE], h.key[OP], h.process_set), []).append(h)
+        for group in groups.values():  # the op's text holds the compressor's tag: compressed tensors fuse apart
             bucket, size = [], 0
             for h in group:
                 if bucket and size + h.array.nbytes > self.fusion_bytes:
@@ -361,6 +376,8 @@ class Engine:
     def _run(self, bucket: list[Handle]) -> None:
         for h in bucket:
             self.timeline.end(h.name, "QUEUE")
+        if "|" in bucket[0].key[OP]:
+            return self._run_compressed(bucket)
         families = [h.family for h in bucket]
         for f, h in zip(families, bucket):
             f.wait(h.ready)
@@ -379,6 +396,9 @@ class Engine:
         if phases[0] < t0:  # the one-pass small algorithm ran: no ring phases to show
             phases = None
         self.timeline.ring_op([h.name for h in bucket], label, flat.nbytes, t0, time.monotonic(), phases)
+        if self.timeline.path:  # bytes this rank has sent on this ring so far (ringreduce/traffic.py)
+            self.timeline.counter("bytes sent", dict(zip(("ring", "blobs", "alltoall"),
+                                                        _c._ring(bucket[0].group).comm.bytes())))
         at = 0
         with self._cond:
             for f, h in zip(families, bucket):
@@ -388,6 +408,29 @@ class Engine:
                     h.result = f.from_host(h.result, like=h.array)
                 at += n
                 self._finish(h)
+
+    def _run_compressed(self, bucket: list[Handle]) -> None:
+        """One bucket through its compressor: the caller's (its state: error
+        feedback, warm starts), or on a joined rank a stand-in of the same tag."""
+        tag = bucket[0].key[OP].partition("|")[2]
+        own = [h.extra["compression"] for h in bucket if "compression" in h.extra]
+        compressor = own[0] if own else self._stand_in_compressor(tag)
+        t0 = time.monotonic()
+        results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
+                                           bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket])
+        label = f"{tag} " + (bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors")
+        self.timeline.ring_op([h.name for h in bucket], label, sum(h.array.nbytes for h in bucket), t0,
+                              time.monotonic())
+        with self._cond:
+            for h, r in zip(bucket, results):
+                h.result = r
+                self._finish(h)
+
+    def _stand_in_compressor(self, tag: str):
+        from .compression import from_tag
+        if tag not in self._stand_in_compressors:
+            self._stand_in_compressors[tag] = from_tag(tag)
+        return self._stand_in_compressors[tag]
 
     def _run_one(self, h: Handle) -> None:
         self.timeline.end(h.name, "QUEUE")
@@ -413,7 +456,7 @@ def _stand_in(key: tuple) -> Handle:
     """What a joined rank adds to an allreduce it has no tensor for: zeros
     for sum and avg (Horovod's join), the op's identity for the others, so
     min, max and prod are those of the ranks that have data."""
-    dtype, op = _NUMPY_DTYPES[key[DTYPE]], key[OP]
+    dtype, op = _NUMPY_DTYPES[key[DTYPE]], key[OP].partition("|")[0]  # a compressor's tag after the |
     if op == "prod":
         fill = 1
     elif op in ("min", "max"):
@@ -427,6 +470,14 @@ def _stand_in(key: tuple) -> Handle:
     array = np.full(key[SHAPE], fill, dtype=dtype)
     return Handle(key[NAME], array, key[KIND], op, 0, key[PROCESS_SET], key, 0,
                   family=_c._HostArrays, stand_in=True, group=_set_of(key[PROCESS_SET]))
+
+
+def _check_compressible(name, kind, op, family, array) -> None:
+    if kind != "allreduce" or op not in ("sum", "avg"):
+        raise ValueError(f"compression= applies to allreduce with op sum or avg; {name!r} is {kind} op {op!r}")
+    if family is not _c._HostArrays or array.dtype.kind != "f":
+        raise TypeError(f"compression= takes host (numpy) floating-point tensors; {name!r} is "
+                        f"{type(array).__name__} of {array.dtype}")
 
 
 def _resolve(process_set):

@@ -70,6 +70,11 @@ class Timeline:
                 self._emit({"name": "AllGather", "ph": "X", "ts": self._us(middle),
                             "dur": self._us(end) - self._us(middle), "pid": self._pid, "tid": tid})
 
+    def counter(self, name: str, values: dict) -> None:
+        """A counter track (e.g. bytes sent so far, by kind) at this moment."""
+        if self._file:
+            self._emit({"name": name, "ph": "C", "ts": self._us(), "pid": self._pid, "args": values})
+
     def close(self) -> None:
         if self._file:
             with self._lock:

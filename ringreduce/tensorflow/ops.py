@@ -20,7 +20,7 @@ from ringreduce.engine import engine, register_kind
 
 from .async_op import async_call, in_tf1_graph
 from .basics import check_process_set, global_process_set
-from .compression import Compression
+from .compression import Compression, engine_compressor
 from .errors import raising_tf_errors
 from .naming import collective_name
 
@@ -133,10 +133,12 @@ def _scale(a, factor: float):
     return a * a.dtype.type(factor)
 
 
-def _reduce_array(a, op: str, prescale: float, postscale: float, name, ps):
+def _reduce_array(a, op: str, prescale: float, postscale: float, name, ps, compressor=None):
     a = _scale(a, prescale)
     if op == Average and a.dtype.kind in "iu":  # as Horovod: the sum, scaled by 1/size in float64
         return _scale(run_collective(name, a, "allreduce", ps, op=Sum), postscale / ps.size())
+    if compressor is not None:
+        return _scale(run_collective(name, a, "allreduce", ps, op=op, compression=compressor), postscale)
     return _scale(run_collective(name, a, "allreduce", ps, op=op), postscale)
 
 
@@ -158,15 +160,18 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
         return _allreduce_sparse(tensor, op, prescale_factor * postscale_factor, ps)
     tensor = tf.convert_to_tensor(tensor)
     wire, ctx = compression.compress(tensor)
-    return compression.decompress(_allreduce_dense(wire, op, prescale_factor, postscale_factor, name, ps), ctx)
+    return compression.decompress(_allreduce_dense(wire, op, prescale_factor, postscale_factor, name, ps,
+                                                   engine_compressor(compression)), ctx)
 
 
-def _allreduce_dense(tensor, op, prescale, postscale, name, ps):
+def _allreduce_dense(tensor, op, prescale, postscale, name, ps, compressor=None):
+    """compressor: the engine's (Compression.int8 and the like) for the
+    forward reduction; the gradient travels exact."""
     @tf.custom_gradient
     def _allreduce(x):
         label = collective_name("Allreduce", name, ps)
-        y = _numpy_op(lambda a: _reduce_array(a, op, prescale, postscale, label, ps), [x], x.dtype, x.shape,
-                      "RingAllreduce")
+        y = _numpy_op(lambda a: _reduce_array(a, op, prescale, postscale, label, ps, compressor), [x], x.dtype,
+                      x.shape, "RingAllreduce")
 
         def grad(dy):
             if op not in (Sum, Average):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import threading
 
 import numpy as np
@@ -23,7 +24,7 @@ import tensorflow as tf
 import ringreduce as rr
 from ..engine import engine
 from .errors import as_tf_error
-from .compression import Compression
+from .compression import Compression, engine_compressor
 from .basics import global_process_set
 from .naming import collective_name
 from .ops import allreduce
@@ -51,8 +52,20 @@ _run_ids = itertools.count(1)
 _lock = threading.Lock()
 
 
-def _enqueue(name: bytes, op: bytes, array: np.ndarray, process_set=None) -> np.int64:
-    h = engine().enqueue(name.decode(), array, op.decode(), process_set=process_set)
+_EAGER_COUNT = re.compile(r"^grad\.\d+\.")  # naming.py's eager names count up every step
+_EPOCH = re.compile(r"~\d+$")  # a call site's epoch after a failed step (see above)
+
+
+def _submit(name: str, op: str, array: np.ndarray, process_set=None, compression=None):
+    if compression is None:
+        return engine().enqueue(name, array, op, process_set=process_set)
+    # A compressor's state (error feedback, warm start) is the variable's, whatever the step's name.
+    return engine().enqueue(name, array, op, process_set=process_set, compression=compression,
+                            compression_key=_EPOCH.sub("", _EAGER_COUNT.sub("grad.", name)))
+
+
+def _enqueue(name: bytes, op: bytes, array: np.ndarray, process_set=None, compression=None) -> np.int64:
+    h = _submit(name.decode(), op.decode(), array, process_set, compression)
     with _lock:
         key = next(_ids)
         _handles[key] = h
@@ -65,7 +78,7 @@ def _begin_run(call, _nonce) -> np.ndarray:
         return np.array([next(_run_ids), _epochs.get(call, 0), call], dtype=np.int64)
 
 
-def _enqueue_all(run, names, op: bytes, arrays, process_set=None) -> np.ndarray:
+def _enqueue_all(run, names, op: bytes, arrays, process_set=None, compression=None) -> np.ndarray:
     run, epoch, call = (int(v) for v in run)
     keys = []
     for n, a in zip(names, arrays):
@@ -73,7 +86,7 @@ def _enqueue_all(run, names, op: bytes, arrays, process_set=None) -> np.ndarray:
             if run in _failed:  # a late hand-over of a failed run: nobody will wait for it
                 keys.append(0)
                 continue
-        key = int(_enqueue(n + b"~%d" % epoch if epoch else n, op, a, process_set))
+        key = int(_enqueue(n + b"~%d" % epoch if epoch else n, op, a, process_set, compression))
         with _lock:
             _runs.setdefault(run, {})[n] = key
             _owner[key] = (run, call, n)
@@ -191,7 +204,8 @@ def _hand_over_as_ready(dense, out, op, compression, groups, process_set):
         # when its inputs are constants (a gradient that does not depend on the
         # data): run once at optimisation time, it would hand over only the first step.
         keys = tf.numpy_function(lambda *arrays, ns=names, o=op.encode():
-                                 _enqueue_all(arrays[-1], ns, o, arrays[:-1], process_set),
+                                 _enqueue_all(arrays[-1], ns, o, arrays[:-1], process_set,
+                                              engine_compressor(compression)),
                                  [w for w, _ in wires] + [run], tf.int64, stateful=False, name="RingHandOver")
         for j, ((i, g, _), (wire, ctx)) in enumerate(zip(unit, wires)):
             handles.append((i, g, keys[j], wire.dtype, ctx))
@@ -205,7 +219,7 @@ def _reduce_all_at_once(dense, out, op, compression, process_set):
     wires = [compression.compress(g) for _, g, _ in dense]
 
     def run(*arrays):
-        handles = [engine().enqueue(n, a, op, process_set=process_set) for (_, _, n), a in zip(dense, arrays)]
+        handles = [_submit(n, op, a, process_set, engine_compressor(compression)) for (_, _, n), a in zip(dense, arrays)]
         try:
             return [engine().wait(h) for h in handles]
         except BaseException:  # one failed: the rest are withdrawn, so the next step's names are free

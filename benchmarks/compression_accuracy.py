@@ -1,0 +1,195 @@
+"""Does compression cost accuracy? The same Keras model trained on N ranks
+through DistributedOptimizer with each Compression, from the same start on
+the same data; final test accuracy and the loss curves.
+
+    .venv/bin/python benchmarks/compression_accuracy.py                 # digits and the 20M+ synthetic task
+    .venv/bin/python benchmarks/compression_accuracy.py --tasks digits
+    .venv/bin/python benchmarks/compression_accuracy.py --quick         # a few steps, into /tmp
+
+Tasks:
+  digits     scikit-learn's 8x8 digits (1797 images; 360 held out), an MLP
+             64-256-128-10, SGD with momentum, --epochs.
+  synthetic  a task big enough to need a 20M+ parameter model: 4096 input
+             features that are a noisy linear image of a 32-dimensional
+             latent; the label is the argmax of a fixed linear map of the
+             latent (10 classes). MLP 4096-4096-1024-10 (21.0M parameters).
+Everything is real (no stand-ins): every rank computes its own shard of each
+global batch. Ranks run on this machine's loopback (accuracy does not depend
+on link speed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+PY = sys.executable
+
+COMPRESSIONS = ("none", "powersgd:rank=4", "int8", "topk:ratio=0.01")
+
+
+def data(task: str, quick: bool):
+    import numpy as np
+    if task == "digits":
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        x, y = (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
+        order = np.random.default_rng(0).permutation(len(x))
+        x, y = x[order], y[order]
+        return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+    rng = np.random.default_rng(0)
+    n_train, n_test = (2048, 512) if quick else (16384, 2048)
+    z = rng.standard_normal((n_train + n_test, 32)).astype(np.float32)
+    a = rng.standard_normal((32, 4096)).astype(np.float32) / np.sqrt(32)
+    x = z @ a + 0.5 * rng.standard_normal((len(z), 4096)).astype(np.float32)
+    y = np.argmax(z @ rng.standard_normal((32, 10)).astype(np.float32), axis=1)
+    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+
+
+def model(task: str):
+    import keras
+    keras.utils.set_random_seed(0)
+    dims = [64, 256, 128] if task == "digits" else [4096, 4096, 1024]
+    layers = [keras.Input((dims[0],))] + [keras.layers.Dense(d, activation="relu") for d in dims[1:]]
+    return keras.Sequential(layers + [keras.layers.Dense(10)])
+
+
+def worker(args) -> None:
+    import os
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import ringreduce as rr
+    import ringreduce.tensorflow as rrtf
+    from compression_speed import make_compressor
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    rrtf.init()
+    n, r = rrtf.size(), rrtf.rank()
+    (x, y), (xt, yt) = data(args.task, args.quick)
+    comp = make_compressor(args.compression)
+    compression = rrtf.Compression.none if comp is None else rrtf.compression.EngineCompression(comp)
+    net = model(args.task)
+    net.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(args.lr, momentum=0.9),
+                                                    compression=compression),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+
+    class Curve(keras.callbacks.Callback):
+        losses: list = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.losses.append(float(logs["loss"]))
+
+    curve = Curve()
+    # Rank r's shard of every global batch: rows r, r + n, ... of each epoch's order.
+    rr.reset_stats()
+    net.fit(x[r::n], y[r::n], batch_size=args.batch, epochs=args.epochs, shuffle=False, verbose=0,
+            callbacks=[curve])
+    sent = rr.stats()["bytes_sent"]
+    steps = len(curve.losses)
+    acc = float(np.mean(np.argmax(net.predict(xt, verbose=0), axis=1) == yt))
+    same = all(np.array_equal(w, rr.broadcast(w, root=0)) for w in net.get_weights())
+    if r == 0:
+        print("RESULT", json.dumps({"test_acc": acc, "losses": curve.losses, "bytes_per_step": sent / steps,
+                                    "params": net.count_params(), "weights_agree": same}), flush=True)
+    from ringreduce.engine import engine
+    engine().shutdown()
+
+
+def run(args, task: str, compression: str) -> dict:
+    from training_scaling import Hosts, _base_env, _result
+    hosts = Hosts(None)
+    port, secret = hosts.port(0), secrets.token_hex(16)
+    argv = [PY, str(Path(__file__).resolve()), "--worker", "--task", task, "--compression", compression,
+            "--epochs", str(args.epochs if task == "digits" else args.synthetic_epochs), "--batch",
+            str(args.batch), "--lr", str(args.lr if task == "digits" else args.synthetic_lr)]
+    if args.quick:
+        argv.append("--quick")
+    procs = []
+    for r in range(args.n):
+        env = {**_base_env(), "RINGREDUCE_RANK": str(r), "RINGREDUCE_SIZE": str(args.n),
+               "RINGREDUCE_ADDR": f"127.0.0.1:{port}", "RINGREDUCE_SECRET": secret,
+               "RINGREDUCE_LOCAL_RANK": str(r), "RINGREDUCE_LOCAL_SIZE": str(args.n)}
+        procs.append(hosts.popen(r, argv, env))
+    return _result(procs, f"{task} {compression}", args.timeout)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    tasks = list(results)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for spec, res in results[task].items():
+            losses = np.array(res["losses"])
+            k = max(1, len(losses) // 50)  # a moving mean: per-batch losses are noisy
+            smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+            ax.plot(np.arange(len(smooth)) + k - 1, smooth, label=f"{spec} (test acc {100 * res['test_acc']:.1f}%)")
+        ax.set_title(f"{task} ({next(iter(results[task].values()))['params'] / 1e6:.2f}M parameters)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (moving mean)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def table(results: dict) -> list[str]:
+    out = ["| task | compression | test accuracy | vs none (points) | MB sent per step, rank 0 | weights agree |",
+           "|---|---|---|---|---|---|"]
+    for task, rows in results.items():
+        base = rows.get("none")
+        for spec, res in rows.items():
+            diff = f"{100 * (res['test_acc'] - base['test_acc']):+.1f}" if base else ""
+            out.append(f"| {task} | {spec} | {100 * res['test_acc']:.1f}% | {diff} | "
+                       f"{res['bytes_per_step'] / 1e6:.3f} | {res['weights_agree']} |")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default="digits,synthetic")
+    p.add_argument("--compressions", default=";".join(COMPRESSIONS), help="';'-separated")
+    p.add_argument("-n", type=int, default=2, help="ranks")
+    p.add_argument("--epochs", type=int, default=30, help="digits")
+    p.add_argument("--synthetic-epochs", type=int, default=1)
+    p.add_argument("--batch", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05, help="digits")
+    p.add_argument("--synthetic-lr", type=float, default=0.01)
+    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=str(REPO / "docs"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--task", help=argparse.SUPPRESS)
+    p.add_argument("--compression", default="none", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.epochs, args.out = 2, "/tmp"
+    out = Path(args.out)
+    saved = out / "compression_accuracy.json"
+    # Tasks not run now keep their saved results: the tasks can be run one at a time.
+    results: dict = json.loads(saved.read_text())["results"] if saved.exists() and not args.quick else {}
+    for task in args.tasks.split(","):
+        results[task] = {}
+        for spec in args.compressions.split(";"):
+            res = run(args, task, spec)
+            results[task][spec] = res
+            print(f"{task} {spec}: test accuracy {100 * res['test_acc']:.1f}%, "
+                  f"{res['bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
+            saved.write_text(json.dumps({"argv": sys.argv[1:], "results": results}))
+    plot(results, out / "compression_accuracy.png")
+    print("\n".join(table(results)))
+
+
+if __name__ == "__main__":
+    main()

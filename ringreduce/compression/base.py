@@ -1,0 +1,98 @@
+"""What every compressor shares: per-tensor state keyed by the collective's
+name, the reduction of a whole bucket at once (so compressed tensors fuse),
+and the plain path for what is not worth compressing.
+
+A compressor reduces a bucket of named tensors over the ring with the
+public collectives (ringreduce.collectives): it runs on the caller's thread
+(`compressor.allreduce(...)`) or on the engine's (engine().enqueue(...,
+compression=...)), every rank calling the same collectives in the same order.
+Only sum and avg are meaningful for a lossy reduction.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import collectives as _c
+
+OPS = ("sum", "avg")
+
+
+class Compressor:
+    """Subclasses set `name` and implement _reduce(items, n, group), items a
+    list of (key, float array, state); they return the SUM over ranks of
+    each array, as float arrays of the same shapes."""
+    name = "none"
+
+    def __init__(self):
+        self._state: dict = {}  # (process set id, tensor name) -> the compressor's per-tensor state
+
+    def params(self) -> dict:
+        return {}
+
+    @property
+    def tag(self) -> str:
+        """The spec as text, e.g. 'powersgd(min_size=4096,rank=4,warmup_steps=0)': what
+        the engine negotiates, and what from_tag() makes a compressor from again."""
+        return f"{self.name}({','.join(f'{k}={v!r}' for k, v in sorted(self.params().items()))})"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
+
+    def reset(self) -> None:
+        """Forget every tensor's state (error feedback, warm starts, steps)."""
+        self._state.clear()
+
+    def allreduce(self, arrays, names=None, op: str = "avg", process_set=None):
+        """Reduce one array (names: its name) or a list of arrays (names: one
+        each) over the ring, compressed; returns the same structure. Call it
+        on every rank with the same names, shapes and dtypes, in the same order."""
+        single = not isinstance(arrays, (list, tuple))
+        arrays = [arrays] if single else list(arrays)
+        names = [names] if single else list(names or [])
+        if len(names) != len(arrays) or not all(isinstance(n, str) and n for n in names):
+            raise ValueError("every tensor a compressor reduces needs a name, the same on every rank")
+        out = self.reduce_bucket(names, arrays, op, process_set)
+        return out[0] if single else out
+
+    def reduce_bucket(self, names, arrays, op, process_set=None, keys=None) -> list:
+        """The bucket's tensors reduced; names go on the wire (the same on
+        every rank), keys (default: the names) say whose state each uses:
+        a name that changes every step (TensorFlow's eager naming) can keep
+        one key."""
+        if op not in OPS:
+            raise ValueError(f"{self!r} reduces with sum or avg only, not {op!r}")
+        ring = _c._ring(process_set)
+        set_id = getattr(process_set, "process_set_id", 0) if process_set is not None else 0
+        items = []
+        for name, key, a in zip(names, keys or names, arrays):
+            a = np.asarray(a)
+            if a.dtype.kind != "f":
+                raise TypeError(f"{self!r} compresses floating-point tensors; {name!r} is {a.dtype}")
+            work = a.astype(np.float64 if a.dtype == np.float64 else np.float32, copy=False)
+            state = self._state.setdefault((set_id, key), {})
+            if state.get("shape", a.shape) != a.shape:  # another model's tensor of the same name: start afresh
+                state.clear()
+            state["shape"] = a.shape
+            items.append(((set_id, name), work, state))
+        sums = self._reduce(items, ring.size, process_set) if items else []
+        if op == "avg":
+            for s in sums:  # fresh arrays, the compressor's own
+                s *= s.dtype.type(1.0 / ring.size)
+        return [s.astype(np.asarray(a).dtype, copy=False).reshape(np.shape(a)) for s, a in zip(sums, arrays)]
+
+    def _reduce(self, items, n: int, group) -> list:
+        raise NotImplementedError
+
+    @staticmethod
+    def _plain_sum(arrays, group, name: str) -> list:
+        """Uncompressed: one fused sum allreduce per dtype of whatever is left."""
+        out = [None] * len(arrays)
+        for dtype in {a.dtype for a in arrays}:
+            idx = [i for i, a in enumerate(arrays) if a.dtype == dtype]
+            flat = np.concatenate([arrays[i].reshape(-1) for i in idx])
+            flat = _c.allreduce(flat, op="sum", name=f"{name}/{dtype}", process_set=group)
+            at = 0
+            for i in idx:
+                out[i] = flat[at:at + arrays[i].size].reshape(arrays[i].shape)
+                at += arrays[i].size
+        return out

@@ -1,0 +1,102 @@
+"""PowerSGD (Vogels, Karimireddy, Jaggi 2019): a gradient matrix M (n x m)
+travels as two thin factors, P = M Q (n x r) and Q = M^T P (m x r), one
+power-iteration step per training step with Q warm-started from the last
+step. Per step and tensor:
+
+    M = grad + error                  (error feedback: what earlier steps lost)
+    P = allreduce(M Q); orthonormalise P (numpy QR)
+    Q = allreduce(M^T P)
+    approx = P Q^T                    (the same on every rank)
+    error = M - approx / N            (kept locally, added next step)
+
+All P's of a bucket travel in one allreduce, then all Q's in one. A tensor
+is compressed only when r (n + m) is at most half of n m (a 2x saving);
+1-D tensors (biases), tensors under min_size elements and every tensor
+during the first warmup_steps steps go uncompressed. Q starts from a seed
+derived from the tensor's name, so it is the same on every rank.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from .. import collectives as _c
+from .base import Compressor
+
+
+def as_matrix(shape) -> tuple[int, int]:
+    """A kernel of any rank as (everything but the last dim) x (the last dim):
+    a Dense kernel (in, out) as itself, a conv kernel (h, w, in, out) as
+    (h w in, out)."""
+    return int(np.prod(shape[:-1])), int(shape[-1])
+
+
+class PowerSGD(Compressor):
+    name = "powersgd"
+
+    def __init__(self, rank: int = 4, warmup_steps: int = 0, min_size: int = 4096):
+        super().__init__()
+        if not (isinstance(rank, int) and rank >= 1):
+            raise ValueError(f"PowerSGD rank must be a positive int, not {rank!r}")
+        self.rank, self.warmup_steps, self.min_size = rank, int(warmup_steps), int(min_size)
+
+    def params(self) -> dict:
+        return {"rank": self.rank, "warmup_steps": self.warmup_steps, "min_size": self.min_size}
+
+    def compresses(self, shape) -> bool:
+        """Whether a tensor of this shape travels as factors (after warm-up)."""
+        if len(shape) < 2 or int(np.prod(shape)) < self.min_size:
+            return False
+        n, m = as_matrix(shape)
+        r = min(self.rank, n, m)
+        return 2 * r * (n + m) <= n * m
+
+    def _reduce(self, items, n_ranks, group):
+        out = [None] * len(items)
+        low, plain = [], []
+        for i, (key, a, state) in enumerate(items):
+            state["step"] = state.get("step", 0) + 1
+            (low if state["step"] > self.warmup_steps and self.compresses(a.shape) else plain).append(i)
+        if plain:
+            for i, s in zip(plain, self._plain_sum([items[i][1] for i in plain], group, f"{items[plain[0]][0][1]}/powersgd.plain")):
+                out[i] = s
+        if not low:
+            return out
+        mats, qs = [], []
+        for i in low:
+            key, a, state = items[i]
+            rows, cols = as_matrix(a.shape)
+            err = state.get("error")  # m our own copy: it becomes the error in place
+            m = a.reshape(rows, cols) + err if err is not None else a.reshape(rows, cols).copy()
+            q = state.get("q")
+            if q is None:  # the same start on every rank: seeded by the name
+                rng = np.random.default_rng(zlib.crc32(key[1].encode()))
+                q = rng.standard_normal((cols, min(self.rank, rows, cols))).astype(a.dtype)
+            mats.append(m)
+            qs.append(q)
+        first = items[low[0]][0][1]
+        ps = [m @ q for m, q in zip(mats, qs)]
+        ps = self._split(_c.allreduce(np.concatenate([p.reshape(-1) for p in ps]), op="sum",
+                                      name=f"{first}/powersgd.P", process_set=group), [p.shape for p in ps])
+        ps = [np.linalg.qr(p)[0] for p in ps]  # orthonormal columns: the same on every rank (same input)
+        qs = [m.T @ p for m, p in zip(mats, ps)]
+        qs = self._split(_c.allreduce(np.concatenate([q.reshape(-1) for q in qs]), op="sum",
+                                      name=f"{first}/powersgd.Q", process_set=group), [q.shape for q in qs])
+        for i, m, p, q in zip(low, mats, ps, qs):
+            total = p @ q.T  # the sum over ranks of each rank's projection
+            state = items[i][2]
+            state["q"] = q
+            m -= total * m.dtype.type(1.0 / n_ranks)
+            state["error"] = m
+            out[i] = total
+        return out
+
+    @staticmethod
+    def _split(flat, shapes):
+        out, at = [], 0
+        for shape in shapes:
+            size = int(np.prod(shape))
+            out.append(flat[at:at + size].reshape(shape))
+            at += size
+        return out

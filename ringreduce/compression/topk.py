@@ -1,0 +1,56 @@
+"""Top-k sparsification: each rank sends only its k = ceil(ratio * size)
+largest |grad + error| entries, as (index, value) pairs gathered from every
+rank (an allgather: the ranks' supports differ, so there is nothing to sum
+in place); every rank adds them up in rank order, so all get the same sum.
+What was not sent stays behind as error feedback, and goes out once it has
+grown large enough. The bytes each rank sends grow with N (it forwards
+every rank's pairs), so top-k pays where ratio is small.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import collectives as _c
+from .base import Compressor
+
+
+class TopK(Compressor):
+    name = "topk"
+
+    def __init__(self, ratio: float = 0.01):
+        super().__init__()
+        if not (0 < ratio <= 1):
+            raise ValueError(f"top-k ratio must be in (0, 1], not {ratio!r}")
+        self.ratio = float(ratio)
+
+    def params(self) -> dict:
+        return {"ratio": self.ratio}
+
+    def _reduce(self, items, n_ranks, group):
+        first = items[0][0][1]
+        vals, picks, packs = [], [], []
+        for key, a, state in items:
+            err = state.get("error")  # v our own copy: it becomes the error in place
+            v = np.add(a.reshape(-1), err, dtype=np.float32) if err is not None else a.reshape(-1).astype(np.float32)
+            k = min(v.size, max(1, math.ceil(self.ratio * v.size)))
+            idx = np.sort(np.argpartition(np.abs(v), v.size - k)[v.size - k:]).astype(np.int32)
+            vals.append(v)
+            picks.append(idx)
+            packs.append(np.concatenate([idx, v[idx].view(np.int32)]))  # one int32 buffer: indices, values
+        gathered = _c.allgather(np.concatenate(packs), name=f"{first}/topk", process_set=group)
+        per_rank = gathered.reshape(n_ranks, -1)
+        out = []
+        at = 0
+        for (key, a, state), v, idx in zip(items, vals, picks):
+            k = idx.size
+            total = np.zeros(v.size, dtype=np.float32)
+            for r in range(n_ranks):  # rank order: the same float additions on every rank
+                row = per_rank[r, at:at + 2 * k]
+                np.add.at(total, row[:k], row[k:].view(np.float32))
+            v[idx] = 0  # sent: what is left waits for a later step
+            state["error"] = v
+            out.append(total)
+            at += 2 * k
+        return out

@@ -1,0 +1,63 @@
+"""How many bytes this rank has sent, counted in C where every exchange
+passes (csrc/transport.h), so compression savings are measured, not worked
+out on paper.
+
+    rr.reset_stats()
+    ... train a step ...
+    rr.stats()  # {'bytes_sent': ..., 'ring': ..., 'blobs': ..., 'alltoall': ...}
+
+bytes_sent is everything this rank sent to its ring neighbours, on the
+world's ring and on every process set's it belongs to: 'ring' the data steps
+of allreduce, reduce_scatter, allgather and broadcast; 'blobs' whole-frame
+exchanges (the engine's negotiation and small allreduces); 'alltoall'.
+Headers and framing are included; the control star's notices are not.
+"""
+from __future__ import annotations
+
+import threading
+
+from . import collectives as _c
+
+KINDS = ("ring", "blobs", "alltoall")  # the order of _core.Comm.bytes()
+
+_lock = threading.Lock()
+_baseline: dict[int, tuple[object, tuple]] = {}  # id(comm) -> (comm, its counts at the last reset)
+
+
+def _comms() -> list:
+    with _c._state.lock:
+        comms = [_c._state.comm, *(ring.comm for ring in _c._state.sets.values())]
+    return [comm for comm in comms if comm is not None]
+
+
+def _since_reset(comm) -> tuple:
+    now = comm.bytes()
+    held = _baseline.get(id(comm))
+    if held is None or held[0] is not comm:  # a communicator made since the last reset
+        return now
+    return tuple(max(0, a - b) for a, b in zip(now, held[1]))
+
+
+def stats(reset: bool = False) -> dict:
+    """Bytes this rank sent since init() or the last reset_stats(), by kind
+    and in all ('bytes_sent'). reset=True starts counting afresh after reading."""
+    with _lock:
+        comms = _comms()
+        counts = [_since_reset(comm) for comm in comms]
+        out = {kind: sum(c[i] for c in counts) for i, kind in enumerate(KINDS)}
+        out["bytes_sent"] = sum(out.values())
+        if reset:
+            _reset(comms)
+        return out
+
+
+def reset_stats() -> None:
+    """Start counting bytes sent afresh (what stats() reports)."""
+    with _lock:
+        _reset(_comms())
+
+
+def _reset(comms) -> None:
+    _baseline.clear()
+    for comm in comms:
+        _baseline[id(comm)] = (comm, comm.bytes())

@@ -1,0 +1,215 @@
+"""Gradient compression (ringreduce/compression/): each compressor against
+the exact average, error feedback, agreement across ranks, bytes saved,
+mismatches, the engine and the TensorFlow layer."""
+import pytest
+
+from ranks import run_ranks
+
+# Every rank holds a different low-noise gradient per step; the exact average
+# is known to every rank (each can rebuild the others' from their seeds).
+ACCURACY_JOB = """
+from ringreduce.compression import PowerSGD, Int8, TopK
+N, me = rr.size(), rr.rank()
+
+base = np.random.default_rng(7)
+U, V = base.standard_normal((300, 2)), base.standard_normal((2, 201))   # a structure shared by steps and ranks
+
+def grads(rank, step):
+    g = np.random.default_rng(1000 * step + rank)
+    scale = 1 + 0.2 * g.standard_normal()
+    return {"w": (scale * U @ V + 0.05 * g.standard_normal((300, 201))).astype(np.float32),
+            "b": g.standard_normal(201).astype(np.float32)}
+
+out = {}
+for c in [PowerSGD(rank=4, min_size=1000), Int8(), TopK(ratio=0.05)]:
+    errs, sent, true_sum, got_sum, digests = [], [], 0, 0, []
+    for step in range(40):
+        mine = grads(me, step)
+        exact = {k: np.mean([grads(r, step)[k] for r in range(N)], axis=0) for k in mine}
+        res = c.allreduce([mine["w"], mine["b"]], ["w", "b"], op="avg")
+        errs.append(float(np.linalg.norm(res[0] - exact["w"]) / np.linalg.norm(exact["w"])))
+        true_sum = true_sum + exact["w"]
+        got_sum = got_sum + res[0]
+        digests.append(res[0].tobytes() + res[1].tobytes())
+    # error feedback: what went out over all steps is the truth less what the ranks still hold back
+    held = np.mean(rr.allgather(c._state[(0, "w")]["error"].reshape(1, 300, 201).astype(np.float64)), axis=0)
+    out[c.name] = dict(first=errs[0], last=errs[-1],
+                       drift=float(np.linalg.norm(got_sum - true_sum) / np.linalg.norm(true_sum)),
+                       ef=float(np.abs(got_sum + held - true_sum).max() / np.abs(true_sum).max()),
+                       dtype=str(res[0].dtype), digest=__import__("hashlib").sha256(b"".join(digests)).hexdigest())
+result = out
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_each_compressor_approximates_the_average_and_error_feedback_keeps_the_sum(tmp_path, n):
+    ranks = run_ranks(n, ACCURACY_JOB, tmp_path, timeout=100)
+    res = ranks[0].result
+    for name, r in res.items():
+        assert r["dtype"] == "float32", name
+        # bit-identical on every rank, every step
+        assert all(x.result[name]["digest"] == r["digest"] for x in ranks), name
+        # the cumulative sum sent equals the true one, up to what is held back as error
+        assert r["ef"] < 1e-4, (name, r)
+    # a rank-2 signal under noise: rank 4 finds it once warm; the error stays small
+    assert res["powersgd"]["last"] < 0.05, res["powersgd"]
+    # 8-bit: 127 // N levels of the peak; rounding costs ~ (peak / rms) / (levels * sqrt(12)) per rank
+    assert res["int8"]["first"] < 3.0 / (127 // n) and res["int8"]["last"] < 3.0 / (127 // n), res["int8"]
+    # top-k: each step alone is rough, but the sum over steps drifts little
+    assert res["topk"]["drift"] < 0.5, res["topk"]
+    assert res["powersgd"]["drift"] < 0.05 and res["int8"]["drift"] < 0.01
+
+
+BYTES_JOB = """
+from ringreduce.compression import PowerSGD, Int8, TopK
+g = np.random.default_rng(rr.rank()).standard_normal((1024, 1024)).astype(np.float32)
+out = {}
+for c in [None, PowerSGD(rank=4), Int8(), TopK(ratio=0.01)]:
+    rr.reset_stats()
+    for step in range(2):
+        rr.allreduce(g, op="avg") if c is None else c.allreduce(g, "w")
+    out["none" if c is None else c.name] = rr.stats()["bytes_sent"] / 2
+result = out
+"""
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bytes_sent_drop_as_each_compressor_promises(tmp_path, n):
+    for r in run_ranks(n, BYTES_JOB, tmp_path, timeout=100):
+        b = r.result
+        plain = 2 * (n - 1) / n * 4 * 1024 * 1024
+        assert b["none"] == pytest.approx(plain, rel=0.01)
+        assert b["none"] / b["powersgd"] >= 20, b  # 2 x (1024 x 4) floats against 1024 x 1024
+        assert b["none"] / b["int8"] == pytest.approx(4, rel=0.05), b
+        # n - 1 ranks' (index, value) pairs of 1% of the entries: 8 bytes each
+        assert b["topk"] == pytest.approx((n - 1) * 8 * 10486, rel=0.05), b
+
+
+ENGINE_JOB = """
+from ringreduce.compression import PowerSGD, Int8, TopK
+from ringreduce.engine import Engine
+from ringreduce.errors import MismatchError
+eng = Engine(fusion_bytes=1 << 22, timeline_path=os.environ["TIMELINE"])
+me = rr.rank()
+g = np.random.default_rng(5)
+shared = g.standard_normal((256, 3)) @ g.standard_normal((3, 128))
+grads = {f"layer{i}/kernel": (shared * (i + 1) + 0.01 * me).astype(np.float32) for i in range(3)}
+grads["layer0/bias"] = np.full(128, me, dtype=np.float32)
+out = {}
+for c in [PowerSGD(rank=4, min_size=1000), Int8(), TopK(ratio=1.0)]:
+    for step in range(3):
+        hs = {n: eng.enqueue(n, a, op="avg", compression=c) for n, a in reversed(list(grads.items()))}
+        res = {n: eng.wait(h) for n, h in hs.items()}
+    exact = {n: (shared * (int(n[5]) + 1) + 0.01 * (rr.size() - 1) / 2).astype(np.float32) if "kernel" in n
+             else np.full(128, (rr.size() - 1) / 2, dtype=np.float32) for n in grads}
+    out[c.name] = dict(err=max(float(np.abs(res[n] - exact[n]).max() / np.abs(exact[n]).max()) for n in grads),
+                       digest=__import__("hashlib").sha256(b"".join(res[n].tobytes() for n in sorted(res))).hexdigest())
+# different compressors on different ranks: MismatchError on every rank, and the engine goes on
+errors = []
+for name, c in [("a", PowerSGD(rank=4 + me, min_size=1)), ("b", Int8() if me == 0 else None)]:
+    try:
+        eng.wait(eng.enqueue(name, np.ones((64, 64), np.float32), compression=c))
+    except MismatchError as exc:
+        errors.append(str(exc))
+try:
+    eng.enqueue("c", np.ones(4, np.int32), compression=Int8())
+except TypeError as exc:
+    errors.append("type: " + str(exc))
+out["errors"] = errors
+out["after"] = eng.wait(eng.enqueue("after", np.ones(3, np.float32), op="sum")).tolist()
+eng.shutdown()
+result = out
+"""
+
+
+def test_the_engine_fuses_compressed_tensors_and_mismatched_compressors_raise(tmp_path):
+    import json
+    ranks = run_ranks(2, ENGINE_JOB, tmp_path, env={"TIMELINE": str(tmp_path / "t.json")}, timeout=100)
+    res = ranks[0].result
+    for name in ("powersgd", "int8", "topk"):
+        assert all(r.result[name]["digest"] == res[name]["digest"] for r in ranks), name
+    assert res["powersgd"]["err"] < 1e-3 and res["int8"]["err"] < 0.05, res
+    assert res["topk"]["err"] < 1e-6, res  # ratio 1: every entry goes, exact
+    for r in ranks:
+        errs = r.result["errors"]
+        assert len(errs) == 3, errs
+        assert "powersgd(min_size=1,rank=4" in errs[0] and "rank=5" in errs[0], errs[0]
+        assert "int8()" in errs[1], errs[1]
+        assert errs[2].startswith("type:") and "int32" in errs[2]
+        assert r.result["after"] == [2.0, 2.0, 2.0]
+    events = json.loads((tmp_path / "t.json").read_text())
+    labels = {e["args"]["op"] for e in events if e.get("name") == "ALLREDUCE"}
+    assert any(lbl.startswith("powersgd(") and "fused 4 tensors" in lbl for lbl in labels), labels
+
+
+KERAS_JOB = """
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf, keras
+from sklearn.datasets import load_digits
+import ringreduce.tensorflow as rrtf
+rrtf.init()
+n, r = rrtf.size(), rrtf.rank()
+digits = load_digits()
+x, y = (digits.data / 16.0).astype(np.float32), digits.target
+xs, ys = x[r::n][:800], y[r::n][:800]
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+def make_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+
+out = {}
+for label, comp in [("none", rrtf.Compression.none), ("powersgd", rrtf.Compression.powersgd(rank=4)),
+                    ("int8", rrtf.Compression.int8), ("topk", rrtf.Compression.topk(ratio=0.1))]:
+    model = make_model()
+    model.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=comp), loss=loss,
+                  metrics=["accuracy"])
+    rr.reset_stats()
+    hist = model.fit(xs, ys, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    sent = rr.stats()["bytes_sent"]
+    w = model.get_weights()
+    out[label] = dict(acc=hist.history["accuracy"][-1], loss=hist.history["loss"], sent=sent,
+                      same=all(np.array_equal(a, rr.broadcast(a, root=0)) for a in w))
+
+# DistributedGradientTape, eagerly: names count up every step, the compressor's state stays the variable's
+comp = rrtf.Compression.powersgd(rank=2)
+model = make_model()
+opt = keras.optimizers.SGD(0.1)
+losses = []
+for step in range(24):
+    xb, yb = xs[32 * step:32 * step + 32], ys[32 * step:32 * step + 32]
+    with tf.GradientTape() as tape:
+        l = loss(yb, model(xb))
+    tape = rrtf.DistributedGradientTape(tape, compression=comp)
+    opt.apply_gradients(zip(tape.gradient(l, model.trainable_variables), model.trainable_variables))
+    losses.append(float(l))
+out["tape"] = dict(first=np.mean(losses[:5]), last=np.mean(losses[-5:]), keys=len(comp.engine._state),
+                   same=all(np.array_equal(a, rr.broadcast(a, root=0)) for a in model.get_weights()))
+result = out
+"""
+
+
+def test_keras_fit_and_the_tape_train_with_each_compressor(tmp_path):
+    for r in run_ranks(2, KERAS_JOB, tmp_path, timeout=150, init=False):
+        res = r.result
+        for label in ("none", "powersgd", "int8", "topk"):
+            assert res[label]["same"], f"{label}: weights differ between ranks"
+            assert res[label]["loss"][-1] < 0.5 * res[label]["loss"][0], (label, res[label]["loss"])
+            assert res[label]["acc"] > res["none"]["acc"] - 0.05, (label, res[label]["acc"], res["none"]["acc"])
+        assert res["powersgd"]["sent"] < res["none"]["sent"] / 2, (res["powersgd"]["sent"], res["none"]["sent"])
+        assert res["int8"]["sent"] < res["none"]["sent"] / 2.5
+        assert res["tape"]["same"] and res["tape"]["last"] < 0.85 * res["tape"]["first"], res["tape"]
+        assert res["tape"]["keys"] == 4, "one state per variable, not one per step"
+
+
+def test_the_speed_benchmark_runs_and_counts_fewer_bytes(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from ranks import REPO
+    out = tmp_path / "speed.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "compression_speed.py"), "--quick", "--out", str(out),
+                    "--steps", "1"], check=True, timeout=100, capture_output=True)
+    rows = {r["compression"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["none"]["bytes_per_step"] / rows["powersgd:rank=4"]["bytes_per_step"] > 4
+    assert rows["none"]["bytes_per_step"] / rows["int8"]["bytes_per_step"] == pytest.approx(4, rel=0.1)

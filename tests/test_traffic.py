@@ -1,0 +1,65 @@
+"""Bytes sent, counted in C (csrc/transport.h) and read by rr.stats()."""
+import json
+
+import pytest
+
+from ranks import run_ranks
+
+RING_JOB = """
+count = 262_147                      # odd: chunks of unequal size
+x = np.ones(count, dtype=np.float32)
+rr.allreduce(np.ones(8, dtype=np.float32))   # warm: whatever a first call exchanges
+rr.reset_stats()
+rr.allreduce(x)
+s = rr.stats(reset=True)
+after_reset = rr.stats()
+rr.allgather(np.ones((rr.rank() + 1, 100_000), dtype=np.int8))
+g = rr.stats()
+result = dict(ring=s, after=after_reset, gather=g, nbytes=x.nbytes)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_ring_allreduce_sends_2_n_minus_1_over_n_of_the_tensor(tmp_path, n):
+    ranks = run_ranks(n, RING_JOB, tmp_path, timeout=90)
+    for r in ranks:
+        res = r.result
+        expected = 2 * (n - 1) / n * res["nbytes"]
+        ring = res["ring"]
+        # every data byte counted, within one element per chunk of rounding; no alltoall
+        assert abs(ring["ring"] - expected) <= 4 * n, (r.rank, ring, expected)
+        assert ring["alltoall"] == 0
+        # headers, not data, go as blobs: a few hundred bytes at most
+        assert ring["blobs"] < 1024, ring
+        assert ring["bytes_sent"] == ring["ring"] + ring["blobs"] + ring["alltoall"]
+        assert res["after"]["bytes_sent"] == 0, "stats(reset=True) starts counting afresh"
+        # an allgather forwards every other rank's block once: sum of all blocks but the receiver's own
+        others = sum((q + 1) * 100_000 for q in range(n)) - ((r.rank + 1) % n + 1) * 100_000
+        assert abs(res["gather"]["ring"] - others) <= 64 * n, (r.rank, res["gather"], others)
+
+
+ENGINE_JOB = """
+from ringreduce.engine import engine
+rr.reset_stats()
+h = engine().enqueue("w", np.ones(100_000, dtype=np.float32), op="sum")
+engine().wait(h)
+result = rr.stats()
+engine().shutdown()
+"""
+
+
+def test_the_engine_counts_negotiation_as_blobs_and_the_timeline_shows_a_counter(tmp_path):
+    trace = tmp_path / "trace.json"
+    ranks = run_ranks(2, ENGINE_JOB, tmp_path, env={"RINGREDUCE_TIMELINE": str(trace)}, timeout=90)
+    for r in ranks:
+        assert r.result["ring"] == pytest.approx(400_000, abs=8)
+        assert r.result["blobs"] > 0  # the engine's negotiation
+    events = json.loads(trace.read_text())
+    counters = [e for e in events if e.get("ph") == "C" and e.get("name") == "bytes sent"]
+    assert counters and counters[-1]["args"]["ring"] >= 400_000
+
+
+def test_stats_before_init_is_zero():
+    import ringreduce as rr
+    assert not rr.is_initialized()
+    assert rr.stats() == {"ring": 0, "blobs": 0, "alltoall": 0, "bytes_sent": 0}
