@@ -21,3 +21,9 @@ class MismatchError(RingReduceError):
 class PeerLostError(RingReduceError):
     """A peer died, closed its connection, or stayed silent past
     RINGREDUCE_TIMEOUT seconds. `.rank` is the lost rank."""
+
+
+class StaleGenerationError(RingReduceError):
+    """A header from another generation of an elastic job's ring (ringrun
+    --elastic re-forms the ring after a loss, each time a new generation):
+    the operation is refused on every rank that sees it, never paired."""
