@@ -4,7 +4,7 @@
     rr.init()
     grads = rr.allreduce(grads, op="avg")
 """
-from .errors import MismatchError, PeerLostError, RingReduceError
+from .errors import MismatchError, PeerLostError, RingReduceError, StaleGenerationError
 from .collectives import (
     allgather,
     allreduce,
@@ -29,5 +29,5 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier", "join",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
-    "RingReduceError", "MismatchError", "PeerLostError",
+    "RingReduceError", "MismatchError", "PeerLostError", "StaleGenerationError",
 ]

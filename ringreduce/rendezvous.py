@@ -254,6 +254,7 @@ class _Client:
         self.addr, self.key, self.worker = world.addr, world.secret or _world.NO_SECRET_KEY, world.extra["worker"]
         self.sock: socket.socket | None = None
         self.update_pending = False
+        self.generation = 0  # the last generation this worker was given
         self.pid = os.getpid()
 
     def _connect(self, port: int, host: str, commit: int, deadline: float) -> None:
@@ -279,7 +280,7 @@ class _Client:
         except (OSError, ConnectionError, ValueError) as exc:
             raise RingReduceError(f"lost the connection to ringrun's elastic rendezvous ({exc}): "
                                   "ringrun is gone") from exc
-        if "update" in msg:
+        if msg.get("update") == self.generation:  # an older one was for a ring already left
             self.update_pending = True
         return msg
 
@@ -336,6 +337,7 @@ def join(world: _world.World) -> _world.Links:
             listener.close()
             raise
         a = msg["assign"]
+        c.generation = a["generation"]
         world.rank, world.size = a["rank"], a["size"]
         world.local_rank, world.local_size = a["local_rank"], a["local_size"]
         world.extra.update(generation=a["generation"], table=a["table"], job=a["job"])

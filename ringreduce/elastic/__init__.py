@@ -16,7 +16,7 @@ ring grows. Under `ringrun --elastic` (docs/elastic.md):
 
     train(state)
 """
-from .runner import recoverable, reset, run
+from .runner import generation, recoverable, reset, run
 from .state import HostsUpdatedInterrupt, ObjectState, State, broadcast_object
 
-__all__ = ["run", "State", "ObjectState", "HostsUpdatedInterrupt", "broadcast_object", "reset", "recoverable"]
+__all__ = ["run", "State", "ObjectState", "HostsUpdatedInterrupt", "broadcast_object", "reset", "recoverable", "generation"]

@@ -20,6 +20,12 @@ def recoverable(exc: BaseException) -> bool:
     return isinstance(exc, RingReduceError) and not isinstance(exc, MismatchError)
 
 
+def generation() -> int:
+    """The generation of the running ring (ringrun --elastic forms a new one
+    at every reset; 0 outside elastic jobs)."""
+    return _c._state.generation
+
+
 def reset() -> None:
     """Leaves the broken ring (the engine's thread stopped, its waiters
     failed, every descriptor closed) and joins the next generation's."""
