@@ -150,3 +150,27 @@ def test_elastic_flags_need_elastic():
     out = subprocess.run([sys.executable, "-m", "ringreduce.run", "--elastic", "-np", "2", "--min-np", "3", "true"],
                          capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 2 and "--min-np (3) <= -np (2)" in out.stderr
+
+
+@pytest.mark.timeout(90)
+def test_keras_fit_with_the_callbacks_survives_a_kill():
+    pytest.importorskip("tensorflow")
+    epochs, spe = 4, 12
+    run = ElasticRun(["-np", "3", "--min-np", "2", sys.executable, str(REPO / "tests" / "elastic_keras_job.py"),
+                      str(epochs), str(spe), "3"], kill_when=killer(spe + 3, 1), timeout=85)
+    assert run.proc.returncode == 0, run.stderr[-3000:]
+    done = run.done()
+    assert len(done) == 3, run.stderr[-3000:]
+    assert len({d["sha"] for d in done}) == 1 and all(d["finite"] for d in done)
+    assert all(d["epoch"] == epochs and d["size"] == 3 for d in done)
+    assert 2 in {size for _, _, _, size, _ in run.commits()}, "trained on with 2"
+    survivors = [d for d in done if d["lr_sizes"]]
+    assert survivors and all(d["lr_sizes"][:1] == [2] and d["lr_sizes"][-1] == 3 for d in survivors)
+    assert all(abs(d["lr"] - 0.03) < 1e-7 for d in done), "the reset callback scaled the rate by the new size"
+    # nothing committed was lost: after each reset training resumes at or after the newest commit's epoch start
+    by_gen: dict = {}
+    for step, gen, *_ in run.commits():
+        by_gen.setdefault(gen, []).append(step)
+    gens = sorted(by_gen)
+    for a, b in zip(gens, gens[1:]):
+        assert min(by_gen[b]) >= max(by_gen[a]) // spe * spe, (a, b)
