@@ -16,6 +16,7 @@ import pickle
 import numpy as np
 
 from .. import collectives as _c
+from .. import engine as _engine
 from .. import rendezvous as _rendezvous
 
 
@@ -73,8 +74,11 @@ class State:
         client = _rendezvous.client()
         if client is None or not _c.is_initialized():
             return
-        waiting = _c.allreduce(np.array([int(client.poll_update())], np.int32), op="max",
-                               name="elastic.host_updates")
+        flag = np.array([int(client.poll_update())], np.int32)
+        if _engine._engine is not None:  # by name through the running engine: no pass of its can meet this one
+            waiting = _engine.engine().wait(_engine.engine().enqueue("elastic.host_updates", flag, op="max"))
+        else:
+            waiting = _c.allreduce(flag, op="max", name="elastic.host_updates")
         if waiting[0]:
             raise HostsUpdatedInterrupt()
 
