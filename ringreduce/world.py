@@ -1,6 +1,8 @@
 """Who am I, and who are my ring neighbours.
 
 discover() reads the world from the environment, in this order:
+  0. RINGREDUCE_ELASTIC_ADDR (ringrun --elastic): rank and size come from
+     ringrun's rendezvous at every (re)join (ringreduce/rendezvous.py)
   1. RINGREDUCE_RANK / RINGREDUCE_SIZE / RINGREDUCE_ADDR (set by ringrun, or by hand)
   2. mpirun: Open MPI's OMPI_COMM_WORLD_*, MPICH/Hydra's PMI_* (with the TCP
      backend, rank 0's address and the job secret then travel over MPI)

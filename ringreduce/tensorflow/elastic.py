@@ -92,13 +92,15 @@ class _VariablesState(ObjectState):
 
 
 class TensorFlowState(_VariablesState):
-    """tf.Variables (default: every trainable variable made so far) and any values."""
+    """tf.Variables and any values: `TensorFlowState(model.variables, epoch=0)`."""
 
     def __init__(self, variables=None, session=None, **kwargs):
         if session is not None:
             raise NotImplementedError("TensorFlowState(session=...): TF1 sessions are not elastic here; "
                                       "use eager code or tf.function")
-        super().__init__(variables if variables is not None else tf.compat.v1.trainable_variables(), **kwargs)
+        if variables is None:  # TF2 keeps no global collection of variables to default to
+            raise ValueError("TensorFlowState needs variables=[...] (e.g. model.variables + optimizer.variables)")
+        super().__init__(variables, **kwargs)
 
 
 class TensorFlowKerasState(_VariablesState):
