@@ -20,8 +20,9 @@ JOB = str(REPO / "tests" / "elastic_job.py")
 class ElasticRun:
     """ringrun --elastic under a timeout; `kill_when(line)` picks a pid to kill -9."""
 
-    def __init__(self, args, kill_when=None, timeout=60):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1", "RINGRUN_VERBOSE": "1"}
+    def __init__(self, args, kill_when=None, timeout=60, env=None):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1", "RINGRUN_VERBOSE": "1",
+               **(env or {})}
         env.pop("RINGREDUCE_SECRET", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "--elastic", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -104,12 +105,13 @@ def check_recovered(run: ElasticRun, steps: int, n_final: int):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
-def test_kill_a_worker_training_goes_on_and_the_world_grows_back(victim):
+@pytest.mark.parametrize("victim, links", [(1, "shm"), (0, "tcp")], ids=["rank1-shm", "rank0-tcp"])
+def test_kill_a_worker_training_goes_on_and_the_world_grows_back(victim, links):
     steps = 80
     run = ElasticRun(["-np", "4", "--min-np", "2", sys.executable, JOB, str(steps), "0.03"],
-                     kill_when=killer(10, victim))
+                     kill_when=killer(10, victim), env={"RINGREDUCE_SHM_BYTES": "0"} if links == "tcp" else {})
     check_recovered(run, steps, 4)
+    assert all(d["links"] == {"next": links, "prev": links} for d in run.done()), "the links re-formed as such"
     assert "was killed by SIGKILL; restarting it in 1 s" in run.stderr
 
 
@@ -174,3 +176,31 @@ def test_keras_fit_with_the_callbacks_survives_a_kill():
     gens = sorted(by_gen)
     for a, b in zip(gens, gens[1:]):
         assert min(by_gen[b]) >= max(by_gen[a]) // spe * spe, (a, b)
+
+
+@pytest.mark.timeout(60)
+def test_a_host_the_discovery_script_adds_joins_at_the_next_commit(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    steps = 150
+
+    def grow(line):
+        words = line.split("] ", 1)[-1].split()
+        if words[:2] == ["committed", "5"]:
+            hosts.write_text("localhost:3\n")  # a slot appears: ringrun starts a worker there
+        return None
+    run = ElasticRun(["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}",
+                      sys.executable, JOB, str(steps), "0.02"], kill_when=grow)
+    assert run.proc.returncode == 0, run.stderr[-3000:]
+    done = run.done()
+    assert len(done) == 3 and len({d["sha"] for d in done}) == 1
+    assert all(d["w0"] == d["expected"] and d["steps"] == steps for d in done)
+    sizes = done[0]["sizes"]
+    assert sizes[0] == 2 and sizes[-1] == 3, "the ring grew from 2 to 3"
+    by_gen: dict = {}
+    for step, gen, *_ in run.commits():
+        by_gen.setdefault(gen, []).append(step)
+    gens = sorted(by_gen)
+    for a, b in zip(gens, gens[1:]):
+        assert min(by_gen[b]) == max(by_gen[a]) + 1, "a grow loses or repeats no step"
+    assert "host discovery" not in run.stderr  # the script never failed
