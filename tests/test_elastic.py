@@ -204,3 +204,44 @@ def test_a_host_the_discovery_script_adds_joins_at_the_next_commit(tmp_path):
     for a, b in zip(gens, gens[1:]):
         assert min(by_gen[b]) == max(by_gen[a]) + 1, "a grow loses or repeats no step"
     assert "host discovery" not in run.stderr  # the script never failed
+
+
+def test_sync_takes_the_state_of_the_newest_commit(tmp_path):
+    body = """
+    from ringreduce import elastic
+    state = elastic.ObjectState(w=np.zeros(3), note="start")
+    for i in range(1 + 2 * (rr.rank() == 2)):  # rank 2 is two commits ahead (others lost the step after)
+        state.w = state.w + 1 + i
+        state.note = f"commit {i + 1} of rank {rr.rank()}"
+        state.commit()
+    state.w = state.w * 100  # uncommitted: rolled back
+    state.restore()
+    state.sync()
+    result = (state.w.tolist(), state.note, state.commits)
+    """
+    ranks = run_ranks(3, body, tmp_path, timeout=30)
+    assert {tuple(r.result[0]) for r in ranks} == {(6.0, 6.0, 6.0)}
+    assert {r.result[1:] for r in ranks} == {("commit 3 of rank 2", 3)}
+
+
+def test_restart_back_off_doubles_and_a_failing_host_is_left_out():
+    from ringreduce import elastic_launcher as el
+
+    job = el.ElasticJob(el.Options(np=2, min_np=1, max_np=2, max_restarts=10, hosts_spec="localhost:2"), ["true"])
+    try:
+        class Dead:
+            returncode = -9
+
+            def poll(self):
+                return -9
+        now = 1000.0
+        for i in range(3):
+            job.failed(el.Worker(i, f"localhost#{i}", "localhost", Dead(), now), -9, now + i)
+        delays = [when - (now + i) for i, (when, _) in enumerate(job.pending)]
+        assert delays == [1.0, 2.0, 4.0]
+        host = job.hosts["localhost"]
+        assert host.left_out_until == now + 2 + el.BLACKLIST_SECONDS
+        assert job.free_host("localhost", now + 3) is None  # left out for a while
+        assert job.free_host("localhost", now + 3 + el.BLACKLIST_SECONDS) == "localhost"
+    finally:
+        job.server.close()
