@@ -23,7 +23,7 @@ import tensorflow as tf  # noqa: E402
 
 import ringreduce.tensorflow.keras as hvd  # noqa: E402
 from ringreduce import elastic as rr_elastic  # noqa: E402
-from ringreduce.tensorflow import elastic  # noqa: E402
+elastic = hvd.elastic  # Horovod's spelling: hvd.elastic.KerasState, hvd.elastic.run
 
 epochs, spe = int(sys.argv[1]), int(sys.argv[2])
 final_size = int(sys.argv[3]) if len(sys.argv) > 3 else 0
