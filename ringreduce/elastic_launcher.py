@@ -28,6 +28,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -154,7 +155,7 @@ class ElasticJob:
             return False
         self.job.ranks.append(_run.Rank(self.serial, host in _run.LOCAL_HOSTS, p))
         self.workers.append(Worker(self.serial, wid, host, p, time.monotonic()))
-        for stream, sink, name in ((p.stdout, _run.sys.stdout, "stdout"), (p.stderr, _run.sys.stderr, "stderr")):
+        for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
             t = threading.Thread(target=self.job.pump, args=(wid, stream, sink, name), daemon=True)
             t.start()
             self.pumps.append(t)
@@ -269,7 +270,7 @@ class ElasticJob:
             del self.hosts[name]
             for w in self.running():
                 if w.host == name:
-                    _stop_one(w, self.job)
+                    _stop_one(w)
 
     def stop(self, ending: _run.Ending, reason: str) -> _run.Ending:
         others = self.running()
@@ -284,7 +285,7 @@ class ElasticJob:
         return ending
 
 
-def _stop_one(w: Worker, job: _run.Job) -> None:
+def _stop_one(w: Worker) -> None:
     try:
         w.proc.stdin.close()  # its guard stops it
     except OSError:

@@ -178,7 +178,8 @@ class RendezvousServer:
     def _register(self, w: _Worker, msg: dict) -> None:
         left_forming = w.state in ("assigned", "member") and w.generation == self.generation and self.forming
         self.events.append(f"worker {w.id} registered")
-        w.state, w.port, w.host, w.since = "waiting", int(msg.get("port", 0)), str(msg.get("host", "")), time.monotonic()
+        w.state, w.port, w.host = "waiting", int(msg.get("port", 0)), str(msg.get("host", ""))
+        w.since = time.monotonic()
         if left_forming:
             self._abort(f"worker {w.id} left while generation {self.generation} was connecting")
 

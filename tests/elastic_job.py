@@ -63,7 +63,8 @@ after_reset()  # the first world's count, to compare the later ones with
 train(state)
 expected = float(sum(size * (i + 1) for i, size in enumerate(state.sizes)))
 print("done " + json.dumps({"rank": rr.rank(), "size": rr.size(), "steps": state.step, "sizes": state.sizes,
-                            "w0": float(state.w[0]), "expected": expected, "uniform": bool((state.w == state.w[0]).all()),
+                            "w0": float(state.w[0]), "expected": expected,
+                            "uniform": bool((state.w == state.w[0]).all()),
                             "sha": hashlib.sha256(state.w.tobytes()).hexdigest(), "resources": resources,
                             "worker": os.environ.get("RINGREDUCE_WORKER_ID"),
                             "links": rr.collectives._state.world.extra.get("links")}), flush=True)

@@ -19,4 +19,5 @@ ring grows. Under `ringrun --elastic` (docs/elastic.md):
 from .runner import generation, recoverable, reset, run
 from .state import HostsUpdatedInterrupt, ObjectState, State, broadcast_object
 
-__all__ = ["run", "State", "ObjectState", "HostsUpdatedInterrupt", "broadcast_object", "reset", "recoverable", "generation"]
+__all__ = ["run", "State", "ObjectState", "HostsUpdatedInterrupt", "broadcast_object", "reset", "recoverable",
+           "generation"]
