@@ -39,6 +39,7 @@ from .rendezvous import RendezvousServer
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
 HOST_FAILURES, BLACKLIST_SECONDS = 3, 60.0
 DISCOVERY_INTERVAL = 1.0
+REJOIN_TIMEOUT = 60.0  # seconds a member may take to come back after a loss (--timeout, if given)
 
 
 @dataclass
@@ -113,7 +114,8 @@ class ElasticJob:
             self.hosts = {"localhost": Host("localhost", max(opts.np, opts.max_np))}
         local = all(h in _run.LOCAL_HOSTS for h in self.hosts) and not opts.discovery_script
         self.server = RendezvousServer(self.secret.encode(), expected=opts.np, min_np=opts.min_np,
-                                       max_np=opts.max_np, bind_host="127.0.0.1" if local else "0.0.0.0")
+                                       max_np=opts.max_np, bind_host="127.0.0.1" if local else "0.0.0.0",
+                                       rejoin_timeout=opts.timeout or REJOIN_TIMEOUT)
         self.addr_host = "127.0.0.1" if local else socket.gethostname()
         self.workers: list[Worker] = []
         self.serial = 0

@@ -50,6 +50,12 @@ from .errors import RingReduceError
 
 log = logging.getLogger("ringreduce")
 
+class RendezvousLostError(RingReduceError):
+    """This worker's connection to ringrun's rendezvous is gone (ringrun
+    ended, or dropped this worker as too late to come back): no reset can
+    help, so ringreduce.elastic.run lets it end the worker."""
+
+
 ELASTIC_CONNECT_TIMEOUT = 30.0  # seconds a worker may take to connect its ring of one generation
 
 
@@ -75,10 +81,11 @@ class RendezvousServer:
     getters for the launcher: `size()`, `generation`, `waiting()`."""
 
     def __init__(self, secret: bytes, expected: int, min_np: int = 1, max_np: int | None = None,
-                 bind_host: str = "127.0.0.1", settle: float = 2.0):
+                 bind_host: str = "127.0.0.1", settle: float = 2.0, rejoin_timeout: float = 60.0):
         self.key = secret or _world.NO_SECRET_KEY
         self.expected, self.min_np, self.max_np = expected, min_np, max_np or 1 << 30
-        self.settle = settle
+        self.settle, self.rejoin_timeout = settle, rejoin_timeout
+        self.broken_since: float | None = None  # when a member of the running generation first came back
         self.listener = _world._listen(bind_host, 0)
         self.port = self.listener.getsockname()[1]
         self.acceptor = _world._Acceptor(self.listener, self.key, "ringrun's elastic rendezvous")
@@ -213,7 +220,19 @@ class RendezvousServer:
                          if w.generation == self.generation and w.state in ("assigned", "member")]
         if in_generation:
             if any(w.generation == self.generation for w in waiting):
-                return  # the generation broke: wait for every member still connected to come back
+                # the generation broke: wait for every member still connected to come back, but not
+                # for ever: one that stays away (stopped, hung) is dropped, and ends when it sees that
+                self.broken_since = self.broken_since or time.monotonic()
+                if time.monotonic() - self.broken_since < self.rejoin_timeout:
+                    return
+                for w in in_generation:
+                    self.events.append(f"worker {w.id} did not come back within {self.rejoin_timeout:g} s: dropped")
+                    log.warning("ringreduce: elastic: worker %s did not come back within %g s: dropped",
+                                w.id, self.rejoin_timeout)
+                    self.workers.pop(w.id, None)
+                    w.conn.close()
+                self._decide()
+                return
             fresh = [w for w in waiting if w.id not in self.updates_sent]
             if fresh and len(in_generation) < self.max_np:  # newcomers: the members re-form at their next commit
                 self.updates_sent.update(w.id for w in fresh)
@@ -232,6 +251,7 @@ class RendezvousServer:
         members = waiting[:self.max_np]
         self.generation += 1
         self.forming = True
+        self.broken_since = None
         self.updates_sent = {w.id for w in waiting[self.max_np:]}  # no room for them: no update either
         job = os.urandom(8).hex()
         table = [[w.addr, w.port] for w in members]
@@ -266,8 +286,12 @@ class _Client:
         self.update_pending = False
         if self.sock is None:
             self._connect(port, host, commit, deadline)
-        else:
+            return
+        try:
             _world.send_msg(self.sock, {"register": self.worker, "port": port, "host": host, "commit": commit})
+        except OSError as exc:
+            raise RendezvousLostError(f"worker {self.worker}: lost the connection to ringrun's elastic "
+                                      f"rendezvous ({exc}): ringrun is gone or dropped this worker") from exc
 
     def next_message(self, timeout: float | None):
         """The next message from the server (None if none within timeout)."""
@@ -279,8 +303,8 @@ class _Client:
         try:
             msg = _world.recv_msg(self.sock)
         except (OSError, ConnectionError, ValueError) as exc:
-            raise RingReduceError(f"lost the connection to ringrun's elastic rendezvous ({exc}): "
-                                  "ringrun is gone") from exc
+            raise RendezvousLostError(f"worker {self.worker}: lost the connection to ringrun's elastic "
+                                      f"rendezvous ({exc}): ringrun is gone or dropped this worker") from exc
         if msg.get("update") == self.generation:  # an older one was for a ring already left
             self.update_pending = True
         return msg

@@ -244,3 +244,23 @@ def test_restart_back_off_doubles_and_a_failing_host_is_left_out():
         assert job.free_host("localhost", now + 3 + el.BLACKLIST_SECONDS) == "localhost"
     finally:
         job.server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_worker_is_dropped_and_the_others_go_on():
+    steps = 150
+    stopped = []
+
+    def stop(line):
+        words = line.split("] ", 1)[-1].split()
+        if not stopped and words[:1] == ["committed"] and int(words[1]) == 10 and int(words[5]) == 1:
+            stopped.append(int(words[9]))
+            os.kill(stopped[0], signal.SIGSTOP)  # alive but silent: seen only by RINGREDUCE_TIMEOUT
+        return None
+    run = ElasticRun(["-np", "3", "--min-np", "2", "--timeout", "2", sys.executable, JOB, str(steps), "0.01"],
+                     kill_when=stop)
+    assert stopped and run.proc.returncode == 0, run.stderr[-3000:]
+    done = run.done()
+    assert len(done) == 2 and len({d["sha"] for d in done}) == 1, run.stderr[-3000:]
+    assert all(d["w0"] == d["expected"] and d["steps"] == steps and d["size"] == 2 for d in done)
+    assert "did not come back within 2 s: dropped" in run.stderr

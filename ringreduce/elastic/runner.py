@@ -9,6 +9,7 @@ import time
 from .. import collectives as _c
 from .. import engine as _engine
 from ..errors import MismatchError, RingReduceError
+from ..rendezvous import RendezvousLostError
 from .state import HostsUpdatedInterrupt
 
 log = logging.getLogger("ringreduce")
@@ -16,8 +17,9 @@ log = logging.getLogger("ringreduce")
 
 def recoverable(exc: BaseException) -> bool:
     """A failure of the ring itself (a lost peer, a stale generation, a ring
-    left unusable by one): re-forming it helps. A mismatch is the program's."""
-    return isinstance(exc, RingReduceError) and not isinstance(exc, MismatchError)
+    left unusable by one): re-forming it helps. A mismatch is the program's;
+    a worker cut off from ringrun's rendezvous cannot rejoin."""
+    return isinstance(exc, RingReduceError) and not isinstance(exc, (MismatchError, RendezvousLostError))
 
 
 def generation() -> int:
