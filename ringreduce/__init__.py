@@ -4,7 +4,7 @@
     rr.init()
     grads = rr.allreduce(grads, op="avg")
 """
-from .errors import MismatchError, PeerLostError, RingReduceError, WithdrawnError
+from .errors import MismatchError, PeerLostError, RingReduceError, StaleGenerationError, WithdrawnError
 from .collectives import (
     allgather,
     allreduce,
@@ -31,5 +31,5 @@ __all__ = [
     "allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier", "join",
     "stats", "reset_stats",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
-    "RingReduceError", "MismatchError", "PeerLostError", "WithdrawnError",
+    "RingReduceError", "MismatchError", "PeerLostError", "StaleGenerationError", "WithdrawnError",
 ]

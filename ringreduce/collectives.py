@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _core, config as _config, cuda as _cuda, mpi_backend, world as _world
-from .errors import MismatchError, RingReduceError
+from .errors import MismatchError, RingReduceError, StaleGenerationError
 
 
 _DTYPES = {
@@ -45,12 +45,14 @@ ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, BARRIER = range(5)
 ALLTOALL = 6  # 5 is the engine's negotiation
 _KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "engine negotiation", "alltoall"]
 
-# magic, kind, op, dtype code, inline?, root, ndim, name length, dtype
-# descriptor length, number of splits; then shape, splits (int64 each), name,
-# descriptor. The descriptor (str of the numpy dtype) lets ranks catch a dtype
-# mismatch on ops that only move bytes, whose dtypes have no code.
-_HEAD = struct.Struct("<4sBBBBiIIHI")
-_MAGIC = b"RRH2"
+# magic, generation, kind, op, dtype code, inline?, root, ndim, name length,
+# dtype descriptor length, number of splits; then shape, splits (int64 each),
+# name, descriptor. The descriptor (str of the numpy dtype) lets ranks catch a
+# dtype mismatch on ops that only move bytes, whose dtypes have no code. The
+# generation (0 outside elastic jobs; ringreduce/rendezvous.py) keeps an
+# operation of an old ring from ever pairing with one of the new.
+_HEAD = struct.Struct("<4sIBBBBiIIHI")
+_MAGIC = b"RRH3"
 
 
 @dataclass
@@ -75,6 +77,7 @@ class _State:
         self.broken: str | None = None
         self.small_limit = 0
         self.init_args: tuple = (None, None)  # (backend, comm) the running ring was made with
+        self.generation = 0  # of the elastic rendezvous (0: not elastic); rides in every header
 
 
 _state = _State()
@@ -127,6 +130,7 @@ def init(backend: str | None = None, comm=None) -> None:
             _state.world = w
         _state.init_args = (backend or ("mpi" if _state.world.source == "MPI communicator" else "socket"), comm)
         _state.broken = None
+        _state.generation = _state.world.extra.get("generation", 0)
         _state.small_limit = _state.world.config.small_limit(_state.world.size)
         _state.ring = _Ring(_state.comm, _state.world.rank, _state.world.size, _state.small_limit,
                             list(range(_state.world.size)))
@@ -308,22 +312,29 @@ def _native(a: np.ndarray) -> np.ndarray:
     return a.astype(a.dtype.newbyteorder("="))
 
 
-@functools.lru_cache(maxsize=4096)
 def _header(kind, op, dtype, shape, name, root=0, inline=False, descr=None, splits=()) -> bytes:
     """descr: the numpy dtype; None takes the name of code `dtype`."""
+    return _header_of(_state.generation, kind, op, dtype, shape, name, root, inline, descr, splits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_of(generation, kind, op, dtype, shape, name, root, inline, descr, splits) -> bytes:
     encoded = (name or "").encode()
     described = (str(descr) if descr is not None else _DTYPE_NAMES.get(dtype, "")).encode()
     if len(described) > 0xFFFF:
         raise TypeError(f"dtype {descr} is too complex to describe in a header")
-    return (_HEAD.pack(_MAGIC, kind, op, dtype, int(inline), root, len(shape), len(encoded), len(described),
+    return (_HEAD.pack(_MAGIC, generation, kind, op, dtype, int(inline), root, len(shape), len(encoded), len(described),
                        len(splits))
             + struct.pack(f"<{len(shape)}q{len(splits)}q", *shape, *splits) + encoded + described)
 
 
 def _parse(blob: bytes) -> dict:
-    magic, kind, op, dtype, inline, root, ndim, nlen, dlen, nsplits = _HEAD.unpack_from(blob)
+    magic, generation, kind, op, dtype, inline, root, ndim, nlen, dlen, nsplits = _HEAD.unpack_from(blob)
     if magic != _MAGIC:
         raise RingReduceError("malformed header from a peer")
+    if generation != _state.generation:
+        raise StaleGenerationError(f"a header of generation {generation} met this ring of generation "
+                                   f"{_state.generation}: refused, an old ring's operation never pairs with a new one")
     at = _HEAD.size
     shape = struct.unpack_from(f"<{ndim}q", blob, at)
     at += 8 * ndim

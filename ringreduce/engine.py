@@ -527,6 +527,20 @@ def engine() -> Engine:
         return _engine
 
 
+def reset() -> None:
+    """Drops the process's engine (ringreduce.elastic, when the ring is
+    re-formed): its thread is stopped and joined, whatever still waits fails
+    with RingReduceError, and the next engine() starts a fresh one, its
+    response cache empty on every rank of the new world alike. Call it after
+    collectives.shutdown(), which interrupts a collective the thread is in."""
+    global _engine
+    with _engine_lock:
+        old, _engine = _engine, None
+    if old is not None:
+        old.shutdown()
+        old._fail_waiting(RingReduceError("the ring was reset (elastic): this collective was dropped"))
+
+
 def join() -> int:
     """Horovod's hvd.join(): call it when this rank has run out of data. Until
     every rank has joined, allreduces the others issue through the engine

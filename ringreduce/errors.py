@@ -26,3 +26,9 @@ class PeerLostError(RingReduceError):
 class WithdrawnError(RingReduceError):
     """The request was withdrawn (engine.withdraw) before it ran: its step
     failed on another collective, so nobody reads its result."""
+
+
+class StaleGenerationError(RingReduceError):
+    """A header from another generation of an elastic job's ring (ringrun
+    --elastic re-forms the ring after a loss, each time a new generation):
+    the operation is refused on every rank that sees it, never paired."""

@@ -2,6 +2,7 @@
 
     ringrun -np 4 python train.py
     ringrun -np 4 -H node1:2,node2:2 python train.py      # over ssh
+    ringrun --elastic -np 4 --min-np 2 python train.py    # elastic (elastic_launcher.py)
 
 Each rank gets RINGREDUCE_RANK/SIZE/ADDR/SECRET/LOCAL_RANK/LOCAL_SIZE (and
 RINGREDUCE_TIMEOUT with --timeout); every output line is prefixed with its
@@ -255,13 +256,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-H", "--hosts", help="host1:slots,host2:slots (ranks fill hosts in order; ssh)")
     parser.add_argument("--timeout", type=float, help="RINGREDUCE_TIMEOUT for the ranks (seconds)")
     parser.add_argument("--ssh", default="ssh -o BatchMode=yes", help="command used to reach other hosts")
+    elastic = parser.add_argument_group("elastic training (docs/elastic.md)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="keep going when workers are lost; restart them; let new ones join")
+    elastic.add_argument("--min-np", type=int, help="fewest workers to train with (default: -np)")
+    elastic.add_argument("--max-np", type=int, help="most workers at once (default: -np)")
+    elastic.add_argument("--max-restarts", type=int, default=100, help="restarts of lost workers in all (default 100)")
+    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
+                         help="seconds to wait below --min-np before giving up (default 600)")
+    elastic.add_argument("--host-discovery-script", help="prints the available hosts, `host:slots` a line")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("no command given")
     if args.np < 1:
         parser.error("-np must be at least 1")
-    ending = run(args.np, args.command, args.hosts, args.timeout, args.ssh)
+    given = [f for f in ("min_np", "max_np", "host_discovery_script") if getattr(args, f) is not None]
+    if given and not args.elastic:
+        parser.error(f"--{given[0].replace('_', '-')} needs --elastic")
+    if args.elastic:
+        from . import elastic_launcher
+        min_np = args.min_np if args.min_np is not None else args.np
+        max_np = args.max_np if args.max_np is not None else max(args.np, min_np)
+        if not 1 <= min_np <= args.np <= max_np:
+            parser.error(f"need 1 <= --min-np ({min_np}) <= -np ({args.np}) <= --max-np ({max_np})")
+        if args.host_discovery_script and args.hosts:
+            parser.error("give -H or --host-discovery-script, not both")
+        ending = elastic_launcher.run(elastic_launcher.Options(
+            args.np, min_np, max_np, args.max_restarts, args.elastic_timeout, args.host_discovery_script,
+            args.hosts, args.timeout, args.ssh), args.command)
+    else:
+        ending = run(args.np, args.command, args.hosts, args.timeout, args.ssh)
     if ending.own_signal is not None:
         end_by_signal(ending.own_signal)
     return ending.code  # also where the signal did not end us

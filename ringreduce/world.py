@@ -1,6 +1,8 @@
 """Who am I, and who are my ring neighbours.
 
 discover() reads the world from the environment, in this order:
+  0. RINGREDUCE_ELASTIC_ADDR (ringrun --elastic): rank and size come from
+     ringrun's rendezvous at every (re)join (ringreduce/rendezvous.py)
   1. RINGREDUCE_RANK / RINGREDUCE_SIZE / RINGREDUCE_ADDR (set by ringrun, or by hand)
   2. mpirun: Open MPI's OMPI_COMM_WORLD_*, MPICH/Hydra's PMI_* (with the TCP
      backend, rank 0's address and the job secret then travel over MPI)
@@ -78,6 +80,10 @@ def discover(env=None) -> World:
     config = Config.from_env(env)
     secret = env.get("RINGREDUCE_SECRET") or None
     secret_bytes = secret.encode() if secret else None
+
+    if env.get("RINGREDUCE_ELASTIC_ADDR"):  # ringrun --elastic: rank and size come from its rendezvous
+        return World(0, 1, 0, 1, _parse_addr(env["RINGREDUCE_ELASTIC_ADDR"]), secret_bytes, config, "elastic",
+                     {"worker": env.get("RINGREDUCE_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"})
 
     rank = _env_int(env, "RINGREDUCE_RANK")
     if rank is not None:
@@ -330,13 +336,16 @@ class _Acceptor:
             log.warning("ringreduce: %s refused a connection from %s: %s", self.who, _fmt(peer), exc)
             conn.close()
 
-    def expect(self, check, deadline: float, what: str):
+    def expect(self, check, deadline: float, what: str, cancelled=None):
+        """cancelled: asked every 50 ms; a true answer is raised as the reason
+        (an elastic rendezvous whose generation was called off)."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RingReduceError(f"{self.who}: timed out waiting for {what}")
+            _check_cancelled(cancelled)
             try:
-                conn, peer, hello = self.ready.get(timeout=min(left, 1.0))
+                conn, peer, hello = self.ready.get(timeout=min(left, 1.0 if cancelled is None else 0.05))
             except queue.Empty:
                 continue
             problem = check(hello)
@@ -367,9 +376,16 @@ def _fmt(peer) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
 
-def _dial(addr: tuple[str, int], deadline: float, key: bytes, peer: str) -> socket.socket:
+def _check_cancelled(cancelled) -> None:
+    why = cancelled() if cancelled is not None else None
+    if why:
+        raise RingReduceError(why)
+
+
+def _dial(addr: tuple[str, int], deadline: float, key: bytes, peer: str, cancelled=None) -> socket.socket:
     """Connects (retrying while the peer is not up yet) and authenticates."""
     while True:
+        _check_cancelled(cancelled)
         s = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_STREAM)
         _tune(s)
         s.settimeout(HANDSHAKE_TIMEOUT)
@@ -401,6 +417,9 @@ class Links:
 
 
 def rendezvous(world: World) -> Links:
+    if world.source == "elastic":  # ringrun holds the rendezvous; it fills in rank, size, generation
+        from . import rendezvous as _elastic
+        return _elastic.join(world)
     if world.size == 1:
         return Links()
     key = world.secret or NO_SECRET_KEY
@@ -494,12 +513,15 @@ def open_subring_listener(world: World):
 
 
 def connect_subring(world: World, listener, me: int, members: list, ports: list, label: str,
-                    generation: int) -> Links:
+                    generation: int, timeout: float | None = None, cancelled=None) -> Links:
     """Connects the ring of a process set: members[i] (a world rank) is the
     set's rank i and listens at ports[i]; this process is the set's rank
     `me`. Every hello carries the job, the set's label and the generation
     (how many sets the world has added), so no connection of another set, or
-    of an earlier one with the same id, is taken. Closes the listener."""
+    of an earlier one with the same id, is taken. Closes the listener.
+    timeout (default RINGREDUCE_START_TIMEOUT) bounds the whole connection;
+    cancelled() is asked while waiting: a true answer (the reason) stops it
+    with RingReduceError (the elastic rendezvous, ringreduce/rendezvous.py)."""
     k = len(members)
     try:
         if k == 1:
@@ -507,7 +529,7 @@ def connect_subring(world: World, listener, me: int, members: list, ports: list,
         key = world.secret or NO_SECRET_KEY
         table = world.extra["table"]
         tag = f"{world.extra['job']}/{label}/{generation}"
-        deadline = time.monotonic() + world.config.start_timeout
+        deadline = time.monotonic() + (world.config.start_timeout if timeout is None else timeout)
         addr = [(table[w][0], p) for w, p in zip(members, ports)]
         name = [f"rank {w} (rank {i} of {label})" for i, w in enumerate(members)]
         nxt, prv = (me + 1) % k, (me - 1) % k
@@ -516,10 +538,10 @@ def connect_subring(world: World, listener, me: int, members: list, ports: list,
         opened: list = []
         try:
             if me != 0:
-                ctrl.append(_dial(addr[0], deadline, key, name[0]))
+                ctrl.append(_dial(addr[0], deadline, key, name[0], cancelled))
                 opened.append(ctrl[0])
                 send_msg(ctrl[0], {"rank": me, "job": tag, "ctrl": True})
-            to_next = _dial(addr[nxt], deadline, key, name[nxt])
+            to_next = _dial(addr[nxt], deadline, key, name[nxt], cancelled)
             opened.append(to_next)
             send_msg(to_next, {"rank": me, "job": tag, "ring": True})
 
@@ -533,7 +555,7 @@ def connect_subring(world: World, listener, me: int, members: list, ports: list,
                     return None
                 return f"unexpected hello from rank {r!r}"
             for _ in range(1 + (k - 1 if me == 0 else 0)):  # prev; on the first member, every control link
-                conn, hello = listener.expect(check, deadline, f"the members of {label} to connect")
+                conn, hello = listener.expect(check, deadline, f"the members of {label} to connect", cancelled)
                 opened.append(conn)
                 if hello.get("ring"):
                     from_prev = conn

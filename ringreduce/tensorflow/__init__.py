@@ -23,6 +23,7 @@ from .basics import (ccl_built, check_process_set, cross_rank, cross_size, cuda_
 from .callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
                         LearningRateWarmupCallback, MetricAverageCallback)
 from .compression import Compression
+from . import elastic  # hvd.elastic.run, hvd.elastic.TensorFlowKerasState, ... (docs/elastic.md)
 from .errors import MismatchError
 from .functions import allgather_object, broadcast_object, broadcast_object_fn
 from .hooks import BroadcastGlobalVariablesHook

@@ -16,7 +16,7 @@ from .. import ops as _ops
 from ..basics import global_process_set
 from ..compression import Compression
 from ..optimizer import DistributedOptimizer
-from . import callbacks
+from . import callbacks, elastic
 
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,

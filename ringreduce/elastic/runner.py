@@ -1,0 +1,68 @@
+"""run(): call the training function; on a lost peer, roll back, re-form the
+ring, sync, and call it again (Horovod's hvd.elastic.run)."""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+from .. import collectives as _c
+from .. import engine as _engine
+from ..errors import MismatchError, RingReduceError
+from ..rendezvous import RendezvousLostError
+from .state import HostsUpdatedInterrupt
+
+log = logging.getLogger("ringreduce")
+
+
+def recoverable(exc: BaseException) -> bool:
+    """A failure of the ring itself (a lost peer, a stale generation, a ring
+    left unusable by one): re-forming it helps. A mismatch is the program's;
+    a worker cut off from ringrun's rendezvous cannot rejoin."""
+    return isinstance(exc, RingReduceError) and not isinstance(exc, (MismatchError, RendezvousLostError))
+
+
+def generation() -> int:
+    """The generation of the running ring (ringrun --elastic forms a new one
+    at every reset; 0 outside elastic jobs)."""
+    return _c._state.generation
+
+
+def reset() -> None:
+    """Leaves the broken ring (the engine's thread stopped, its waiters
+    failed, every descriptor closed) and joins the next generation's."""
+    _c.shutdown()    # interrupts a collective the engine's thread may be in
+    _engine.reset()  # joins that thread; the next engine starts with an empty cache
+    _c.init()        # registers again with ringrun's rendezvous and connects the new ring
+
+
+def run_with(func, state, args, kwargs, recoverable=recoverable, on_lost=None):
+    """The loop behind run(); `recoverable` decides which exceptions mean a
+    lost ring (the TensorFlow layer adds its wrapped ones)."""
+    reset_required = False
+    while True:
+        if reset_required:
+            started = time.monotonic()
+            reset()
+            log.info("ringreduce: elastic reset: rank %d of %d (generation %d) in %.2f s",
+                     _c.rank(), _c.size(), _c._state.generation, time.monotonic() - started)
+            state.on_reset()
+        try:
+            state.sync()
+            return func(state, *args, **kwargs)
+        except HostsUpdatedInterrupt:
+            pass  # committed just now: nothing to roll back
+        except BaseException as exc:
+            if not recoverable(exc):
+                raise
+            log.info("ringreduce: elastic: %s: rolling back to commit %d", exc, state.commits)
+            state.restore()
+        reset_required = True
+
+
+def run(func):
+    """Decorator: `@run def train(state, ...)`; call train(state, ...)."""
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        return run_with(func, state, args, kwargs)
+    return wrapper
