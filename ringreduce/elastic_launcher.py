@@ -212,6 +212,10 @@ class ElasticJob:
                     if host is not None:
                         host.in_a_row = 0
                 else:
+                    raised = self.server.failure_of(w.id)
+                    if raised is not None:  # the program's error: a restart would only raise it again
+                        return self.stop(_run.Ending(code if code > 0 else 1),
+                                         f"worker {w.id} raised {raised} in its training function")
                     self.failed(w, code, now)
             running = self.running()
             if self.finishing and not running:

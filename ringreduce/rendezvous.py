@@ -17,6 +17,7 @@ generation is ever taken), then say ready.
     worker -> server : {"ready": generation}
     server -> worker : {"abort": generation}   a member left while it formed
     server -> worker : {"update": generation}  new workers wait: re-form at the next commit
+    worker -> server : {"failed": text}        its training function raised (not a lost peer): ringrun ends the job
 
 When a generation is formed:
   * at the start: once all `expected` workers registered (or, after
@@ -97,6 +98,7 @@ class RendezvousServer:
         self.lock = threading.Lock()
         self.closed = False
         self.events: list[str] = []  # what happened, for the launcher's log and the tests
+        self.failures: dict[str, str] = {}  # worker id -> the exception its training function raised
         self.thread = threading.Thread(target=self._loop, name="ringreduce-rendezvous", daemon=True)
         self.thread.start()
 
@@ -112,6 +114,17 @@ class RendezvousServer:
         with self.lock:
             return {w.id for w in self.workers.values()
                     if w.generation == self.generation and w.state in ("assigned", "member")}
+
+    def failure_of(self, wid: str, wait: float = 1.0) -> str | None:
+        """The exception worker `wid` reported before it exited, if any; waits
+        (up to `wait` s) for its connection's end, so a report still in
+        flight is not missed."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self.lock:
+                if wid in self.failures or wid not in self.workers or time.monotonic() > deadline:
+                    return self.failures.get(wid)
+            time.sleep(0.02)
 
     def close(self) -> None:
         self.closed = True
@@ -173,6 +186,9 @@ class RendezvousServer:
             with self.lock:
                 if "register" in msg:
                     self._register(w, msg)
+                elif "failed" in msg:
+                    self.failures[w.id] = str(msg["failed"])[:500]
+                    self.events.append(f"worker {w.id} failed: {self.failures[w.id]}")
                 elif msg.get("ready") == w.generation and w.state == "assigned":
                     w.state = "member"
                     if not any(x.state == "assigned" for x in self.workers.values()):
@@ -323,6 +339,14 @@ class _Client:
                 return None
             if msg.get("abort") == generation:
                 return f"generation {generation} was called off ({msg.get('why')})"
+
+    def report_failure(self, text: str) -> None:
+        """Tells ringrun the training function raised: the job ends, nothing is restarted."""
+        if self.sock is not None:
+            try:
+                _world.send_msg(self.sock, {"failed": text})
+            except OSError:
+                pass  # ringrun is gone anyway
 
     def ready(self, generation: int) -> None:
         _world.send_msg(self.sock, {"ready": generation})

@@ -9,6 +9,7 @@ import time
 from .. import collectives as _c
 from .. import engine as _engine
 from ..errors import MismatchError, RingReduceError
+from .. import rendezvous as _rendezvous
 from ..rendezvous import RendezvousLostError
 from .state import HostsUpdatedInterrupt
 
@@ -54,10 +55,20 @@ def run_with(func, state, args, kwargs, recoverable=recoverable, on_lost=None):
             pass  # committed just now: nothing to roll back
         except BaseException as exc:
             if not recoverable(exc):
+                _report(exc)
                 raise
             log.info("ringreduce: elastic: %s: rolling back to commit %d", exc, state.commits)
             state.restore()
         reset_required = True
+
+
+def _report(exc: BaseException) -> None:
+    """A program error (not a lost peer) ends the job: ringrun must not restart
+    a worker that would only raise again. A clean sys.exit() is no error."""
+    client = _rendezvous.client()
+    if client is None or isinstance(exc, RendezvousLostError) or (isinstance(exc, SystemExit) and not exc.code):
+        return
+    client.report_failure(f"{type(exc).__name__}: {exc}")
 
 
 def run(func):
