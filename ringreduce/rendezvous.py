@@ -57,6 +57,7 @@ class RendezvousLostError(RingReduceError):
     help, so ringreduce.elastic.run lets it end the worker."""
 
 
+MALFORMED = (ValueError, TypeError, AttributeError, KeyError)  # what a message that makes no sense raises
 ELASTIC_CONNECT_TIMEOUT = 30.0  # seconds a worker may take to connect its ring of one generation
 
 
@@ -145,7 +146,10 @@ class RendezvousServer:
             except (OSError, ValueError):
                 readable = []
             for fd in readable:
-                self._read(conns[fd])
+                try:
+                    self._read(conns[fd])
+                except MALFORMED as exc:  # an authenticated peer that speaks nonsense: it goes, the job goes on
+                    self._drop_malformed(conns[fd], exc)
             with self.lock:
                 self._decide()
 
@@ -165,7 +169,18 @@ class RendezvousServer:
             with self.lock:
                 self.workers[wid] = w
                 self.first_seen = self.first_seen or time.monotonic()
-                self._register(w, hello)
+                try:
+                    self._register(w, hello)
+                except MALFORMED as exc:
+                    self._drop_malformed(w, exc, locked=True)
+
+    def _drop_malformed(self, w: _Worker, exc: Exception, locked: bool = False) -> None:
+        log.warning("ringreduce: rendezvous dropped worker %s: malformed message (%s)", w.id, exc)
+        if locked:
+            self._gone(w)
+            return
+        with self.lock:
+            self._gone(w)
 
     def _read(self, w: _Worker) -> None:
         try:
@@ -179,10 +194,14 @@ class RendezvousServer:
         w.buf += data
         while len(w.buf) >= 4:
             n = int.from_bytes(w.buf[:4], "little")
+            if n > _world.MAX_MESSAGE:
+                raise ValueError(f"a message of {n} bytes is too large")
             if len(w.buf) < 4 + n:
                 break
             msg = json.loads(bytes(w.buf[4:4 + n]))
             del w.buf[:4 + n]
+            if not isinstance(msg, dict):
+                raise ValueError("not a JSON object")
             with self.lock:
                 if "register" in msg:
                     self._register(w, msg)

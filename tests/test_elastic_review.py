@@ -43,3 +43,40 @@ def test_an_exception_in_the_training_function_ends_the_job(tmp_path, who):
     assert time.monotonic() - started < 25
     assert "restarting it" not in run.stderr, run.stderr[-3000:]
     assert "raised ValueError: a bug in the training script" in run.stderr, run.stderr[-3000:]
+
+
+def test_a_malformed_message_on_the_rendezvous_port_harms_no_one():
+    """An authenticated peer that sends nonsense (a bad port, bytes that are
+    not JSON, a frame larger than any message) is dropped; the rendezvous
+    goes on forming generations (the old code's thread died: a hung job)."""
+    from ringreduce import world as _world
+    from ringreduce.rendezvous import RendezvousServer
+
+    key = b"job secret"
+    server = RendezvousServer(key, expected=1, min_np=1, settle=0.1)
+    addr = ("127.0.0.1", server.port)
+    try:
+        def dial():
+            return _world._dial(addr, time.monotonic() + 5, key, "rendezvous")
+        bad_port = dial()
+        _world.send_msg(bad_port, {"register": "evil#1", "port": "not a number"})
+        not_json = dial()
+        _world.send_msg(not_json, {"register": "evil#2", "port": 1})
+        not_json.sendall(b"\x05\x00\x00\x00{{{{{")
+        huge = dial()
+        _world.send_msg(huge, {"register": "evil#3", "port": 1})
+        huge.sendall(b"\xff\xff\xff\x7f" + b"x" * 1000)
+        time.sleep(0.5)
+        assert server.thread.is_alive(), "the rendezvous thread died"
+        # each stray was dropped: the real worker forms a generation of one, alone
+        for s in (bad_port, not_json, huge):
+            s.settimeout(5)
+            assert s.recv(1) == b"", "the stray was not dropped"
+        good = dial()
+        _world.send_msg(good, {"register": "good#1", "port": 4242, "host": "h"})
+        msg = _world.recv_msg(good, time.monotonic() + 5)
+        assert msg["assign"]["size"] == 1 and msg["assign"]["ports"] == [4242], msg
+        for s in (bad_port, not_json, huge, good):
+            s.close()
+    finally:
+        server.close()
