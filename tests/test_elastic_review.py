@@ -80,3 +80,34 @@ def test_a_malformed_message_on_the_rendezvous_port_harms_no_one():
             s.close()
     finally:
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_elastic_run_outside_an_elastic_job_fails_fast(tmp_path):
+    """Without ringrun --elastic nothing changes: a lost peer inside
+    @elastic.run is the PeerLostError of today, not an attempt to re-form a
+    ring (the old code re-ran init and waited for the dead rank, again and again)."""
+    from ranks import collect, start_ranks
+    body = """
+    from ringreduce import elastic
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run
+    def train(state):
+        while state.step < 100000:
+            if rr.rank() == 2 and state.step == 5:
+                os._exit(3)
+            rr.allreduce(np.ones(5000), name="g")
+            state.step += 1
+            state.commit()
+    try:
+        train(state)
+    except rr.RingReduceError as exc:
+        result = type(exc).__name__
+    """
+    started = time.monotonic()
+    ranks = collect(start_ranks(3, body, tmp_path, env={"RINGREDUCE_START_TIMEOUT": "20", "RINGREDUCE_TIMEOUT": "10"}),
+                    timeout=45, check=False)
+    assert time.monotonic() - started < 30
+    assert [r.returncode for r in ranks] == [0, 0, 3], [r.stderr[-1500:] for r in ranks]
+    assert ranks[0].result == ranks[1].result == "PeerLostError", [r.stderr[-1500:] for r in ranks]

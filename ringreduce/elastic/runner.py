@@ -54,6 +54,8 @@ def run_with(func, state, args, kwargs, recoverable=recoverable, on_lost=None):
         except HostsUpdatedInterrupt:
             pass  # committed just now: nothing to roll back
         except BaseException as exc:
+            if _rendezvous.client() is None:  # not under ringrun --elastic: fail fast, as without elastic
+                raise
             if not recoverable(exc):
                 _report(exc)
                 raise
