@@ -111,3 +111,39 @@ def test_elastic_run_outside_an_elastic_job_fails_fast(tmp_path):
     assert time.monotonic() - started < 30
     assert [r.returncode for r in ranks] == [0, 0, 3], [r.stderr[-1500:] for r in ranks]
     assert ranks[0].result == ranks[1].result == "PeerLostError", [r.stderr[-1500:] for r in ranks]
+
+
+@pytest.mark.timeout(120)
+def test_keras_callbacks_in_horovods_order_commit_the_epoch_and_batch_they_saved(tmp_path):
+    """Horovod's documented order is [CommitStateCallback, UpdateBatchStateCallback,
+    UpdateEpochStateCallback]: Keras calls them in that order, so the old
+    CommitStateCallback saved each batch's weights with the batch count of the
+    batch before, and an epoch's weights with the epoch not yet counted (a
+    restore then trained that epoch twice)."""
+    from ranks import run_ranks
+    body = """
+    import keras
+    import ringreduce.tensorflow.keras as hvd
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    seen = []
+
+    class Check(keras.callbacks.Callback):  # runs after the three: what the last commit holds by now
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(("batch", state._saved["epoch"], state._saved["batch"]))
+
+    x = np.ones((12, 4), "float32")
+    model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0, callbacks=[
+        hvd.elastic.CommitStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+        hvd.elastic.UpdateEpochStateCallback(state), Check()])
+    trained = [w.copy() for w in model.get_weights()]
+    state.restore()  # nothing ran since the last commit: it holds the end of training
+    result = (seen, state.epoch, state.batch, all((a == b).all() for a, b in zip(trained, model.get_weights())))
+    """
+    (r,) = run_ranks(1, body, tmp_path, timeout=100)
+    seen, epoch, batch, same = r.result
+    # before batch k of epoch e, the last commit is of batch k (k batches done) of epoch e
+    assert seen == [("batch", e, k) for e in range(2) for k in range(3)], seen
+    assert (epoch, batch, same) == (2, 0, True)
