@@ -147,3 +147,19 @@ def test_keras_callbacks_in_horovods_order_commit_the_epoch_and_batch_they_saved
     # before batch k of epoch e, the last commit is of batch k (k batches done) of epoch e
     assert seen == [("batch", e, k) for e in range(2) for k in range(3)], seen
     assert (epoch, batch, same) == (2, 0, True)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["-np", "2", "--max-restarts", "3", "true"], "--max-restarts needs --elastic"),
+    (["-np", "2", "--elastic-timeout", "5", "true"], "--elastic-timeout needs --elastic"),
+    (["--elastic", "-np", "2", "--max-np", "1", "true"], "-np (2) <= --max-np (1)"),
+    (["--elastic", "-np", "2", "--min-np", "two", "true"], "--min-np: invalid int value: 'two'"),
+    (["--elastic", "-np", "2", "--max-restarts", "-1", "true"], "must not be negative"),
+])
+def test_elastic_flags_are_checked(args, says):
+    """An elastic flag without --elastic was silently ignored (--max-restarts,
+    --elastic-timeout): the user believed the job elastic."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "ringreduce.run", *args], capture_output=True, text=True,
+                         env=env, timeout=30)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
