@@ -163,3 +163,64 @@ def test_elastic_flags_are_checked(args, says):
     out = subprocess.run([sys.executable, "-m", "ringreduce.run", *args], capture_output=True, text=True,
                          env=env, timeout=30)
     assert out.returncode == 2 and says in out.stderr, out.stderr
+
+
+KILLED_IN_RESET = """
+    import json, os, signal, sys, time
+    import numpy as np
+    import ringreduce as rr
+    from ringreduce import elastic
+
+    def once(mark):  # true in the first process of the whole job to ask
+        try:
+            os.close(os.open(os.path.join(sys.argv[1], mark), os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            return False
+
+    rr.init()
+    state = elastic.ObjectState(step=0, w=np.zeros(3))
+
+    before = [rr.size()]
+
+    def relearn():
+        # a reset callback that runs a collective, as the TensorFlow layer's does; only when the ring
+        # shrank (every member a survivor: a newcomer runs no reset callback before its first sync)
+        if rr.size() < before[0]:
+            if rr.rank() == 1 and once("second"):
+                os.kill(os.getpid(), signal.SIGKILL)  # a second loss while the first reset is in progress
+            rr.allreduce(np.ones(5000), name="relearn")
+        before[0] = rr.size()
+    state.register_reset_callbacks([relearn])
+
+    @elastic.run
+    def train(state):
+        while state.step < 60:
+            if state.step == 5 and rr.rank() == 3 and once("first"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            state.w = state.w + rr.allreduce(np.ones(3), op="avg", name="g")
+            state.step += 1
+            time.sleep(0.02)
+            state.commit()
+        while rr.size() < 4:  # until both restarted workers joined (HostsUpdatedInterrupt at a commit)
+            time.sleep(0.05)
+            state.commit()
+    train(state)
+    print("done " + json.dumps({"step": state.step, "w": state.w.tolist()}), flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_loss_during_a_reset_callback_resets_again(tmp_path):
+    """A peer lost while the reset callbacks run (the TensorFlow layer's is a
+    collective) is one more lost peer: the old code let its PeerLostError out
+    of run(), so every survivor died and the state in memory was lost."""
+    job = tmp_path / "killed_in_reset.py"
+    job.write_text(textwrap.dedent(KILLED_IN_RESET))
+    run = ElasticRun(["-np", "4", "--min-np", "2", sys.executable, str(job), str(tmp_path)], timeout=80)
+    assert run.proc.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "first").exists() and (tmp_path / "second").exists()
+    assert "exited with code" not in run.stderr, run.stderr[-3000:]  # only the two killed ones ended
+    assert run.stderr.count("was killed by SIGKILL") == 2, run.stderr[-3000:]
+    done = run.done()
+    assert len(done) == 4 and all(d == {"step": 60, "w": [60.0] * 3} for d in done), done

@@ -42,13 +42,13 @@ def run_with(func, state, args, kwargs, recoverable=recoverable, on_lost=None):
     lost ring (the TensorFlow layer adds its wrapped ones)."""
     reset_required = False
     while True:
-        if reset_required:
-            started = time.monotonic()
-            reset()
-            log.info("ringreduce: elastic reset: rank %d of %d (generation %d) in %.2f s",
-                     _c.rank(), _c.size(), _c._state.generation, time.monotonic() - started)
-            state.on_reset()
         try:
+            if reset_required:  # in the try: a peer lost in the reset or its callbacks is one more loss
+                started = time.monotonic()
+                reset()
+                log.info("ringreduce: elastic reset: rank %d of %d (generation %d) in %.2f s",
+                         _c.rank(), _c.size(), _c._state.generation, time.monotonic() - started)
+                state.on_reset()
             state.sync()
             return func(state, *args, **kwargs)
         except HostsUpdatedInterrupt:
