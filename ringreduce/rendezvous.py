@@ -17,6 +17,7 @@ generation is ever taken), then say ready.
     worker -> server : {"ready": generation}
     server -> worker : {"abort": generation}   a member left while it formed
     server -> worker : {"update": generation}  new workers wait: re-form at the next commit
+    server -> worker : {"queued": generation}  (to a newcomer) a ring runs: wait for its next commit, untimed
     worker -> server : {"failed": text}        its training function raised (not a lost peer): ringrun ends the job
 
 When a generation is formed:
@@ -273,6 +274,8 @@ class RendezvousServer:
                 self.updates_sent.update(w.id for w in fresh)
                 for m in in_generation:
                     self._send(m, {"update": self.generation})
+                for w in fresh:  # however long that takes: no start timeout for them
+                    self._send(w, {"queued": self.generation})
             return
         if len(waiting) < self.min_np:
             return
@@ -288,6 +291,8 @@ class RendezvousServer:
         self.forming = True
         self.broken_since = None
         self.updates_sent = {w.id for w in waiting[self.max_np:]}  # no room for them: no update either
+        for w in waiting[self.max_np:]:
+            self._send(w, {"queued": self.generation})  # they wait for a place, as long as the job runs
         job = os.urandom(8).hex()
         table = [[w.addr, w.port] for w in members]
         hosts = [w.host for w in members]
@@ -401,6 +406,10 @@ def join(world: _world.World) -> _world.Links:
                 msg = c.next_message(min(left, 1.0))
                 if msg is not None and "assign" in msg:
                     break
+                if msg is not None and "queued" in msg:
+                    # a ring runs and lets this worker in at its next commit, however far off:
+                    # it waits as long as the job does (ringrun stops it when training ends)
+                    deadline = float("inf")
         except BaseException:
             listener.close()
             raise

@@ -224,3 +224,49 @@ def test_a_loss_during_a_reset_callback_resets_again(tmp_path):
     assert run.stderr.count("was killed by SIGKILL") == 2, run.stderr[-3000:]
     done = run.done()
     assert len(done) == 4 and all(d == {"step": 60, "w": [60.0] * 3} for d in done), done
+
+
+RARE_COMMITS = """
+    import json, sys, time
+    import numpy as np
+    import ringreduce as rr
+    from ringreduce import elastic
+    rr.init()
+    print("joined", rr.size(), flush=True)
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run
+    def train(state):
+        while rr.size() < 3:  # commits (where newcomers are let in) only every 5 s, e.g. once an epoch
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                rr.allreduce(np.ones(3), name="g")
+                time.sleep(0.05)
+            state.step += 1
+            state.commit()
+    train(state)
+    print("done " + json.dumps({"size": rr.size(), "step": state.step}), flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_newcomer_waits_for_the_next_commit_however_far(tmp_path):
+    """A newcomer queued behind a running ring waits for its next commit,
+    however long that is: the old code gave it RINGREDUCE_START_TIMEOUT, then
+    it failed, was restarted, and failed again (its host left out) while the
+    ring committed less often than that."""
+    job = tmp_path / "rare_commits.py"
+    job.write_text(textwrap.dedent(RARE_COMMITS))
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+
+    def grow(line):
+        if line.rstrip().endswith("] joined 2"):
+            hosts.write_text("localhost:3\n")  # a slot appears once the ring of 2 runs: its worker waits
+        return None
+    run = ElasticRun(["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}",
+                      sys.executable, str(job)], kill_when=grow, timeout=80, env={"RINGREDUCE_START_TIMEOUT": "3"})
+    assert run.proc.returncode == 0, run.stderr[-3000:]
+    assert "exited with code" not in run.stderr, run.stderr[-3000:]
+    done = run.done()
+    assert len(done) == 3 and all(d["size"] == 3 for d in done), run.stderr[-3000:]
