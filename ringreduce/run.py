@@ -283,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"need 1 <= --min-np ({min_np}) <= -np ({args.np}) <= --max-np ({max_np})")
         if args.host_discovery_script and args.hosts:
             parser.error("give -H or --host-discovery-script, not both")
+        if args.hosts:
+            try:
+                elastic_launcher.parse_slots(args.hosts)
+            except ValueError as exc:
+                parser.error(f"-H: {exc}")
         max_restarts = 100 if args.max_restarts is None else args.max_restarts
         elastic_timeout = 600.0 if args.elastic_timeout is None else args.elastic_timeout
         if max_restarts < 0 or elastic_timeout < 0:

@@ -270,3 +270,23 @@ def test_a_newcomer_waits_for_the_next_commit_however_far(tmp_path):
     assert "exited with code" not in run.stderr, run.stderr[-3000:]
     done = run.done()
     assert len(done) == 3 and all(d["size"] == 3 for d in done), run.stderr[-3000:]
+
+
+def test_a_malformed_host_list_is_a_message_not_a_traceback(tmp_path):
+    """`host:two` from the discovery script crashed ringrun's watch loop with
+    a ValueError (the whole job ended for one bad line of a script that is
+    run every second); with -H it was a traceback. Now the script's bad
+    output is said and skipped (the last good list kept), and -H is refused."""
+    from ringreduce import elastic_launcher as el
+
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho localhost:two\n")
+    script.chmod(0o755)
+    assert el.discover(str(script)) is None  # failed: keep the last list
+    for bad in ("localhost:two", "localhost:-1", ":2"):
+        with pytest.raises(ValueError, match="host:slots"):
+            el.parse_slots(bad)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "ringreduce.run", "--elastic", "-np", "1", "-H", "localhost:x", "true"],
+                         capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "host:slots" in out.stderr, out.stderr
