@@ -73,6 +73,8 @@ def parse_slots(text: str) -> dict[str, int]:
         if not item or item.startswith("#"):
             continue
         name, _, n = item.partition(":")
+        if not name or (n and not n.isdigit()):
+            raise ValueError(f"{item!r} is not host or host:slots (slots a number >= 0)")
         slots[name] = slots.get(name, 0) + (int(n) if n else 1)
     return slots
 
@@ -87,7 +89,11 @@ def discover(script: str) -> dict[str, int] | None:
     if out.returncode != 0:
         _run.say(f"host discovery script exited with code {out.returncode}: {out.stderr.strip()[:200]}")
         return None
-    return parse_slots(out.stdout)
+    try:
+        return parse_slots(out.stdout)
+    except ValueError as exc:  # one bad run of the script must not end the job
+        _run.say(f"host discovery script printed {exc}: ignored, hosts unchanged")
+        return None
 
 
 @dataclass
@@ -212,6 +218,10 @@ class ElasticJob:
                     if host is not None:
                         host.in_a_row = 0
                 else:
+                    raised = self.server.failure_of(w.id)
+                    if raised is not None:  # the program's error: a restart would only raise it again
+                        return self.stop(_run.Ending(code if code > 0 else 1),
+                                         f"worker {w.id} raised {raised} in its training function")
                     self.failed(w, code, now)
             running = self.running()
             if self.finishing and not running:

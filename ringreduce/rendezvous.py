@@ -17,6 +17,8 @@ generation is ever taken), then say ready.
     worker -> server : {"ready": generation}
     server -> worker : {"abort": generation}   a member left while it formed
     server -> worker : {"update": generation}  new workers wait: re-form at the next commit
+    server -> worker : {"queued": generation}  (to a newcomer) a ring runs: wait for its next commit, untimed
+    worker -> server : {"failed": text}        its training function raised (not a lost peer): ringrun ends the job
 
 When a generation is formed:
   * at the start: once all `expected` workers registered (or, after
@@ -56,6 +58,7 @@ class RendezvousLostError(RingReduceError):
     help, so ringreduce.elastic.run lets it end the worker."""
 
 
+MALFORMED = (ValueError, TypeError, AttributeError, KeyError)  # what a message that makes no sense raises
 ELASTIC_CONNECT_TIMEOUT = 30.0  # seconds a worker may take to connect its ring of one generation
 
 
@@ -97,6 +100,7 @@ class RendezvousServer:
         self.lock = threading.Lock()
         self.closed = False
         self.events: list[str] = []  # what happened, for the launcher's log and the tests
+        self.failures: dict[str, str] = {}  # worker id -> the exception its training function raised
         self.thread = threading.Thread(target=self._loop, name="ringreduce-rendezvous", daemon=True)
         self.thread.start()
 
@@ -112,6 +116,17 @@ class RendezvousServer:
         with self.lock:
             return {w.id for w in self.workers.values()
                     if w.generation == self.generation and w.state in ("assigned", "member")}
+
+    def failure_of(self, wid: str, wait: float = 1.0) -> str | None:
+        """The exception worker `wid` reported before it exited, if any; waits
+        (up to `wait` s) for its connection's end, so a report still in
+        flight is not missed."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self.lock:
+                if wid in self.failures or wid not in self.workers or time.monotonic() > deadline:
+                    return self.failures.get(wid)
+            time.sleep(0.02)
 
     def close(self) -> None:
         self.closed = True
@@ -132,7 +147,10 @@ class RendezvousServer:
             except (OSError, ValueError):
                 readable = []
             for fd in readable:
-                self._read(conns[fd])
+                try:
+                    self._read(conns[fd])
+                except MALFORMED as exc:  # an authenticated peer that speaks nonsense: it goes, the job goes on
+                    self._drop_malformed(conns[fd], exc)
             with self.lock:
                 self._decide()
 
@@ -152,7 +170,18 @@ class RendezvousServer:
             with self.lock:
                 self.workers[wid] = w
                 self.first_seen = self.first_seen or time.monotonic()
-                self._register(w, hello)
+                try:
+                    self._register(w, hello)
+                except MALFORMED as exc:
+                    self._drop_malformed(w, exc, locked=True)
+
+    def _drop_malformed(self, w: _Worker, exc: Exception, locked: bool = False) -> None:
+        log.warning("ringreduce: rendezvous dropped worker %s: malformed message (%s)", w.id, exc)
+        if locked:
+            self._gone(w)
+            return
+        with self.lock:
+            self._gone(w)
 
     def _read(self, w: _Worker) -> None:
         try:
@@ -166,13 +195,20 @@ class RendezvousServer:
         w.buf += data
         while len(w.buf) >= 4:
             n = int.from_bytes(w.buf[:4], "little")
+            if n > _world.MAX_MESSAGE:
+                raise ValueError(f"a message of {n} bytes is too large")
             if len(w.buf) < 4 + n:
                 break
             msg = json.loads(bytes(w.buf[4:4 + n]))
             del w.buf[:4 + n]
+            if not isinstance(msg, dict):
+                raise ValueError("not a JSON object")
             with self.lock:
                 if "register" in msg:
                     self._register(w, msg)
+                elif "failed" in msg:
+                    self.failures[w.id] = str(msg["failed"])[:500]
+                    self.events.append(f"worker {w.id} failed: {self.failures[w.id]}")
                 elif msg.get("ready") == w.generation and w.state == "assigned":
                     w.state = "member"
                     if not any(x.state == "assigned" for x in self.workers.values()):
@@ -238,6 +274,8 @@ class RendezvousServer:
                 self.updates_sent.update(w.id for w in fresh)
                 for m in in_generation:
                     self._send(m, {"update": self.generation})
+                for w in fresh:  # however long that takes: no start timeout for them
+                    self._send(w, {"queued": self.generation})
             return
         if len(waiting) < self.min_np:
             return
@@ -253,6 +291,8 @@ class RendezvousServer:
         self.forming = True
         self.broken_since = None
         self.updates_sent = {w.id for w in waiting[self.max_np:]}  # no room for them: no update either
+        for w in waiting[self.max_np:]:
+            self._send(w, {"queued": self.generation})  # they wait for a place, as long as the job runs
         job = os.urandom(8).hex()
         table = [[w.addr, w.port] for w in members]
         hosts = [w.host for w in members]
@@ -324,6 +364,14 @@ class _Client:
             if msg.get("abort") == generation:
                 return f"generation {generation} was called off ({msg.get('why')})"
 
+    def report_failure(self, text: str) -> None:
+        """Tells ringrun the training function raised: the job ends, nothing is restarted."""
+        if self.sock is not None:
+            try:
+                _world.send_msg(self.sock, {"failed": text})
+            except OSError:
+                pass  # ringrun is gone anyway
+
     def ready(self, generation: int) -> None:
         _world.send_msg(self.sock, {"ready": generation})
 
@@ -358,6 +406,10 @@ def join(world: _world.World) -> _world.Links:
                 msg = c.next_message(min(left, 1.0))
                 if msg is not None and "assign" in msg:
                     break
+                if msg is not None and "queued" in msg:
+                    # a ring runs and lets this worker in at its next commit, however far off:
+                    # it waits as long as the job does (ringrun stops it when training ends)
+                    deadline = float("inf")
         except BaseException:
             listener.close()
             raise

@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="keep going when workers are lost; restart them; let new ones join")
     elastic.add_argument("--min-np", type=int, help="fewest workers to train with (default: -np)")
     elastic.add_argument("--max-np", type=int, help="most workers at once (default: -np)")
-    elastic.add_argument("--max-restarts", type=int, default=100, help="restarts of lost workers in all (default 100)")
-    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
+    elastic.add_argument("--max-restarts", type=int, help="restarts of lost workers in all (default 100)")
+    elastic.add_argument("--elastic-timeout", type=float,
                          help="seconds to wait below --min-np before giving up (default 600)")
     elastic.add_argument("--host-discovery-script", help="prints the available hosts, `host:slots` a line")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command given")
     if args.np < 1:
         parser.error("-np must be at least 1")
-    given = [f for f in ("min_np", "max_np", "host_discovery_script") if getattr(args, f) is not None]
+    given = [f for f in ("min_np", "max_np", "max_restarts", "elastic_timeout", "host_discovery_script")
+             if getattr(args, f) is not None]
     if given and not args.elastic:
         parser.error(f"--{given[0].replace('_', '-')} needs --elastic")
     if args.elastic:
@@ -282,8 +283,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"need 1 <= --min-np ({min_np}) <= -np ({args.np}) <= --max-np ({max_np})")
         if args.host_discovery_script and args.hosts:
             parser.error("give -H or --host-discovery-script, not both")
+        if args.hosts:
+            try:
+                elastic_launcher.parse_slots(args.hosts)
+            except ValueError as exc:
+                parser.error(f"-H: {exc}")
+        max_restarts = 100 if args.max_restarts is None else args.max_restarts
+        elastic_timeout = 600.0 if args.elastic_timeout is None else args.elastic_timeout
+        if max_restarts < 0 or elastic_timeout < 0:
+            parser.error("--max-restarts and --elastic-timeout must not be negative")
         ending = elastic_launcher.run(elastic_launcher.Options(
-            args.np, min_np, max_np, args.max_restarts, args.elastic_timeout, args.host_discovery_script,
+            args.np, min_np, max_np, max_restarts, elastic_timeout, args.host_discovery_script,
             args.hosts, args.timeout, args.ssh), args.command)
     else:
         ending = run(args.np, args.command, args.hosts, args.timeout, args.ssh)

@@ -9,6 +9,7 @@ import time
 from .. import collectives as _c
 from .. import engine as _engine
 from ..errors import MismatchError, RingReduceError
+from .. import rendezvous as _rendezvous
 from ..rendezvous import RendezvousLostError
 from .state import HostsUpdatedInterrupt
 
@@ -41,23 +42,35 @@ def run_with(func, state, args, kwargs, recoverable=recoverable, on_lost=None):
     lost ring (the TensorFlow layer adds its wrapped ones)."""
     reset_required = False
     while True:
-        if reset_required:
-            started = time.monotonic()
-            reset()
-            log.info("ringreduce: elastic reset: rank %d of %d (generation %d) in %.2f s",
-                     _c.rank(), _c.size(), _c._state.generation, time.monotonic() - started)
-            state.on_reset()
         try:
+            if reset_required:  # in the try: a peer lost in the reset or its callbacks is one more loss
+                started = time.monotonic()
+                reset()
+                log.info("ringreduce: elastic reset: rank %d of %d (generation %d) in %.2f s",
+                         _c.rank(), _c.size(), _c._state.generation, time.monotonic() - started)
+                state.on_reset()
             state.sync()
             return func(state, *args, **kwargs)
         except HostsUpdatedInterrupt:
             pass  # committed just now: nothing to roll back
         except BaseException as exc:
+            if _rendezvous.client() is None:  # not under ringrun --elastic: fail fast, as without elastic
+                raise
             if not recoverable(exc):
+                _report(exc)
                 raise
             log.info("ringreduce: elastic: %s: rolling back to commit %d", exc, state.commits)
             state.restore()
         reset_required = True
+
+
+def _report(exc: BaseException) -> None:
+    """A program error (not a lost peer) ends the job: ringrun must not restart
+    a worker that would only raise again. A clean sys.exit() is no error."""
+    client = _rendezvous.client()
+    if client is None or isinstance(exc, RendezvousLostError) or (isinstance(exc, SystemExit) and not exc.code):
+        return
+    client.report_failure(f"{type(exc).__name__}: {exc}")
 
 
 def run(func):

@@ -123,24 +123,47 @@ KerasState = TensorFlowKerasState  # horovod.tensorflow.keras.elastic's name
 
 
 class CommitStateCallback(keras.callbacks.Callback):
-    """Commits every `batches_per_commit` batches and at each epoch's end."""
+    """Commits every `batches_per_commit` batches and at each epoch's end.
+
+    The commit is made at the next hook (the next batch's or epoch's start,
+    or the end of training), once every callback of that batch or epoch end
+    has run: in Horovod's documented order the Update*StateCallbacks come
+    after this one, and committing at once would save the weights with the
+    batch and epoch counts of the step before (an epoch trained twice after
+    a restore). No collective runs in between, so nothing is lost by waiting."""
 
     def __init__(self, state: State, batches_per_commit: int = 1):
         super().__init__()
         self.state, self.batches_per_commit = state, batches_per_commit
         self.batches_remaining = batches_per_commit
+        self.due = False
+
+    def _commit_if_due(self):
+        if self.due:
+            self.due = False  # first: a HostsUpdatedInterrupt must not commit again on the way out
+            self.state.commit()
 
     def on_train_begin(self, logs=None):
         self.batches_remaining = self.batches_per_commit  # the same on every rank after a reset
+        self.due = False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._commit_if_due()
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches_remaining -= 1
         if self.batches_remaining == 0:
-            self.state.commit()
+            self.due = True
             self.batches_remaining = self.batches_per_commit
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._commit_if_due()
+
     def on_epoch_end(self, epoch, logs=None):
-        self.state.commit()
+        self.due = True
+
+    def on_train_end(self, logs=None):
+        self._commit_if_due()
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):
