@@ -1,0 +1,76 @@
+"""Elastic training across emulated hosts (one network namespace each): one
+host's link goes down mid-training; the survivors on the other host notice
+by RINGREDUCE_TIMEOUT, go on as a smaller world, lose no committed step and
+end bit-identical. ringrun runs inside the first host's namespace and starts
+the workers of the others over a fake ssh (ip netns exec)."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ranks import REPO
+from test_elastic import JOB, ElasticRun
+from test_launcher import _fake_ssh
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from cluster import Cluster, can_build  # noqa: E402
+
+REASON = can_build()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cannot make network namespaces here: {REASON}")
+
+TIMEOUT = 3.0  # ringrun --timeout: RINGREDUCE_TIMEOUT of the workers and how long the rendezvous waits for them
+STEPS, DOWN_AT = 100, 15
+
+
+def link_down_at(cluster: Cluster, host: int, step: int, downs: list):
+    """A kill_when that sets `host`'s link down once one of its workers committed `step`."""
+    def watch(line):
+        prefix, _, rest = line.partition("] ")
+        words = rest.split()
+        if not downs and prefix.startswith(f"[{cluster.addresses[host]}#") and words[:2] == ["committed", str(step)]:
+            subprocess.run(["ip", "-n", cluster.namespaces[host], "link", "set", "eth0", "down"], check=True)
+            downs.append(time.time())
+        return None
+    return watch
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("local_first", [True, False], ids=["local-and-remote", "all-over-ssh"])
+def test_a_host_whose_link_goes_down_is_lost_and_the_other_goes_on(tmp_path, local_first):
+    with Cluster(2) as cluster:
+        ssh = _fake_ssh(tmp_path, dict(zip(cluster.addresses, cluster.namespaces)))
+        first = "localhost" if local_first else cluster.addresses[0]
+        hosts = f"{first}:2,{cluster.addresses[1]}:2"
+        downs: list = []
+        run = ElasticRun(["-np", "4", "--min-np", "2", "-H", hosts, "--ssh", ssh, "--timeout", str(TIMEOUT),
+                          sys.executable, JOB, str(STEPS), "0.03"],
+                         kill_when=link_down_at(cluster, 1, DOWN_AT, downs), timeout=80,
+                         prefix=["ip", "netns", "exec", cluster.namespaces[0]])
+    assert cluster.leftovers() == []
+    assert run.proc.returncode == 0, run.stderr[-3000:]
+    assert downs, "the link was never set down\n" + run.stderr[-3000:]
+    done = run.done()
+    # the two workers of the host still connected finish, as a world of 2, with the same bits
+    assert len(done) == 2, run.stderr[-3000:]
+    assert {d["worker"].split("#")[0] for d in done} == {first}
+    assert len({d["sha"] for d in done}) == 1
+    for d in done:
+        assert d["steps"] == STEPS and d["uniform"] and d["w0"] == d["expected"], d
+        assert d["size"] == 2 and d["links"] == {"next": "shm", "prev": "shm"}
+    sizes = done[0]["sizes"]
+    assert sizes[:DOWN_AT] == [4] * DOWN_AT and sizes[-1] == 2, sizes
+    # the lost host counts as lost: the rendezvous dropped its workers after --timeout
+    lost = [e for e in run.stderr.splitlines() if e.startswith("ringrun: rendezvous:") and "did not come back" in e]
+    assert len(lost) == 2 and all(cluster.addresses[1] + "#" in e for e in lost), run.stderr[-3000:]
+    # no committed step lost or repeated across the reset
+    by_gen: dict = {}
+    for step, gen, rank, size, pid in run.commits():
+        by_gen.setdefault(gen, set()).add(step)
+    gens = sorted(by_gen)
+    for a, b in zip(gens, gens[1:]):
+        assert min(by_gen[b]) == max(by_gen[a]) + 1, (a, b, sorted(by_gen[a])[-5:], sorted(by_gen[b])[:5])
+    # recovery: link down to the first commit of the smaller world (a figure for docs/elastic.md, not a bound)
+    first_small = min(float(line.split()[-1]) for line in run.lines
+                      if "committed" in line and " size 2 " in line)
+    print(f"\nrecovery after the link went down: {first_small - downs[0]:.2f} s (--timeout {TIMEOUT:g})")
