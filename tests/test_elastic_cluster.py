@@ -28,7 +28,8 @@ def link_down_at(cluster: Cluster, host: int, step: int, downs: list):
     def watch(line):
         prefix, _, rest = line.partition("] ")
         words = rest.split()
-        if not downs and prefix.startswith(f"[{cluster.addresses[host]}#") and words[:2] == ["committed", str(step)]:
+        if (not downs and prefix.startswith(f"[{cluster.addresses[host]}#") and words[:1] == ["committed"]
+                and int(words[1]) >= step and words[7] == "4"):  # (under load the first world may be 2, then 4)
             subprocess.run(["ip", "-n", cluster.namespaces[host], "link", "set", "eth0", "down"], check=True)
             downs.append(time.time())
         return None
@@ -59,20 +60,24 @@ def test_a_host_whose_link_goes_down_is_lost_and_the_other_goes_on(tmp_path, loc
         assert d["steps"] == STEPS and d["uniform"] and d["w0"] == d["expected"], d
         assert d["size"] == 2 and d["links"] == {"next": "shm", "prev": "shm"}
     sizes = done[0]["sizes"]
-    assert sizes[:DOWN_AT] == [4] * DOWN_AT and sizes[-1] == 2, sizes
+    assert 4 in sizes and sizes[-1] == 2, sizes
     # the lost host counts as lost: the rendezvous saw its workers' connections go (keepalive unanswered)
     events = [e for e in run.stderr.splitlines() if e.startswith("ringrun: rendezvous:")]
-    lost = {e.split()[3] for e in events if " gone (generation 1, member)" in e or "did not come back" in e}
-    assert lost == {w for w in (e.split()[3] for e in events if "registered" in e)
-                    if w.startswith(cluster.addresses[1] + "#")} and len(lost) == 2, "\n".join(events)
-    # no committed step lost or repeated across the reset
+    remote = {w for w in (e.split()[3] for e in events if "registered" in e) if w.startswith(cluster.addresses[1])}
+    lost = {e.split()[3] for e in events if ", member)" in e or "did not come back" in e} & remote
+    assert len(remote) == 2 and lost == remote, "\n".join(events)
+    # no committed step lost or repeated across the reset, by the survivors (the cut-off host's workers
+    # still print: one may have finished the allreduce its peers did not, and committed a step alone)
     by_gen: dict = {}
-    for step, gen, rank, size, pid in run.commits():
-        by_gen.setdefault(gen, set()).add(step)
+    for line in run.lines:
+        words = line.split()
+        if line.startswith(f"[{first}#") and words[1:2] == ["committed"]:
+            by_gen.setdefault(int(words[4]), set()).add(int(words[2]))
     gens = sorted(by_gen)
+    assert len(gens) >= 2, by_gen
     for a, b in zip(gens, gens[1:]):
         assert min(by_gen[b]) == max(by_gen[a]) + 1, (a, b, sorted(by_gen[a])[-5:], sorted(by_gen[b])[:5])
     # recovery: link down to the first commit of the smaller world (a figure for docs/elastic.md, not a bound)
     first_small = min(float(line.split()[-1]) for line in run.lines
-                      if "committed" in line and " size 2 " in line)
+                      if "committed" in line and " size 2 " in line and float(line.split()[-1]) > downs[0])
     print(f"\nrecovery after the link went down: {first_small - downs[0]:.2f} s (--timeout {TIMEOUT:g})")
