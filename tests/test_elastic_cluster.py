@@ -81,3 +81,36 @@ def test_a_host_whose_link_goes_down_is_lost_and_the_other_goes_on(tmp_path, loc
     first_small = min(float(line.split()[-1]) for line in run.lines
                       if "committed" in line and " size 2 " in line and float(line.split()[-1]) > downs[0])
     print(f"\nrecovery after the link went down: {first_small - downs[0]:.2f} s (--timeout {TIMEOUT:g})")
+
+
+@pytest.mark.timeout(120)
+def test_when_the_link_comes_back_the_host_rejoins_and_the_world_is_4_again(tmp_path):
+    steps = 800
+    with Cluster(2) as cluster:
+        ssh = _fake_ssh(tmp_path, dict(zip(cluster.addresses, cluster.namespaces)))
+        downs, ups = [], []
+        down = link_down_at(cluster, 1, DOWN_AT, downs)
+
+        def watch(line):
+            down(line)
+            words = line.split("] ", 1)[-1].split()
+            # back up once the survivors trained a while as a world of 2
+            if downs and not ups and words[:1] == ["committed"] and words[7] == "2" and time.time() - downs[0] > 6:
+                subprocess.run(["ip", "-n", cluster.namespaces[1], "link", "set", "eth0", "up"], check=True)
+                ups.append(time.time())
+        run = ElasticRun(["-np", "4", "--min-np", "2", "-H", f"localhost:2,{cluster.addresses[1]}:2", "--ssh", ssh,
+                          "--timeout", str(TIMEOUT), sys.executable, JOB, str(steps), "0.03"],
+                         kill_when=watch, timeout=110, prefix=["ip", "netns", "exec", cluster.namespaces[0]])
+    assert cluster.leftovers() == []
+    assert run.proc.returncode == 0, run.stderr[-3000:]
+    assert downs and ups, run.stderr[-3000:]
+    # the cut-off workers learn on reconnection that ringrun dropped them, end, and are started again there
+    assert f"worker {cluster.addresses[1]}#" in run.stderr and "restarting it" in run.stderr
+    done = run.done()
+    assert len(done) == 4, run.stderr[-3000:]
+    assert sorted(d["worker"].split("#")[0] for d in done) == sorted(["localhost"] * 2 + [cluster.addresses[1]] * 2)
+    assert len({d["sha"] for d in done}) == 1
+    for d in done:
+        assert d["steps"] == steps and d["uniform"] and d["w0"] == d["expected"] and d["size"] == 4, d
+    sizes = done[0]["sizes"]
+    assert 2 in sizes and sizes[-1] == 4, sizes
