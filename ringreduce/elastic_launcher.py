@@ -96,6 +96,25 @@ def discover(script: str) -> dict[str, int] | None:
         return None
 
 
+def advertised_address(hosts: list[str]) -> str:
+    """The address workers dial the rendezvous at: this machine's own address
+    on the route to the first remote host. Local workers dial it too, so the
+    server sees them come from an address the remote ones can reach (by
+    127.0.0.1 they would; their ring peers on other hosts could not reach
+    that). Falls back to the host name when no remote host resolves."""
+    for host in hosts:
+        if host in _run.LOCAL_HOSTS:
+            continue
+        try:
+            family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(addr)  # no packet is sent: the kernel only picks the route and its source address
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return socket.gethostname()
+
+
 @dataclass
 class Worker:
     serial: int
@@ -122,7 +141,7 @@ class ElasticJob:
         self.server = RendezvousServer(self.secret.encode(), expected=opts.np, min_np=opts.min_np,
                                        max_np=opts.max_np, bind_host="127.0.0.1" if local else "0.0.0.0",
                                        rejoin_timeout=opts.timeout or REJOIN_TIMEOUT)
-        self.addr_host = "127.0.0.1" if local else socket.gethostname()
+        self.addr_host = "127.0.0.1" if local else advertised_address(list(self.hosts))
         self.workers: list[Worker] = []
         self.serial = 0
         self.restarts = 0

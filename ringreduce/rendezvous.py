@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import select
@@ -166,6 +167,7 @@ class RendezvousServer:
                 conn.close()
                 continue
             conn.settimeout(5.0)
+            _probe(conn, self.rejoin_timeout)
             w = _Worker(wid, conn, peer[0])
             with self.lock:
                 self.workers[wid] = w
@@ -303,6 +305,21 @@ class RendezvousServer:
                                       "table": table, "ports": [m.port for m in members], "job": job}})
         self.events.append(f"generation {self.generation} formed: {[w.id for w in members]}")
         log.info("ringreduce: elastic generation %d: %d worker(s)", self.generation, len(members))
+
+
+def _probe(conn: socket.socket, within: float) -> None:
+    """TCP keepalive, a probe a second: a worker whose host stopped answering
+    (link down, machine gone) reads as gone within about `within` seconds,
+    so the survivors need not also wait rejoin_timeout for it. A worker that
+    is merely slow or stopped still answers (its kernel does), and is judged
+    by rejoin_timeout as before."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, math.ceil(within)))
+    except (AttributeError, OSError):
+        pass  # not Linux: rejoin_timeout alone judges
 
 
 # --------------------------------------------------------------------------- client (in each worker)

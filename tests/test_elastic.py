@@ -19,11 +19,11 @@ JOB = str(REPO / "tests" / "elastic_job.py")
 class ElasticRun:
     """ringrun --elastic under a timeout; `kill_when(line)` picks a pid to kill -9."""
 
-    def __init__(self, args, kill_when=None, timeout=60, env=None):
+    def __init__(self, args, kill_when=None, timeout=60, env=None, prefix=()):
         env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1", "RINGRUN_VERBOSE": "1",
                **(env or {})}
         env.pop("RINGREDUCE_SECRET", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "--elastic", *args],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "ringreduce.run", "--elastic", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True)
         self.lines, self.kills = [], []
