@@ -52,7 +52,8 @@ def _enqueue(name: bytes, op: bytes, array: np.ndarray, process_set=None, compre
 
 
 def _enqueue_all(names, op: bytes, arrays, process_set=None, compression=None) -> np.ndarray:
-    return np.array([_enqueue(n, op, a, process_set, compression) for n, a in zip(names, arrays)], dtype=np.int64)
+    more = () if compression is None else (compression,)  # uncompressed: _enqueue's four arguments, as ever
+    return np.array([_enqueue(n, op, a, process_set, *more) for n, a in zip(names, arrays)], dtype=np.int64)
 
 
 def _wait(key: np.int64) -> np.ndarray:
