@@ -38,6 +38,11 @@ typedef struct rr_transport_ops {
  * it, so it stays free of Python. */
 typedef int (*rr_interrupt_hook)(void *arg);
 
+/* What the bytes were for: the ring's data steps (allreduce, reduce_scatter,
+ * allgather, broadcast), whole-frame blob exchanges (negotiation, small
+ * allreduces), alltoall. */
+enum { RR_SENT_RING = 0, RR_SENT_BLOBS = 1, RR_SENT_ALLTOALL = 2, RR_SENT_KINDS = 3 };
+
 struct rr_transport {
     const rr_transport_ops *ops;
     int rank;
@@ -46,13 +51,8 @@ struct rr_transport {
     void *interrupt_arg;
     /* Bytes this rank has sent to next, by what sent them (RR_SENT_*); only
      * rr_transport_exchange adds to it. Transports allocate zeroed. */
-    unsigned long long sent[3]; /* RR_SENT_KINDS */
+    unsigned long long sent[RR_SENT_KINDS];
 };
-
-/* What the bytes were for: the ring's data steps (allreduce, reduce_scatter,
- * allgather, broadcast), whole-frame blob exchanges (negotiation, small
- * allreduces), alltoall. */
-enum { RR_SENT_RING = 0, RR_SENT_BLOBS = 1, RR_SENT_ALLTOALL = 2, RR_SENT_KINDS = 3 };
 
 /* Every exchange goes through here, so what a rank sends is counted in one
  * place, whatever the transport (ringreduce.stats() reads it). */

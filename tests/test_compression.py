@@ -213,3 +213,26 @@ def test_the_speed_benchmark_runs_and_counts_fewer_bytes(tmp_path):
     rows = {r["compression"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["none"]["bytes_per_step"] / rows["powersgd:rank=4"]["bytes_per_step"] > 4
     assert rows["none"]["bytes_per_step"] / rows["int8"]["bytes_per_step"] == pytest.approx(4, rel=0.1)
+
+
+JOIN_JOB = """
+from ringreduce.compression import Int8
+from ringreduce.engine import engine
+c, eng = Int8(), engine()
+steps = 3 if rr.rank() == 0 else 1   # rank 1 runs out of data first
+got = []
+for step in range(steps):
+    got.append(eng.wait(eng.enqueue("w", np.full((64, 64), 1.0 + rr.rank(), np.float32), op="avg",
+                                    compression=c)).mean())
+last = rr.join()
+result = dict(got=[float(g) for g in got], last=last)
+"""
+
+
+def test_a_joined_rank_adds_zeros_to_compressed_allreduces(tmp_path):
+    r0, r1 = run_ranks(2, JOIN_JOB, tmp_path, timeout=60)
+    assert r1.result["got"] == [pytest.approx(1.5, rel=0.02)]
+    # after rank 1 joined, avg still divides by both ranks: (1 + 0) / 2
+    assert r0.result["got"][0] == pytest.approx(1.5, rel=0.02)
+    assert r0.result["got"][1:] == [pytest.approx(0.5, rel=0.02)] * 2
+    assert r0.result["last"] == r1.result["last"] == 0

@@ -149,9 +149,9 @@ def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
         first_output = marker("reached the first layer")  # the first layer's gradients need what passes here
         import ringreduce.tensorflow.overlap as ov
         real_enqueue = ov._enqueue
-        def spying_enqueue(name, op, array, *rest):
+        def spying_enqueue(name, op, array, process_set=None):
             marks.setdefault(name.decode(), time.monotonic())
-            return real_enqueue(name, op, array, *rest)
+            return real_enqueue(name, op, array, process_set)
         ov._enqueue = spying_enqueue
         layers = [keras.layers.Dense(512, activation="relu") for _ in range(6)] + [keras.layers.Dense(10)]
         model = keras.Sequential([keras.Input((512,)), *layers])

@@ -63,3 +63,32 @@ def test_stats_before_init_is_zero():
     import ringreduce as rr
     assert not rr.is_initialized()
     assert rr.stats() == {"ring": 0, "blobs": 0, "alltoall": 0, "bytes_sent": 0}
+
+
+MPI_SNIPPET = """
+import numpy as np, ringreduce as rr
+rr.init(backend="mpi")
+x = np.ones(262_147, np.float32)
+rr.allreduce(np.ones(8, np.float32))
+rr.reset_stats()
+rr.allreduce(x)
+open(f"{OUT}.{rr.rank()}", "w").write(str(rr.stats()["ring"]))
+"""
+
+
+def test_the_mpi_transport_is_counted_alike(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from test_mpi import MPIRUN, _missing
+    from ranks import REPO
+    if _missing():
+        pytest.skip(_missing())
+    script = tmp_path / "job.py"
+    script.write_text(f"OUT = {str(tmp_path / 'sent')!r}\n" + MPI_SNIPPET)
+    proc = subprocess.run([MPIRUN, "-np", "3", sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=90, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(3):
+        s = int((tmp_path / f"sent.{r}").read_text())
+        assert abs(s - 2 * 2 / 3 * 262_147 * 4) <= 12

@@ -80,13 +80,14 @@ def _begin_run(call, _nonce) -> np.ndarray:
 
 def _enqueue_all(run, names, op: bytes, arrays, process_set=None, compression=None) -> np.ndarray:
     run, epoch, call = (int(v) for v in run)
+    more = () if compression is None else (compression,)  # uncompressed: _enqueue's four arguments, as ever
     keys = []
     for n, a in zip(names, arrays):
         with _lock:
             if run in _failed:  # a late hand-over of a failed run: nobody will wait for it
                 keys.append(0)
                 continue
-        key = int(_enqueue(n + b"~%d" % epoch if epoch else n, op, a, process_set, compression))
+        key = int(_enqueue(n + b"~%d" % epoch if epoch else n, op, a, process_set, *more))
         with _lock:
             _runs.setdefault(run, {})[n] = key
             _owner[key] = (run, call, n)
