@@ -157,6 +157,10 @@ RR_INLINE uint16_t rr_mean16_bf16(uint16_t x, uint16_t mean, int k)
 /* min/max as numpy.minimum/maximum: a NaN in either operand wins. */
 #define RR_FMIN(a, b) (((a) != (a)) ? (a) : ((b) != (b)) ? (b) : ((a) < (b) ? (a) : (b)))
 #define RR_FMAX(a, b) (((a) != (a)) ? (a) : ((b) != (b)) ? (b) : ((a) > (b) ? (a) : (b)))
+/* 16-bit sums and products: a NaN operand passes through as min/max pass it
+ * (a's first), whatever order the hardware or the compiler put them in, so
+ * the portable and vector kernels, and so ranks on different CPUs, agree. */
+#define RR_NAN_FIRST(a, b, r) (((a) != (a)) ? (a) : ((b) != (b)) ? (b) : (r))
 #define RR_IMIN(a, b) ((a) < (b) ? (a) : (b))
 #define RR_IMAX(a, b) ((a) > (b) ? (a) : (b))
 
