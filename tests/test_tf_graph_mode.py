@@ -296,3 +296,19 @@ def test_building_without_a_compiler_says_what_is_missing(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ERROR" in out.stdout and "C++ compiler" in out.stdout and "CXX" in out.stdout, out.stdout
     assert not list((tmp_path / "cache").glob("*.so")) if (tmp_path / "cache").exists() else True
+
+
+def test_python_m_async_op_builds_the_op_ahead(tmp_path):
+    """docs/tensorflow.md's way to build the op for a read-only image: run as
+    __main__ after the package imported the module, it must not register the
+    op's gradient twice."""
+    from ranks import REPO
+    import subprocess
+    import sys
+    env = {"RINGREDUCE_TF_OPS_DIR": str(tmp_path / "ops"), "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO),
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "ringreduce.tensorflow.async_op"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    built = list((tmp_path / "ops").glob("*.so"))
+    assert len(built) == 1 and out.stdout.strip() == str(built[0]), (out.stdout, built)

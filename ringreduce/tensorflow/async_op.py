@@ -237,7 +237,8 @@ def _start(token: bytes, call: int, n: int, dtypes, ndims, dims, data) -> None:
     _workers.submit(lambda: _run(entry, call, arrays))
 
 
-tf.no_gradient("RingreduceAsyncCall")  # the TF ops define their gradients with tf.custom_gradient
+if __name__ != "__main__":  # run as a script, the package has imported (and registered) this module already
+    tf.no_gradient("RingreduceAsyncCall")  # the TF ops define their gradients with tf.custom_gradient
 _START = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
                           ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64),
                           ctypes.POINTER(ctypes.c_void_p))
