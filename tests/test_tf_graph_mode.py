@@ -312,3 +312,28 @@ def test_python_m_async_op_builds_the_op_ahead(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     built = list((tmp_path / "ops").glob("*.so"))
     assert len(built) == 1 and out.stdout.strip() == str(built[0]), (out.stdout, built)
+
+
+def test_cxx_with_arguments_is_split_like_a_shell_would(monkeypatch):
+    """CXX="ccache g++" or "g++ -m64" is common; it names a command and its
+    arguments, not a file called "ccache g++"."""
+    import shutil
+    from pathlib import Path
+    from ringreduce.tensorflow import async_op
+    cxx = shutil.which("c++") or shutil.which("g++")
+    monkeypatch.setenv("CXX", f"{cxx} -DRINGREDUCE_FROM_CXX=1")
+    cmd = async_op.build_command(Path("out.so"))
+    assert cmd[:2] == [cxx, "-DRINGREDUCE_FROM_CXX=1"], cmd[:3]
+
+
+def test_an_unwritable_op_cache_says_where_and_what_to_do(monkeypatch, tmp_path):
+    """A read-only home (or cache dir) where the op is not built yet: a
+    RingReduceError naming the directory and the way out, not a bare OSError."""
+    import ringreduce as rr
+    from ringreduce.tensorflow import async_op
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a directory under a file cannot be made, even by root
+    monkeypatch.setenv("RINGREDUCE_TF_OPS_DIR", str(blocker / "ops"))
+    with pytest.raises(rr.RingReduceError, match="RINGREDUCE_TF_OPS_DIR") as caught:
+        async_op.build()
+    assert str(blocker / "ops") in str(caught.value)

@@ -64,9 +64,10 @@ def source() -> Path:
     raise rr.RingReduceError(f"csrc/tf/{SOURCE_NAME} not found next to ringreduce: reinstall ringreduce")
 
 
-def compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx or not shutil.which(cxx):
+def compiler() -> list[str]:
+    """The compiler's command: $CXX split as a shell would ("ccache g++"), else c++ or g++."""
+    cxx = shlex.split(os.environ.get("CXX", "")) or [shutil.which("c++") or shutil.which("g++") or ""]
+    if not cxx[0] or not shutil.which(cxx[0]):
         raise rr.RingReduceError(
             "collectives in TF1 graphs (tf.compat.v1 Session) need ringreduce's TensorFlow op, which is compiled "
             "on first use: no C++ compiler found (install g++, or set CXX=/path/to/c++). Eager code and "
@@ -75,7 +76,7 @@ def compiler() -> str:
 
 
 def build_command(out: Path) -> list[str]:
-    return ([compiler()] + CXXFLAGS + [str(source()), "-o", str(out)] + tf.sysconfig.get_compile_flags()
+    return (compiler() + CXXFLAGS + [str(source()), "-o", str(out)] + tf.sysconfig.get_compile_flags()
             + tf.sysconfig.get_link_flags())
 
 
@@ -93,8 +94,15 @@ def build() -> Path:
     path = library_path()
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{path}.lock", "w") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(f"{path}.lock", "w")
+    except OSError as e:
+        raise rr.RingReduceError(
+            f"ringreduce's TensorFlow op for TF1 graphs is compiled on first use, but its cache {path.parent} is not "
+            f"writable ({e}): set RINGREDUCE_TF_OPS_DIR to a writable directory, or build it ahead where it is "
+            "(python -m ringreduce.tensorflow.async_op)") from e
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together: one compiles, the others wait for it
         if path.exists():
             return path
