@@ -337,3 +337,45 @@ def test_an_unwritable_op_cache_says_where_and_what_to_do(monkeypatch, tmp_path)
     with pytest.raises(rr.RingReduceError, match="RINGREDUCE_TF_OPS_DIR") as caught:
         async_op.build()
     assert str(blocker / "ops") in str(caught.value)
+
+
+def test_a_timeout_or_session_close_ends_a_collective_left_waiting(tmp_path):
+    """Rank 0 runs collectives rank 1 never starts. A RunOptions timeout, and
+    Session.close from another thread, must end the step (the op registers
+    with the step's cancellation) instead of waiting for ever; the session
+    and the engine go on."""
+    ranks = run_ranks(2, job("""
+        import threading, time
+        with tf.Graph().as_default():
+            lonely = [rrtf.allreduce(tf.fill([3], 1.0), op=rrtf.Sum, name=f"lonely{i}") for i in range(2)]
+            both = rrtf.allreduce(tf.fill([3], 1.0), op=rrtf.Sum, name="both")
+            sess = tf.compat.v1.Session(config=CONFIG)
+            timed_out = closed = None
+            if r == 0:
+                t0 = time.time()
+                try:
+                    sess.run(lonely[0], options=tf.compat.v1.RunOptions(timeout_in_ms=1000))
+                except tf.errors.OpError as e:
+                    timed_out = (type(e).__name__, time.time() - t0)
+            after = sess.run(both).tolist()
+            if r == 0:
+                def run():
+                    global closed
+                    try:
+                        sess.run(lonely[1])
+                    except tf.errors.OpError as e:
+                        closed = f"{type(e).__name__}: {e}"
+                t = threading.Thread(target=run)
+                t.start()
+                time.sleep(1.0)
+                sess.close()
+                t.join(20)
+                closed = (closed, t.is_alive())
+            else:
+                sess.close()
+        result = (timed_out, after, closed)
+    """), tmp_path, init=False, timeout=120)
+    timed_out, after, closed = ranks[0].result
+    assert timed_out is not None and timed_out[0] == "DeadlineExceededError" and timed_out[1] < 10, timed_out
+    assert after == [2.0] * 3 and ranks[1].result[1] == [2.0] * 3
+    assert closed[0] is not None and "Error" in closed[0] and closed[1] is False, closed
