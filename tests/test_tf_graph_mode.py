@@ -379,3 +379,18 @@ def test_a_timeout_or_session_close_ends_a_collective_left_waiting(tmp_path):
     assert timed_out is not None and timed_out[0] == "DeadlineExceededError" and timed_out[1] < 10, timed_out
     assert after == [2.0] * 3 and ranks[1].result[1] == [2.0] * 3
     assert closed[0] is not None and "Error" in closed[0] and closed[1] is False, closed
+
+
+def test_a_damaged_op_library_in_the_cache_is_built_again(tmp_path):
+    """A file under the library's name that does not load (truncated by a
+    full disk, a bad copy of the cache) is replaced, not a dead end."""
+    from ranks import REPO
+    import subprocess
+    import sys
+    code = ("from ringreduce.tensorflow import async_op\n"
+            "path = async_op.library_path()\npath.parent.mkdir(parents=True)\npath.write_bytes(b'\\x7fELF half')\n"
+            "async_op.load()\nprint('LOADED', path.read_bytes()[:4] == b'\\x7fELF' and path.stat().st_size > 1000)\n")
+    env = {"RINGREDUCE_TF_OPS_DIR": str(tmp_path / "ops"), "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO),
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "LOADED True" in out.stdout, out.stderr[-3000:]

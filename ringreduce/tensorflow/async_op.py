@@ -89,10 +89,16 @@ def library_path() -> Path:
     return Path(base) / f"async_call-tf{tf.__version__}-{digest.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """The op library, compiled unless it is there already."""
+def _is(path: Path, st: os.stat_result | None) -> bool:
+    return st is not None and path.exists() and (path.stat().st_ino, path.stat().st_mtime_ns) == (st.st_ino,
+                                                                                                 st.st_mtime_ns)
+
+
+def build(damaged: os.stat_result | None = None) -> Path:
+    """The op library, compiled unless it is there already (and not the
+    file `damaged`, which failed to load)."""
     path = library_path()
-    if path.exists():
+    if path.exists() and not _is(path, damaged):
         return path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +110,7 @@ def build() -> Path:
             "(python -m ringreduce.tensorflow.async_op)") from e
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together: one compiles, the others wait for it
-        if path.exists():
+        if path.exists() and not _is(path, damaged):  # another rank built it meanwhile
             return path
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         cmd = build_command(tmp)
@@ -262,8 +268,13 @@ def load():
     global _lib, _ops
     with _load_lock:
         if _ops is None:
-            path = str(build())
-            ops = tf.load_op_library(path)
+            path = build()
+            try:
+                ops = tf.load_op_library(str(path))
+            except tf.errors.OpError:  # a damaged file under our name (a full disk, a bad copy): build it again
+                path = build(damaged=path.stat())
+                ops = tf.load_op_library(str(path))
+            path = str(path)
             lib = ctypes.CDLL(path)  # the same loaded library (dlopen of one path), for the C entry points
             lib.ringreduce_tf_set_start.argtypes = [_START]
             lib.ringreduce_tf_complete.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
