@@ -41,8 +41,8 @@
 
 #define FLOAT16_OPS(...)                                                     \
     switch (op) {                                                            \
-    case RR_SUM: case RR_AVG: LOOP16(__VA_ARGS__ RR_NAN_FIRST(a, b, a + b)); return 0; \
-    case RR_PROD: LOOP16(__VA_ARGS__ RR_NAN_FIRST(a, b, a * b)); return 0;   \
+    case RR_SUM: case RR_AVG: LOOP16(__VA_ARGS__ RR_NAN_FIRST(a, a + b)); return 0; \
+    case RR_PROD: LOOP16(__VA_ARGS__ RR_NAN_FIRST(a, a * b)); return 0;   \
     case RR_MIN: LOOP16(__VA_ARGS__ RR_FMIN(a, b)); return 0;                \
     case RR_MAX: LOOP16(__VA_ARGS__ RR_FMAX(a, b)); return 0;                \
     default: return -1;                                                      \
