@@ -394,3 +394,18 @@ def test_a_damaged_op_library_in_the_cache_is_built_again(tmp_path):
            "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and "LOADED True" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_cache_without_file_locks_still_builds(monkeypatch, tmp_path):
+    """Some network filesystems refuse flock (ENOLCK): the op is still built
+    (ranks may then compile it twice; each writes a file of its own and
+    renames it into place, so none sees half a library)."""
+    import errno
+    from ringreduce.tensorflow import async_op
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(async_op.fcntl, "flock", no_locks)
+    monkeypatch.setenv("RINGREDUCE_TF_OPS_DIR", str(tmp_path / "ops"))
+    path = async_op.build()
+    assert path.exists() and path.read_bytes()[:4] == b"\x7fELF"

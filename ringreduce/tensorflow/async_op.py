@@ -109,7 +109,10 @@ def build(damaged: os.stat_result | None = None) -> Path:
             f"writable ({e}): set RINGREDUCE_TF_OPS_DIR to a writable directory, or build it ahead where it is "
             "(python -m ringreduce.tensorflow.async_op)") from e
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together: one compiles, the others wait for it
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together: one compiles, the others wait for it
+        except OSError:  # a filesystem without locks (some NFS): ranks may compile twice, each renaming its own
+            pass
         if path.exists() and not _is(path, damaged):  # another rank built it meanwhile
             return path
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
