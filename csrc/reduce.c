@@ -39,6 +39,15 @@
     default: return -1;                                                      \
     }
 
+#define FLOAT16_OPS(...)                                                     \
+    switch (op) {                                                            \
+    case RR_SUM: case RR_AVG: LOOP16(__VA_ARGS__ RR_NAN_FIRST(a, a + b)); return 0; \
+    case RR_PROD: LOOP16(__VA_ARGS__ RR_NAN_FIRST(a, a * b)); return 0;   \
+    case RR_MIN: LOOP16(__VA_ARGS__ RR_FMIN(a, b)); return 0;                \
+    case RR_MAX: LOOP16(__VA_ARGS__ RR_FMAX(a, b)); return 0;                \
+    default: return -1;                                                      \
+    }
+
 #define INT_OPS(T, UT)                                                       \
     switch (op) {                                                            \
     case RR_SUM: case RR_AVG: LOOP(T, (T)((UT)a + (UT)b)); return 0;         \
@@ -57,8 +66,8 @@ int rr_reduce3(void *dst, const void *src_a, const void *src_b, size_t count, rr
 {
     if (rr_reduce16_vec(dst, src_a, src_b, count, dtype, op) == 0) return 0;
     switch (dtype) {
-    case RR_FLOAT16: FLOAT_OPS(LOOP16, rr_f16_to_f32, rr_f32_to_f16,)
-    case RR_BFLOAT16: FLOAT_OPS(LOOP16, rr_bf16_to_f32, rr_f32_to_bf16,)
+    case RR_FLOAT16: FLOAT16_OPS(rr_f16_to_f32, rr_f32_to_f16,)
+    case RR_BFLOAT16: FLOAT16_OPS(rr_bf16_to_f32, rr_f32_to_bf16,)
     case RR_FLOAT32: FLOAT_OPS(LOOP, float,)
     case RR_FLOAT64: FLOAT_OPS(LOOP, double,)
     case RR_INT8: INT_OPS(int8_t, uint8_t)

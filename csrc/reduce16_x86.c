@@ -96,8 +96,14 @@ AVX2 static inline void store_bf16(uint16_t *p, __m256 v)
 
 /* ------------------------------------------------------------ arithmetic */
 
-AVX2 static inline __m256 v_sum(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
-AVX2 static inline __m256 v_prod(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+/* RR_NAN_FIRST: a NaN in a over r (the compiler may commute the add, and
+ * with two NaNs x86 returns the first operand's). */
+AVX2 static inline __m256 nan_first(__m256 a, __m256 r)
+{
+    return _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+AVX2 static inline __m256 v_sum(__m256 a, __m256 b) { return nan_first(a, _mm256_add_ps(a, b)); }
+AVX2 static inline __m256 v_prod(__m256 a, __m256 b) { return nan_first(a, _mm256_mul_ps(a, b)); }
 
 /* RR_FMIN/RR_FMAX: a NaN in a wins, then a NaN in b, else a < b ? a : b. */
 AVX2 static inline __m256 v_min(__m256 a, __m256 b)
@@ -332,8 +338,12 @@ AVX512 static inline __m512 mean_step512(__m512 x, __m512 mean, __m512d k_minus_
         }                                                                             \
     }
 
-AVX512 static inline __m512 v_sum512(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-AVX512 static inline __m512 v_prod512(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+AVX512 static inline __m512 nan_first512(__m512 a, __m512 r)
+{
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, a);
+}
+AVX512 static inline __m512 v_sum512(__m512 a, __m512 b) { return nan_first512(a, _mm512_add_ps(a, b)); }
+AVX512 static inline __m512 v_prod512(__m512 a, __m512 b) { return nan_first512(a, _mm512_mul_ps(a, b)); }
 
 AVX512 static inline __m512 v_min512(__m512 a, __m512 b)
 {

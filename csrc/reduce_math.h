@@ -157,6 +157,12 @@ RR_INLINE uint16_t rr_mean16_bf16(uint16_t x, uint16_t mean, int k)
 /* min/max as numpy.minimum/maximum: a NaN in either operand wins. */
 #define RR_FMIN(a, b) (((a) != (a)) ? (a) : ((b) != (b)) ? (b) : ((a) < (b) ? (a) : (b)))
 #define RR_FMAX(a, b) (((a) != (a)) ? (a) : ((b) != (b)) ? (b) : ((a) > (b) ? (a) : (b)))
+/* 16-bit sums and products: a NaN in a wins, as in min/max. With one NaN
+ * operand the hardware returns it whatever the order; with two, the first
+ * operand's, and a compiler may swap a commutative add's operands: so the
+ * portable and vector kernels, and ranks on different CPUs, agree only with
+ * this select. */
+#define RR_NAN_FIRST(a, r) (((a) != (a)) ? (a) : (r))
 #define RR_IMIN(a, b) ((a) < (b) ? (a) : (b))
 #define RR_IMAX(a, b) ((a) > (b) ? (a) : (b))
 

@@ -139,3 +139,28 @@ def test_new_dtype_codes_are_appended():
     """Codes are the wire's: the new ones were appended, the old kept."""
     assert (_core.FLOAT16, _core.BFLOAT16, _core.INT64, _core.INT16, _core.UINT16) == (0, 1, 7, 8, 9)
     assert np_dtype("bfloat16") == np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_on_different_16_bit_kernels_agree_on_nans_bit_for_bit(tmp_path, n):
+    """Rank 0 runs the portable kernels, rank 1 AVX2's, rank 2 AVX-512's (a
+    CPU without F16C beside newer ones). A small allreduce has every
+    rank reduce all the data itself: NaN payloads must come out alike."""
+    if _core.kernels16() == "portable":
+        pytest.skip("this CPU runs only the portable 16-bit kernels")
+    ranks = run_ranks(n, """
+import ml_dtypes
+from ringreduce import _core
+level = _core.kernels16(["portable", "avx2", "avx512"][rr.rank()])
+out = []
+for dt, nans in (("float16", (0x7c01, 0x7e00)), ("bfloat16", (0x7f81, 0x7fc0))):
+    bits = np.arange(nans[0], nans[0] + 64, dtype=np.uint16) + rr.rank() * 5  # NaNs, other payloads per rank
+    x = bits.view(ml_dtypes.bfloat16 if dt == "bfloat16" else np.float16)
+    for op in ("sum", "prod"):
+        out.append(rr.allreduce(x, op=op).view(np.uint16).tobytes())
+result = (level, out)
+""", tmp_path)
+    levels = [rank.result[0] for rank in ranks]
+    assert levels[0] == "portable" and all(lv != "portable" for lv in levels[1:]), levels
+    for rank in ranks[1:]:
+        assert rank.result[1] == ranks[0].result[1], rank.rank

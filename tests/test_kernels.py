@@ -296,3 +296,32 @@ def test_bfloat16_means_below_float32s_normal_range_round_once(kernels16):
     y = (m.astype(np.float64) * (k - 1) + x.astype(np.float64)) / k
     assert got.view(np.uint16).tolist() == [0x0001] * 17
     assert got.tobytes() == nearest16(y, "bfloat16").tobytes()
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "prod"])
+def test_16_bit_sums_of_two_nans_keep_the_first_payload_on_every_path(name, op):
+    """The small allreduce (ring.c rr_allreduce_small) has every rank reduce
+    all the data itself, so ranks on different CPUs (one AVX2, one portable)
+    agree only if both paths pick the same NaN: a's, then b's, as RR_FMIN.
+    x86 returns an add's first operand's NaN, and a compiler may swap them."""
+    rng = np.random.default_rng(7)
+    if name == "float16":
+        nans = np.concatenate([np.arange(0x7c01, 0x7c00 + 0x400), np.arange(0xfc01, 0xfc00 + 0x400)])
+        quiet = 0x0200
+    else:
+        nans = np.concatenate([np.arange(0x7f81, 0x7f80 + 0x80), np.arange(0xff81, 0xff80 + 0x80)])
+        quiet = 0x0040
+    a = rng.permutation(nans).astype(np.uint16)
+    b = rng.permutation(nans).astype(np.uint16)
+    finite = np.full(a.size, 0x3c00 if name == "float16" else 0x3f80, np.uint16)  # 1.0
+    for x, y, want in [(a, b, a), (a, finite, a), (finite, b, b)]:
+        for level in LEVELS16:
+            best = _core.kernels16()
+            try:
+                if _core.kernels16(level) != level:
+                    continue
+                got = reduce(x.view(dt(name)), y.view(dt(name)), name, op).view(np.uint16)
+            finally:
+                _core.kernels16(best)
+            assert got.tolist() == (want | quiet).tolist(), level

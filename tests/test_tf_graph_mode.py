@@ -296,3 +296,116 @@ def test_building_without_a_compiler_says_what_is_missing(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ERROR" in out.stdout and "C++ compiler" in out.stdout and "CXX" in out.stdout, out.stdout
     assert not list((tmp_path / "cache").glob("*.so")) if (tmp_path / "cache").exists() else True
+
+
+def test_python_m_async_op_builds_the_op_ahead(tmp_path):
+    """docs/tensorflow.md's way to build the op for a read-only image: run as
+    __main__ after the package imported the module, it must not register the
+    op's gradient twice."""
+    from ranks import REPO
+    import subprocess
+    import sys
+    env = {"RINGREDUCE_TF_OPS_DIR": str(tmp_path / "ops"), "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO),
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "ringreduce.tensorflow.async_op"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    built = list((tmp_path / "ops").glob("*.so"))
+    assert len(built) == 1 and out.stdout.strip() == str(built[0]), (out.stdout, built)
+
+
+def test_cxx_with_arguments_is_split_like_a_shell_would(monkeypatch):
+    """CXX="ccache g++" or "g++ -m64" is common; it names a command and its
+    arguments, not a file called "ccache g++"."""
+    import shutil
+    from pathlib import Path
+    from ringreduce.tensorflow import async_op
+    cxx = shutil.which("c++") or shutil.which("g++")
+    monkeypatch.setenv("CXX", f"{cxx} -DRINGREDUCE_FROM_CXX=1")
+    cmd = async_op.build_command(Path("out.so"))
+    assert cmd[:2] == [cxx, "-DRINGREDUCE_FROM_CXX=1"], cmd[:3]
+
+
+def test_an_unwritable_op_cache_says_where_and_what_to_do(monkeypatch, tmp_path):
+    """A read-only home (or cache dir) where the op is not built yet: a
+    RingReduceError naming the directory and the way out, not a bare OSError."""
+    import ringreduce as rr
+    from ringreduce.tensorflow import async_op
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a directory under a file cannot be made, even by root
+    monkeypatch.setenv("RINGREDUCE_TF_OPS_DIR", str(blocker / "ops"))
+    with pytest.raises(rr.RingReduceError, match="RINGREDUCE_TF_OPS_DIR") as caught:
+        async_op.build()
+    assert str(blocker / "ops") in str(caught.value)
+
+
+def test_a_timeout_or_session_close_ends_a_collective_left_waiting(tmp_path):
+    """Rank 0 runs collectives rank 1 never starts. A RunOptions timeout, and
+    Session.close from another thread, must end the step (the op registers
+    with the step's cancellation) instead of waiting for ever; the session
+    and the engine go on."""
+    ranks = run_ranks(2, job("""
+        import threading, time
+        with tf.Graph().as_default():
+            lonely = [rrtf.allreduce(tf.fill([3], 1.0), op=rrtf.Sum, name=f"lonely{i}") for i in range(2)]
+            both = rrtf.allreduce(tf.fill([3], 1.0), op=rrtf.Sum, name="both")
+            sess = tf.compat.v1.Session(config=CONFIG)
+            timed_out = closed = None
+            if r == 0:
+                t0 = time.time()
+                try:
+                    sess.run(lonely[0], options=tf.compat.v1.RunOptions(timeout_in_ms=1000))
+                except tf.errors.OpError as e:
+                    timed_out = (type(e).__name__, time.time() - t0)
+            after = sess.run(both).tolist()
+            if r == 0:
+                def run():
+                    global closed
+                    try:
+                        sess.run(lonely[1])
+                    except tf.errors.OpError as e:
+                        closed = f"{type(e).__name__}: {e}"
+                t = threading.Thread(target=run)
+                t.start()
+                time.sleep(1.0)
+                sess.close()
+                t.join(20)
+                closed = (closed, t.is_alive())
+            else:
+                sess.close()
+        result = (timed_out, after, closed)
+    """), tmp_path, init=False, timeout=120)
+    timed_out, after, closed = ranks[0].result
+    assert timed_out is not None and timed_out[0] == "DeadlineExceededError" and timed_out[1] < 10, timed_out
+    assert after == [2.0] * 3 and ranks[1].result[1] == [2.0] * 3
+    assert closed[0] is not None and "Error" in closed[0] and closed[1] is False, closed
+
+
+def test_a_damaged_op_library_in_the_cache_is_built_again(tmp_path):
+    """A file under the library's name that does not load (truncated by a
+    full disk, a bad copy of the cache) is replaced, not a dead end."""
+    from ranks import REPO
+    import subprocess
+    import sys
+    code = ("from ringreduce.tensorflow import async_op\n"
+            "path = async_op.library_path()\npath.parent.mkdir(parents=True)\npath.write_bytes(b'\\x7fELF half')\n"
+            "async_op.load()\nprint('LOADED', path.read_bytes()[:4] == b'\\x7fELF' and path.stat().st_size > 1000)\n")
+    env = {"RINGREDUCE_TF_OPS_DIR": str(tmp_path / "ops"), "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO),
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "LOADED True" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_cache_without_file_locks_still_builds(monkeypatch, tmp_path):
+    """Some network filesystems refuse flock (ENOLCK): the op is still built
+    (ranks may then compile it twice; each writes a file of its own and
+    renames it into place, so none sees half a library)."""
+    import errno
+    from ringreduce.tensorflow import async_op
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(async_op.fcntl, "flock", no_locks)
+    monkeypatch.setenv("RINGREDUCE_TF_OPS_DIR", str(tmp_path / "ops"))
+    path = async_op.build()
+    assert path.exists() and path.read_bytes()[:4] == b"\x7fELF"

@@ -17,10 +17,12 @@
 // against the installed TensorFlow's headers (tf.sysconfig).
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/cancellation.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -40,9 +42,37 @@ namespace {
 
 std::atomic<ringreduce_tf_start_fn> start_fn{nullptr};
 
+// One op in flight. Ended once, by whichever comes first: Python's
+// ringreduce_tf_complete, or the step's cancellation (Session.close, a
+// RunOptions timeout), which fails the op at once so session.run returns;
+// Python's later completion then only drops its reference. Freed by the last
+// of its holders (Python, ComputeAsync, the cancellation callback).
 struct PendingCall {
   OpKernelContext* ctx;
   AsyncOpKernel::DoneCallback done;
+  std::mutex mu;
+  bool finished = false;  // under mu: done() is called, or is being called
+  CancellationManager* cm = nullptr;  // with token, where the callback is registered
+  CancellationToken token = CancellationManager::kInvalidToken;
+  std::atomic<int> refs{3};
+
+  void Unref() {
+    if (refs.fetch_sub(1) == 1) delete this;
+  }
+  // Claims the right to call done(); false where it is taken already.
+  bool Claim() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (finished) return false;
+    finished = true;
+    return true;
+  }
+  void Cancel() {
+    if (!Claim()) return;
+    ctx->SetStatus(absl::CancelledError("ringreduce: the step was cancelled (Session.close or a timeout) while "
+                                        "this collective waited for its partners"));
+    AsyncOpKernel::DoneCallback d = std::move(done);
+    d();
+  }
 };
 
 class RingreduceAsyncCallOp : public AsyncOpKernel {
@@ -72,8 +102,29 @@ class RingreduceAsyncCallOp : public AsyncOpKernel {
       for (int d = 0; d < t.dims(); ++d) dims.push_back(t.dim_size(d));
       data[i] = t.tensor_data().data();
     }
-    auto* call = new PendingCall{ctx, std::move(done)};
+    auto* call = new PendingCall();
+    call->ctx = ctx;
+    call->done = std::move(done);
+    CancellationManager* cm = ctx->cancellation_manager();  // read now: ctx may be gone once start returns
     start(token_.c_str(), call, n, dtypes.data(), ndims.data(), dims.data(), data.data());
+    // Registered after start, as the inputs must stay valid while Python
+    // copies them; not where Python has completed the call already.
+    bool cancelled = false, registered = false;
+    {
+      std::lock_guard<std::mutex> lock(call->mu);
+      if (!call->finished && cm != nullptr) {
+        const CancellationToken token = cm->get_cancellation_token();
+        registered = cm->RegisterCallback(token, [call] {
+          call->Cancel();
+          call->Unref();
+        });
+        if (registered) call->cm = cm, call->token = token;
+        else cancelled = true;
+      }
+    }
+    if (!registered) call->Unref();  // the callback's reference, never used
+    if (cancelled) call->Cancel();
+    call->Unref();  // ComputeAsync's
   }
 
  private:
@@ -93,6 +144,11 @@ void ringreduce_tf_set_start(ringreduce_tf_start_fn fn) { start_fn.store(fn); }
 int ringreduce_tf_complete(void* handle, int code, const char* message, int n, const int* dtypes, const int* ndims,
                            const int64_t* dims, const void* const* data) {
   auto* call = static_cast<PendingCall*>(handle);
+  if (!call->Claim()) {  // cancelled already: session.run has returned
+    call->Unref();
+    return 0;
+  }
+  if (call->cm != nullptr && call->cm->DeregisterCallback(call->token)) call->Unref();  // it will never run
   OpKernelContext* ctx = call->ctx;
   absl::Status status;
   if (code != 0) {
@@ -119,7 +175,7 @@ int ringreduce_tf_complete(void* handle, int code, const char* message, int n, c
   int rc = (code == 0 && !status.ok()) ? -1 : 0;
   if (!status.ok()) ctx->SetStatus(status);
   AsyncOpKernel::DoneCallback done = std::move(call->done);
-  delete call;
+  call->Unref();  // Python's
   done();
   return rc;
 }

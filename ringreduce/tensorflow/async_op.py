@@ -64,9 +64,10 @@ def source() -> Path:
     raise rr.RingReduceError(f"csrc/tf/{SOURCE_NAME} not found next to ringreduce: reinstall ringreduce")
 
 
-def compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx or not shutil.which(cxx):
+def compiler() -> list[str]:
+    """The compiler's command: $CXX split as a shell would ("ccache g++"), else c++ or g++."""
+    cxx = shlex.split(os.environ.get("CXX", "")) or [shutil.which("c++") or shutil.which("g++") or ""]
+    if not cxx[0] or not shutil.which(cxx[0]):
         raise rr.RingReduceError(
             "collectives in TF1 graphs (tf.compat.v1 Session) need ringreduce's TensorFlow op, which is compiled "
             "on first use: no C++ compiler found (install g++, or set CXX=/path/to/c++). Eager code and "
@@ -75,7 +76,7 @@ def compiler() -> str:
 
 
 def build_command(out: Path) -> list[str]:
-    return ([compiler()] + CXXFLAGS + [str(source()), "-o", str(out)] + tf.sysconfig.get_compile_flags()
+    return (compiler() + CXXFLAGS + [str(source()), "-o", str(out)] + tf.sysconfig.get_compile_flags()
             + tf.sysconfig.get_link_flags())
 
 
@@ -88,15 +89,31 @@ def library_path() -> Path:
     return Path(base) / f"async_call-tf{tf.__version__}-{digest.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """The op library, compiled unless it is there already."""
+def _is(path: Path, st: os.stat_result | None) -> bool:
+    return st is not None and path.exists() and (path.stat().st_ino, path.stat().st_mtime_ns) == (st.st_ino,
+                                                                                                 st.st_mtime_ns)
+
+
+def build(damaged: os.stat_result | None = None) -> Path:
+    """The op library, compiled unless it is there already (and not the
+    file `damaged`, which failed to load)."""
     path = library_path()
-    if path.exists():
+    if path.exists() and not _is(path, damaged):
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{path}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together: one compiles, the others wait for it
-        if path.exists():
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(f"{path}.lock", "w")
+    except OSError as e:
+        raise rr.RingReduceError(
+            f"ringreduce's TensorFlow op for TF1 graphs is compiled on first use, but its cache {path.parent} is not "
+            f"writable ({e}): set RINGREDUCE_TF_OPS_DIR to a writable directory, or build it ahead where it is "
+            "(python -m ringreduce.tensorflow.async_op)") from e
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together: one compiles, the others wait for it
+        except OSError:  # a filesystem without locks (some NFS): ranks may compile twice, each renaming its own
+            pass
+        if path.exists() and not _is(path, damaged):  # another rank built it meanwhile
             return path
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         cmd = build_command(tmp)
@@ -237,7 +254,8 @@ def _start(token: bytes, call: int, n: int, dtypes, ndims, dims, data) -> None:
     _workers.submit(lambda: _run(entry, call, arrays))
 
 
-tf.no_gradient("RingreduceAsyncCall")  # the TF ops define their gradients with tf.custom_gradient
+if __name__ != "__main__":  # run as a script, the package has imported (and registered) this module already
+    tf.no_gradient("RingreduceAsyncCall")  # the TF ops define their gradients with tf.custom_gradient
 _START = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
                           ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64),
                           ctypes.POINTER(ctypes.c_void_p))
@@ -253,8 +271,13 @@ def load():
     global _lib, _ops
     with _load_lock:
         if _ops is None:
-            path = str(build())
-            ops = tf.load_op_library(path)
+            path = build()
+            try:
+                ops = tf.load_op_library(str(path))
+            except tf.errors.OpError:  # a damaged file under our name (a full disk, a bad copy): build it again
+                path = build(damaged=path.stat())
+                ops = tf.load_op_library(str(path))
+            path = str(path)
             lib = ctypes.CDLL(path)  # the same loaded library (dlopen of one path), for the C entry points
             lib.ringreduce_tf_set_start.argtypes = [_START]
             lib.ringreduce_tf_complete.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
