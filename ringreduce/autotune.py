@@ -58,7 +58,7 @@ SEGMENT_CANDIDATES = (64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
 SMALL_CANDIDATES = (32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10)  # of Config.small_bytes: (N-1) * tensor
 FUSION_CANDIDATES = (4 << 20, 16 << 20, 64 << 20, 128 << 20)
 SEGMENT_PROBES = (1 << 20, 8 << 20)  # bytes of the allreduces that rank segment sizes
-REPS = 3                             # timed probes per setting (after one warm-up); the fastest counts
+REPS = 4                             # timed rounds of every probe (after a warm-up); the fastest counts
 FUSION_WINDOW = 10                   # working cycles each fusion candidate holds (the first is a warm-up)
 CACHE_VERSION = 1
 
@@ -185,47 +185,42 @@ def tune_ring(ring, world, backend: str, env=None):
 def calibrate(ring, size: int, segments, smalls, segment: int) -> Choice:
     """Times the candidates on the ring (see the module's doc) and returns
     the choice every rank makes alike. segment: the ring's segment now (the
-    small limit is timed with it, unless segments holds just one)."""
+    small limit is timed with it, unless segments holds just one).
+
+    The probes run round-robin, REPS + 1 rounds (the first a warm-up), so a
+    burst of load from elsewhere slows every candidate alike instead of
+    sinking the one it happens to meet."""
     from . import collectives as _c
     t_start = time.monotonic()
     limit = ring.small_limit
-    local: list[float] = []
-
-    def timed(count: int, small_path: bool) -> None:
-        x = np.ones(count, np.float32)
-        ring.small_limit = 1 << 62 if small_path else -1
-        for rep in range(REPS + 1):
-            _c.barrier(name="ringreduce.autotune")
-            t0 = time.perf_counter()
-            _c.allreduce(x, name="ringreduce.autotune")
-            if rep:
-                local.append(time.perf_counter() - t0)
-
+    small_segment = segments[0] if len(segments) == 1 else segment
+    probes = []  # (segment, element count, small path?)
+    if len(segments) > 1:
+        probes += [(s, nbytes // 4, False) for s in segments for nbytes in SEGMENT_PROBES]
+    if len(smalls) > 1:
+        probes += [(small_segment, max(1, c // max(size - 1, 1) // 4), path)
+                   for c in smalls for path in (True, False)]
+    arrays = {count: np.ones(count, np.float32) for _, count, _ in probes}
+    local = np.zeros((REPS, len(probes)))
     try:
-        if len(segments) > 1:
-            for s in segments:
-                ring.comm.set_segment(s)
-                for nbytes in SEGMENT_PROBES:
-                    timed(nbytes // 4, False)
-        ring.comm.set_segment(segments[0] if len(segments) == 1 else segment)
-        if len(smalls) > 1:
-            for c in smalls:
-                count = max(1, c // max(size - 1, 1) // 4)
-                timed(count, True)
-                timed(count, False)
+        for rep in range(REPS + 1):
+            for k, (seg, count, small_path) in enumerate(probes):
+                ring.comm.set_segment(seg)
+                ring.small_limit = 1 << 62 if small_path else -1
+                _c.barrier(name="ringreduce.autotune")
+                t0 = time.perf_counter()
+                _c.allreduce(arrays[count], name="ringreduce.autotune")
+                if rep:
+                    local[rep - 1, k] = time.perf_counter() - t0
     finally:
         ring.small_limit = limit
         ring.comm.set_segment(segment)
     # the slowest rank's time of every probe, the same table on every rank
-    table = _c.allreduce(np.array(local or [0.0]), op="max", name="ringreduce.autotune.times")
-    fastest = table.reshape(-1, REPS).min(axis=1) if local else table
-    at = 0
-    seg_i = 0
+    fastest = _c.allreduce(local, op="max", name="ringreduce.autotune.times").min(axis=0)
+    at = seg_i = small_i = 0
     if len(segments) > 1:
-        n = len(segments) * len(SEGMENT_PROBES)
-        seg_i = best_segment(fastest[:n].reshape(len(segments), len(SEGMENT_PROBES)))
-        at = n
-    small_i = 0
+        at = len(segments) * len(SEGMENT_PROBES)
+        seg_i = best_segment(fastest[:at].reshape(len(segments), len(SEGMENT_PROBES)))
     if len(smalls) > 1:
         pairs = fastest[at:].reshape(len(smalls), 2)
         small_i = best_small(pairs[:, 0], pairs[:, 1])
