@@ -24,6 +24,8 @@ At init, once the ring is connected and before the first user collective
                 timed both ways (one-pass small algorithm, and the ring);
                 the limit whose rule (small at or below it) costs least over
                 all those sizes wins.
+       Either way the built-in default stays unless a candidate beats it
+       by more than MARGIN (5%): here most of the spread is load noise.
   4. The choice is applied (Comm.set_segment, the ring's small limit, the
      world's Config, which process sets made later use) and logged.
 
@@ -61,6 +63,7 @@ SEGMENT_PROBES = (1 << 20, 8 << 20)  # bytes of the allreduces that rank segment
 REPS = 4                             # timed rounds of every probe (after a warm-up); the fastest counts
 FUSION_WINDOW = 10                   # working cycles each fusion candidate holds (the first is a warm-up)
 CACHE_VERSION = 1
+MARGIN = 0.05                        # a candidate must beat the default by this much to replace it
 
 
 def enabled(env=None) -> bool:
@@ -124,18 +127,28 @@ def store(path: Path, choice: Choice, key: str) -> None:
         log.warning("ringreduce autotune: could not write the cache %s (%s)", path, exc)
 
 
-def best_segment(times: np.ndarray) -> int:
+def _pick(scores, prefer: int | None) -> int:
+    """The least score; but `prefer` (the built-in default) unless the least
+    beats it by more than MARGIN: on a loaded machine most of the spread
+    between candidates is noise, and a default measured with care should
+    not give way to it."""
+    best = int(np.argmin(scores))
+    if prefer is not None and scores[prefer] <= scores[best] * (1 + MARGIN):
+        return prefer
+    return best
+
+
+def best_segment(times: np.ndarray, prefer: int | None = None) -> int:
     """times[c, p]: candidate c on probe size p. Index of the least sum of
     times relative to the best at each size."""
-    return int(np.argmin((times / times.min(axis=0)).sum(axis=1)))
+    return _pick((times / times.min(axis=0)).sum(axis=1) / times.shape[1], prefer)
 
 
-def best_small(small: np.ndarray, ring: np.ndarray) -> int:
+def best_small(small: np.ndarray, ring: np.ndarray, prefer: int | None = None) -> int:
     """small[j], ring[j]: the two paths at the size of candidate j's limit
     (ascending). Index of the limit whose rule costs least over all sizes."""
     k = len(small)
-    cost = [sum(small[j] if j <= c else ring[j] for j in range(k)) for c in range(k)]
-    return int(np.argmin(cost))
+    return _pick(np.array([sum(small[j] if j <= c else ring[j] for j in range(k)) for c in range(k)]), prefer)
 
 
 def tune_ring(ring, world, backend: str, env=None):
@@ -162,7 +175,8 @@ def tune_ring(ring, world, backend: str, env=None):
         choice = Choice(seg, small)
     else:
         choice = calibrate(ring, world.size, (fixed_seg,) if fixed_seg else SEGMENT_CANDIDATES,
-                           (fixed_small,) if fixed_small >= 0 else SMALL_CANDIDATES, config.segment_bytes)
+                           (fixed_small,) if fixed_small >= 0 else SMALL_CANDIDATES, config.segment_bytes,
+                           config.small_bytes)
         if world.rank == 0:
             store(path, choice, key)
     if fixed_seg:
@@ -182,10 +196,12 @@ def tune_ring(ring, world, backend: str, env=None):
     return config
 
 
-def calibrate(ring, size: int, segments, smalls, segment: int) -> Choice:
+def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int | None = None) -> Choice:
     """Times the candidates on the ring (see the module's doc) and returns
     the choice every rank makes alike. segment: the ring's segment now (the
-    small limit is timed with it, unless segments holds just one).
+    small limit is timed with it, unless segments holds just one); it and
+    small_bytes, where among the candidates, are kept unless beaten by
+    MARGIN.
 
     The probes run round-robin, REPS + 1 rounds (the first a warm-up), so a
     burst of load from elsewhere slows every candidate alike instead of
@@ -220,10 +236,11 @@ def calibrate(ring, size: int, segments, smalls, segment: int) -> Choice:
     at = seg_i = small_i = 0
     if len(segments) > 1:
         at = len(segments) * len(SEGMENT_PROBES)
-        seg_i = best_segment(fastest[:at].reshape(len(segments), len(SEGMENT_PROBES)))
+        seg_i = best_segment(fastest[:at].reshape(len(segments), len(SEGMENT_PROBES)),
+                             segments.index(segment) if segment in segments else None)
     if len(smalls) > 1:
         pairs = fastest[at:].reshape(len(smalls), 2)
-        small_i = best_small(pairs[:, 0], pairs[:, 1])
+        small_i = best_small(pairs[:, 0], pairs[:, 1], smalls.index(small_bytes) if small_bytes in smalls else None)
     picked = np.array([segments[seg_i], smalls[small_i]], np.int64)
     seg, small = (int(v) for v in _c.broadcast(picked, 0, name="ringreduce.autotune.choice"))
     return Choice(seg, small, calibrated=True, seconds=time.monotonic() - t_start)

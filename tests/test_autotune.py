@@ -134,6 +134,12 @@ def test_choice_rules():
     ring = np.array([5.0, 5.0, 5.0, 6.0, 7.0])
     assert autotune.best_small(small, ring) == 2
     assert autotune.best_small(np.full(5, 9.0), ring) == 0  # never better: the least limit
+    # the default stays unless beaten by more than MARGIN
+    assert autotune.best_segment(np.array([[1.0, 1.0], [1.03, 1.03]]), prefer=1) == 1
+    assert autotune.best_segment(np.array([[1.0, 1.0], [1.2, 1.2]]), prefer=1) == 0
+    assert autotune.best_small(small, ring, prefer=3) == 2  # costs 19 vs 22: more than 5% better
+    assert autotune.best_small(small, np.full(5, 3.05), prefer=1) == 1  # 12.15 vs 12.1: within 5%
+    assert autotune.best_small(small, np.full(5, 3.05)) == 2
 
 
 def test_engine_tunes_fusion_from_its_cycles(tmp_path):
