@@ -2,6 +2,7 @@
 its cache per world shape, and the engine's fusion threshold tuned from
 its cycles (ringreduce/autotune.py)."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,3 +168,43 @@ result = dict(chosen=tuner.chosen, scores=tuner.scores, seen=sorted(seen), final
     assert len(first["scores"]) == len(autotune.FUSION_CANDIDATES)
     for r in ranks:
         assert (r.result["chosen"], r.result["scores"]) == (first["chosen"], first["scores"])
+
+
+MPI_JOB = """
+import pickle, sys
+import numpy as np, ringreduce as rr
+from ringreduce import collectives as _c
+rr.init(backend="mpi")
+x = np.arange(300001, dtype=np.float32) + rr.rank()
+ok = bool(np.allclose(rr.allreduce(x), sum(np.arange(300001, dtype=np.float64) + r for r in range(rr.size()))))
+with open(f"{sys.argv[1]}.rank{rr.rank()}.pkl", "wb") as f:
+    pickle.dump(dict(tune=_c._state.world.extra.get("autotune"), limit=_c._state.ring.small_limit, ok=ok), f)
+"""
+
+
+def test_over_mpi_calibrates_then_reads_the_cache(tmp_path):
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    from test_mpi import MPIRUN, _missing
+    if _missing():
+        pytest.skip(_missing())
+    script = tmp_path / "job.py"
+    script.write_text(MPI_JOB)
+    env = {**os.environ, **_env(tmp_path)}
+    runs = []
+    for attempt in range(2):
+        out = tmp_path / f"run{attempt}"
+        proc = subprocess.run([MPIRUN, "-np", "3", sys.executable, str(script), str(out)], capture_output=True,
+                              text=True, timeout=60, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append([pickle.loads(Path(f"{out}.rank{r}.pkl").read_bytes()) for r in range(3)])
+    for results, calibrated in zip(runs, (True, False)):
+        assert all(r["ok"] for r in results)
+        same = [(r["tune"]["segment_bytes"], r["tune"]["small_bytes"], r["tune"]["calibrated"], r["limit"])
+                for r in results]
+        assert same == [same[0]] * 3, "ranks disagree"  # the seconds are each rank's own
+        assert results[0]["tune"]["calibrated"] is calibrated and results[0]["tune"]["key"] == "n3-per-host3-mpi-shm0"
+    assert runs[1][0]["tune"]["small_bytes"] == runs[0][0]["tune"]["small_bytes"]
