@@ -208,3 +208,21 @@ def test_over_mpi_calibrates_then_reads_the_cache(tmp_path):
         assert same == [same[0]] * 3, "ranks disagree"  # the seconds are each rank's own
         assert results[0]["tune"]["calibrated"] is calibrated and results[0]["tune"]["key"] == "n3-per-host3-mpi-shm0"
     assert runs[1][0]["tune"]["small_bytes"] == runs[0][0]["tune"]["small_bytes"]
+
+
+def test_process_sets_made_later_use_the_tuned_values(tmp_path):
+    key = autotune.shape_key(3, 3, "socket", 3)
+    autotune.store(tmp_path / "cache" / "ringreduce" / "autotune" / f"{key}.json",
+                   autotune.Choice(64 << 10, 512 << 10), key)
+    body = """
+from ringreduce import collectives as _c
+pair = rr.add_process_set([0, 2])
+x = np.arange(200003, dtype=np.float32) * (rr.rank() + 1)
+got = rr.allreduce(x, process_set=pair) if rr.rank() in (0, 2) else None
+limit = _c._state.sets[pair.process_set_id].small_limit if rr.rank() in (0, 2) else None
+result = dict(ok=got is None or bool(np.allclose(got, x / (rr.rank() + 1) * 4)), limit=limit,
+              tune=_c._state.world.extra["autotune"])
+"""
+    ranks = run_ranks(3, body, tmp_path, timeout=60, env=_env(tmp_path))
+    assert all(r.result["ok"] and not r.result["tune"]["calibrated"] for r in ranks)
+    assert [r.result["limit"] for r in ranks] == [512 << 10, None, 512 << 10]  # 512 KiB / (2 - 1); default 128 KiB
