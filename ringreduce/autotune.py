@@ -170,7 +170,8 @@ def tune_ring(ring, world, backend: str, env=None):
         fixed_small = env.get("RINGREDUCE_SMALL_BYTES", "").strip() != ""
         mine[:] = [cached is not None, cached.segment_bytes if cached else 0, cached.small_bytes if cached else 0,
                    config.segment_bytes if fixed_seg else 0, config.small_bytes if fixed_small else -1]
-    found, seg, small, fixed_seg, fixed_small = (int(v) for v in _c.broadcast(mine, 0, name="ringreduce.autotune.cache"))
+    agreed = _c.broadcast(mine, 0, name="ringreduce.autotune.cache")
+    found, seg, small, fixed_seg, fixed_small = (int(v) for v in agreed)
     if found:
         choice = Choice(seg, small)
     else:

@@ -109,8 +109,8 @@ class Engine:
         self.fusion_bytes = fusion_bytes if fusion_bytes is not None else config.fusion_bytes
         # RINGREDUCE_AUTOTUNE=1 and no threshold given: tried from the cycles it runs (ringreduce/autotune.py)
         self._fusion_tuner = None
-        if (fusion_bytes is None and _autotune.enabled() and not os.environ.get("RINGREDUCE_FUSION_THRESHOLD", "").strip()
-                and _c.is_initialized() and _c.size() > 1):
+        by_hand = os.environ.get("RINGREDUCE_FUSION_THRESHOLD", "").strip() != ""
+        if fusion_bytes is None and not by_hand and _autotune.enabled() and _c.is_initialized() and _c.size() > 1:
             self._fusion_tuner = _autotune.FusionTuner()
             self.fusion_bytes = self._fusion_tuner.current
         self.negotiator = Negotiator(cache_capacity if cache_capacity is not None else config.cache_capacity,
