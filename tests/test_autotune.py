@@ -226,3 +226,18 @@ result = dict(ok=got is None or bool(np.allclose(got, x / (rr.rank() + 1) * 4)),
     ranks = run_ranks(3, body, tmp_path, timeout=60, env=_env(tmp_path))
     assert all(r.result["ok"] and not r.result["tune"]["calibrated"] for r in ranks)
     assert [r.result["limit"] for r in ranks] == [512 << 10, None, 512 << 10]  # 512 KiB / (2 - 1); default 128 KiB
+
+
+def test_autotune_on_one_rank_only_fails_on_every_rank_not_hangs(tmp_path):
+    body = """
+if int(os.environ["RINGREDUCE_RANK"]) == 1:
+    os.environ["RINGREDUCE_AUTOTUNE"] = "1"
+try:
+    rr.init()
+    rr.allreduce(np.ones(4))
+    result = "ok"
+except Exception as e:
+    result = type(e).__name__
+"""
+    ranks = run_ranks(2, body, tmp_path, timeout=60, env={"XDG_CACHE_HOME": str(tmp_path)}, init=False)
+    assert [r.result for r in ranks] == ["MismatchError", "MismatchError"]
