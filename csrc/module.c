@@ -595,6 +595,29 @@ static PyObject *Comm_get_broken(CommObject *self, void *Py_UNUSED(closure))
     return PyUnicode_FromString(self->broken.msg);
 }
 
+/* Takes the lock, so it waits for an operation running on another thread. */
+static PyObject *Comm_set_segment(CommObject *self, PyObject *args)
+{
+    Py_ssize_t segment;
+    if (!PyArg_ParseTuple(args, "n", &segment)) return NULL;
+    if (segment <= 0) {
+        PyErr_SetString(PyExc_ValueError, "segment must be > 0 bytes");
+        return NULL;
+    }
+    if (!self->ring || forked_away(self)) {
+        PyErr_SetString(PyExc_ValueError, "the communicator is closed");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    rc = self->ring ? rr_ring_set_segment(self->ring, (size_t)segment) : 0;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    return PyLong_FromSize_t(self->ring ? self->ring->segment : 0);
+}
+
 static PyObject *Comm_last_phases(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (!self->ring) Py_RETURN_NONE;
@@ -614,6 +637,8 @@ static PyObject *Comm_bytes(CommObject *self, PyObject *Py_UNUSED(ignored))
 static PyMethodDef Comm_methods[] = {
     {"bytes", (PyCFunction)Comm_bytes, METH_NOARGS,
      "bytes sent to the next rank so far: (ring data steps, blob exchanges, alltoall)"},
+    {"set_segment", (PyCFunction)Comm_set_segment, METH_VARARGS,
+     "set_segment(bytes): the ring's pipeline segment from the next operation on (rounded up to 64); returns it"},
     {"last_phases", (PyCFunction)Comm_last_phases, METH_NOARGS,
      "(start, ScatterReduce done, end) of the last ring allreduce, in time.monotonic() seconds"},
     {"allreduce", (PyCFunction)Comm_allreduce, METH_VARARGS,

@@ -68,6 +68,18 @@ rr_ring *rr_ring_create(rr_transport *t, size_t segment_bytes)
     return ring;
 }
 
+int rr_ring_set_segment(rr_ring *ring, size_t segment_bytes)
+{
+    segment_bytes = (segment_bytes + 63) / 64 * 64;
+    if (segment_bytes < 64) segment_bytes = 64;
+    void *staging = malloc(segment_bytes);
+    if (!staging) return -1;
+    free(ring->staging);
+    ring->staging = staging;
+    ring->segment = segment_bytes;
+    return 0;
+}
+
 void rr_ring_destroy(rr_ring *ring)
 {
     if (!ring) return;

@@ -20,6 +20,9 @@ typedef struct rr_ring {
 /* Takes ownership of the transport. NULL on out-of-memory. */
 rr_ring *rr_ring_create(rr_transport *t, size_t segment_bytes);
 void rr_ring_destroy(rr_ring *ring);
+/* A new pipeline segment (autotuning, ringreduce/autotune.py), between
+ * operations only. -1 on out-of-memory, the old segment kept. */
+int rr_ring_set_segment(rr_ring *ring, size_t segment_bytes);
 
 /* Before each operation: fails (and aborts the transport) when a peer is
  * already known lost, so no rank starts what cannot finish. */

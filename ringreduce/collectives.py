@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from . import _core, config as _config, cuda as _cuda, mpi_backend, world as _world
+from . import _core, autotune as _autotune, config as _config, cuda as _cuda, mpi_backend, world as _world
 from .errors import MismatchError, RingReduceError, StaleGenerationError
 
 
@@ -101,6 +101,7 @@ def init(backend: str | None = None, comm=None) -> None:
             _check_same_init(backend, comm)
             return
         config = _config.Config.from_env()  # a setting that makes no sense raises here
+        _autotune.enabled()  # so does RINGREDUCE_AUTOTUNE
         backend = backend or config.backend or None
         if comm is not None and backend not in (None, "mpi"):
             raise ValueError("init(comm=...) runs over MPI; backend must be 'mpi' or None")
@@ -134,6 +135,13 @@ def init(backend: str | None = None, comm=None) -> None:
         _state.small_limit = _state.world.config.small_limit(_state.world.size)
         _state.ring = _Ring(_state.comm, _state.world.rank, _state.world.size, _state.small_limit,
                             list(range(_state.world.size)))
+        if _autotune.enabled() and _state.world.size > 1:  # before any user collective (ringreduce/autotune.py)
+            try:
+                _state.world.config = _autotune.tune_ring(_state.ring, _state.world, _state.init_args[0])
+            except BaseException:
+                shutdown()  # a peer lost while calibrating: leave, so init() may be called again
+                raise
+            _state.small_limit = _state.ring.small_limit
 
 
 def _check_same_init(backend, comm) -> None:

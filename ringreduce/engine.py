@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import collectives as _c
+from . import autotune as _autotune, collectives as _c
 from .config import Config
 from .errors import MismatchError, RingReduceError, WithdrawnError
 from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
@@ -107,6 +107,12 @@ class Engine:
                  cache_capacity: int | None = None):
         config = Config.from_env()
         self.fusion_bytes = fusion_bytes if fusion_bytes is not None else config.fusion_bytes
+        # RINGREDUCE_AUTOTUNE=1 and no threshold given: tried from the cycles it runs (ringreduce/autotune.py)
+        self._fusion_tuner = None
+        by_hand = os.environ.get("RINGREDUCE_FUSION_THRESHOLD", "").strip() != ""
+        if fusion_bytes is None and not by_hand and _autotune.enabled() and _c.is_initialized() and _c.size() > 1:
+            self._fusion_tuner = _autotune.FusionTuner()
+            self.fusion_bytes = self._fusion_tuner.current
         self.negotiator = Negotiator(cache_capacity if cache_capacity is not None else config.cache_capacity,
                                      stall_seconds=config.timeout or float("inf"))
         self.timeline = Timeline(timeline_path or os.environ.get("RINGREDUCE_TIMELINE"))
@@ -327,6 +333,8 @@ class Engine:
         if handles:
             self.timeline.cycle(len(handles))
         reductions = [h for h in handles if h.kind == "allreduce"]
+        if self._fusion_tuner is not None and agreement.run:  # a working cycle: the same ones on every rank
+            self.fusion_bytes = self._fusion_tuner.on_cycle(sum(h.array.nbytes for h in reductions))
         for bucket in self._buckets(reductions):
             self._run(bucket)
         for h in handles:
