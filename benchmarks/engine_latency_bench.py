@@ -9,17 +9,10 @@ import time
 import numpy as np
 
 import ringreduce as rr
+from harness import isolated_median_us
 from ringreduce.engine import engine
 
-
-def median_us(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        rr.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e6)
+median_us = isolated_median_us
 
 
 def main():

@@ -120,3 +120,17 @@ def progress(total: int, enabled: bool):
     except ImportError:
         return Quiet()
     return tqdm(total=total, unit="row", leave=False)
+
+
+def isolated_median_us(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
+    """Median microseconds of one `fn()` started right after a barrier: a lone
+    operation, the way a training step meets its peers (not back-to-back)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        rr.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)

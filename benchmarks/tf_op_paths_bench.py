@@ -16,21 +16,14 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
+from harness import isolated_median_us  # noqa: E402
 import ringreduce.tensorflow as hvd  # noqa: E402
 from ringreduce.tensorflow.async_op import async_call  # noqa: E402
 from ringreduce.tensorflow.ops import run_collective  # noqa: E402
 
 
 def median_us(fn, iters: int) -> float:
-    for _ in range(5):  # warm-up: tracing, the engine's cache
-        fn()
-    times = []
-    for _ in range(iters):
-        rr.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e6)
+    return isolated_median_us(fn, iters, warmup=5)  # warm-up: tracing, the engine's cache
 
 
 def main():

@@ -47,20 +47,12 @@ class BF16Compressor(_CastCompressor):
     wire = tf.bfloat16
 
 
-class EngineCompression:
+class EngineCompression(NoneCompressor):
     """A compressor the engine runs (`engine`, a ringreduce.compression one):
     nothing to do on the TensorFlow side."""
 
     def __init__(self, engine):
         self.engine = engine
-
-    @staticmethod
-    def compress(t):
-        return t, None
-
-    @staticmethod
-    def decompress(t, ctx):
-        return t
 
     def __repr__(self):
         return f"Compression({self.engine.tag})"
