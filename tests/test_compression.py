@@ -236,3 +236,31 @@ def test_a_joined_rank_adds_zeros_to_compressed_allreduces(tmp_path):
     assert r0.result["got"][0] == pytest.approx(1.5, rel=0.02)
     assert r0.result["got"][1:] == [pytest.approx(0.5, rel=0.02)] * 2
     assert r0.result["last"] == r1.result["last"] == 0
+
+
+# A joined rank's stand-in compressor must add exact zeros every step (no error
+# feedback of its own) and take the same path as the ranks still training
+# (PowerSGD's warm-up is per tensor: plain for the first steps, factors after).
+POWERSGD_JOIN_JOB = """
+from ringreduce.compression import PowerSGD
+from ringreduce.engine import engine
+c, eng = PowerSGD(rank=1, warmup_steps=WARMUP, min_size=16), engine()
+steps = 5 if rr.rank() == 0 else 2   # rank 1 runs out of data first
+got = []
+for step in range(steps):   # a rank-1 gradient: PowerSGD's factors carry it exactly
+    got.append(eng.wait(eng.enqueue("w", np.full((64, 32), 1.0 + rr.rank(), np.float32), op="avg",
+                                    compression=c)).tolist())
+last = rr.join()
+result = dict(got=got, last=last)
+"""
+
+
+@pytest.mark.parametrize("warmup", [0])
+def test_a_joined_rank_adds_exact_zeros_to_powersgd_whatever_the_warmup(tmp_path, warmup):
+    r0, r1 = run_ranks(2, POWERSGD_JOIN_JOB.replace("WARMUP", str(warmup)), tmp_path, timeout=60)
+    import numpy as np
+    got = np.array(r0.result["got"])
+    np.testing.assert_allclose(got[:2], 1.5, rtol=1e-5)
+    np.testing.assert_allclose(got[2:], 0.5, rtol=1e-5)   # (1 + 0) / 2 on each step after rank 1 joined
+    assert r1.result["got"] == r0.result["got"][:2]
+    assert r0.result["last"] == r1.result["last"] == 0   # rank 0 joined last

@@ -7,7 +7,8 @@ step. Per step and tensor:
     P = allreduce(M Q); orthonormalise P (numpy QR)
     Q = allreduce(M^T P)
     approx = P Q^T                    (the same on every rank)
-    error = M - approx / N            (kept locally, added next step)
+    error = M - P (M^T P)^T           (what this rank's own projection missed,
+                                       kept locally, added next step)
 
 All P's of a bucket travel in one allreduce, then all Q's in one. A tensor
 is compressed only when r (n + m) is at most half of n m (a 2x saving);
@@ -80,14 +81,17 @@ class PowerSGD(Compressor):
         ps = self._split(_c.allreduce(np.concatenate([p.reshape(-1) for p in ps]), op="sum",
                                       name=f"{first}/powersgd.P", process_set=group), [p.shape for p in ps])
         ps = [np.linalg.qr(p)[0] for p in ps]  # orthonormal columns: the same on every rank (same input)
-        qs = [m.T @ p for m, p in zip(mats, ps)]
-        qs = self._split(_c.allreduce(np.concatenate([q.reshape(-1) for q in qs]), op="sum",
-                                      name=f"{first}/powersgd.Q", process_set=group), [q.shape for q in qs])
-        for i, m, p, q in zip(low, mats, ps, qs):
+        own_qs = [m.T @ p for m, p in zip(mats, ps)]
+        qs = self._split(_c.allreduce(np.concatenate([q.reshape(-1) for q in own_qs]), op="sum",
+                                      name=f"{first}/powersgd.Q", process_set=group), [q.shape for q in own_qs])
+        for i, m, p, q, own_q in zip(low, mats, ps, qs, own_qs):
             total = p @ q.T  # the sum over ranks of each rank's projection
             state = items[i][2]
             state["q"] = q
-            m -= total * m.dtype.type(1.0 / n_ranks)
+            # error: what this rank's own projection missed (the paper's local decompression), not
+            # m - total / N, which also holds this rank's distance from the mean: a random walk
+            # that grows without bound and that a rank leaving (join) would take away from the sum
+            m -= p @ own_q.T
             state["error"] = m
             out[i] = total
         return out
