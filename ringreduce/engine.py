@@ -186,7 +186,8 @@ class Engine:
         wire_op = op
         if compression is not None:
             _check_compressible(name, kind, op, family, array)
-            wire_op = f"{op}|{compression.tag}"  # negotiated: every rank must compress alike
+            # negotiated: every rank must compress alike (and a joined rank's stand-in follows the tag)
+            wire_op = f"{op}|{compression.wire_tag(process_set, extra.get('compression_key', name), array.shape)}"
             extra["compression"] = compression
         key = (name, kind, array.dtype.name, shape, wire_op, root, process_set)
         ready = family.mark(array)  # the engine's thread reads array after the caller's stream wrote it
@@ -435,10 +436,14 @@ class Engine:
                 self._finish(h)
 
     def _stand_in_compressor(self, tag: str):
+        """Fresh state every time: a joined rank adds exact zeros, with no
+        error feedback or step count of its own (the tag says the path)."""
         from .compression import from_tag
         if tag not in self._stand_in_compressors:
             self._stand_in_compressors[tag] = from_tag(tag)
-        return self._stand_in_compressors[tag]
+        compressor = self._stand_in_compressors[tag]
+        compressor.reset()
+        return compressor
 
     def _run_one(self, h: Handle) -> None:
         self.timeline.end(h.name, "QUEUE")

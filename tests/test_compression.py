@@ -255,7 +255,7 @@ result = dict(got=got, last=last)
 """
 
 
-@pytest.mark.parametrize("warmup", [0])
+@pytest.mark.parametrize("warmup", [0, 1, 3])
 def test_a_joined_rank_adds_exact_zeros_to_powersgd_whatever_the_warmup(tmp_path, warmup):
     r0, r1 = run_ranks(2, POWERSGD_JOIN_JOB.replace("WARMUP", str(warmup)), tmp_path, timeout=60)
     import numpy as np

@@ -35,6 +35,13 @@ class Compressor:
         the engine negotiates, and what from_tag() makes a compressor from again."""
         return f"{self.name}({','.join(f'{k}={v!r}' for k, v in sorted(self.params().items()))})"
 
+    def wire_tag(self, set_id: int, key: str, shape) -> str:
+        """The tag the engine negotiates for one tensor's next reduction:
+        `tag`, unless which collectives it runs depends on the tensor's own
+        state (PowerSGD's warm-up), which the tag then spells out, so that
+        a joined rank's stand-in (from_tag) runs the same ones."""
+        return self.tag
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
 

@@ -45,6 +45,16 @@ class PowerSGD(Compressor):
     def params(self) -> dict:
         return {"rank": self.rank, "warmup_steps": self.warmup_steps, "min_size": self.min_size}
 
+    def wire_tag(self, set_id: int, key: str, shape) -> str:
+        """Past its warm-up a tensor is negotiated as warmup_steps=0: a joined
+        rank's stand-in, fresh every step, then takes the factors path too
+        (with the real warmup_steps it takes the plain one, as the others do)."""
+        state = self._state.get((set_id, key), {})
+        step = (state.get("step", 0) if state.get("shape") == tuple(shape) else 0) + 1
+        if self.warmup_steps and step > self.warmup_steps:
+            return type(self)(self.rank, 0, self.min_size).tag
+        return self.tag
+
     def compresses(self, shape) -> bool:
         """Whether a tensor of this shape travels as factors (after warm-up)."""
         if len(shape) < 2 or int(np.prod(shape)) < self.min_size:
