@@ -426,7 +426,8 @@ class Engine:
         compressor = own[0] if own else self._stand_in_compressor(tag)
         t0 = time.monotonic()
         results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
-                                           bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket])
+                                           bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket],
+                                           [h.extra.get("compression", compressor) for h in bucket])  # whose state
         label = f"{tag} " + (bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors")
         self.timeline.ring_op([h.name for h in bucket], label, sum(h.array.nbytes for h in bucket), t0,
                               time.monotonic())

@@ -264,3 +264,22 @@ def test_a_joined_rank_adds_exact_zeros_to_powersgd_whatever_the_warmup(tmp_path
     np.testing.assert_allclose(got[2:], 0.5, rtol=1e-5)   # (1 + 0) / 2 on each step after rank 1 joined
     assert r1.result["got"] == r0.result["got"][:2]
     assert r0.result["last"] == r1.result["last"] == 0   # rank 0 joined last
+
+
+# Two models' compressors of one tag fuse in one bucket; each keeps its own
+# tensors' error feedback (reset() of one must not touch the other's).
+TWO_OWNERS_JOB = """
+from ringreduce.compression import Int8
+from ringreduce.engine import engine
+c1, c2, eng = Int8(), Int8(), engine()
+x = np.random.default_rng(rr.rank()).standard_normal(1000).astype(np.float32)
+ha = eng.enqueue("a", x, op="avg", compression=c1)
+hb = eng.enqueue("b", x, op="avg", compression=c2)
+eng.wait(ha), eng.wait(hb)
+result = dict(c1=sorted(k[1] for k in c1._state), c2=sorted(k[1] for k in c2._state))
+"""
+
+
+def test_fused_tensors_of_two_compressors_keep_state_in_their_own(tmp_path):
+    for r in run_ranks(2, TWO_OWNERS_JOB, tmp_path, timeout=60):
+        assert r.result == dict(c1=["a"], c2=["b"]), (r.rank, r.result)

@@ -61,22 +61,24 @@ class Compressor:
         out = self.reduce_bucket(names, arrays, op, process_set)
         return out[0] if single else out
 
-    def reduce_bucket(self, names, arrays, op, process_set=None, keys=None) -> list:
+    def reduce_bucket(self, names, arrays, op, process_set=None, keys=None, owners=None) -> list:
         """The bucket's tensors reduced; names go on the wire (the same on
         every rank), keys (default: the names) say whose state each uses:
         a name that changes every step (TensorFlow's eager naming) can keep
-        one key."""
+        one key. owners (default: self): the compressor whose state each
+        tensor keeps, when the engine fuses tensors of several compressors
+        with the same tag (two models' PowerSGD(rank=4))."""
         if op not in OPS:
             raise ValueError(f"{self!r} reduces with sum or avg only, not {op!r}")
         ring = _c._ring(process_set)
         set_id = getattr(process_set, "process_set_id", 0) if process_set is not None else 0
         items = []
-        for name, key, a in zip(names, keys or names, arrays):
+        for name, key, a, owner in zip(names, keys or names, arrays, owners or [self] * len(arrays)):
             a = np.asarray(a)
             if a.dtype.kind != "f":
                 raise TypeError(f"{self!r} compresses floating-point tensors; {name!r} is {a.dtype}")
             work = a.astype(np.float64 if a.dtype == np.float64 else np.float32, copy=False)
-            state = self._state.setdefault((set_id, key), {})
+            state = owner._state.setdefault((set_id, key), {})
             if state.get("shape", a.shape) != a.shape:  # another model's tensor of the same name: start afresh
                 state.clear()
             state["shape"] = a.shape
