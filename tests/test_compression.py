@@ -283,3 +283,38 @@ result = dict(c1=sorted(k[1] for k in c1._state), c2=sorted(k[1] for k in c2._st
 def test_fused_tensors_of_two_compressors_keep_state_in_their_own(tmp_path):
     for r in run_ranks(2, TWO_OWNERS_JOB, tmp_path, timeout=60):
         assert r.result == dict(c1=["a"], c2=["b"]), (r.rank, r.result)
+
+
+# An fp16 overflow (NaN or inf in one rank's gradient): the step's result is
+# not finite on every rank, as an exact allreduce's would not be (a loss
+# scaler then skips it), and the next finite step is as good as if the bad
+# one never happened: no NaN left behind in error feedback or warm starts.
+NONFINITE_JOB = """
+from ringreduce.compression import PowerSGD, Int8, TopK
+N, me = rr.size(), rr.rank()
+def grad(rank, step):
+    g = np.random.default_rng(100 * step + rank)
+    return (np.outer(g.standard_normal(64), g.standard_normal(48)) + 0.01 * g.standard_normal((64, 48))).astype(np.float32)
+out = {}
+for bad in (np.nan, np.inf):
+    for c in (PowerSGD(rank=2, min_size=16), Int8(), TopK(ratio=0.5)):
+        finite, errs = [], []
+        for step in range(4):
+            g = grad(me, step)
+            if step == 1 and me == N - 1:
+                g[3, 5] = bad
+            res = c.allreduce(g, "w", op="avg")
+            finite.append(bool(np.isfinite(res).all()))
+            exact = np.mean([grad(r, step) for r in range(N)], axis=0)
+            errs.append(float(np.linalg.norm(res - exact) / np.linalg.norm(exact)) if finite[-1] else None)
+        out[f"{c.name} {bad}"] = dict(finite=finite, errs=errs)
+result = out
+"""
+
+
+def test_a_nan_or_inf_gradient_gives_a_non_finite_step_and_leaves_no_poison(tmp_path):
+    ranks = run_ranks(2, NONFINITE_JOB, tmp_path, timeout=60)
+    for r in ranks:
+        for case, res in r.result.items():
+            assert res["finite"] == [True, False, True, True], (r.rank, case, res)
+            assert max(res["errs"][2:]) < 1, (r.rank, case, res)  # near the exact average, not garbage

@@ -83,7 +83,12 @@ class Compressor:
                 state.clear()
             state["shape"] = a.shape
             items.append(((set_id, name), work, state))
+        before = [dict(state) for _, _, state in items]
         sums = self._reduce(items, ring.size, process_set) if items else []
+        for s, (_, _, state), old in zip(sums, items, before):
+            if not np.isfinite(s).all():  # an overflow, which a loss scaler skips: so does the state, alike on
+                state.clear()             # every rank (the sums are), or the NaN would poison every later step
+                state.update(old)
         if op == "avg":
             for s in sums:  # fresh arrays, the compressor's own
                 s *= s.dtype.type(1.0 / ring.size)
