@@ -318,3 +318,25 @@ def test_a_nan_or_inf_gradient_gives_a_non_finite_step_and_leaves_no_poison(tmp_
         for case, res in r.result.items():
             assert res["finite"] == [True, False, True, True], (r.rank, case, res)
             assert max(res["errs"][2:]) < 1, (r.rank, case, res)  # near the exact average, not garbage
+
+
+# Called directly (no engine negotiating shapes), ranks whose tensors differ
+# in shape but not in size (or, for top-k, not in k) must not get a result.
+SHAPE_JOB = """
+from ringreduce.compression import PowerSGD, Int8, TopK
+from ringreduce.errors import MismatchError
+shapes = {"int8": [(10, 20), (20, 10)], "powersgd": [(64, 32), (32, 64)], "topk": [(1000,), (999,)]}
+out = {}
+for c in (Int8(), PowerSGD(rank=2, min_size=16), TopK(ratio=0.01)):
+    try:
+        c.allreduce(np.ones(shapes[c.name][rr.rank()], np.float32), "w")
+        out[c.name] = "no error"
+    except MismatchError as e:
+        out[c.name] = "MismatchError" if "ranks disagree on the names, shapes or dtypes" in str(e) else str(e)
+result = out
+"""
+
+
+def test_direct_calls_with_different_shapes_raise_mismatch_on_every_rank(tmp_path):
+    for r in run_ranks(2, SHAPE_JOB, tmp_path, timeout=60):
+        assert r.result == dict(int8="MismatchError", powersgd="MismatchError", topk="MismatchError"), r.result

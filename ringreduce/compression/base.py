@@ -10,17 +10,21 @@ Only sum and avg are meaningful for a lossy reduction.
 """
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from .. import collectives as _c
+from ..errors import MismatchError
 
 OPS = ("sum", "avg")
 
 
 class Compressor:
-    """Subclasses set `name` and implement _reduce(items, n, group), items a
-    list of (key, float array, state); they return the SUM over ranks of
-    each array, as float arrays of the same shapes."""
+    """Subclasses set `name` and implement _reduce(items, n, group, label),
+    items a list of (key, float array, state), label the prefix of the names
+    of the collectives they run; they return the SUM over ranks of each
+    array, as float arrays of the same shapes."""
     name = "none"
 
     def __init__(self):
@@ -83,8 +87,16 @@ class Compressor:
                 state.clear()
             state["shape"] = a.shape
             items.append(((set_id, name), work, state))
+        # the wire names carry a digest of the bucket's names, shapes and dtypes: ranks that disagree fail
+        # on the first collective (sizes alone may agree: (10, 20) and (20, 10), or top-k's k)
+        layout = repr([(n, np.shape(a), np.asarray(a).dtype.str) for n, a in zip(names, arrays)])
+        label = f"{names[0]}#{zlib.crc32(layout.encode()):08x}" if names else ""
         before = [dict(state) for _, _, state in items]
-        sums = self._reduce(items, ring.size, process_set) if items else []
+        try:
+            sums = self._reduce(items, ring.size, process_set, label) if items else []
+        except MismatchError as exc:
+            raise MismatchError(f"{self!r}: ranks disagree on the names, shapes or dtypes of the tensors they "
+                                f"compress (this rank: {layout[:300]}): {exc}") from exc
         for s, (_, _, state), old in zip(sums, items, before):
             if not np.isfinite(s).all():  # an overflow, which a loss scaler skips: so does the state, alike on
                 state.clear()             # every rank (the sums are), or the NaN would poison every later step
@@ -94,7 +106,7 @@ class Compressor:
                 s *= s.dtype.type(1.0 / ring.size)
         return [s.astype(np.asarray(a).dtype, copy=False).reshape(np.shape(a)) for s, a in zip(sums, arrays)]
 
-    def _reduce(self, items, n: int, group) -> list:
+    def _reduce(self, items, n: int, group, label: str) -> list:
         raise NotImplementedError
 
     @staticmethod

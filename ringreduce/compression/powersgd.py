@@ -63,14 +63,14 @@ class PowerSGD(Compressor):
         r = min(self.rank, n, m)
         return 2 * r * (n + m) <= n * m
 
-    def _reduce(self, items, n_ranks, group):
+    def _reduce(self, items, n_ranks, group, label):
         out = [None] * len(items)
         low, plain = [], []
         for i, (key, a, state) in enumerate(items):
             state["step"] = state.get("step", 0) + 1
             (low if state["step"] > self.warmup_steps and self.compresses(a.shape) else plain).append(i)
         if plain:
-            for i, s in zip(plain, self._plain_sum([items[i][1] for i in plain], group, f"{items[plain[0]][0][1]}/powersgd.plain")):
+            for i, s in zip(plain, self._plain_sum([items[i][1] for i in plain], group, f"{label}/powersgd.plain")):
                 out[i] = s
         if not low:
             return out
@@ -86,14 +86,13 @@ class PowerSGD(Compressor):
                 q = rng.standard_normal((cols, min(self.rank, rows, cols))).astype(a.dtype)
             mats.append(m)
             qs.append(q)
-        first = items[low[0]][0][1]
         ps = [m @ q for m, q in zip(mats, qs)]
         ps = self._split(_c.allreduce(np.concatenate([p.reshape(-1) for p in ps]), op="sum",
-                                      name=f"{first}/powersgd.P", process_set=group), [p.shape for p in ps])
+                                      name=f"{label}/powersgd.P", process_set=group), [p.shape for p in ps])
         ps = [np.linalg.qr(p)[0] for p in ps]  # orthonormal columns: the same on every rank (same input)
         own_qs = [m.T @ p for m, p in zip(mats, ps)]
         qs = self._split(_c.allreduce(np.concatenate([q.reshape(-1) for q in own_qs]), op="sum",
-                                      name=f"{first}/powersgd.Q", process_set=group), [q.shape for q in own_qs])
+                                      name=f"{label}/powersgd.Q", process_set=group), [q.shape for q in own_qs])
         for i, m, p, q, own_q in zip(low, mats, ps, qs, own_qs):
             total = p @ q.T  # the sum over ranks of each rank's projection
             state = items[i][2]

@@ -28,8 +28,7 @@ class TopK(Compressor):
     def params(self) -> dict:
         return {"ratio": self.ratio}
 
-    def _reduce(self, items, n_ranks, group):
-        first = items[0][0][1]
+    def _reduce(self, items, n_ranks, group, label):
         vals, picks, packs = [], [], []
         for key, a, state in items:
             err = state.get("error")  # v our own copy: it becomes the error in place
@@ -39,7 +38,7 @@ class TopK(Compressor):
             vals.append(v)
             picks.append(idx)
             packs.append(np.concatenate([idx, v[idx].view(np.int32)]))  # one int32 buffer: indices, values
-        gathered = _c.allgather(np.concatenate(packs), name=f"{first}/topk", process_set=group)
+        gathered = _c.allgather(np.concatenate(packs), name=f"{label}/topk", process_set=group)
         per_rank = gathered.reshape(n_ranks, -1)
         out = []
         at = 0
