@@ -107,12 +107,17 @@ class Engine:
                  cache_capacity: int | None = None):
         config = Config.from_env()
         self.fusion_bytes = fusion_bytes if fusion_bytes is not None else config.fusion_bytes
-        # RINGREDUCE_AUTOTUNE=1 and no threshold given: tried from the cycles it runs (ringreduce/autotune.py)
+        # tuned at init (RINGREDUCE_AUTOTUNE=1) and no threshold given: tried from the cycles it runs, unless
+        # rank 0 set one, which then holds on every rank (ringreduce/autotune.py): decided alike everywhere,
+        # as the tuner's window allreduces must be, whatever this rank's environment says now
         self._fusion_tuner = None
-        by_hand = os.environ.get("RINGREDUCE_FUSION_THRESHOLD", "").strip() != ""
-        if fusion_bytes is None and not by_hand and _autotune.enabled() and _c.is_initialized() and _c.size() > 1:
-            self._fusion_tuner = _autotune.FusionTuner()
-            self.fusion_bytes = self._fusion_tuner.current
+        tuned = _c._state.world.extra.get("autotune") if _c.is_initialized() else None
+        if fusion_bytes is None and tuned is not None:
+            if tuned.get("fusion_bytes") is not None:
+                self.fusion_bytes = tuned["fusion_bytes"]
+            else:
+                self._fusion_tuner = _autotune.FusionTuner()
+                self.fusion_bytes = self._fusion_tuner.current
         self.negotiator = Negotiator(cache_capacity if cache_capacity is not None else config.cache_capacity,
                                      stall_seconds=config.timeout or float("inf"))
         self.timeline = Timeline(timeline_path or os.environ.get("RINGREDUCE_TIMELINE"))
