@@ -192,7 +192,7 @@ class Engine:
         if compression is not None:
             _check_compressible(name, kind, op, family, array)
             # negotiated: every rank must compress alike (and a joined rank's stand-in follows the tag)
-            wire_op = f"{op}|{compression.wire_tag(process_set, extra.get('compression_key', name), array.shape)}"
+            wire_op = f"{op}|{compression.wire_tag(group, extra.get('compression_key', name), array.shape)}"
             extra["compression"] = compression
         key = (name, kind, array.dtype.name, shape, wire_op, root, process_set)
         ready = family.mark(array)  # the engine's thread reads array after the caller's stream wrote it

@@ -340,3 +340,29 @@ result = out
 def test_direct_calls_with_different_shapes_raise_mismatch_on_every_rank(tmp_path):
     for r in run_ranks(2, SHAPE_JOB, tmp_path, timeout=60):
         assert r.result == dict(int8="MismatchError", powersgd="MismatchError", topk="MismatchError"), r.result
+
+
+# A removed process set's id is given to the next set added: a compressor's
+# state from the old set (other members) must not flow into the new one.
+REUSED_SET_JOB = """
+from ringreduce.compression import Int8
+c = Int8()
+x = np.random.default_rng(rr.rank()).standard_normal(500).astype(np.float32)
+old = rr.add_process_set([0, 1])
+if rr.rank() in (0, 1):
+    c.allreduce(x, "w", process_set=old)      # leaves a rounding error behind on ranks 0 and 1
+rr.remove_process_set(old)
+new = rr.add_process_set([1, 2])
+result = dict(same_id=new.process_set_id == 1)
+if rr.rank() in (1, 2):
+    got = c.allreduce(x, "w", process_set=new)
+    fresh = Int8().allreduce(x, "w", process_set=new)
+    result["as_fresh"] = bool(np.array_equal(got, fresh))
+"""
+
+
+def test_state_does_not_leak_into_a_new_process_set_with_a_reused_id(tmp_path):
+    for r in run_ranks(3, REUSED_SET_JOB, tmp_path, timeout=60):
+        assert r.result["same_id"]
+        if r.rank in (1, 2):
+            assert r.result["as_fresh"], f"rank {r.rank}: the removed set's error feedback was added in"

@@ -20,6 +20,15 @@ from ..errors import MismatchError
 OPS = ("sum", "avg")
 
 
+def scope(process_set) -> object:
+    """Whose tensors a state belongs to: 0 for the world, a process set's
+    (id, ranks), since a removed set's id goes to the next set added, whose
+    members may differ."""
+    if process_set is None or getattr(process_set, "process_set_id", 0) == 0:
+        return 0
+    return process_set.process_set_id, tuple(process_set.ranks)
+
+
 class Compressor:
     """Subclasses set `name` and implement _reduce(items, n, group, label),
     items a list of (key, float array, state), label the prefix of the names
@@ -28,7 +37,7 @@ class Compressor:
     name = "none"
 
     def __init__(self):
-        self._state: dict = {}  # (process set id, tensor name) -> the compressor's per-tensor state
+        self._state: dict = {}  # (scope(process set), tensor name) -> the compressor's per-tensor state
 
     def params(self) -> dict:
         return {}
@@ -39,7 +48,7 @@ class Compressor:
         the engine negotiates, and what from_tag() makes a compressor from again."""
         return f"{self.name}({','.join(f'{k}={v!r}' for k, v in sorted(self.params().items()))})"
 
-    def wire_tag(self, set_id: int, key: str, shape) -> str:
+    def wire_tag(self, process_set, key: str, shape) -> str:
         """The tag the engine negotiates for one tensor's next reduction:
         `tag`, unless which collectives it runs depends on the tensor's own
         state (PowerSGD's warm-up), which the tag then spells out, so that
@@ -75,7 +84,7 @@ class Compressor:
         if op not in OPS:
             raise ValueError(f"{self!r} reduces with sum or avg only, not {op!r}")
         ring = _c._ring(process_set)
-        set_id = getattr(process_set, "process_set_id", 0) if process_set is not None else 0
+        set_id = scope(process_set)
         items = []
         for name, key, a, owner in zip(names, keys or names, arrays, owners or [self] * len(arrays)):
             a = np.asarray(a)

@@ -23,7 +23,7 @@ import zlib
 import numpy as np
 
 from .. import collectives as _c
-from .base import Compressor
+from .base import Compressor, scope
 
 
 def as_matrix(shape) -> tuple[int, int]:
@@ -45,11 +45,11 @@ class PowerSGD(Compressor):
     def params(self) -> dict:
         return {"rank": self.rank, "warmup_steps": self.warmup_steps, "min_size": self.min_size}
 
-    def wire_tag(self, set_id: int, key: str, shape) -> str:
+    def wire_tag(self, process_set, key: str, shape) -> str:
         """Past its warm-up a tensor is negotiated as warmup_steps=0: a joined
         rank's stand-in, fresh every step, then takes the factors path too
         (with the real warmup_steps it takes the plain one, as the others do)."""
-        state = self._state.get((set_id, key), {})
+        state = self._state.get((scope(process_set), key), {})
         step = (state.get("step", 0) if state.get("shape") == tuple(shape) else 0) + 1
         if self.warmup_steps and step > self.warmup_steps:
             return type(self)(self.rank, 0, self.min_size).tag
