@@ -366,3 +366,21 @@ def test_state_does_not_leak_into_a_new_process_set_with_a_reused_id(tmp_path):
         assert r.result["same_id"]
         if r.rank in (1, 2):
             assert r.result["as_fresh"], f"rank {r.rank}: the removed set's error feedback was added in"
+
+
+# float64 tensors keep float64 precision through top-k: with every entry
+# sent (ratio=1) the result is the exact sum, added in rank order.
+TOPK_F64_JOB = """
+from ringreduce.compression import TopK
+xs = [np.random.default_rng(r).standard_normal(301) * (1 + 1e-9 * np.arange(301)) for r in range(rr.size())]
+got = TopK(ratio=1.0).allreduce(xs[rr.rank()], "w", op="sum")
+want = np.zeros(301)
+for x in xs:
+    want = want + x
+result = dict(dtype=str(got.dtype), same=bool(np.array_equal(got, want)), err=float(np.abs(got - want).max()))
+"""
+
+
+def test_topk_keeps_float64_precision(tmp_path):
+    for r in run_ranks(2, TOPK_F64_JOB, tmp_path, timeout=60):
+        assert r.result["dtype"] == "float64" and r.result["same"], r.result
