@@ -384,3 +384,10 @@ result = dict(dtype=str(got.dtype), same=bool(np.array_equal(got, want)), err=fl
 def test_topk_keeps_float64_precision(tmp_path):
     for r in run_ranks(2, TOPK_F64_JOB, tmp_path, timeout=60):
         assert r.result["dtype"] == "float64" and r.result["same"], r.result
+
+
+def test_one_name_for_two_tensors_is_refused_before_any_collective():
+    import numpy as np
+    from ringreduce.compression import Int8
+    with pytest.raises(ValueError, match=r"\['w'\] name more than one tensor"):
+        Int8().allreduce([np.ones(4, np.float32), np.ones(4, np.float32)], ["w", "w"])

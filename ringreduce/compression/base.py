@@ -71,6 +71,9 @@ class Compressor:
         names = [names] if single else list(names or [])
         if len(names) != len(arrays) or not all(isinstance(n, str) and n for n in names):
             raise ValueError("every tensor a compressor reduces needs a name, the same on every rank")
+        if len(set(names)) != len(names):  # one name, one state: the second would overwrite the first's error
+            raise ValueError(f"a compressor keeps state by name; {sorted(n for n in set(names) if names.count(n) > 1)} "
+                             "name more than one tensor")
         out = self.reduce_bucket(names, arrays, op, process_set)
         return out[0] if single else out
 
