@@ -71,9 +71,6 @@ class Compressor:
         names = [names] if single else list(names or [])
         if len(names) != len(arrays) or not all(isinstance(n, str) and n for n in names):
             raise ValueError("every tensor a compressor reduces needs a name, the same on every rank")
-        if len(set(names)) != len(names):  # one name, one state: the second would overwrite the first's error
-            raise ValueError(f"a compressor keeps state by name; {sorted(n for n in set(names) if names.count(n) > 1)} "
-                             "name more than one tensor")
         out = self.reduce_bucket(names, arrays, op, process_set)
         return out[0] if single else out
 
@@ -86,10 +83,15 @@ class Compressor:
         with the same tag (two models' PowerSGD(rank=4))."""
         if op not in OPS:
             raise ValueError(f"{self!r} reduces with sum or avg only, not {op!r}")
+        keys = list(keys or names)
+        owned = [(id(o), k) for o, k in zip(owners or [self] * len(keys), keys)]
+        if len(set(owned)) != len(owned):  # one key, one state: the second would overwrite the first's error
+            raise ValueError(f"a compressor keeps state by name; {sorted({k for o, k in owned if owned.count((o, k)) > 1})} "
+                             "name more than one tensor of one bucket")
         ring = _c._ring(process_set)
         set_id = scope(process_set)
         items = []
-        for name, key, a, owner in zip(names, keys or names, arrays, owners or [self] * len(arrays)):
+        for name, key, a, owner in zip(names, keys, arrays, owners or [self] * len(arrays)):
             a = np.asarray(a)
             if a.dtype.kind != "f":
                 raise TypeError(f"{self!r} compresses floating-point tensors; {name!r} is {a.dtype}")
