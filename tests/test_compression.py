@@ -391,3 +391,24 @@ def test_one_name_for_two_tensors_is_refused_before_any_collective():
     from ringreduce.compression import Int8
     with pytest.raises(ValueError, match=r"\[.w.\] name more than one tensor"):
         Int8().allreduce([np.ones(4, np.float32), np.ones(4, np.float32)], ["w", "w"])
+
+
+# Called directly, one rank with an integer tensor: TypeError there, and the
+# others fail on their first collective (naming that rank), neither hanging
+# nor needing the bad rank to exit.
+INT_ON_ONE_RANK_JOB = """
+from ringreduce.compression import Int8
+try:
+    Int8().allreduce(np.ones(8, np.float32 if rr.rank() == 0 else np.int32), "w")
+    result = "ok"
+except Exception as e:
+    result = (type(e).__name__, str(e))
+rr.barrier()   # the bad rank goes on: its peer must not be waiting on it
+"""
+
+
+def test_an_integer_tensor_on_one_rank_fails_every_rank(tmp_path):
+    r0, r1 = run_ranks(2, INT_ON_ONE_RANK_JOB, tmp_path, timeout=60)
+    assert r1.result[0] == "TypeError" and "'w' is int32" in r1.result[1]
+    assert r0.result[0] == "MismatchError" and "rank 1: Int8() compresses floating-point tensors; 'w' is int32" \
+        in r0.result[1], r0.result

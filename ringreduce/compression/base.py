@@ -90,21 +90,27 @@ class Compressor:
                              "name more than one tensor of one bucket")
         ring = _c._ring(process_set)
         set_id = scope(process_set)
+        # the wire names carry a digest of the bucket's names, shapes and dtypes: ranks that disagree fail
+        # on the first collective (sizes alone may agree: (10, 20) and (20, 10), or top-k's k)
+        layout = repr([(n, np.shape(a), np.asarray(a).dtype.str) for n, a in zip(names, arrays)])
+        label = f"{names[0]}#{zlib.crc32(layout.encode()):08x}" if names else ""
+        wrong = [f"{n!r} is {np.asarray(a).dtype}" for n, a in zip(names, arrays) if np.asarray(a).dtype.kind != "f"]
+        if wrong:
+            problem = f"{self!r} compresses floating-point tensors; {', '.join(wrong)}"[:400]
+            try:  # still meet the others' first collective: they raise, naming this rank, instead of waiting
+                _c.allreduce(np.zeros(1), name=f"{_c.REFUSED_PREFIX} {problem}", process_set=process_set)
+            except MismatchError:
+                pass
+            raise TypeError(problem)
         items = []
         for name, key, a, owner in zip(names, keys, arrays, owners or [self] * len(arrays)):
             a = np.asarray(a)
-            if a.dtype.kind != "f":
-                raise TypeError(f"{self!r} compresses floating-point tensors; {name!r} is {a.dtype}")
             work = a.astype(np.float64 if a.dtype == np.float64 else np.float32, copy=False)
             state = owner._state.setdefault((set_id, key), {})
             if state.get("shape", a.shape) != a.shape:  # another model's tensor of the same name: start afresh
                 state.clear()
             state["shape"] = a.shape
             items.append(((set_id, name), work, state))
-        # the wire names carry a digest of the bucket's names, shapes and dtypes: ranks that disagree fail
-        # on the first collective (sizes alone may agree: (10, 20) and (20, 10), or top-k's k)
-        layout = repr([(n, np.shape(a), np.asarray(a).dtype.str) for n, a in zip(names, arrays)])
-        label = f"{names[0]}#{zlib.crc32(layout.encode()):08x}" if names else ""
         before = [dict(state) for _, _, state in items]
         try:
             sums = self._reduce(items, ring.size, process_set, label) if items else []
