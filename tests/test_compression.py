@@ -412,3 +412,28 @@ def test_an_integer_tensor_on_one_rank_fails_every_rank(tmp_path):
     assert r1.result[0] == "TypeError" and "'w' is int32" in r1.result[1]
     assert r0.result[0] == "MismatchError" and "rank 1: Int8() compresses floating-point tensors; 'w' is int32" \
         in r0.result[1], r0.result
+
+
+# QR is unique only up to the signs of its columns, and LAPACK builds differ
+# in the ones they pick: a rank whose QR returns (-Q, -R) (a valid QR) must
+# still get the same result as the others, and a good one.
+QR_SIGN_JOB = """
+from ringreduce.compression import PowerSGD
+if rr.rank() == 1:
+    _qr = np.linalg.qr
+    np.linalg.qr = lambda a: tuple(-x for x in _qr(a))
+c = PowerSGD(rank=2, min_size=16)
+base = np.random.default_rng(3)
+U, V = base.standard_normal((64, 2)), base.standard_normal((2, 48))
+grads = [(U @ V * (1 + r)).astype(np.float32) for r in range(rr.size())]
+res = [c.allreduce(grads[rr.rank()], "w", op="avg") for _ in range(3)]
+exact = np.mean(grads, axis=0)
+result = dict(digest=__import__("hashlib").sha256(b"".join(r.tobytes() for r in res)).hexdigest(),
+              err=float(np.linalg.norm(res[-1] - exact) / np.linalg.norm(exact)))
+"""
+
+
+def test_powersgd_agrees_whatever_signs_a_lapack_gives_its_qr(tmp_path):
+    r0, r1 = run_ranks(2, QR_SIGN_JOB, tmp_path, timeout=60)
+    assert r0.result["digest"] == r1.result["digest"], (r0.result, r1.result)
+    assert r0.result["err"] < 1e-4   # a rank-2 gradient: exact after a step or two

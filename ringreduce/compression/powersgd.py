@@ -33,6 +33,16 @@ def as_matrix(shape) -> tuple[int, int]:
     return int(np.prod(shape[:-1])), int(shape[-1])
 
 
+def _orthonormal(p):
+    """P's QR factor with the signs fixed (R's diagonal >= 0): QR is unique
+    only up to the sign of each column, and LAPACKs differ in the one they
+    return; a rank whose P came back with other signs would project onto -P
+    and the Q sum would be garbage (different results on different ranks)."""
+    q, r = np.linalg.qr(p)
+    signs = np.where(np.diagonal(r) < 0, -1, 1).astype(q.dtype)
+    return q * signs
+
+
 class PowerSGD(Compressor):
     name = "powersgd"
 
@@ -89,7 +99,7 @@ class PowerSGD(Compressor):
         ps = [m @ q for m, q in zip(mats, qs)]
         ps = self._split(_c.allreduce(np.concatenate([p.reshape(-1) for p in ps]), op="sum",
                                       name=f"{label}/powersgd.P", process_set=group), [p.shape for p in ps])
-        ps = [np.linalg.qr(p)[0] for p in ps]  # orthonormal columns: the same on every rank (same input)
+        ps = [_orthonormal(p) for p in ps]  # the same on every rank (same input, signs made canonical)
         own_qs = [m.T @ p for m, p in zip(mats, ps)]
         qs = self._split(_c.allreduce(np.concatenate([q.reshape(-1) for q in own_qs]), op="sum",
                                       name=f"{label}/powersgd.Q", process_set=group), [q.shape for q in own_qs])
