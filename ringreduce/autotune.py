@@ -194,6 +194,8 @@ def tune_ring(ring, world, backend: str, env=None):
     if world.rank == 0:
         log.warning("ringreduce autotune (%s): segment %d bytes, small limit %d bytes (%d per tensor), %s",
                     key, choice.segment_bytes, choice.small_bytes, ring.small_limit, how)
+    from . import traffic
+    traffic.reset_stats()  # rr.stats() counts from init() on: the calibration's probes (MBs) are init's own
     world.extra["autotune"] = {"key": key, "segment_bytes": choice.segment_bytes,
                                "small_bytes": choice.small_bytes, "calibrated": choice.calibrated,
                                "seconds": choice.seconds,

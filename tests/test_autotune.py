@@ -268,3 +268,14 @@ result = dict(ok=ok, tuning=eng._fusion_tuner is not None, fusion=eng.fusion_byt
     assert ranks[0].result["fusion"] == ranks[1].result["fusion"]
     if who == "0":
         assert ranks[1].result["fusion"] == 8 << 20
+
+
+def test_stats_after_init_do_not_count_the_calibration(tmp_path):
+    body = """
+after_init = rr.stats()["bytes_sent"]
+rr.allreduce(np.ones(1000, np.float32))
+result = dict(after_init=after_init, after_one=rr.stats()["ring"], calibrated=_c._state.world.extra["autotune"]["calibrated"])
+"""
+    for r in run_ranks(2, "from ringreduce import collectives as _c\n" + body, tmp_path, timeout=60, env=_env(tmp_path)):
+        assert r.result["calibrated"] and r.result["after_init"] == 0, r.result
+        assert r.result["after_one"] <= 4000 + 64, r.result  # the one allreduce, not the probes' megabytes
