@@ -29,8 +29,9 @@ At init, once the ring is connected and before the first user collective
   4. The choice is applied (Comm.set_segment, the ring's small limit, the
      world's Config, which process sets made later use) and logged.
 
-A variable set explicitly (RINGREDUCE_SEGMENT_BYTES, RINGREDUCE_SMALL_BYTES
-on rank 0) is kept, not tuned. RINGREDUCE_SHM_BYTES is not tuned: the
+A variable set explicitly (RINGREDUCE_SEGMENT_BYTES, RINGREDUCE_SMALL_BYTES,
+RINGREDUCE_FUSION_THRESHOLD on rank 0) is kept, not tuned, and rank 0's
+value holds on every rank. RINGREDUCE_SHM_BYTES is not tuned: the
 shared-memory buffer is fixed when the links form, before any collective
 can measure anything.
 
@@ -163,15 +164,17 @@ def tune_ring(ring, world, backend: str, env=None):
     key = shape_key(world.size, world.local_size, backend, shm_links)
     path = cache_dir(env) / f"{key}.json"
     # rank 0 speaks for all: what it has cached, and which variables it has set by hand
-    mine = np.zeros(5, np.int64)
+    mine = np.zeros(6, np.int64)
     if world.rank == 0:
         cached = load_cached(path)
         fixed_seg = env.get("RINGREDUCE_SEGMENT_BYTES", "").strip() != ""
         fixed_small = env.get("RINGREDUCE_SMALL_BYTES", "").strip() != ""
+        fixed_fusion = env.get("RINGREDUCE_FUSION_THRESHOLD", "").strip() != ""
         mine[:] = [cached is not None, cached.segment_bytes if cached else 0, cached.small_bytes if cached else 0,
-                   config.segment_bytes if fixed_seg else 0, config.small_bytes if fixed_small else -1]
+                   config.segment_bytes if fixed_seg else 0, config.small_bytes if fixed_small else -1,
+                   config.fusion_bytes if fixed_fusion else -1]
     agreed = _c.broadcast(mine, 0, name="ringreduce.autotune.cache")
-    found, seg, small, fixed_seg, fixed_small = (int(v) for v in agreed)
+    found, seg, small, fixed_seg, fixed_small, fixed_fusion = (int(v) for v in agreed)
     if found:
         choice = Choice(seg, small)
     else:
@@ -191,9 +194,13 @@ def tune_ring(ring, world, backend: str, env=None):
     if world.rank == 0:
         log.warning("ringreduce autotune (%s): segment %d bytes, small limit %d bytes (%d per tensor), %s",
                     key, choice.segment_bytes, choice.small_bytes, ring.small_limit, how)
+    from . import traffic
+    traffic.reset_stats()  # rr.stats() counts from init() on: the calibration's probes (MBs) are init's own
     world.extra["autotune"] = {"key": key, "segment_bytes": choice.segment_bytes,
                                "small_bytes": choice.small_bytes, "calibrated": choice.calibrated,
-                               "seconds": choice.seconds}
+                               "seconds": choice.seconds,
+                               # rank 0's RINGREDUCE_FUSION_THRESHOLD (None: the engine tunes it), for every rank
+                               "fusion_bytes": fixed_fusion if fixed_fusion >= 0 else None}
     return config
 
 

@@ -365,10 +365,25 @@ def _describe(field, value):
     return repr(value)
 
 
+_AUTOTUNE_PREFIX = "ringreduce.autotune"  # the names of autotune's collectives (ringreduce/autotune.py)
+# a collective named so stands for one this rank refuses (bad input of its own): the others then raise,
+# naming it and the reason, instead of waiting for it (ringreduce/compression/base.py)
+REFUSED_PREFIX = "ringreduce.refused:"
+
+
 def _check_agreement(heads, fields, what: str, ranks=None) -> None:
     """Raises MismatchError on every rank alike: all hold the same headers.
     ranks: the world rank of each header's sender (a process set's members)."""
     ranks = range(len(heads)) if ranks is None else ranks
+    refused = [f"rank {r}: {h['name'][len(REFUSED_PREFIX):].strip()}" for r, h in zip(ranks, heads)
+               if h["name"].startswith(REFUSED_PREFIX)]
+    if refused and len(refused) < len(heads):  # a rank met the others only to say why it cannot go on
+        raise MismatchError(f"a rank refused this {what}: {'; '.join(refused)}")
+    tuning = [r for r, h in zip(ranks, heads) if h["name"].startswith(_AUTOTUNE_PREFIX)]
+    if tuning and len(tuning) < len(heads):  # before any field: the mismatch is the setting, not a dtype
+        raise MismatchError(f"RINGREDUCE_AUTOTUNE=1 on rank(s) {', '.join(map(str, tuning))} only: those ranks "
+                            "calibrate at init() while the others run collectives; set RINGREDUCE_AUTOTUNE "
+                            "alike on every rank")
     for f in ["kind", *fields]:
         values = [h[f] if f != "trailing" else h["shape"][1:] for h in heads]
         if any(v != values[0] for v in values):

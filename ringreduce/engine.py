@@ -107,12 +107,17 @@ class Engine:
                  cache_capacity: int | None = None):
         config = Config.from_env()
         self.fusion_bytes = fusion_bytes if fusion_bytes is not None else config.fusion_bytes
-        # RINGREDUCE_AUTOTUNE=1 and no threshold given: tried from the cycles it runs (ringreduce/autotune.py)
+        # tuned at init (RINGREDUCE_AUTOTUNE=1) and no threshold given: tried from the cycles it runs, unless
+        # rank 0 set one, which then holds on every rank (ringreduce/autotune.py): decided alike everywhere,
+        # as the tuner's window allreduces must be, whatever this rank's environment says now
         self._fusion_tuner = None
-        by_hand = os.environ.get("RINGREDUCE_FUSION_THRESHOLD", "").strip() != ""
-        if fusion_bytes is None and not by_hand and _autotune.enabled() and _c.is_initialized() and _c.size() > 1:
-            self._fusion_tuner = _autotune.FusionTuner()
-            self.fusion_bytes = self._fusion_tuner.current
+        tuned = _c._state.world.extra.get("autotune") if _c.is_initialized() else None
+        if fusion_bytes is None and tuned is not None:
+            if tuned.get("fusion_bytes") is not None:
+                self.fusion_bytes = tuned["fusion_bytes"]
+            else:
+                self._fusion_tuner = _autotune.FusionTuner()
+                self.fusion_bytes = self._fusion_tuner.current
         self.negotiator = Negotiator(cache_capacity if cache_capacity is not None else config.cache_capacity,
                                      stall_seconds=config.timeout or float("inf"))
         self.timeline = Timeline(timeline_path or os.environ.get("RINGREDUCE_TIMELINE"))
@@ -186,7 +191,8 @@ class Engine:
         wire_op = op
         if compression is not None:
             _check_compressible(name, kind, op, family, array)
-            wire_op = f"{op}|{compression.tag}"  # negotiated: every rank must compress alike
+            # negotiated: every rank must compress alike (and a joined rank's stand-in follows the tag)
+            wire_op = f"{op}|{compression.wire_tag(group, extra.get('compression_key', name), array.shape)}"
             extra["compression"] = compression
         key = (name, kind, array.dtype.name, shape, wire_op, root, process_set)
         ready = family.mark(array)  # the engine's thread reads array after the caller's stream wrote it
@@ -425,7 +431,8 @@ class Engine:
         compressor = own[0] if own else self._stand_in_compressor(tag)
         t0 = time.monotonic()
         results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
-                                           bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket])
+                                           bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket],
+                                           [h.extra.get("compression", compressor) for h in bucket])  # whose state
         label = f"{tag} " + (bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors")
         self.timeline.ring_op([h.name for h in bucket], label, sum(h.array.nbytes for h in bucket), t0,
                               time.monotonic())
@@ -435,10 +442,14 @@ class Engine:
                 self._finish(h)
 
     def _stand_in_compressor(self, tag: str):
+        """Fresh state every time: a joined rank adds exact zeros, with no
+        error feedback or step count of its own (the tag says the path)."""
         from .compression import from_tag
         if tag not in self._stand_in_compressors:
             self._stand_in_compressors[tag] = from_tag(tag)
-        return self._stand_in_compressors[tag]
+        compressor = self._stand_in_compressors[tag]
+        compressor.reset()
+        return compressor
 
     def _run_one(self, h: Handle) -> None:
         self.timeline.end(h.name, "QUEUE")

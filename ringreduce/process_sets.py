@@ -21,7 +21,7 @@ import operator
 
 import numpy as np
 
-from . import _core, collectives as _c, mpi_backend, world as _world
+from . import _core, collectives as _c, mpi_backend, traffic as _traffic, world as _world
 from .errors import MismatchError, RingReduceError
 
 
@@ -160,6 +160,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         _check_offers(offers, "remove_process_set")
         ring = _c._state.sets.pop(set_id)
         if ring.comm is not None:
+            _traffic.retire(ring.comm)  # its bytes sent still count in rr.stats()
             ring.comm.close()
         for ps in ring.owners:
             ps.invalidate()

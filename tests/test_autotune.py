@@ -237,7 +237,45 @@ try:
     rr.allreduce(np.ones(4))
     result = "ok"
 except Exception as e:
-    result = type(e).__name__
+    result = (type(e).__name__, str(e))
 """
     ranks = run_ranks(2, body, tmp_path, timeout=60, env={"XDG_CACHE_HOME": str(tmp_path)}, init=False)
-    assert [r.result for r in ranks] == ["MismatchError", "MismatchError"]
+    assert [r.result[0] for r in ranks] == ["MismatchError", "MismatchError"]
+    for r in ranks:  # the message names the setting at fault and the rank that has it, not a dtype
+        assert "RINGREDUCE_AUTOTUNE=1 on rank(s) 1 only" in r.result[1], r.result[1]
+
+
+@pytest.mark.parametrize("who", ["0", "1"])
+def test_a_fusion_threshold_set_on_one_rank_only_does_not_split_the_tuning(tmp_path, who):
+    # rank 0 speaks for all (as for the segment and the small limit): rank 1's variable must
+    # not leave it out of the tuner's window allreduces while rank 0 runs them
+    body = """
+if os.environ["RINGREDUCE_RANK"] == "WHO":
+    os.environ["RINGREDUCE_FUSION_THRESHOLD"] = str(8 << 20)
+rr.init()
+from ringreduce import engine as _e
+eng = _e.engine()
+ok = True
+for step in range(45):
+    grads = [np.full(n, rr.rank() + 1.0, np.float32) for n in (1000, 250000, 7)]
+    outs = [eng.wait(eng.enqueue(f"g{i}", g, op="sum")) for i, g in enumerate(grads)]
+    ok = ok and all(np.all(o == 3.0) for o in outs)
+result = dict(ok=ok, tuning=eng._fusion_tuner is not None, fusion=eng.fusion_bytes)
+"""
+    ranks = run_ranks(2, body.replace("WHO", who), tmp_path, timeout=90, env=_env(tmp_path), init=False)
+    assert all(r.result["ok"] for r in ranks)
+    assert [r.result["tuning"] for r in ranks] == [who == "1"] * 2  # rank 0's variable decides
+    assert ranks[0].result["fusion"] == ranks[1].result["fusion"]
+    if who == "0":
+        assert ranks[1].result["fusion"] == 8 << 20
+
+
+def test_stats_after_init_do_not_count_the_calibration(tmp_path):
+    body = """
+after_init = rr.stats()["bytes_sent"]
+rr.allreduce(np.ones(1000, np.float32))
+result = dict(after_init=after_init, after_one=rr.stats()["ring"], calibrated=_c._state.world.extra["autotune"]["calibrated"])
+"""
+    for r in run_ranks(2, "from ringreduce import collectives as _c\n" + body, tmp_path, timeout=60, env=_env(tmp_path)):
+        assert r.result["calibrated"] and r.result["after_init"] == 0, r.result
+        assert r.result["after_one"] <= 4000 + 64, r.result  # the one allreduce, not the probes' megabytes

@@ -236,3 +236,204 @@ def test_a_joined_rank_adds_zeros_to_compressed_allreduces(tmp_path):
     assert r0.result["got"][0] == pytest.approx(1.5, rel=0.02)
     assert r0.result["got"][1:] == [pytest.approx(0.5, rel=0.02)] * 2
     assert r0.result["last"] == r1.result["last"] == 0
+
+
+# A joined rank's stand-in compressor must add exact zeros every step (no error
+# feedback of its own) and take the same path as the ranks still training
+# (PowerSGD's warm-up is per tensor: plain for the first steps, factors after).
+POWERSGD_JOIN_JOB = """
+from ringreduce.compression import PowerSGD
+from ringreduce.engine import engine
+c, eng = PowerSGD(rank=1, warmup_steps=WARMUP, min_size=16), engine()
+steps = 5 if rr.rank() == 0 else 2   # rank 1 runs out of data first
+got = []
+for step in range(steps):   # a rank-1 gradient: PowerSGD's factors carry it exactly
+    got.append(eng.wait(eng.enqueue("w", np.full((64, 32), 1.0 + rr.rank(), np.float32), op="avg",
+                                    compression=c)).tolist())
+last = rr.join()
+result = dict(got=got, last=last)
+"""
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_a_joined_rank_adds_exact_zeros_to_powersgd_whatever_the_warmup(tmp_path, warmup):
+    r0, r1 = run_ranks(2, POWERSGD_JOIN_JOB.replace("WARMUP", str(warmup)), tmp_path, timeout=60)
+    import numpy as np
+    got = np.array(r0.result["got"])
+    np.testing.assert_allclose(got[:2], 1.5, rtol=1e-5)
+    np.testing.assert_allclose(got[2:], 0.5, rtol=1e-5)   # (1 + 0) / 2 on each step after rank 1 joined
+    assert r1.result["got"] == r0.result["got"][:2]
+    assert r0.result["last"] == r1.result["last"] == 0   # rank 0 joined last
+
+
+# Two models' compressors of one tag fuse in one bucket; each keeps its own
+# tensors' error feedback (reset() of one must not touch the other's).
+TWO_OWNERS_JOB = """
+from ringreduce.compression import Int8
+from ringreduce.engine import engine
+c1, c2, eng = Int8(), Int8(), engine()
+x = np.random.default_rng(rr.rank()).standard_normal(1000).astype(np.float32)
+ha = eng.enqueue("a", x, op="avg", compression=c1)
+hb = eng.enqueue("b", x, op="avg", compression=c2)
+eng.wait(ha), eng.wait(hb)
+result = dict(c1=sorted(k[1] for k in c1._state), c2=sorted(k[1] for k in c2._state))
+"""
+
+
+def test_fused_tensors_of_two_compressors_keep_state_in_their_own(tmp_path):
+    for r in run_ranks(2, TWO_OWNERS_JOB, tmp_path, timeout=60):
+        assert r.result == dict(c1=["a"], c2=["b"]), (r.rank, r.result)
+
+
+# An fp16 overflow (NaN or inf in one rank's gradient): the step's result is
+# not finite on every rank, as an exact allreduce's would not be (a loss
+# scaler then skips it), and the next finite step is as good as if the bad
+# one never happened: no NaN left behind in error feedback or warm starts.
+NONFINITE_JOB = """
+from ringreduce.compression import PowerSGD, Int8, TopK
+N, me = rr.size(), rr.rank()
+def grad(rank, step):
+    g = np.random.default_rng(100 * step + rank)
+    return (np.outer(g.standard_normal(64), g.standard_normal(48)) + 0.01 * g.standard_normal((64, 48))).astype(np.float32)
+out = {}
+for bad in (np.nan, np.inf):
+    for c in (PowerSGD(rank=2, min_size=16), Int8(), TopK(ratio=0.5)):
+        finite, errs = [], []
+        for step in range(4):
+            g = grad(me, step)
+            if step == 1 and me == N - 1:
+                g[3, 5] = bad
+            res = c.allreduce(g, "w", op="avg")
+            finite.append(bool(np.isfinite(res).all()))
+            exact = np.mean([grad(r, step) for r in range(N)], axis=0)
+            errs.append(float(np.linalg.norm(res - exact) / np.linalg.norm(exact)) if finite[-1] else None)
+        out[f"{c.name} {bad}"] = dict(finite=finite, errs=errs)
+result = out
+"""
+
+
+def test_a_nan_or_inf_gradient_gives_a_non_finite_step_and_leaves_no_poison(tmp_path):
+    ranks = run_ranks(2, NONFINITE_JOB, tmp_path, timeout=60)
+    for r in ranks:
+        for case, res in r.result.items():
+            assert res["finite"] == [True, False, True, True], (r.rank, case, res)
+            assert max(res["errs"][2:]) < 1, (r.rank, case, res)  # near the exact average, not garbage
+
+
+# Called directly (no engine negotiating shapes), ranks whose tensors differ
+# in shape but not in size (or, for top-k, not in k) must not get a result.
+SHAPE_JOB = """
+from ringreduce.compression import PowerSGD, Int8, TopK
+from ringreduce.errors import MismatchError
+shapes = {"int8": [(10, 20), (20, 10)], "powersgd": [(64, 32), (32, 64)], "topk": [(1000,), (999,)]}
+out = {}
+for c in (Int8(), PowerSGD(rank=2, min_size=16), TopK(ratio=0.01)):
+    try:
+        c.allreduce(np.ones(shapes[c.name][rr.rank()], np.float32), "w")
+        out[c.name] = "no error"
+    except MismatchError as e:
+        out[c.name] = "MismatchError" if "ranks disagree on the names, shapes or dtypes" in str(e) else str(e)
+result = out
+"""
+
+
+def test_direct_calls_with_different_shapes_raise_mismatch_on_every_rank(tmp_path):
+    for r in run_ranks(2, SHAPE_JOB, tmp_path, timeout=60):
+        assert r.result == dict(int8="MismatchError", powersgd="MismatchError", topk="MismatchError"), r.result
+
+
+# A removed process set's id is given to the next set added: a compressor's
+# state from the old set (other members) must not flow into the new one.
+REUSED_SET_JOB = """
+from ringreduce.compression import Int8
+c = Int8()
+x = np.random.default_rng(rr.rank()).standard_normal(500).astype(np.float32)
+old = rr.add_process_set([0, 1])
+if rr.rank() in (0, 1):
+    c.allreduce(x, "w", process_set=old)      # leaves a rounding error behind on ranks 0 and 1
+rr.remove_process_set(old)
+new = rr.add_process_set([1, 2])
+result = dict(same_id=new.process_set_id == 1)
+if rr.rank() in (1, 2):
+    got = c.allreduce(x, "w", process_set=new)
+    fresh = Int8().allreduce(x, "w", process_set=new)
+    result["as_fresh"] = bool(np.array_equal(got, fresh))
+"""
+
+
+def test_state_does_not_leak_into_a_new_process_set_with_a_reused_id(tmp_path):
+    for r in run_ranks(3, REUSED_SET_JOB, tmp_path, timeout=60):
+        assert r.result["same_id"]
+        if r.rank in (1, 2):
+            assert r.result["as_fresh"], f"rank {r.rank}: the removed set's error feedback was added in"
+
+
+# float64 tensors keep float64 precision through top-k: with every entry
+# sent (ratio=1) the result is the exact sum, added in rank order.
+TOPK_F64_JOB = """
+from ringreduce.compression import TopK
+xs = [np.random.default_rng(r).standard_normal(301) * (1 + 1e-9 * np.arange(301)) for r in range(rr.size())]
+got = TopK(ratio=1.0).allreduce(xs[rr.rank()], "w", op="sum")
+want = np.zeros(301)
+for x in xs:
+    want = want + x
+result = dict(dtype=str(got.dtype), same=bool(np.array_equal(got, want)), err=float(np.abs(got - want).max()))
+"""
+
+
+def test_topk_keeps_float64_precision(tmp_path):
+    for r in run_ranks(2, TOPK_F64_JOB, tmp_path, timeout=60):
+        assert r.result["dtype"] == "float64" and r.result["same"], r.result
+
+
+def test_one_name_for_two_tensors_is_refused_before_any_collective():
+    import numpy as np
+    from ringreduce.compression import Int8
+    with pytest.raises(ValueError, match=r"\[.w.\] name more than one tensor"):
+        Int8().allreduce([np.ones(4, np.float32), np.ones(4, np.float32)], ["w", "w"])
+
+
+# Called directly, one rank with an integer tensor: TypeError there, and the
+# others fail on their first collective (naming that rank), neither hanging
+# nor needing the bad rank to exit.
+INT_ON_ONE_RANK_JOB = """
+from ringreduce.compression import Int8
+try:
+    Int8().allreduce(np.ones(8, np.float32 if rr.rank() == 0 else np.int32), "w")
+    result = "ok"
+except Exception as e:
+    result = (type(e).__name__, str(e))
+rr.barrier()   # the bad rank goes on: its peer must not be waiting on it
+"""
+
+
+def test_an_integer_tensor_on_one_rank_fails_every_rank(tmp_path):
+    r0, r1 = run_ranks(2, INT_ON_ONE_RANK_JOB, tmp_path, timeout=60)
+    assert r1.result[0] == "TypeError" and "'w' is int32" in r1.result[1]
+    assert r0.result[0] == "MismatchError" and "rank 1: Int8() compresses floating-point tensors; 'w' is int32" \
+        in r0.result[1], r0.result
+
+
+# QR is unique only up to the signs of its columns, and LAPACK builds differ
+# in the ones they pick: a rank whose QR returns (-Q, -R) (a valid QR) must
+# still get the same result as the others, and a good one.
+QR_SIGN_JOB = """
+from ringreduce.compression import PowerSGD
+if rr.rank() == 1:
+    _qr = np.linalg.qr
+    np.linalg.qr = lambda a: tuple(-x for x in _qr(a))
+c = PowerSGD(rank=2, min_size=16)
+base = np.random.default_rng(3)
+U, V = base.standard_normal((64, 2)), base.standard_normal((2, 48))
+grads = [(U @ V * (1 + r)).astype(np.float32) for r in range(rr.size())]
+res = [c.allreduce(grads[rr.rank()], "w", op="avg") for _ in range(3)]
+exact = np.mean(grads, axis=0)
+result = dict(digest=__import__("hashlib").sha256(b"".join(r.tobytes() for r in res)).hexdigest(),
+              err=float(np.linalg.norm(res[-1] - exact) / np.linalg.norm(exact)))
+"""
+
+
+def test_powersgd_agrees_whatever_signs_a_lapack_gives_its_qr(tmp_path):
+    r0, r1 = run_ranks(2, QR_SIGN_JOB, tmp_path, timeout=60)
+    assert r0.result["digest"] == r1.result["digest"], (r0.result, r1.result)
+    assert r0.result["err"] < 1e-4   # a rank-2 gradient: exact after a step or two

@@ -92,3 +92,27 @@ def test_the_mpi_transport_is_counted_alike(tmp_path):
     for r in range(3):
         s = int((tmp_path / f"sent.{r}").read_text())
         assert abs(s - 2 * 2 / 3 * 262_147 * 4) <= 12
+
+
+SET_JOB = """
+ps = rr.add_process_set([0, 1])
+rr.reset_stats()
+x = np.ones(100_000, np.float32)
+if rr.rank() in (0, 1):
+    rr.allreduce(x, process_set=ps)
+before = rr.stats()["ring"]
+rr.remove_process_set(ps)
+after = rr.stats()["ring"]
+rr.reset_stats()
+result = dict(before=before, after=after, reset=rr.stats()["ring"])
+"""
+
+
+def test_bytes_sent_on_a_removed_process_set_still_count_until_reset(tmp_path):
+    ranks = run_ranks(3, SET_JOB, tmp_path, timeout=90)
+    for r in ranks:
+        res = r.result
+        if r.rank in (0, 1):  # a 2-rank ring: 2 (N - 1) / N = 1 times the tensor
+            assert res["before"] == pytest.approx(400_000, abs=8), res
+        assert res["after"] >= res["before"], f"rank {r.rank}: stats went back when the set was removed: {res}"
+        assert res["reset"] == 0

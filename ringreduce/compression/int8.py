@@ -21,24 +21,31 @@ from .base import Compressor
 class Int8(Compressor):
     name = "int8"
 
-    def _reduce(self, items, n_ranks, group):
+    def _reduce(self, items, n_ranks, group, label):
         wire, limit = (np.int8, 127) if n_ranks <= 127 else (np.int16, 32767)
         levels = limit // n_ranks
-        first = items[0][0][1]
         vals = []
         for key, a, state in items:  # each v our own copy: rounded and turned into the error in place
             err = state.get("error")
             vals.append(a.reshape(-1) + err if err is not None else a.reshape(-1).copy())
         peaks = np.array([max(v.max(), -v.min()) if v.size else 0.0 for v in vals], dtype=np.float64)
-        scales = _c.allreduce(peaks, op="max", name=f"{first}/int8.scale", process_set=group)
+        peaks[~np.isfinite(peaks)] = np.inf  # a NaN or inf anywhere: agreed by the max, never quantised
+        scales = _c.allreduce(peaks, op="max", name=f"{label}/int8.scale", process_set=group)
         scales = np.where(scales > 0, scales, 1.0)
         qs = []
         for v, s in zip(vals, scales):
+            if not np.isfinite(s):  # no scale: send zeros, the result is NaN (as an exact sum would not be finite)
+                qs.append(np.zeros(v.size, wire))
+                continue
             t = v * v.dtype.type(levels / s)
             qs.append(np.rint(t, out=t).astype(wire))
-        total = _c.allreduce(np.concatenate(qs), op="sum", name=f"{first}/int8", process_set=group)
+        total = _c.allreduce(np.concatenate(qs), op="sum", name=f"{label}/int8", process_set=group)
         out, at = [], 0
         for (key, a, state), v, q, s in zip(items, vals, qs, scales):
+            if not np.isfinite(s):
+                out.append(np.full(q.size, np.nan, a.dtype))  # its state is rolled back (Compressor.reduce_bucket)
+                at += q.size
+                continue
             step = a.dtype.type(s / levels)
             sent = q.astype(a.dtype)
             sent *= step

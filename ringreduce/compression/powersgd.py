@@ -7,7 +7,8 @@ step. Per step and tensor:
     P = allreduce(M Q); orthonormalise P (numpy QR)
     Q = allreduce(M^T P)
     approx = P Q^T                    (the same on every rank)
-    error = M - approx / N            (kept locally, added next step)
+    error = M - P (M^T P)^T           (what this rank's own projection missed,
+                                       kept locally, added next step)
 
 All P's of a bucket travel in one allreduce, then all Q's in one. A tensor
 is compressed only when r (n + m) is at most half of n m (a 2x saving);
@@ -22,7 +23,7 @@ import zlib
 import numpy as np
 
 from .. import collectives as _c
-from .base import Compressor
+from .base import Compressor, scope
 
 
 def as_matrix(shape) -> tuple[int, int]:
@@ -30,6 +31,16 @@ def as_matrix(shape) -> tuple[int, int]:
     a Dense kernel (in, out) as itself, a conv kernel (h, w, in, out) as
     (h w in, out)."""
     return int(np.prod(shape[:-1])), int(shape[-1])
+
+
+def _orthonormal(p):
+    """P's QR factor with the signs fixed (R's diagonal >= 0): QR is unique
+    only up to the sign of each column, and LAPACKs differ in the one they
+    return; a rank whose P came back with other signs would project onto -P
+    and the Q sum would be garbage (different results on different ranks)."""
+    q, r = np.linalg.qr(p)
+    signs = np.where(np.diagonal(r) < 0, -1, 1).astype(q.dtype)
+    return q * signs
 
 
 class PowerSGD(Compressor):
@@ -44,6 +55,16 @@ class PowerSGD(Compressor):
     def params(self) -> dict:
         return {"rank": self.rank, "warmup_steps": self.warmup_steps, "min_size": self.min_size}
 
+    def wire_tag(self, process_set, key: str, shape) -> str:
+        """Past its warm-up a tensor is negotiated as warmup_steps=0: a joined
+        rank's stand-in, fresh every step, then takes the factors path too
+        (with the real warmup_steps it takes the plain one, as the others do)."""
+        state = self._state.get((scope(process_set), key), {})
+        step = (state.get("step", 0) if state.get("shape") == tuple(shape) else 0) + 1
+        if self.warmup_steps and step > self.warmup_steps:
+            return type(self)(self.rank, 0, self.min_size).tag
+        return self.tag
+
     def compresses(self, shape) -> bool:
         """Whether a tensor of this shape travels as factors (after warm-up)."""
         if len(shape) < 2 or int(np.prod(shape)) < self.min_size:
@@ -52,14 +73,14 @@ class PowerSGD(Compressor):
         r = min(self.rank, n, m)
         return 2 * r * (n + m) <= n * m
 
-    def _reduce(self, items, n_ranks, group):
+    def _reduce(self, items, n_ranks, group, label):
         out = [None] * len(items)
         low, plain = [], []
         for i, (key, a, state) in enumerate(items):
             state["step"] = state.get("step", 0) + 1
             (low if state["step"] > self.warmup_steps and self.compresses(a.shape) else plain).append(i)
         if plain:
-            for i, s in zip(plain, self._plain_sum([items[i][1] for i in plain], group, f"{items[plain[0]][0][1]}/powersgd.plain")):
+            for i, s in zip(plain, self._plain_sum([items[i][1] for i in plain], group, f"{label}/powersgd.plain")):
                 out[i] = s
         if not low:
             return out
@@ -75,19 +96,21 @@ class PowerSGD(Compressor):
                 q = rng.standard_normal((cols, min(self.rank, rows, cols))).astype(a.dtype)
             mats.append(m)
             qs.append(q)
-        first = items[low[0]][0][1]
         ps = [m @ q for m, q in zip(mats, qs)]
         ps = self._split(_c.allreduce(np.concatenate([p.reshape(-1) for p in ps]), op="sum",
-                                      name=f"{first}/powersgd.P", process_set=group), [p.shape for p in ps])
-        ps = [np.linalg.qr(p)[0] for p in ps]  # orthonormal columns: the same on every rank (same input)
-        qs = [m.T @ p for m, p in zip(mats, ps)]
-        qs = self._split(_c.allreduce(np.concatenate([q.reshape(-1) for q in qs]), op="sum",
-                                      name=f"{first}/powersgd.Q", process_set=group), [q.shape for q in qs])
-        for i, m, p, q in zip(low, mats, ps, qs):
+                                      name=f"{label}/powersgd.P", process_set=group), [p.shape for p in ps])
+        ps = [_orthonormal(p) for p in ps]  # the same on every rank (same input, signs made canonical)
+        own_qs = [m.T @ p for m, p in zip(mats, ps)]
+        qs = self._split(_c.allreduce(np.concatenate([q.reshape(-1) for q in own_qs]), op="sum",
+                                      name=f"{label}/powersgd.Q", process_set=group), [q.shape for q in own_qs])
+        for i, m, p, q, own_q in zip(low, mats, ps, qs, own_qs):
             total = p @ q.T  # the sum over ranks of each rank's projection
             state = items[i][2]
             state["q"] = q
-            m -= total * m.dtype.type(1.0 / n_ranks)
+            # error: what this rank's own projection missed (the paper's local decompression), not
+            # m - total / N, which also holds this rank's distance from the mean: a random walk
+            # that grows without bound and that a rank leaving (join) would take away from the sum
+            m -= p @ own_q.T
             state["error"] = m
             out[i] = total
         return out

@@ -4,7 +4,9 @@ rank (an allgather: the ranks' supports differ, so there is nothing to sum
 in place); every rank adds them up in rank order, so all get the same sum.
 What was not sent stays behind as error feedback, and goes out once it has
 grown large enough. The bytes each rank sends grow with N (it forwards
-every rank's pairs), so top-k pays where ratio is small.
+every rank's pairs), so top-k pays where ratio is small. Values travel in
+the tensor's precision (float32; float64 as float64, else its low bits
+would be lost for good, not fed back).
 """
 from __future__ import annotations
 
@@ -28,29 +30,28 @@ class TopK(Compressor):
     def params(self) -> dict:
         return {"ratio": self.ratio}
 
-    def _reduce(self, items, n_ranks, group):
-        first = items[0][0][1]
+    def _reduce(self, items, n_ranks, group, label):
         vals, picks, packs = [], [], []
-        for key, a, state in items:
+        for key, a, state in items:  # a: float32, or float64 (its values then travel as float64)
             err = state.get("error")  # v our own copy: it becomes the error in place
-            v = np.add(a.reshape(-1), err, dtype=np.float32) if err is not None else a.reshape(-1).astype(np.float32)
+            v = np.add(a.reshape(-1), err, dtype=a.dtype) if err is not None else a.reshape(-1).copy()
             k = min(v.size, max(1, math.ceil(self.ratio * v.size)))
             idx = np.sort(np.argpartition(np.abs(v), v.size - k)[v.size - k:]).astype(np.int32)
             vals.append(v)
             picks.append(idx)
             packs.append(np.concatenate([idx, v[idx].view(np.int32)]))  # one int32 buffer: indices, values
-        gathered = _c.allgather(np.concatenate(packs), name=f"{first}/topk", process_set=group)
+        gathered = _c.allgather(np.concatenate(packs), name=f"{label}/topk", process_set=group)
         per_rank = gathered.reshape(n_ranks, -1)
         out = []
         at = 0
         for (key, a, state), v, idx in zip(items, vals, picks):
-            k = idx.size
-            total = np.zeros(v.size, dtype=np.float32)
+            k, width = idx.size, v.itemsize // 4  # int32 words per value
+            total = np.zeros(v.size, dtype=v.dtype)
             for r in range(n_ranks):  # rank order: the same float additions on every rank
-                row = per_rank[r, at:at + 2 * k]
-                np.add.at(total, row[:k], row[k:].view(np.float32))
+                row = per_rank[r, at:at + (1 + width) * k]
+                np.add.at(total, row[:k], row[k:].view(v.dtype))
             v[idx] = 0  # sent: what is left waits for a later step
             state["error"] = v
             out.append(total)
-            at += 2 * k
+            at += (1 + width) * k
         return out
