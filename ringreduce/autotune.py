@@ -4,9 +4,13 @@ running world instead of the fixed numbers of ringreduce/config.py.
 At init, once the ring is connected and before the first user collective
 (collectives.init calls `tune_ring`):
 
-  1. The world's shape is its key: ranks, ranks per host, backend and how
-     many ring links go through shared memory (an allreduce, so every rank
-     builds the same key).
+  1. The world's shape is its key: ranks, ranks per host, backend, how
+     many ring links go through shared memory, and a digest of what every
+     rank runs on: its machine (CPU model, core count, architecture; not
+     the hostname, so like machines share a cache), ringreduce.__version__
+     and the build (a digest of the compiled extensions). One allgather, so
+     every rank builds the same key; a cache copied to another kind of
+     machine, or kept across an upgrade or a rebuild, is not reused.
   2. Rank 0 looks for $XDG_CACHE_HOME/ringreduce/autotune/<key>.json and
      broadcasts what it found. Only rank 0 reads, so ranks on hosts with
      different caches still agree; a file that does not parse, or holds a
@@ -45,9 +49,12 @@ tune: it negotiates as soon as a request is ready.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.machinery
 import json
 import logging
 import os
+import platform
 import tempfile
 import time
 from dataclasses import dataclass
@@ -83,8 +90,43 @@ class Choice:
     seconds: float = 0.0       # the calibration's wall time
 
 
-def shape_key(size: int, local_size: int, backend: str, shm_links: int) -> str:
-    return f"n{size}-per-host{local_size}-{backend}-shm{shm_links}"
+def shape_key(size: int, local_size: int, backend: str, shm_links: int, machines: str) -> str:
+    """machines: world_digest() of every rank's fingerprint()."""
+    return f"n{size}-per-host{local_size}-{backend}-shm{shm_links}-{machines}"
+
+
+def this_machine() -> str:
+    """What the timings depend on in the machine, the hostname left out:
+    CPU model, core count, architecture."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{model or platform.processor() or 'unknown CPU'}; {os.cpu_count()} cores; {platform.machine()}"
+
+
+def this_build() -> str:
+    """Digest of the package's compiled extensions (kernels, ring, transports):
+    a rebuild of the same version recalibrates."""
+    here = Path(__file__).parent
+    files = sorted({f for suffix in importlib.machinery.EXTENSION_SUFFIXES for f in here.glob("*" + suffix)})
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(machine: str, version: str, build: str) -> int:
+    """One rank's machine, version and build as a non-negative int64 (for the allgather)."""
+    raw = hashlib.sha256(f"{machine}\0{version}\0{build}".encode()).digest()
+    return int.from_bytes(raw[:8], "little") >> 1
+
+
+def world_digest(fingerprints) -> str:
+    """Every rank's fingerprint, in rank order, as the key's last part."""
+    return hashlib.sha256(np.asarray(fingerprints, np.int64).tobytes()).hexdigest()[:12]
 
 
 def cache_dir(env=None) -> Path:
@@ -114,15 +156,16 @@ def load_cached(path: Path) -> Choice | None:
     return Choice(seg, small)
 
 
-def store(path: Path, choice: Choice, key: str) -> None:
-    """Atomically: a reader sees the old file or the whole new one."""
+def store(path: Path, choice: Choice, key: str, about: dict | None = None) -> None:
+    """Atomically: a reader sees the old file or the whole new one. about:
+    what the key's digest stands for, for a reader of the file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump({"version": CACHE_VERSION, "key": key, "segment_bytes": choice.segment_bytes,
                        "small_bytes": choice.small_bytes, "calibration_seconds": round(choice.seconds, 3),
-                       "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
+                       "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(about or {})}, f)
         os.replace(tmp, path)
     except OSError as exc:  # a read-only home must not stop training
         log.warning("ringreduce autotune: could not write the cache %s (%s)", path, exc)
@@ -159,9 +202,12 @@ def tune_ring(ring, world, backend: str, env=None):
     from . import collectives as _c
     env = os.environ if env is None else env
     config = world.config
-    shm_links = int(_c.allreduce(np.array([world.extra.get("links", {}).get("next") == "shm"], np.int64),
-                                 name="ringreduce.autotune.key")[0])
-    key = shape_key(world.size, world.local_size, backend, shm_links)
+    from . import __version__
+    machine, build = this_machine(), this_build()
+    mine = np.array([[world.extra.get("links", {}).get("next") == "shm", fingerprint(machine, __version__, build)]],
+                    np.int64)
+    every = _c.allgather(mine, name="ringreduce.autotune.key")
+    key = shape_key(world.size, world.local_size, backend, int(every[:, 0].sum()), world_digest(every[:, 1]))
     path = cache_dir(env) / f"{key}.json"
     # rank 0 speaks for all: what it has cached, and which variables it has set by hand
     mine = np.zeros(6, np.int64)
@@ -182,7 +228,7 @@ def tune_ring(ring, world, backend: str, env=None):
                            (fixed_small,) if fixed_small >= 0 else SMALL_CANDIDATES, config.segment_bytes,
                            config.small_bytes)
         if world.rank == 0:
-            store(path, choice, key)
+            store(path, choice, key, {"rank0_machine": machine, "ringreduce": __version__, "build": build})
     if fixed_seg:
         choice = dataclasses.replace(choice, segment_bytes=fixed_seg)
     if fixed_small >= 0:
