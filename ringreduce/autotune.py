@@ -30,6 +30,9 @@ At init, once the ring is connected and before the first user collective
                 all those sizes wins.
        Either way the built-in default stays unless a candidate beats it
        by more than MARGIN (5%): here most of the spread is load noise.
+       And a candidate that would replace it must do so again in fresh
+       rounds of just the two (the least of several noisy scores is
+       biased low), so a lucky round alone moves nothing.
   4. The choice is applied (Comm.set_segment, the ring's small limit, the
      world's Config, which process sets made later use) and logged.
 
@@ -182,17 +185,33 @@ def _pick(scores, prefer: int | None) -> int:
     return best
 
 
+def segment_scores(times: np.ndarray) -> np.ndarray:
+    """times[c, p]: candidate c on probe size p. Each candidate's mean time
+    relative to the best at each size."""
+    return (times / times.min(axis=0)).sum(axis=1) / times.shape[1]
+
+
+def small_costs(small: np.ndarray, ring: np.ndarray) -> np.ndarray:
+    """small[j], ring[j]: the two paths at the size of candidate j's limit
+    (ascending). What each limit's rule (small at or below it) costs over
+    all those sizes."""
+    k = len(small)
+    return np.array([sum(small[j] if j <= c else ring[j] for j in range(k)) for c in range(k)])
+
+
 def best_segment(times: np.ndarray, prefer: int | None = None) -> int:
-    """times[c, p]: candidate c on probe size p. Index of the least sum of
-    times relative to the best at each size."""
-    return _pick((times / times.min(axis=0)).sum(axis=1) / times.shape[1], prefer)
+    """Index of the least segment_scores (prefer: see _pick)."""
+    return _pick(segment_scores(times), prefer)
 
 
 def best_small(small: np.ndarray, ring: np.ndarray, prefer: int | None = None) -> int:
-    """small[j], ring[j]: the two paths at the size of candidate j's limit
-    (ascending). Index of the limit whose rule costs least over all sizes."""
-    k = len(small)
-    return _pick(np.array([sum(small[j] if j <= c else ring[j] for j in range(k)) for c in range(k)]), prefer)
+    """Index of the least small_costs (prefer: see _pick)."""
+    return _pick(small_costs(small, ring), prefer)
+
+
+def still_beats(scores: np.ndarray, pick: int, default: int) -> bool:
+    """On fresh timings: does pick still beat default by more than MARGIN?"""
+    return _pick(scores[[pick, default]], prefer=1) == 0
 
 
 def tune_ring(ring, world, backend: str, env=None):
@@ -250,27 +269,14 @@ def tune_ring(ring, world, backend: str, env=None):
     return config
 
 
-def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int | None = None) -> Choice:
-    """Times the candidates on the ring (see the module's doc) and returns
-    the choice every rank makes alike. segment: the ring's segment now (the
-    small limit is timed with it, unless segments holds just one); it and
-    small_bytes, where among the candidates, are kept unless beaten by
-    MARGIN.
-
+def _time_probes(ring, probes, segment: int, arrays) -> np.ndarray:
+    """The fastest of REPS timed rounds of every probe (segment, element
+    count, small path?), the slowest rank's: the same table on every rank.
     The probes run round-robin, REPS + 1 rounds (the first a warm-up), so a
     burst of load from elsewhere slows every candidate alike instead of
     sinking the one it happens to meet."""
     from . import collectives as _c
-    t_start = time.monotonic()
     limit = ring.small_limit
-    small_segment = segments[0] if len(segments) == 1 else segment
-    probes = []  # (segment, element count, small path?)
-    if len(segments) > 1:
-        probes += [(s, nbytes // 4, False) for s in segments for nbytes in SEGMENT_PROBES]
-    if len(smalls) > 1:
-        probes += [(small_segment, max(1, c // max(size - 1, 1) // 4), path)
-                   for c in smalls for path in (True, False)]
-    arrays = {count: np.ones(count, np.float32) for _, count, _ in probes}
     local = np.zeros((REPS, len(probes)))
     try:
         for rep in range(REPS + 1):
@@ -285,16 +291,53 @@ def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int 
     finally:
         ring.small_limit = limit
         ring.comm.set_segment(segment)
-    # the slowest rank's time of every probe, the same table on every rank
-    fastest = _c.allreduce(local, op="max", name="ringreduce.autotune.times").min(axis=0)
-    at = seg_i = small_i = 0
+    return _c.allreduce(local, op="max", name="ringreduce.autotune.times").min(axis=0)
+
+
+def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int | None = None,
+              recheck: bool = True) -> Choice:
+    """Times the candidates on the ring (see the module's doc) and returns
+    the choice every rank makes alike. segment: the ring's segment now (the
+    small limit is timed with it, unless segments holds just one); it and
+    small_bytes, where among the candidates, are kept unless beaten by
+    MARGIN.
+
+    recheck: a candidate that would replace the default must beat it by
+    MARGIN again in fresh rounds of just the two (the least of several
+    noisy scores is biased low: the winner of one round is partly its
+    luck). It costs a few probes only when the default would change."""
+    from . import collectives as _c
+    t_start = time.monotonic()
+    small_segment = segments[0] if len(segments) == 1 else segment
+    seg_probes, small_probes = [], []  # (segment, element count, small path?)
     if len(segments) > 1:
-        at = len(segments) * len(SEGMENT_PROBES)
-        seg_i = best_segment(fastest[:at].reshape(len(segments), len(SEGMENT_PROBES)),
-                             segments.index(segment) if segment in segments else None)
+        seg_probes = [(s, nbytes // 4, False) for s in segments for nbytes in SEGMENT_PROBES]
     if len(smalls) > 1:
-        pairs = fastest[at:].reshape(len(smalls), 2)
-        small_i = best_small(pairs[:, 0], pairs[:, 1], smalls.index(small_bytes) if small_bytes in smalls else None)
+        small_probes = [(small_segment, max(1, c // max(size - 1, 1) // 4), path)
+                        for c in smalls for path in (True, False)]
+    probes = seg_probes + small_probes
+    arrays = {count: np.ones(count, np.float32) for _, count, _ in probes}
+    fastest = _time_probes(ring, probes, segment, arrays)
+    seg_times = fastest[:len(seg_probes)].reshape(len(segments), len(SEGMENT_PROBES)) if seg_probes else None
+    pairs = fastest[len(seg_probes):].reshape(len(smalls), 2) if small_probes else None
+    seg_default = segments.index(segment) if segment in segments else None
+    small_default = smalls.index(small_bytes) if small_bytes in smalls else None
+    seg_i = best_segment(seg_times, seg_default) if seg_probes else 0
+    small_i = best_small(pairs[:, 0], pairs[:, 1], small_default) if small_probes else 0
+    # fresh rounds for a change of default (every rank holds the same table, so runs the same ones)
+    move_seg = recheck and seg_default is not None and seg_i != seg_default
+    move_small = recheck and small_default is not None and small_i != small_default
+    if move_seg or move_small:
+        per = len(SEGMENT_PROBES)
+        again = ([p for c in (seg_i, seg_default) for p in seg_probes[c * per:(c + 1) * per]] if move_seg else [])
+        again += small_probes if move_small else []
+        fresh = _time_probes(ring, again, segment, arrays)
+        if move_seg and not still_beats(segment_scores(fresh[:2 * per].reshape(2, per)), 0, 1):
+            seg_i = seg_default
+        if move_small:
+            pairs = fresh[len(again) - len(small_probes):].reshape(len(smalls), 2)
+            if not still_beats(small_costs(pairs[:, 0], pairs[:, 1]), small_i, small_default):
+                small_i = small_default
     picked = np.array([segments[seg_i], smalls[small_i]], np.int64)
     seg, small = (int(v) for v in _c.broadcast(picked, 0, name="ringreduce.autotune.choice"))
     return Choice(seg, small, calibrated=True, seconds=time.monotonic() - t_start)

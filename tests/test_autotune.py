@@ -329,3 +329,51 @@ rr.init()
     written = json.loads((path.parent / f"{first['tune']['key']}.json").read_text())
     assert written["ringreduce"] == ("9.9.9" if change == "version" else ringreduce.__version__)
     assert autotune.load_cached(path) == autotune.Choice(64 << 10, 512 << 10)  # the other one is left alone
+
+
+def test_rules_for_a_fresh_recheck():
+    assert autotune.still_beats(np.array([1.0, 5.0, 1.2]), 0, 2)       # 1.0 vs 1.2: by more than MARGIN
+    assert not autotune.still_beats(np.array([1.0, 5.0, 1.04]), 0, 2)  # within MARGIN: the default stays
+    assert list(autotune.small_costs(np.array([1.0, 9.0]), np.array([5.0, 5.0]))) == [6.0, 10.0]
+
+
+# The probes' timings scripted (the real ones are load noise here): the first table
+# says 64 KiB segments and a 32 KiB small limit beat the defaults by far; the fresh
+# recheck of just those against the defaults either agrees or finds them equal.
+RECHECK = """
+from ringreduce import autotune, collectives as _c
+from ringreduce.config import Config
+seg_n, small_n, per = len(autotune.SEGMENT_CANDIDATES), len(autotune.SMALL_CANDIDATES), len(autotune.SEGMENT_PROBES)
+first = np.concatenate([np.repeat([0.5] + [1.0] * (seg_n - 1), per), np.tile([9.0, 5.0], small_n)])
+agrees = np.concatenate([[0.5] * per + [1.0] * per, np.tile([9.0, 5.0], small_n)])
+equal = np.ones(2 * per + 2 * small_n)
+seen = []
+def scripted(tables):
+    def fake(ring, probes, segment, arrays):
+        seen.append(len(probes))
+        out = tables.pop(0)
+        assert len(out) == len(probes)
+        return out
+    return fake
+d = Config()
+result = {}
+for name, tables, recheck in [("noise", [first, equal], True), ("real", [first, agrees], True),
+                              ("no recheck", [first], False)]:
+    autotune._time_probes = scripted(list(tables))
+    c = autotune.calibrate(_c._state.ring, rr.size(), autotune.SEGMENT_CANDIDATES, autotune.SMALL_CANDIDATES,
+                           d.segment_bytes, d.small_bytes, recheck=recheck)
+    result[name] = (c.segment_bytes, c.small_bytes)
+result["calls"] = seen
+"""
+
+
+def test_a_change_of_default_must_win_again_in_fresh_rounds(tmp_path):
+    d = Config()
+    ranks = run_ranks(2, RECHECK, tmp_path, timeout=60)
+    for r in ranks:
+        assert r.result["noise"] == (d.segment_bytes, d.small_bytes), r.result  # a lucky first round only
+        assert r.result["real"] == (64 << 10, 32 << 10), r.result
+        assert r.result["no recheck"] == (64 << 10, 32 << 10), r.result  # what the old calibration kept
+        n_probes = len(autotune.SEGMENT_CANDIDATES) * len(autotune.SEGMENT_PROBES) + 2 * len(autotune.SMALL_CANDIDATES)
+        fresh = 2 * len(autotune.SEGMENT_PROBES) + 2 * len(autotune.SMALL_CANDIDATES)
+        assert r.result["calls"] == [n_probes, fresh, n_probes, fresh, n_probes]
