@@ -25,7 +25,9 @@ the same rounds that chose the best overstates the gap:
                 answer, with its quartiles and a bootstrap 95% interval.
 
 `--calibrations K` runs the calibration K times (each fresh) to show how
-often it picks the same setting; every distinct pick is confirmed too.
+often it picks the same setting (`--compare-recheck`: and K times without
+the fresh recheck of a change, the calibration before it); every distinct
+pick is confirmed too.
 """
 from __future__ import annotations
 
@@ -100,6 +102,8 @@ def main():
     ap.add_argument("--confirm", type=int, default=30, help="fresh confirmation rounds of the finalists")
     ap.add_argument("--finalists", type=int, default=3, help="best fixed settings of the selection confirmed")
     ap.add_argument("--calibrations", type=int, default=1, help="fresh calibrations (their picks' agreement)")
+    ap.add_argument("--compare-recheck", action="store_true",
+                    help="as many calibrations again without the fresh recheck of a change (the old calibration)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.pop("RINGREDUCE_AUTOTUNE", None)
@@ -108,9 +112,14 @@ def main():
     cfg = _c._state.world.config
     default_setting = (cfg.segment_bytes, cfg.small_bytes)
 
-    choices = [autotune.calibrate(ring, n, autotune.SEGMENT_CANDIDATES, autotune.SMALL_CANDIDATES,
-                                  cfg.segment_bytes, cfg.small_bytes) for _ in range(args.calibrations)]
+    def calibrate(recheck):
+        return autotune.calibrate(ring, n, autotune.SEGMENT_CANDIDATES, autotune.SMALL_CANDIDATES,
+                                  cfg.segment_bytes, cfg.small_bytes, recheck=recheck)
+    choices = [calibrate(True) for _ in range(args.calibrations)]
+    # the same number without the fresh recheck, in turn with the others (load falls on both alike)
+    plain = [calibrate(False) for _ in range(args.calibrations if args.compare_recheck else 0)]
     picks = [(c.segment_bytes, c.small_bytes) for c in choices]
+    plain_picks = [(c.segment_bytes, c.small_bytes) for c in plain]
     tuned_setting = picks[0]
     arrays = [np.ones(b // 4, np.float32) for b in SIZES]
     shuffle = random.Random(1234)
@@ -129,7 +138,8 @@ def main():
     finalists = [grid[i] for i in fixed[:args.finalists]]
     conf = [("tuned", *tuned_setting), ("default", *default_setting)]
     conf += [(f"fixed #{k + 1}", s, m) for k, (_, s, m) in enumerate(finalists)]
-    conf += [(f"pick {picks.index(p) + 1}", *p) for p in dict.fromkeys(picks[1:]) if p != tuned_setting]
+    others = [p for p in dict.fromkeys(picks[1:] + plain_picks) if p != tuned_setting]
+    conf += [("pick" if p in picks else "old pick", *p) for p in others]
     con = np.array(run_rounds(ring, conf, args.confirm, arrays, shuffle))
     c_tuned, c_default, c_best = 0, 1, 2
     finals = list(range(2, 2 + len(finalists)))
@@ -143,6 +153,8 @@ def main():
     if rr.rank() == 0:
         print(f"N = {n}, workload: allreduce float32 of " + ", ".join(f"{b >> 10} KiB" for b in SIZES))
         print(f"calibrations: {', '.join(f'{kib(*p)} in {c.seconds:.2f} s' for p, c in zip(picks, choices))}")
+        if plain:
+            print(f"without the recheck: {', '.join(f'{kib(*p)} in {c.seconds:.2f} s' for p, c in zip(plain_picks, plain))}")
         print(f"\nselection, {args.rounds} rounds:")
         print(f"{'setting':>8} {'segment':>9} {'small':>8} {'workload(ms)':>12} {'vs best':>8}")
         for i in sorted(range(len(settings)), key=med.__getitem__):
@@ -154,13 +166,15 @@ def main():
               f"   tuned ranks {fixed.index(twin) + 1} of {len(grid)}")
         print(f"\nconfirmation, {args.confirm} fresh rounds, interleaved:")
         for j, (label, s, m) in enumerate(conf):
-            print(f"{label:>10} {s >> 10:>7}Ki {m >> 10:>6}Ki {np.median(con[:, j]) * 1e3:>12.2f} ms")
+            print(f"{label:>10} {kib(s, m):>18} {np.median(con[:, j]) * 1e3:>8.2f} ms  vs selected best "
+                  f"{np.median(con[:, j] / con[:, c_best]):.3f}")
         for name, r in ratios.items():
             print(f"{name:>36}: {r['median']:.3f}  quartiles {r['q25']:.3f}-{r['q75']:.3f}  "
                   f"95% interval of the median {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"n": n, "sizes": SIZES, "picks": picks, "calibration_s": [c.seconds for c in choices],
+                           "picks_without_recheck": plain_picks, "calibration_s_without": [c.seconds for c in plain],
                            "selection": {"rounds": args.rounds, "rows": [
                                {"setting": settings[i][0], "segment": settings[i][1], "small": settings[i][2],
                                 "seconds": med[i], "samples": [r[i] for r in sel]} for i in range(len(settings))]},
