@@ -116,7 +116,7 @@ def main():
         return autotune.calibrate(ring, n, autotune.SEGMENT_CANDIDATES, autotune.SMALL_CANDIDATES,
                                   cfg.segment_bytes, cfg.small_bytes, recheck=recheck)
     choices = [calibrate(True) for _ in range(args.calibrations)]
-    # the same number without the fresh recheck, in turn with the others (load falls on both alike)
+    # as many again without the fresh recheck (the calibration before it), right after the others
     plain = [calibrate(False) for _ in range(args.calibrations if args.compare_recheck else 0)]
     picks = [(c.segment_bytes, c.small_bytes) for c in choices]
     plain_picks = [(c.segment_bytes, c.small_bytes) for c in plain]
