@@ -1,0 +1,327 @@
+/* Recursive doubling, for small operations over a transport that reaches any
+ * rank (transport.h's sendrecv).
+ *
+ * P is the largest power of two <= N, and E = N - P ranks are extra:
+ *
+ *   fold     rank 2i (i < E) hands what it holds to 2i+1, and waits.
+ *   rounds   the P others, renumbered v = 0 .. P-1 (2i+1 -> i, r >= 2E ->
+ *            r - E), swap everything they hold with v ^ 1, then v ^ 2,
+ *            v ^ 4, ...: after the round with v ^ m each holds what its
+ *            group of 2m holds, after log2 P rounds what everyone holds.
+ *   unfold   2i+1 hands the result back to 2i.
+ *
+ *       N = 4   round 1: 0 <-> 1, 2 <-> 3    round 2: 0 <-> 2, 1 <-> 3
+ *       N = 3   fold 0 -> 1    round 1: 1 <-> 2    unfold 1 -> 0
+ *
+ * Each hand-over is two messages: a bundle of the blobs this rank holds
+ * (whole blobs when gathering, headers alone when reducing: they are small)
+ * and the partial result (empty when gathering). So every rank ends with
+ * every rank's header, and a mismatch is seen, and named, alike everywhere.
+ *
+ * Reducing, the two partners of a round combine their partials with the
+ * lower group's operand first (lower v; in the fold, 2i), so both compute
+ * the same bits, and every rank ends with the same reduction tree. A rank
+ * that meets a header unlike its own stops reducing and says so in its
+ * bundles; partials of another length are never reduced. The rounds still
+ * run to the end, so every rank learns every header.
+ *
+ * Bytes each rank sends, reducing: log2 P partials (the fold's pair one
+ * more), against the ring small path's N-1; gathering: N-1 blobs, as the
+ * ring's blob pass, in log2 P (+2) hops instead of N-1.
+ */
+#include "recursive_doubling.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "reduce.h"
+
+int rr_doubling_usable(const rr_ring *ring)
+{
+    return ring->transport && ring->size > 1 && ring->transport->ops->sendrecv &&
+           ring->small_algorithm != RR_SMALL_RING;
+}
+
+static int power_below(int n)
+{
+    int p = 1;
+    while (p * 2 <= n) p *= 2;
+    return p;
+}
+
+int rr_doubling_rounds(int size)
+{
+    int rounds = 0, p = power_below(size);
+    while ((1 << rounds) < p) rounds++;
+    return rounds + (p != size);
+}
+
+typedef struct {
+    rr_ring *ring;
+    int N;
+    char **blob;       /* what this rank holds of rank i's blob; NULL: not yet */
+    size_t *blen;
+    const void *head;  /* ours: what every blob is compared to while reducing */
+    size_t hlen;
+    int reducing;      /* reducing, and every header so far is ours */
+} doubling;
+
+/* Bundle: u32 reducing, u32 count, then per blob u32 rank, u64 length, bytes. */
+static int make_bundle(const doubling *d, char **out, size_t *len)
+{
+    size_t total = 8;
+    uint32_t count = 0;
+    for (int i = 0; i < d->N; i++)
+        if (d->blob[i]) total += 12 + d->blen[i], count++;
+    char *b = malloc(total), *at = b + 8;
+    if (!b) return -1;
+    const uint32_t reducing = (uint32_t)d->reducing;
+    memcpy(b, &reducing, 4);
+    memcpy(b + 4, &count, 4);
+    for (int i = 0; i < d->N; i++) {
+        if (!d->blob[i]) continue;
+        const uint32_t r = (uint32_t)i;
+        const uint64_t n = d->blen[i];
+        memcpy(at, &r, 4);
+        memcpy(at + 4, &n, 8);
+        memcpy(at + 12, d->blob[i], d->blen[i]);
+        at += 12 + d->blen[i];
+    }
+    *out = b;
+    *len = total;
+    return 0;
+}
+
+static int take_bundle(doubling *d, int peer, const char *b, size_t len, rr_error *err)
+{
+    uint32_t reducing, count;
+    if (len < 8) goto malformed;
+    memcpy(&reducing, b, 4);
+    memcpy(&count, b + 4, 4);
+    if (!reducing) d->reducing = 0;
+    size_t at = 8;
+    for (uint32_t k = 0; k < count; k++) {
+        uint32_t r;
+        uint64_t n;
+        if (len - at < 12) goto malformed;
+        memcpy(&r, b + at, 4);
+        memcpy(&n, b + at + 4, 8);
+        at += 12;
+        if (r >= (uint32_t)d->N || n > len - at) goto malformed;
+        if (!d->blob[r]) {
+            if (!(d->blob[r] = malloc(n ? n : 1))) {
+                rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+                return err->code;
+            }
+            memcpy(d->blob[r], b + at, n);
+            d->blen[r] = n;
+            if (n != d->hlen || memcmp(d->blob[r], d->head, n) != 0) d->reducing = 0;
+        }
+        at += n;
+    }
+    if (at == len) return RR_OK;
+malformed:
+    rr_set_error(err, RR_E_PROTOCOL, peer, "malformed bundle of %zu bytes from rank %d", len, peer);
+    return err->code;
+}
+
+/* One hand-over with peer: send our bundle and partial (acc, alen bytes;
+ * nothing once not reducing) if `give`, take theirs if `take` (*in: their
+ * partial, malloc'ed, *inlen bytes; NULL when not taking). */
+static int hand_over(doubling *d, int peer, int give, int take, const void *acc, size_t alen, void **in,
+                     size_t *inlen, rr_error *err)
+{
+    char *bundle = NULL;
+    size_t blen = 0;
+    *in = NULL;
+    if (give && make_bundle(d, &bundle, &blen) != 0) {
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    const void *sbufs[2] = {bundle, acc};
+    const size_t slens[2] = {blen, d->reducing ? alen : 0};
+    void *rbufs[2] = {NULL, NULL};
+    size_t rlens[2] = {0, 0};
+    int rc = rr_transport_sendrecv(d->ring->transport, RR_SENT_BLOBS, peer, sbufs, slens, give ? 2 : 0, rbufs,
+                                   rlens, take ? 2 : 0, err);
+    free(bundle);
+    if (rc == RR_OK && take) {
+        rc = take_bundle(d, peer, rbufs[0], rlens[0], err);
+        free(rbufs[0]);
+        if (rc == RR_OK) {
+            *in = rbufs[1];
+            *inlen = rlens[1];
+        } else {
+            free(rbufs[1]);
+        }
+    }
+    return rc;
+}
+
+/* The partial result: starts as our data, then lives in dst or in a
+ * partner's buffer (owned), whichever the last combine wrote. dst is out,
+ * or a spare buffer when out is the data itself: a mismatch found in a late
+ * round must leave the caller's data as it was (it may take the ring next). */
+typedef struct {
+    const char *acc;
+    char *owned;
+    void *out, *dst, *spare;
+    size_t len, count;
+    rr_dtype dtype;
+    rr_op op;
+} partial;
+
+/* acc = lower op upper, where ours is the lower operand if mine_first. */
+static void combine(doubling *d, partial *p, void *in, size_t inlen, int mine_first)
+{
+    if (!d->reducing || inlen != p->len) { /* a header differs somewhere: never reduce */
+        d->reducing = 0;
+        free(in);
+        return;
+    }
+    if (mine_first) {
+        if (p->acc != (const char *)p->dst) memcpy(p->dst, p->acc, p->len);
+        rr_reduce(p->dst, in, p->count, p->dtype, p->op);
+        free(in);
+        free(p->owned);
+        p->owned = NULL;
+        p->acc = p->dst;
+    } else {
+        rr_reduce(in, p->acc, p->count, p->dtype, p->op);
+        free(p->owned);
+        p->owned = in;
+        p->acc = in;
+    }
+}
+
+/* The fold, the rounds and the unfold (see the top of the file). */
+static int run(doubling *d, partial *p, rr_error *err)
+{
+    const int N = d->N, r = d->ring->rank, P = power_below(N), E = N - P;
+    void *in = NULL;
+    size_t inlen = 0;
+    int rc;
+    if (r < 2 * E && r % 2 == 0) { /* extra: hand over, then take the result */
+        if ((rc = hand_over(d, r + 1, 1, 0, p->acc, p->len, &in, &inlen, err)) != RR_OK) return rc;
+        if ((rc = hand_over(d, r + 1, 0, 1, NULL, 0, &in, &inlen, err)) != RR_OK) return rc;
+        if (d->reducing && inlen == p->len) {
+            p->owned = in; /* the result: copied out once every header is checked */
+            p->acc = in;
+        } else {
+            d->reducing = 0;
+            free(in);
+        }
+        return RR_OK;
+    }
+    if (r < 2 * E) {
+        if ((rc = hand_over(d, r - 1, 0, 1, NULL, 0, &in, &inlen, err)) != RR_OK) return rc;
+        combine(d, p, in, inlen, 0);
+    }
+    const int v = r < 2 * E ? r / 2 : r - E;
+    for (int m = 1; m < P; m *= 2) {
+        const int pv = v ^ m, peer = pv < E ? 2 * pv + 1 : pv + E;
+        if ((rc = hand_over(d, peer, 1, 1, p->acc, p->len, &in, &inlen, err)) != RR_OK) return rc;
+        combine(d, p, in, inlen, v < pv);
+    }
+    if (r < 2 * E) return hand_over(d, r - 1, 1, 0, p->acc, p->len, &in, &inlen, err);
+    return RR_OK;
+}
+
+/* Every rank's blob back to back in *all, rank order, lens[i] bytes each. */
+static int collect(doubling *d, void **all, size_t *lens, rr_error *err)
+{
+    size_t total = 0;
+    for (int i = 0; i < d->N; i++) {
+        if (!d->blob[i]) {
+            rr_set_error(err, RR_E_PROTOCOL, i, "recursive doubling ended without rank %d's blob", i);
+            return err->code;
+        }
+        total += lens[i] = d->blen[i];
+    }
+    char *at = *all = malloc(total ? total : 1);
+    if (!at) {
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    for (int i = 0; i < d->N; at += lens[i], i++) memcpy(at, d->blob[i], lens[i]);
+    return RR_OK;
+}
+
+static int start(doubling *d, rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
+                 int reducing, rr_error *err)
+{
+    d->ring = ring;
+    d->N = ring->size;
+    d->head = head;
+    d->hlen = hlen;
+    d->reducing = reducing;
+    d->blob = calloc((size_t)d->N, sizeof *d->blob);
+    d->blen = calloc((size_t)d->N, sizeof *d->blen);
+    const size_t own = reducing ? hlen : hlen + dlen; /* gathering, our blob carries the data */
+    char *mine = d->blob && d->blen ? malloc(own ? own : 1) : NULL;
+    if (!mine) {
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    memcpy(mine, head, hlen);
+    if (own > hlen) memcpy(mine + hlen, data, dlen);
+    d->blob[ring->rank] = mine;
+    d->blen[ring->rank] = own;
+    return RR_OK;
+}
+
+static void finish(doubling *d)
+{
+    if (d->blob)
+        for (int i = 0; i < d->N; i++) free(d->blob[i]);
+    free(d->blob);
+    free(d->blen);
+}
+
+int rr_exchange_blobs_doubling(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
+                               void **all, size_t *lens, rr_error *err)
+{
+    doubling d = {0};
+    partial p = {0};
+    *all = NULL;
+    int rc = start(&d, ring, head, hlen, data, dlen, 0, err);
+    if (rc == RR_OK) rc = run(&d, &p, err);
+    if (rc == RR_OK) rc = collect(&d, all, lens, err);
+    finish(&d);
+    if (rc != RR_OK) ring->transport->ops->abort(ring->transport, err);
+    return rc;
+}
+
+int rr_allreduce_doubling(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen, void *out,
+                          rr_dtype dtype, rr_op op, int *agreed, void **all, size_t *lens, rr_error *err)
+{
+    doubling d = {0};
+    const size_t esize = rr_dtype_size(dtype);
+    partial p = {.acc = data, .out = out, .dst = out, .len = dlen, .count = esize ? dlen / esize : 0,
+                 .dtype = dtype, .op = op};
+    *agreed = 0;
+    *all = NULL;
+    int rc = start(&d, ring, head, hlen, data, dlen, 1, err);
+    if (rc == RR_OK && out == data && !(p.dst = p.spare = malloc(dlen ? dlen : 1))) {
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        rc = err->code;
+    }
+    if (rc == RR_OK) rc = run(&d, &p, err);
+    if (rc == RR_OK) {
+        for (int i = 0; i < d.N && d.reducing; i++)
+            if (!d.blob[i] || d.blen[i] != hlen || memcmp(d.blob[i], head, hlen) != 0) d.reducing = 0;
+        if (d.reducing) {
+            *agreed = 1;
+            if (p.acc != (const char *)out) memcpy(out, p.acc, dlen);
+            if (op == RR_AVG) rr_divide(out, p.count, dtype, d.N);
+        } else {
+            rc = collect(&d, all, lens, err);
+        }
+    }
+    free(p.owned);
+    free(p.spare);
+    finish(&d);
+    if (rc != RR_OK) ring->transport->ops->abort(ring->transport, err);
+    return rc;
+}
