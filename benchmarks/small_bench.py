@@ -69,7 +69,8 @@ def main():
     rr.init(backend="mpi")
     n, rank = rr.size(), rr.rank()
     ring = rr.collectives._state.ring.comm
-    algorithms = args.algorithms.split(",") if args.algorithms else list(getattr(ring, "small_algorithms", ["ring"]))
+    algorithms = args.algorithms.split(",") if args.algorithms else \
+        (["doubling", "ring"] if ring.small_algorithm == "doubling" else ["ring"])
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
 
     def impls(nbytes):
@@ -91,7 +92,7 @@ def main():
         for _ in range(args.rounds):
             for e in entries:
                 name, fn = e[0], e[1]
-                if len(e) > 3 and hasattr(ring, "set_small_algorithm"):
+                if len(e) > 3:
                     ring.set_small_algorithm(e[3])
                 for _ in range(3):
                     fn()
@@ -99,8 +100,7 @@ def main():
                     raise SystemExit(f"rank {rank}: {name} gave a wrong result at {nbytes} bytes")
                 iso[name].append(isolated_us(fn, comm, max(args.iters // args.rounds, 1)))
                 b2b[name].append(b2b_us(fn, comm, max(args.b2b // args.rounds, 1)))
-        if hasattr(ring, "set_small_algorithm"):
-            ring.set_small_algorithm("auto")
+        ring.set_small_algorithm("auto")
         for e in entries:
             name = e[0]
             mine = np.array([np.median(iso[name]), np.median(b2b[name])])

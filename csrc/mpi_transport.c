@@ -20,7 +20,8 @@
  * The wait is the ring's: yield, then nap, asking for notices.
  *
  * Failure: a rank that gives up (an error, a timeout, an interrupt) sends a
- * notice, {rank to blame, error code}, to both neighbours, which give up in
+ * notice, {rank to blame, error code}, to every rank (a doubling partner
+ * waiting on it need not be a neighbour), and those that hear it give up in
  * turn and pass it on, so the whole ring learns promptly who left. A peer
  * that makes no progress for the timeout is reported as lost; a dead peer
  * usually makes the MPI runtime end the job itself. A rank that gives up
@@ -58,9 +59,10 @@ typedef struct {
     int rpending_len;
     char *carry;          /* bytes of a message larger than its window */
     size_t carry_len, carry_off, carry_cap;
-    /* Failure notices: a receive posted for each neighbour's, and ours. */
-    int notice_in[2][2], notice_out[2];
-    MPI_Request notice_rreq[2], notice_sreq[2];
+    /* Failure notices: a receive posted for prev's, next's and anyone
+     * else's; ours go to every rank (notice_sreq[size]). */
+    int notice_in[3][2], notice_out[2];
+    MPI_Request notice_rreq[3], *notice_sreq;
     /* sendrecv's requests; after an error they stay here for settle(). */
     MPI_Request peer_sreq[RR_PEER_MSGS], peer_rreq;
     void *peer_rbuf;      /* the buffer of a pending peer receive (ours, freed once it settles) */
@@ -88,11 +90,12 @@ static void nap(long *nap_ns)
 /* A neighbour gave up and said whom to blame: so do we. */
 static int notice_received(mpi_transport *t, rr_error *err)
 {
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         int done = 0;
+        MPI_Status st;
         if (t->notice_rreq[i] == MPI_REQUEST_NULL) continue;
-        if (MPI_Test(&t->notice_rreq[i], &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) continue;
-        int culprit = t->notice_in[i][0], from = i == 0 ? t->prev : t->next;
+        if (MPI_Test(&t->notice_rreq[i], &done, &st) != MPI_SUCCESS || !done) continue;
+        int culprit = t->notice_in[i][0], from = i == 0 ? t->prev : i == 1 ? t->next : st.MPI_SOURCE;
         if (culprit < 0 || culprit >= t->base.size) culprit = from;
         const char *why = t->notice_in[i][1] == RR_E_INTERRUPTED ? "it was interrupted" : "it failed";
         if (culprit == t->base.rank)
@@ -220,11 +223,15 @@ static int mpi_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
 }
 
 /* Waits like exchange(): yields for SPIN_S, then naps, asking for notices
- * and the interrupt hook. RR_OK: wait again. *start restarts on progress. */
-static int wait_a_little(mpi_transport *t, int peer, double *start, long long *next_check, long *nap_ns, rr_error *err)
+ * and the interrupt hook. RR_OK: wait again. *start restarts on progress;
+ * the peer is blamed after the timeout and depth graces (transport.h), unless
+ * a notice names someone else first. */
+static int wait_a_little(mpi_transport *t, int peer, int depth, double *start, long long *next_check, long *nap_ns,
+                         rr_error *err)
 {
     const double now = now_s();
-    if (now > *start + t->timeout_s) {
+    if (now > *start + t->timeout_s * (1 + depth * RR_BLAME_GRACE)) {
+        if (notice_received(t, err) != RR_OK) return err->code;
         rr_set_error(err, RR_E_PEER_LOST, peer, "lost rank %d: no progress for %.1f s (RINGREDUCE_TIMEOUT) over MPI",
                      peer, t->timeout_s);
         return err->code;
@@ -240,8 +247,8 @@ static int wait_a_little(mpi_transport *t, int peer, double *start, long long *n
     return RR_OK;
 }
 
-static int mpi_sendrecv(rr_transport *base, int peer, const void *const *sbufs, const size_t *slens, int nsend,
-                        void **rbufs, size_t *rlens, int nrecv, rr_error *err)
+static int mpi_sendrecv(rr_transport *base, int peer, int depth, const void *const *sbufs, const size_t *slens,
+                        int nsend, void **rbufs, size_t *rlens, int nrecv, rr_error *err)
 {
     mpi_transport *t = (mpi_transport *)base;
     for (int i = 0; i < nrecv; i++) rbufs[i] = NULL;
@@ -306,7 +313,7 @@ static int mpi_sendrecv(rr_transport *base, int peer, const void *const *sbufs, 
             nap_ns = 0;
             continue;
         }
-        if ((rc = wait_a_little(t, peer, &start, &next_check, &nap_ns, err)) != RR_OK) goto failed;
+        if ((rc = wait_a_little(t, peer, depth, &start, &next_check, &nap_ns, err)) != RR_OK) goto failed;
     }
 mpi_error:
     mpi_failed(t, rc, "sendrecv", err);
@@ -345,6 +352,13 @@ static void drain_one(mpi_transport *t)
  * draining what prev sent meanwhile. What is still pending after that (a
  * neighbour that makes no MPI calls at all) is released to MPI: it finishes
  * on its own, on memory the caller may have freed. */
+static int notices_pending(const mpi_transport *t)
+{
+    for (int i = 0; i < t->base.size; i++)
+        if (t->notice_sreq[i] != MPI_REQUEST_NULL) return 1;
+    return 0;
+}
+
 static int peer_pending(const mpi_transport *t)
 {
     for (int i = 0; i < RR_PEER_MSGS; i++)
@@ -356,8 +370,7 @@ static void settle(mpi_transport *t, double seconds)
 {
     const double end = now_s() + seconds;
     long nap_ns = 0;
-    while (t->spending || t->rpending || t->notice_sreq[0] != MPI_REQUEST_NULL ||
-           t->notice_sreq[1] != MPI_REQUEST_NULL || peer_pending(t)) {
+    while (t->spending || t->rpending || notices_pending(t) || peer_pending(t)) {
         int done = 0;
         for (int i = 0; i < RR_PEER_MSGS; i++)
             if (t->peer_sreq[i] != MPI_REQUEST_NULL) MPI_Test(&t->peer_sreq[i], &done, MPI_STATUS_IGNORE);
@@ -367,7 +380,7 @@ static void settle(mpi_transport *t, double seconds)
         }
         if (t->spending && (MPI_Test(&t->sreq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done)) t->spending = NULL;
         if (t->rpending && (MPI_Test(&t->rreq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done)) t->rpending = NULL;
-        for (int i = 0; i < 2; i++)
+        for (int i = 0; i < t->base.size; i++)
             if (t->notice_sreq[i] != MPI_REQUEST_NULL) MPI_Test(&t->notice_sreq[i], &done, MPI_STATUS_IGNORE);
         drain_one(t);
         if (now_s() > end) break;
@@ -382,7 +395,7 @@ static void settle(mpi_transport *t, double seconds)
         t->stale_rbuf = t->peer_rbuf;
         t->peer_rbuf = NULL;
     }
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < t->base.size; i++)
         if (t->notice_sreq[i] != MPI_REQUEST_NULL) MPI_Request_free(&t->notice_sreq[i]);
     t->spending = NULL;
     t->rpending = NULL;
@@ -393,12 +406,10 @@ static void mpi_abort(rr_transport *base, const rr_error *why)
     mpi_transport *t = (mpi_transport *)base;
     if (t->aborted) return;
     t->aborted = 1;
-    if (t->base.size > 1) { /* tell both neighbours whom to blame */
-        t->notice_out[0] = why && why->rank >= 0 ? why->rank : t->base.rank;
-        t->notice_out[1] = why ? why->code : RR_E_PEER_LOST;
-        MPI_Isend(t->notice_out, 2, MPI_INT, t->next, NOTICE_TAG, t->comm, &t->notice_sreq[0]);
-        MPI_Isend(t->notice_out, 2, MPI_INT, t->prev, NOTICE_TAG, t->comm, &t->notice_sreq[1]);
-    }
+    t->notice_out[0] = why && why->rank >= 0 ? why->rank : t->base.rank;
+    t->notice_out[1] = why ? why->code : RR_E_PEER_LOST;
+    for (int i = 0; i < t->base.size; i++) /* tell everyone whom to blame */
+        if (i != t->base.rank) MPI_Isend(t->notice_out, 2, MPI_INT, i, NOTICE_TAG, t->comm, &t->notice_sreq[i]);
     settle(t, t->timeout_s < SETTLE_S ? t->timeout_s : SETTLE_S);
 }
 
@@ -409,7 +420,7 @@ static void mpi_destroy(rr_transport *base)
     MPI_Finalized(&finalized);
     if (!finalized) {
         settle(t, SETTLE_S); /* nothing pending after a finished operation */
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < 3; i++) {
             if (t->notice_rreq[i] == MPI_REQUEST_NULL) continue;
             MPI_Cancel(&t->notice_rreq[i]); /* an unmatched receive: cancels at once */
             MPI_Wait(&t->notice_rreq[i], MPI_STATUS_IGNORE);
@@ -419,6 +430,7 @@ static void mpi_destroy(rr_transport *base)
     free(t->carry);
     free(t->drop);
     free(t->stale_rbuf);
+    free(t->notice_sreq);
     free(t);
 }
 
@@ -439,11 +451,18 @@ rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s)
     t->next = (t->base.rank + 1) % t->base.size;
     t->prev = (t->base.rank + t->base.size - 1) % t->base.size;
     t->timeout_s = timeout_s;
-    for (int i = 0; i < 2; i++) t->notice_rreq[i] = t->notice_sreq[i] = MPI_REQUEST_NULL;
+    if (!(t->notice_sreq = malloc(sizeof *t->notice_sreq * (size_t)t->base.size))) {
+        MPI_Comm_free(&t->comm);
+        free(t);
+        return NULL;
+    }
+    for (int i = 0; i < t->base.size; i++) t->notice_sreq[i] = MPI_REQUEST_NULL;
+    for (int i = 0; i < 3; i++) t->notice_rreq[i] = MPI_REQUEST_NULL;
     for (int i = 0; i < RR_PEER_MSGS; i++) t->peer_sreq[i] = MPI_REQUEST_NULL;
     if (t->base.size > 1) {
         MPI_Irecv(t->notice_in[0], 2, MPI_INT, t->prev, NOTICE_TAG, t->comm, &t->notice_rreq[0]);
         MPI_Irecv(t->notice_in[1], 2, MPI_INT, t->next, NOTICE_TAG, t->comm, &t->notice_rreq[1]);
+        MPI_Irecv(t->notice_in[2], 2, MPI_INT, MPI_ANY_SOURCE, NOTICE_TAG, t->comm, &t->notice_rreq[2]);
     }
     return &t->base;
 }

@@ -129,7 +129,7 @@ malformed:
 /* One hand-over with peer: send our bundle and partial (acc, alen bytes;
  * nothing once not reducing) if `give`, take theirs if `take` (*in: their
  * partial, malloc'ed, *inlen bytes; NULL when not taking). */
-static int hand_over(doubling *d, int peer, int give, int take, const void *acc, size_t alen, void **in,
+static int hand_over(doubling *d, int peer, int depth, int give, int take, const void *acc, size_t alen, void **in,
                      size_t *inlen, rr_error *err)
 {
     char *bundle = NULL;
@@ -143,7 +143,7 @@ static int hand_over(doubling *d, int peer, int give, int take, const void *acc,
     const size_t slens[2] = {blen, d->reducing ? alen : 0};
     void *rbufs[2] = {NULL, NULL};
     size_t rlens[2] = {0, 0};
-    int rc = rr_transport_sendrecv(d->ring->transport, RR_SENT_BLOBS, peer, sbufs, slens, give ? 2 : 0, rbufs,
+    int rc = rr_transport_sendrecv(d->ring->transport, RR_SENT_BLOBS, peer, depth, sbufs, slens, give ? 2 : 0, rbufs,
                                    rlens, take ? 2 : 0, err);
     free(bundle);
     if (rc == RR_OK && take) {
@@ -195,16 +195,19 @@ static void combine(doubling *d, partial *p, void *in, size_t inlen, int mine_fi
     }
 }
 
-/* The fold, the rounds and the unfold (see the top of the file). */
+/* The fold, the rounds and the unfold (see the top of the file). A wait's
+ * depth is its stage (fold 0, rounds 1 .. R, unfold R + 1): a partner late
+ * for stage s may be stuck in up to s earlier waits (transport.h). */
 static int run(doubling *d, partial *p, rr_error *err)
 {
     const int N = d->N, r = d->ring->rank, P = power_below(N), E = N - P;
+    const int unfold = rr_doubling_rounds(P) + 1;
     void *in = NULL;
     size_t inlen = 0;
     int rc;
     if (r < 2 * E && r % 2 == 0) { /* extra: hand over, then take the result */
-        if ((rc = hand_over(d, r + 1, 1, 0, p->acc, p->len, &in, &inlen, err)) != RR_OK) return rc;
-        if ((rc = hand_over(d, r + 1, 0, 1, NULL, 0, &in, &inlen, err)) != RR_OK) return rc;
+        if ((rc = hand_over(d, r + 1, 0, 1, 0, p->acc, p->len, &in, &inlen, err)) != RR_OK) return rc;
+        if ((rc = hand_over(d, r + 1, unfold, 0, 1, NULL, 0, &in, &inlen, err)) != RR_OK) return rc;
         if (d->reducing && inlen == p->len) {
             p->owned = in; /* the result: copied out once every header is checked */
             p->acc = in;
@@ -215,16 +218,16 @@ static int run(doubling *d, partial *p, rr_error *err)
         return RR_OK;
     }
     if (r < 2 * E) {
-        if ((rc = hand_over(d, r - 1, 0, 1, NULL, 0, &in, &inlen, err)) != RR_OK) return rc;
+        if ((rc = hand_over(d, r - 1, 0, 0, 1, NULL, 0, &in, &inlen, err)) != RR_OK) return rc;
         combine(d, p, in, inlen, 0);
     }
     const int v = r < 2 * E ? r / 2 : r - E;
-    for (int m = 1; m < P; m *= 2) {
+    for (int m = 1, stage = 1; m < P; m *= 2, stage++) {
         const int pv = v ^ m, peer = pv < E ? 2 * pv + 1 : pv + E;
-        if ((rc = hand_over(d, peer, 1, 1, p->acc, p->len, &in, &inlen, err)) != RR_OK) return rc;
+        if ((rc = hand_over(d, peer, stage, 1, 1, p->acc, p->len, &in, &inlen, err)) != RR_OK) return rc;
         combine(d, p, in, inlen, v < pv);
     }
-    if (r < 2 * E) return hand_over(d, r - 1, 1, 0, p->acc, p->len, &in, &inlen, err);
+    if (r < 2 * E) return hand_over(d, r - 1, unfold, 1, 0, p->acc, p->len, &in, &inlen, err);
     return RR_OK;
 }
 

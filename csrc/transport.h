@@ -39,12 +39,15 @@ typedef struct rr_transport_ops {
      * ranks arrive in the order sent. At most RR_PEER_MSGS each way. Returns
      * RR_OK once every message has moved; or an error code with err filled
      * (and rbufs all NULL) when the peer fails or stays silent past the
-     * transport's timeout. */
-    int (*sendrecv)(rr_transport *t, int peer, const void *const *sbufs, const size_t *slens, int nsend,
-                    void **rbufs, size_t *rlens, int nrecv, rr_error *err);
+     * transport's timeout plus depth * RR_BLAME_GRACE of it: depth counts the
+     * waits the peer may itself be stuck in, so the rank that waits on the
+     * one really silent blames it first, and its notice arrives in time. */
+    int (*sendrecv)(rr_transport *t, int peer, int depth, const void *const *sbufs, const size_t *slens,
+                    int nsend, void **rbufs, size_t *rlens, int nrecv, rr_error *err);
 } rr_transport_ops;
 
 #define RR_PEER_MSGS 2
+#define RR_BLAME_GRACE 0.1
 
 /* Asked while exchange() waits (see rr_should_stop): nonzero means give up,
  * e.g. the user pressed Ctrl-C. Set by the binding; the transport only calls
@@ -79,11 +82,11 @@ static inline int rr_transport_exchange(rr_transport *t, int kind, const void *s
 }
 
 /* sendrecv's counterpart of rr_transport_exchange: what was sent is counted. */
-static inline int rr_transport_sendrecv(rr_transport *t, int kind, int peer, const void *const *sbufs,
+static inline int rr_transport_sendrecv(rr_transport *t, int kind, int peer, int depth, const void *const *sbufs,
                                         const size_t *slens, int nsend, void **rbufs, size_t *rlens, int nrecv,
                                         rr_error *err)
 {
-    int rc = t->ops->sendrecv(t, peer, sbufs, slens, nsend, rbufs, rlens, nrecv, err);
+    int rc = t->ops->sendrecv(t, peer, depth, sbufs, slens, nsend, rbufs, rlens, nrecv, err);
     if (rc == RR_OK)
         for (int i = 0; i < nsend; i++) t->sent[kind] += slens[i];
     return rc;
