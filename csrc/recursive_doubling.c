@@ -13,9 +13,10 @@
  *       N = 4   round 1: 0 <-> 1, 2 <-> 3    round 2: 0 <-> 2, 1 <-> 3
  *       N = 3   fold 0 -> 1    round 1: 1 <-> 2    unfold 1 -> 0
  *
- * Each hand-over is two messages: a bundle of the blobs this rank holds
- * (whole blobs when gathering, headers alone when reducing: they are small)
- * and the partial result (empty when gathering). So every rank ends with
+ * Each hand-over is a bundle of the blobs this rank holds (whole blobs when
+ * gathering, headers alone when reducing: they are small) with the partial
+ * result packed behind it (none when gathering): one message; a partial over
+ * PACK_BYTES (copying it would cost more than a message) goes apart. So every rank ends with
  * every rank's header, and a mismatch is seen, and named, alike everywhere.
  *
  * Reducing, the two partners of a round combine their partials with the
@@ -67,18 +68,40 @@ typedef struct {
     int reducing;      /* reducing, and every header so far is ours */
 } doubling;
 
-/* Bundle: u32 reducing, u32 count, then per blob u32 rank, u64 length, bytes. */
-static int make_bundle(const doubling *d, char **out, size_t *len)
+/* What one hand-over carries: the bundle, and the partial packed behind it
+ * (one message) while at most PACK_BYTES, else as a second message (no copy
+ * of a large partial). The receiver learns which from the bundle's flags.
+ *
+ *   u32 flags (REDUCING, SEPARATE), u32 count, u64 partial length,
+ *   per blob: u32 rank, u64 length, bytes; then, packed: padding to 8, partial
+ */
+#define PACK_BYTES 16384
+#define REDUCING 1u
+#define SEPARATE 2u
+#define ALIGN8(n) (((n) + 7) / 8 * 8)
+
+typedef struct {
+    char *msg;         /* what to free */
+    char *part;        /* the partial in it (writable: a combine may reduce into it) */
+    size_t plen;
+} incoming;
+
+static int make_bundle(const doubling *d, const void *part, size_t plen, char **out, size_t *len, int *separate)
 {
-    size_t total = 8;
+    size_t total = 16;
     uint32_t count = 0;
     for (int i = 0; i < d->N; i++)
         if (d->blob[i]) total += 12 + d->blen[i], count++;
-    char *b = malloc(total), *at = b + 8;
+    *separate = plen > PACK_BYTES;
+    const size_t at_part = ALIGN8(total);
+    if (!*separate && plen) total = at_part + plen;
+    char *b = malloc(total), *at = b + 16;
     if (!b) return -1;
-    const uint32_t reducing = (uint32_t)d->reducing;
-    memcpy(b, &reducing, 4);
+    const uint32_t flags = (d->reducing ? REDUCING : 0) | (*separate ? SEPARATE : 0);
+    const uint64_t plen64 = plen;
+    memcpy(b, &flags, 4);
     memcpy(b + 4, &count, 4);
+    memcpy(b + 8, &plen64, 8);
     for (int i = 0; i < d->N; i++) {
         if (!d->blob[i]) continue;
         const uint32_t r = (uint32_t)i;
@@ -88,19 +111,25 @@ static int make_bundle(const doubling *d, char **out, size_t *len)
         memcpy(at + 12, d->blob[i], d->blen[i]);
         at += 12 + d->blen[i];
     }
+    if (!*separate && plen) memcpy(b + at_part, part, plen);
     *out = b;
     *len = total;
     return 0;
 }
 
-static int take_bundle(doubling *d, int peer, const char *b, size_t len, rr_error *err)
+/* Takes the blobs of a bundle; says where its partial is (*separate: in the
+ * next message). */
+static int take_bundle(doubling *d, int peer, char *b, size_t len, incoming *in, int *separate, rr_error *err)
 {
-    uint32_t reducing, count;
-    if (len < 8) goto malformed;
-    memcpy(&reducing, b, 4);
+    uint32_t flags, count;
+    uint64_t plen;
+    if (len < 16) goto malformed;
+    memcpy(&flags, b, 4);
     memcpy(&count, b + 4, 4);
-    if (!reducing) d->reducing = 0;
-    size_t at = 8;
+    memcpy(&plen, b + 8, 8);
+    if (!(flags & REDUCING)) d->reducing = 0;
+    *separate = (flags & SEPARATE) != 0;
+    size_t at = 16;
     for (uint32_t k = 0; k < count; k++) {
         uint32_t r;
         uint64_t n;
@@ -120,7 +149,16 @@ static int take_bundle(doubling *d, int peer, const char *b, size_t len, rr_erro
         }
         at += n;
     }
-    if (at == len) return RR_OK;
+    if (*separate || plen == 0) {
+        if (at != len) goto malformed;
+        in->part = NULL;
+        in->plen = 0;
+        return RR_OK;
+    }
+    if (ALIGN8(at) > len || len - ALIGN8(at) != plen) goto malformed;
+    in->part = b + ALIGN8(at);
+    in->plen = plen;
+    return RR_OK;
 malformed:
     rr_set_error(err, RR_E_PROTOCOL, peer, "malformed bundle of %zu bytes from rank %d", len, peer);
     return err->code;
@@ -128,39 +166,49 @@ malformed:
 
 /* One hand-over with peer: send our bundle and partial (acc, alen bytes;
  * nothing once not reducing) if `give`, take theirs if `take` (*in: their
- * partial, malloc'ed, *inlen bytes; NULL when not taking). */
-static int hand_over(doubling *d, int peer, int depth, int give, int take, const void *acc, size_t alen, void **in,
-                     size_t *inlen, rr_error *err)
+ * partial, in a malloc'ed message; all NULL when not taking). A partial too
+ * large to pack follows in a second exchange, once both sides know from the
+ * bundles what the other sends (so no send waits for a receive never posted). */
+static int hand_over(doubling *d, int peer, int depth, int give, int take, const void *acc, size_t alen,
+                     incoming *in, rr_error *err)
 {
     char *bundle = NULL;
     size_t blen = 0;
-    *in = NULL;
-    if (give && make_bundle(d, &bundle, &blen) != 0) {
+    int mine_apart = 0, theirs_apart = 0;
+    *in = (incoming){0};
+    if (!d->reducing) alen = 0;
+    if (give && make_bundle(d, acc, alen, &bundle, &blen, &mine_apart) != 0) {
         rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
         return err->code;
     }
-    const void *sbufs[2] = {bundle, acc};
-    const size_t slens[2] = {blen, d->reducing ? alen : 0};
-    void *rbufs[2] = {NULL, NULL};
-    size_t rlens[2] = {0, 0};
-    int rc = rr_transport_sendrecv(d->ring->transport, RR_SENT_BLOBS, peer, depth, sbufs, slens, give ? 2 : 0, rbufs,
-                                   rlens, take ? 2 : 0, err);
+    const void *sbuf = bundle;
+    void *rbuf = NULL;
+    size_t rlen = 0;
+    rr_transport *t = d->ring->transport;
+    int rc = rr_transport_sendrecv(t, RR_SENT_BLOBS, peer, depth, &sbuf, &blen, give, &rbuf, &rlen, take, err);
     free(bundle);
-    if (rc == RR_OK && take) {
-        rc = take_bundle(d, peer, rbufs[0], rlens[0], err);
-        free(rbufs[0]);
-        if (rc == RR_OK) {
-            *in = rbufs[1];
-            *inlen = rlens[1];
-        } else {
-            free(rbufs[1]);
-        }
+    if (rc != RR_OK) return rc;
+    if (take) {
+        in->msg = rbuf;
+        rc = take_bundle(d, peer, rbuf, rlen, in, &theirs_apart, err);
+    }
+    if (rc == RR_OK && (mine_apart || theirs_apart)) {
+        free(in->msg);
+        *in = (incoming){0};
+        rbuf = NULL;
+        rc = rr_transport_sendrecv(t, RR_SENT_BLOBS, peer, depth, &acc, &alen, mine_apart, &rbuf, &rlen,
+                                   theirs_apart, err);
+        if (rc == RR_OK && theirs_apart) *in = (incoming){.msg = rbuf, .part = rbuf, .plen = rlen};
+    }
+    if (rc != RR_OK) {
+        free(in->msg);
+        *in = (incoming){0};
     }
     return rc;
 }
 
 /* The partial result: starts as our data, then lives in dst or in a
- * partner's buffer (owned), whichever the last combine wrote. dst is out,
+ * partner's message (owned), whichever the last combine wrote. dst is out,
  * or a spare buffer when out is the data itself: a mismatch found in a late
  * round must leave the caller's data as it was (it may take the ring next). */
 typedef struct {
@@ -173,25 +221,29 @@ typedef struct {
 } partial;
 
 /* acc = lower op upper, where ours is the lower operand if mine_first. */
-static void combine(doubling *d, partial *p, void *in, size_t inlen, int mine_first)
+static void combine(doubling *d, partial *p, incoming in, int mine_first)
 {
-    if (!d->reducing || inlen != p->len) { /* a header differs somewhere: never reduce */
+    if (p->len == 0) { /* nothing to reduce: the headers decide */
+        free(in.msg);
+        return;
+    }
+    if (!d->reducing || !in.part || in.plen != p->len) { /* a header differs somewhere: never reduce */
         d->reducing = 0;
-        free(in);
+        free(in.msg);
         return;
     }
     if (mine_first) {
         if (p->acc != (const char *)p->dst) memcpy(p->dst, p->acc, p->len);
-        rr_reduce(p->dst, in, p->count, p->dtype, p->op);
-        free(in);
+        rr_reduce(p->dst, in.part, p->count, p->dtype, p->op);
+        free(in.msg);
         free(p->owned);
         p->owned = NULL;
         p->acc = p->dst;
     } else {
-        rr_reduce(in, p->acc, p->count, p->dtype, p->op);
+        rr_reduce(in.part, p->acc, p->count, p->dtype, p->op);
         free(p->owned);
-        p->owned = in;
-        p->acc = in;
+        p->owned = in.msg;
+        p->acc = in.part;
     }
 }
 
@@ -202,32 +254,31 @@ static int run(doubling *d, partial *p, rr_error *err)
 {
     const int N = d->N, r = d->ring->rank, P = power_below(N), E = N - P;
     const int unfold = rr_doubling_rounds(P) + 1;
-    void *in = NULL;
-    size_t inlen = 0;
+    incoming in;
     int rc;
     if (r < 2 * E && r % 2 == 0) { /* extra: hand over, then take the result */
-        if ((rc = hand_over(d, r + 1, 0, 1, 0, p->acc, p->len, &in, &inlen, err)) != RR_OK) return rc;
-        if ((rc = hand_over(d, r + 1, unfold, 0, 1, NULL, 0, &in, &inlen, err)) != RR_OK) return rc;
-        if (d->reducing && inlen == p->len) {
-            p->owned = in; /* the result: copied out once every header is checked */
-            p->acc = in;
+        if ((rc = hand_over(d, r + 1, 0, 1, 0, p->acc, p->len, &in, err)) != RR_OK) return rc;
+        if ((rc = hand_over(d, r + 1, unfold, 0, 1, NULL, 0, &in, err)) != RR_OK) return rc;
+        if (d->reducing && in.part && in.plen == p->len) {
+            p->owned = in.msg; /* the result: copied out once every header is checked */
+            p->acc = in.part;
         } else {
-            d->reducing = 0;
-            free(in);
+            if (p->len) d->reducing = 0;
+            free(in.msg);
         }
         return RR_OK;
     }
     if (r < 2 * E) {
-        if ((rc = hand_over(d, r - 1, 0, 0, 1, NULL, 0, &in, &inlen, err)) != RR_OK) return rc;
-        combine(d, p, in, inlen, 0);
+        if ((rc = hand_over(d, r - 1, 0, 0, 1, NULL, 0, &in, err)) != RR_OK) return rc;
+        combine(d, p, in, 0);
     }
     const int v = r < 2 * E ? r / 2 : r - E;
     for (int m = 1, stage = 1; m < P; m *= 2, stage++) {
         const int pv = v ^ m, peer = pv < E ? 2 * pv + 1 : pv + E;
-        if ((rc = hand_over(d, peer, stage, 1, 1, p->acc, p->len, &in, &inlen, err)) != RR_OK) return rc;
-        combine(d, p, in, inlen, v < pv);
+        if ((rc = hand_over(d, peer, stage, 1, 1, p->acc, p->len, &in, err)) != RR_OK) return rc;
+        combine(d, p, in, v < pv);
     }
-    if (r < 2 * E) return hand_over(d, r - 1, unfold, 1, 0, p->acc, p->len, &in, &inlen, err);
+    if (r < 2 * E) return hand_over(d, r - 1, unfold, 1, 0, p->acc, p->len, &in, err);
     return RR_OK;
 }
 

@@ -81,6 +81,7 @@ def job_mismatch():
     odd = r == n - 1
     for what, x in (("shape", np.ones(7 if odd else 5, np.float32)),
                     ("dtype", np.ones(5, np.float64 if odd else np.float32)),
+                    ("apart", np.ones(5000 if odd else 5, np.float32)),  # its partial goes unpacked
                     ("long", np.ones(100_000 if odd else 5, np.float32))):  # the odd one takes the ring
         try:
             rr.allreduce(x)
@@ -188,6 +189,7 @@ def test_a_mismatch_names_the_rank_on_every_rank(tmp_path, n):
         assert res == ranks[0]  # the same message everywhere
         assert f"rank {n - 1}: (7,)" in res["shape"] and "rank 0: (5,)" in res["shape"], res["shape"]
         assert f"rank {n - 1}: float64" in res["dtype"] and "rank 0: float32" in res["dtype"], res["dtype"]
+        assert f"rank {n - 1}: (5000,)" in res["apart"], res["apart"]
         assert f"rank {n - 1}: (100000,)" in res["long"], res["long"]
         assert res["after"] == [n * (n + 1) / 2] * 5
 
