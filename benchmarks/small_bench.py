@@ -11,7 +11,11 @@ alike, float32 sums with:
 
   MPI_Allreduce   mpi4py's comm.Allreduce (MPICH)
   rr-<algorithm>  ringreduce over MPI with its small-message algorithm forced
-                  (Comm.set_small_algorithm; "auto" is what init() chooses)
+                  (Comm.set_small_algorithm; "doubling" is what init() chooses,
+                  "ring" the ring's passes and their size limit, as before)
+  C-<algorithm>   with --c-call: Comm.allreduce_small called directly with a
+                  ready header, the first algorithm: the C core without the
+                  Python layer of rr.allreduce
 
 isolated: median microseconds of one op after an MPI barrier (the same
 barrier for every implementation); b2b: mean of `--b2b` back-to-back ops.
@@ -63,6 +67,9 @@ def main():
     p.add_argument("--iters", type=int, default=200, help="isolated ops per implementation and size")
     p.add_argument("--b2b", type=int, default=200, help="back-to-back ops per implementation and size")
     p.add_argument("--rounds", type=int, default=4, help="the iterations are split into this many interleaved rounds")
+    p.add_argument("--c-call", action="store_true",
+                   help="also time the C core's small allreduce called directly (no Python layer), sizes up to "
+                        "the small limit")
     args = p.parse_args()
 
     comm = MPI.COMM_WORLD
@@ -82,6 +89,11 @@ def main():
             def run(algo=algo):
                 rr.allreduce(x, out=out)
             yield f"rr-{algo}", run, lambda: out, algo
+        if args.c_call:  # the C core alone: what the Python layer adds is the difference
+            from ringreduce import _core, collectives
+            head = collectives._header(collectives.ALLREDUCE, _core.SUM, _core.FLOAT32, x.shape, None, True)
+            yield f"C-{algorithms[0]}", lambda: ring.allreduce_small(head, x, out, _core.FLOAT32, _core.SUM), \
+                lambda: out, algorithms[0]
         del want
 
     rows = {}
