@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include "reduce_math.h"
 #include "device.h"
+#include "host_arena.h"
 #include "transport.h"
 
 typedef struct rr_ring {
@@ -15,6 +16,8 @@ typedef struct rr_ring {
     size_t segment;          /* pipeline segment, bytes (a multiple of 64) */
     void *staging;           /* one segment: where received partials land before reduction */
     double phase_times[3];   /* last allreduce: start, ScatterReduce done, end (CLOCK_MONOTONIC s) */
+    rr_arena *arena;         /* owned, or NULL: every rank on one host shares it (host_arena.h) */
+    int use_arena;           /* blob exchanges and small allreduces go through it (a switch to compare) */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */
@@ -23,6 +26,11 @@ void rr_ring_destroy(rr_ring *ring);
 /* A new pipeline segment (autotuning, ringreduce/autotune.py), between
  * operations only. -1 on out-of-memory, the old segment kept. */
 int rr_ring_set_segment(rr_ring *ring, size_t segment_bytes);
+
+/* Takes ownership of a host arena every rank of the ring attached, in the
+ * same order: header passes and small allreduces go through it from now on.
+ * -1 (the arena not taken) when the transport cannot judge its waits. */
+int rr_ring_attach_arena(rr_ring *ring, rr_arena *arena);
 
 /* Before each operation: fails (and aborts the transport) when a peer is
  * already known lost, so no rank starts what cannot finish. */
@@ -59,14 +67,15 @@ int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int ro
 int rr_alltoall(rr_ring *ring, const void *src, void *dst, const size_t *bytes, rr_error *err);
 
 /* Every rank contributes one blob of any length (up to 64 MiB), given as a
- * header and data; every rank gets all of them, in rank order. *all is one malloc'ed block holding the
+ * header and data; every rank gets all of them, in rank order (through the
+ * host arena when every blob fits its slot, else around the ring). *all is one malloc'ed block holding the
  * blobs back to back; lens[size] their lengths. Used for the headers that
  * precede every operation, and for small operations whose data rides along. */
 int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
                       void **all, size_t *lens, rr_error *err);
 
 /* Allreduce for small buffers: every rank's header and data travel in one
- * rr_exchange_blobs pass, and each rank reduces them in rank order into out.
+ * rr_exchange_blobs pass (reduced straight out of the arena when there), and each rank reduces them in rank order into out.
  * If any header differs from ours, *agreed is 0, nothing is reduced, and
  * *all/lens hold every rank's blob (caller frees *all). */
 int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,

@@ -316,7 +316,17 @@ static int tcp_begin(rr_transport *base, rr_error *err)
     return star_verdict(t, err);
 }
 
-static const rr_transport_ops tcp_ops = {tcp_exchange, tcp_abort, tcp_destroy, tcp_begin};
+/* A wait in the host arena: judged as exchange() judges its own waits. */
+static int tcp_stalled(rr_transport *base, int waited_on, long long waited_ms, rr_error *err)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    int rc = tcp_begin(base, err);
+    if (rc != RR_OK) return rc;
+    if (t->timeout_ms >= 0 && waited_ms >= t->timeout_ms) return peer_silent(t, waited_on, err);
+    return RR_OK;
+}
+
+static const rr_transport_ops tcp_ops = {tcp_exchange, tcp_abort, tcp_destroy, tcp_begin, tcp_stalled};
 
 rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
                             const int *ctrl_fds, int n_ctrl, double timeout_s, int spin_rounds,

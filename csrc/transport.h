@@ -31,6 +31,11 @@ typedef struct rr_transport_ops {
     /* Optional (NULL: nothing to check). An operation starts: fail now,
      * with err filled, if the transport already knows a peer is lost. */
     int (*begin)(rr_transport *t, rr_error *err);
+    /* Optional (NULL: the transport cannot judge waits it does not run). A
+     * wait outside exchange() (the host arena, csrc/host_arena.h) has waited
+     * waited_ms on rank waited_on: returns an error, with err filled, when a
+     * peer is known lost or the wait has passed the transport's timeout. */
+    int (*stalled)(rr_transport *t, int waited_on, long long waited_ms, rr_error *err);
 } rr_transport_ops;
 
 /* Asked while exchange() waits (see rr_should_stop): nonzero means give up,
