@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -113,6 +114,7 @@ def main():
         count = nbytes // 4
         runs = make_runs(count, comm_mpi)
         iso = {name: [] for name in IMPLS}
+        sleeps = {name: 0 for name in IMPLS}  # voluntary context switches: waits that went to sleep
         for setup, fn, _ in runs.values():  # warm up every path
             setup()
             for _ in range(3):
@@ -121,7 +123,9 @@ def main():
             for name in IMPLS:
                 setup, fn, _ = runs[name]
                 setup()
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
                 iso[name].append(harness.isolated_median_us(fn, args.iters))
+                sleeps[name] += resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before
         for name in IMPLS:
             setup, fn, wrong = runs[name]
             setup()
@@ -129,8 +133,9 @@ def main():
             isolated = float(rr.allreduce(np.array([mine]), op="max")[0])  # the slowest rank's
             b2b = harness.measure(harness.Impl(name, fn, wrong), "allreduce", nbytes, count, "float32", "sum",
                                   comm_mpi.Barrier if name == "MPI_Allreduce" else rr.barrier)
+            per_op = sleeps[name] / (args.rounds * args.iters)
             rows.append({"impl": name, "bytes": nbytes, "isolated_us": isolated, "b2b_us": b2b.seconds * 1e6,
-                         "wrong": b2b.wrong})
+                         "wrong": b2b.wrong, "sleeps_per_op": float(rr.allreduce(np.array([per_op]), op="avg")[0])})
     _c._state.comm.use_arena(True)
     ring.small_limit = default_limit
     if lead:
@@ -154,6 +159,8 @@ def report(rows, n, sizes, limit):
         print(f"{nbytes >> 10:>6}K | " + " | ".join(f"{c:>13}" for c in cells) +
               f" | {arena['isolated_us'] / mpi['isolated_us']:13.2f} | {arena['b2b_us'] / mpi['b2b_us']:13.2f}")
     print("cells: isolated us / back-to-back us (slowest rank's median)")
+    print("sleeps per isolated op and rank (voluntary context switches, the barrier's included): " + ", ".join(
+        f"{m} " + "/".join(f"{by[(m, b)]['sleeps_per_op']:.1f}" for b in sizes) for m in IMPLS))
     bad = [r for r in rows if r["wrong"]]
     if bad:
         print("WRONG RESULTS:", bad)
