@@ -132,34 +132,36 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
 
 def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: int) -> bool:
     """Gives comm (every rank of its ring calls this at the same point) a
-    host arena with slot_bytes per rank, when all ranks share this host.
+    host arena with slot_bytes per rank, when all ranks share this host and
+    want the same slot size (slot_bytes 0: this rank wants none, and so
+    nobody gets one; it still takes part, so no rank waits for it).
 
     Ring rank 0 makes the file and offers it in a ring pass of blobs that
-    also carries every rank's host identity; the others open it only when
-    every identity is the same, and a second pass says whether all could.
-    Rank 0 unlinks the file after that pass, whatever happened: the mappings
-    keep it alive, and nothing is left in /dev/shm however the job ends.
+    also carries every rank's host identity and slot size; the others open it
+    only when all of those are the same, and a second pass says whether all
+    could. Rank 0 unlinks the file after that pass, whatever happened: the
+    mappings keep it alive, and nothing is left in /dev/shm however the job ends.
     Returns whether the arena is in use (False: small operations stay on the ring).
     """
-    from . import _core  # the C core also imports nothing of this module's callers
+    from . import _core
 
-    if size < 2 or slot_bytes <= 0:
+    if size < 2:
         return False
-    nbytes = _core.arena_file_bytes(size, slot_bytes)
+    nbytes = _core.arena_file_bytes(size, slot_bytes) if slot_bytes > 0 else 0
     fd, path = -1, None
-    offer: dict = {"host": host_identity()}
+    offer: dict = {"host": host_identity(), "slot": slot_bytes}
     try:
-        if rank == 0:
+        if rank == 0 and slot_bytes > 0:
             try:
                 fd, path, nonce = _make_file(f"arena-{tag}", nbytes, ARENA_MAGIC, header=0)
                 offer.update(path=path, nonce=nonce.hex())
             except OSError as exc:
                 log.info("ringreduce: no host arena: %s", exc)
         offers = [json.loads(bytes(b)) for b in comm.exchange_blobs(json.dumps(offer).encode())]
-        one_host = all(o.get("host") == offer["host"] for o in offers) and offers[0].get("path")
-        if one_host and rank != 0:
+        alike = all(o.get("host") == offer["host"] and o.get("slot") == slot_bytes for o in offers)
+        if alike and slot_bytes > 0 and rank != 0 and offers[0].get("path"):
             fd = _open_offer(offers[0], ARENA_MAGIC, lambda n: n == nbytes)
-        opened = comm.exchange_blobs(b"1" if fd >= 0 else b"0")
+        opened = comm.exchange_blobs(b"1" if fd >= 0 and alike else b"0")
     except BaseException:
         if fd >= 0:
             os.close(fd)

@@ -225,3 +225,18 @@ def test_process_sets_get_their_own_arena(tmp_path):
         assert r.result[0] and all(r.result[0]), f"rank {r.rank}: {r.result[0]}"
     for members in ([0, 2, 3], [0, 1, 2, 3], [1, 3]):
         assert len({ranks[k].result[1][repr(members)] for k in members}) == 1, f"set {members} differs"
+
+
+def test_ranks_that_disagree_on_the_arena_keep_the_ring(tmp_path):
+    """Rank 2 wants no arena (RINGREDUCE_ARENA_BYTES=0) and rank 1 another
+    size: nobody gets one, nobody hangs in the agreement."""
+    ranks = run_ranks(3, """
+        arena = {"1": "65536", "2": "0"}.get(os.environ["RINGREDUCE_RANK"])
+        if arena is not None:
+            os.environ["RINGREDUCE_ARENA_BYTES"] = arena
+        rr.init()
+        from ringreduce import collectives as c
+        result = (c._state.comm.arena_slot, rr.allreduce(np.ones(3)).tolist())
+    """, tmp_path, timeout=60, init=False)
+    for r in ranks:
+        assert r.result == (0, [3.0] * 3)
