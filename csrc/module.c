@@ -660,6 +660,53 @@ static PyObject *Comm_get_small_rounds(CommObject *self, void *Py_UNUSED(closure
     return PyLong_FromLong(rr_doubling_usable(self->ring) ? rr_doubling_rounds(N) : N - 1);
 }
 
+/* attach_arena(fd, slot_bytes, spin): maps the host arena (ringreduce/shm.py
+ * made and checked the file; every rank attaches it at the same point).
+ * Takes ownership of fd. Returns whether the ring took it. */
+static PyObject *Comm_attach_arena(CommObject *self, PyObject *args)
+{
+    int fd, spin;
+    Py_ssize_t slot;
+    if (!PyArg_ParseTuple(args, "ini", &fd, &slot, &spin)) return NULL;
+    if (slot <= 0 || !self->ring || forked_away(self) || !self->ring->transport) {
+        close(fd);
+        PyErr_SetString(PyExc_ValueError, "bad slot size, or the communicator is closed or of one rank");
+        return NULL;
+    }
+    rr_error err = {0};
+    rr_arena *arena = rr_arena_map(fd, self->ring->rank, self->ring->size, (size_t)slot, spin, &err);
+    if (!arena) return raise_error(&err, 1);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    rc = rr_ring_attach_arena(self->ring, arena);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc) rr_arena_unmap(arena);
+    return PyBool_FromLong(rc == 0);
+}
+
+/* use_arena(on): switches the attached arena on or off (every rank alike,
+ * between operations): benchmarks compare it with the ring pass. */
+static PyObject *Comm_use_arena(CommObject *self, PyObject *args)
+{
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    if (!self->ring || !self->ring->arena) Py_RETURN_FALSE;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    self->ring->use_arena = on;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Comm_get_arena_slot(CommObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(self->ring && self->ring->arena && self->ring->use_arena
+                             ? rr_arena_slot_bytes(self->ring->arena) : 0);
+}
+
 static PyObject *Comm_last_phases(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (!self->ring) Py_RETURN_NONE;
@@ -707,6 +754,10 @@ static PyMethodDef Comm_methods[] = {
      "exchange_blobs(head, data=b'') -> list of every rank's head+data, in rank order"},
     {"allreduce_small", (PyCFunction)Comm_allreduce_small, METH_VARARGS,
      "allreduce_small(head, data, out, dtype, op) -> None, or every rank's blob when headers differ"},
+    {"attach_arena", (PyCFunction)Comm_attach_arena, METH_VARARGS,
+     "attach_arena(fd, slot_bytes, spin) -> whether the ring took the host arena (ringreduce/shm.py)"},
+    {"use_arena", (PyCFunction)Comm_use_arena, METH_VARARGS,
+     "use_arena(on): small operations through the attached arena or around the ring (all ranks alike)"},
     {"close", (PyCFunction)Comm_close, METH_NOARGS, "say goodbye to the peers and free everything"},
     {"interrupt", (PyCFunction)Comm_interrupt, METH_NOARGS,
      "from any thread: the running operation (and every later one) fails, and the peers learn this rank left"},
@@ -720,6 +771,7 @@ static PyGetSetDef Comm_getset[] = {
     {"small_rounds", (getter)Comm_get_small_rounds, NULL,
      "tensors the busiest rank of a small allreduce sends (doubling: log2 N, +1 off powers of two; ring: N-1)",
      NULL},
+    {"arena_slot", (getter)Comm_get_arena_slot, NULL, "blob bytes per rank of the host arena in use, 0: none", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -828,7 +880,21 @@ static PyObject *core_kernels16(PyObject *Py_UNUSED(m), PyObject *args)
     return PyUnicode_FromString(names[level]);
 }
 
+static PyObject *core_arena_file_bytes(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    int size;
+    Py_ssize_t slot;
+    if (!PyArg_ParseTuple(args, "in", &size, &slot)) return NULL;
+    if (size < 1 || slot <= 0) {
+        PyErr_SetString(PyExc_ValueError, "size and slot_bytes must be > 0");
+        return NULL;
+    }
+    return PyLong_FromSize_t(rr_arena_file_bytes(size, (size_t)slot));
+}
+
 static PyMethodDef core_methods[] = {
+    {"arena_file_bytes", core_arena_file_bytes, METH_VARARGS,
+     "arena_file_bytes(size, slot_bytes): size of a host arena's file (csrc/host_arena.h)"},
     {"kernels16", core_kernels16, METH_VARARGS,
      "kernels16([name]) -> the 16-bit float kernels in use ('portable', 'avx2', 'avx512'); with a name, use those "
      "(or the best this CPU runs, if less)"},

@@ -434,7 +434,8 @@ static void mpi_destroy(rr_transport *base)
     free(t);
 }
 
-static const rr_transport_ops mpi_ops = {mpi_exchange, mpi_abort, mpi_destroy, NULL, mpi_sendrecv};
+static const rr_transport_ops mpi_ops = {
+    .exchange = mpi_exchange, .abort = mpi_abort, .destroy = mpi_destroy, .sendrecv = mpi_sendrecv};
 
 rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s)
 {

@@ -41,6 +41,7 @@
 
 #include "device.h"
 #include "recursive_doubling.h"
+#include "host_arena.h"
 #include "reduce.h"
 
 static double monotonic_s(void)
@@ -81,10 +82,20 @@ int rr_ring_set_segment(rr_ring *ring, size_t segment_bytes)
     return 0;
 }
 
+int rr_ring_attach_arena(rr_ring *ring, rr_arena *arena)
+{
+    if (!ring->transport || !ring->transport->ops->stalled) return -1; /* its waits could not be judged */
+    rr_arena_unmap(ring->arena);
+    ring->arena = arena;
+    ring->use_arena = 1;
+    return 0;
+}
+
 void rr_ring_destroy(rr_ring *ring)
 {
     if (!ring) return;
     if (ring->transport) ring->transport->ops->destroy(ring->transport);
+    rr_arena_unmap(ring->arena);
     free(ring->staging);
     free(ring);
 }
@@ -415,8 +426,8 @@ int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int ro
  * blob of rank (r - k) and receives the blob of rank (r - k - 1). Each blob
  * travels as one frame, its length (u64) then its bytes, so a step costs one
  * hop. N-1 steps, the fewest a ring allows. */
-int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
-                      void **all, size_t *lens, rr_error *err)
+static int ring_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
+                               void **all, size_t *lens, rr_error *err)
 {
     const size_t len = hlen + dlen;
     const int N = ring->size, r = ring->rank;
@@ -482,9 +493,51 @@ out:
     return err->code;
 }
 
-/* Small allreduce: headers and data of every rank in one ring pass, then
- * each rank reduces all the data itself, in rank order, so every rank gets
- * the same bits. N-1 hops instead of the ring's 2(N-1) plus the header pass.
+/* The arena's blobs of the last round, copied out as rr_exchange_blobs gives them. */
+static int copy_arena_blobs(rr_ring *ring, void **all, size_t *lens, rr_error *err)
+{
+    size_t total = 0;
+    for (int i = 0; i < ring->size; i++) {
+        rr_arena_blob(ring->arena, i, &lens[i]);
+        total += lens[i];
+    }
+    if (!(*all = malloc(total ? total : 1))) {
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    for (size_t i = 0, at = 0; i < (size_t)ring->size; at += lens[i], i++)
+        memcpy((char *)*all + at, rr_arena_blob(ring->arena, (int)i, &lens[i]), lens[i]);
+    return RR_OK;
+}
+
+/* One arena round (host_arena.h) when the ring has one switched on:
+ * *done says every blob fitted and the round's blobs are in the arena;
+ * otherwise every rank moves this round's blobs around the ring instead. */
+static int arena_round(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen, int *done,
+                       rr_error *err)
+{
+    *done = 0;
+    if (!ring->arena || !ring->use_arena) return RR_OK;
+    int rc = rr_arena_round(ring->arena, ring->transport, head, hlen, data, dlen, done, err);
+    return rc == RR_OK ? RR_OK : fail(ring, rc, err);
+}
+
+int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
+                      void **all, size_t *lens, rr_error *err)
+{
+    int in_arena = 0;
+    *all = NULL;
+    if (hlen + dlen <= MAX_BLOB) { /* a bigger frame fails in the ring pass, naming this rank */
+        int rc = arena_round(ring, head, hlen, data, dlen, &in_arena, err);
+        if (rc != RR_OK) return rc;
+    }
+    if (in_arena) return copy_arena_blobs(ring, all, lens, err);
+    return ring_exchange_blobs(ring, head, hlen, data, dlen, all, lens, err);
+}
+
+/* Small allreduce: every rank's header and data meet in the host arena, or
+ * travel in one ring pass; then each rank reduces all the data itself, in
+ * rank order, so every rank gets the same bits (whichever way they met).
  * When some rank's header differs from ours nothing is reduced: *agreed is 0
  * and *all/lens hold every blob for the caller to explain the mismatch. */
 int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
@@ -494,27 +547,40 @@ int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void 
     const int N = ring->size;
     const size_t esize = rr_dtype_size(dtype);
     *agreed = 0;
+    *all = NULL;
     if (esize == 0 || dlen % esize) {
         rr_set_error(err, RR_E_INVALID, -1, "unsupported dtype %d or ragged buffer", (int)dtype);
         return err->code;
     }
     const int mean = op == RR_AVG && rr_avg_is_mean(dtype);
-    if (!mean && rr_doubling_usable(ring))
+    /* The arena first (every rank on one host); else doubling where the transport reaches any rank. */
+    if (!mean && rr_doubling_usable(ring) && !(ring->arena && ring->use_arena))
         return rr_allreduce_doubling(ring, head, hlen, data, dlen, out, dtype, op, agreed, all, lens, err);
-    int rc = rr_exchange_blobs(ring, head, hlen, data, dlen, all, lens, err);
+    int in_arena = 0;
+    int rc = hlen + dlen <= MAX_BLOB ? arena_round(ring, head, hlen, data, dlen, &in_arena, err) : RR_OK;
+    if (rc == RR_OK && !in_arena) rc = ring_exchange_blobs(ring, head, hlen, data, dlen, all, lens, err);
     if (rc != RR_OK) return rc;
-    const char *blob = *all;
-    for (int i = 0; i < N; blob += lens[i], i++)
-        if (lens[i] != hlen + dlen || memcmp(blob, head, hlen) != 0) return RR_OK;
+    const char **blob = malloc(sizeof *blob * (size_t)N);
+    if (!blob) {
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    for (size_t i = 0, at = 0; i < (size_t)N; at += lens[i], i++)
+        blob[i] = in_arena ? rr_arena_blob(ring->arena, (int)i, &lens[i]) : (const char *)*all + at;
+    int same = 1;
+    for (int i = 0; i < N && same; i++) same = lens[i] == hlen + dlen && memcmp(blob[i], head, hlen) == 0;
+    if (!same) {
+        free(blob);
+        return in_arena ? copy_arena_blobs(ring, all, lens, err) : RR_OK;
+    }
     *agreed = 1;
-    blob = *all;
-    memcpy(out, blob + hlen, dlen);
+    memcpy(out, blob[0] + hlen, dlen);
     for (int i = 1; i < N; i++) {
-        blob += hlen + dlen;
-        if (mean) rr_mean_fold(out, blob + hlen, out, dlen / esize, dtype, i + 1);
-        else rr_reduce(out, blob + hlen, dlen / esize, dtype, op);
+        if (mean) rr_mean_fold(out, blob[i] + hlen, out, dlen / esize, dtype, i + 1);
+        else rr_reduce(out, blob[i] + hlen, dlen / esize, dtype, op);
     }
     if (op == RR_AVG && !mean) rr_divide(out, dlen / esize, dtype, N);
+    free(blob);
     free(*all);
     *all = NULL;
     return RR_OK;

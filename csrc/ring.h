@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include "reduce_math.h"
 #include "device.h"
+#include "host_arena.h"
 #include "transport.h"
 
 /* The small operations' algorithm (rr_exchange_blobs, rr_allreduce_small):
@@ -21,6 +22,8 @@ typedef struct rr_ring {
     void *staging;           /* one segment: where received partials land before reduction */
     double phase_times[3];   /* last allreduce: start, ScatterReduce done, end (CLOCK_MONOTONIC s) */
     rr_small_algorithm small_algorithm; /* the same on every rank, or the blob passes never meet */
+    rr_arena *arena;         /* owned, or NULL: every rank on one host shares it (host_arena.h) */
+    int use_arena;           /* blob exchanges and small allreduces go through it (a switch to compare) */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */
@@ -29,6 +32,11 @@ void rr_ring_destroy(rr_ring *ring);
 /* A new pipeline segment (autotuning, ringreduce/autotune.py), between
  * operations only. -1 on out-of-memory, the old segment kept. */
 int rr_ring_set_segment(rr_ring *ring, size_t segment_bytes);
+
+/* Takes ownership of a host arena every rank of the ring attached, in the
+ * same order: header passes and small allreduces go through it from now on.
+ * -1 (the arena not taken) when the transport cannot judge its waits. */
+int rr_ring_attach_arena(rr_ring *ring, rr_arena *arena);
 
 /* Before each operation: fails (and aborts the transport) when a peer is
  * already known lost, so no rank starts what cannot finish. */
@@ -65,17 +73,19 @@ int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int ro
 int rr_alltoall(rr_ring *ring, const void *src, void *dst, const size_t *bytes, rr_error *err);
 
 /* Every rank contributes one blob of any length (up to 64 MiB), given as a
- * header and data; every rank gets all of them, in rank order (by recursive
- * doubling where rr_doubling_usable, else around the ring). *all is one malloc'ed block holding the
+ * header and data; every rank gets all of them, in rank order (through the
+ * host arena when every blob fits its slot, else by recursive doubling where
+ * rr_doubling_usable, else around the ring). *all is one malloc'ed block holding the
  * blobs back to back; lens[size] their lengths. Used for the headers that
  * precede every operation, and for small operations whose data rides along. */
 int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
                       void **all, size_t *lens, rr_error *err);
 
-/* Allreduce for small buffers: where rr_doubling_usable, by recursive
- * doubling (rr_allreduce_doubling; 16-bit averages gather by doubling and
- * reduce as below). Else every rank's header and data travel in one
- * rr_exchange_blobs pass, and each rank reduces them in rank order into out.
+/* Allreduce for small buffers: through the host arena when there (reduced
+ * straight out of it); else, where rr_doubling_usable, by recursive doubling
+ * (rr_allreduce_doubling; 16-bit averages gather by doubling and reduce as
+ * below); else every rank's header and data travel in one rr_exchange_blobs
+ * pass, and each rank reduces them in rank order into out.
  * If any header differs from ours, *agreed is 0, nothing is reduced, and
  * *all/lens hold every rank's blob (caller frees *all). */
 int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,

@@ -316,7 +316,36 @@ static int tcp_begin(rr_transport *base, rr_error *err)
     return star_verdict(t, err);
 }
 
-static const rr_transport_ops tcp_ops = {tcp_exchange, tcp_abort, tcp_destroy, tcp_begin};
+/* Whether a neighbour closed its link (a data link is only peeked at). */
+static int link_closed(int fd, int shm, int *closed)
+{
+    if (shm) {
+        if (!*closed && drain(fd)) *closed = 1;
+        return *closed;
+    }
+    char b;
+    ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && !would_block());
+}
+
+/* A wait in the host arena: judged as exchange() judges its own waits. A
+ * neighbour waited on that closed its link left without its part (one that
+ * left after publishing is not waited on); the rank at fault is named as
+ * peer_failed names it, and the star tells the ranks that are no neighbour. */
+static int tcp_stalled(rr_transport *base, int waited_on, long long waited_ms, rr_error *err)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    int rc = tcp_begin(base, err);
+    if (rc != RR_OK) return rc;
+    if ((waited_on == next_rank(t) && link_closed(t->next_fd, t->tx_shm != NULL, &t->next_closed)) ||
+        (waited_on == prev_rank(t) && link_closed(t->prev_fd, t->rx_shm != NULL, &t->prev_closed)))
+        return closed_error(t, waited_on, err);
+    if (t->timeout_ms >= 0 && waited_ms >= t->timeout_ms) return peer_silent(t, waited_on, err);
+    return RR_OK;
+}
+
+static const rr_transport_ops tcp_ops = {
+    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .stalled = tcp_stalled};
 
 rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
                             const int *ctrl_fds, int n_ctrl, double timeout_s, int spin_rounds,

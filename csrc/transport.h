@@ -44,6 +44,11 @@ typedef struct rr_transport_ops {
      * one really silent blames it first, and its notice arrives in time. */
     int (*sendrecv)(rr_transport *t, int peer, int depth, const void *const *sbufs, const size_t *slens,
                     int nsend, void **rbufs, size_t *rlens, int nrecv, rr_error *err);
+    /* Optional (NULL: the transport cannot judge waits it does not run). A
+     * wait outside exchange() (the host arena, csrc/host_arena.h) has waited
+     * waited_ms on rank waited_on: returns an error, with err filled, when a
+     * peer is known lost or the wait has passed the transport's timeout. */
+    int (*stalled)(rr_transport *t, int waited_on, long long waited_ms, rr_error *err);
 } rr_transport_ops;
 
 #define RR_PEER_MSGS 2

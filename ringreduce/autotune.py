@@ -254,7 +254,7 @@ def tune_ring(ring, world, backend: str, env=None):
         choice = dataclasses.replace(choice, small_bytes=fixed_small)
     config = dataclasses.replace(config, segment_bytes=choice.segment_bytes, small_bytes=choice.small_bytes)
     ring.comm.set_segment(choice.segment_bytes)
-    ring.small_limit = config.small_limit(world.size)
+    ring.small_limit = config.small_limit(world.size, world.extra.get("arena", False))
     how = f"calibrated in {choice.seconds:.2f} s" if choice.calibrated else f"from the cache {path}"
     if world.rank == 0:
         log.warning("ringreduce autotune (%s): segment %d bytes, small limit %d bytes (%d per tensor), %s",

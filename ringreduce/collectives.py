@@ -9,6 +9,8 @@ all of them alike. Small allreduces finish right there, reducing the blobs in
 rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
 Over MPI both passes run by recursive doubling instead (log2 N rounds, the
 small allreduce reducing as it goes: csrc/recursive_doubling.c).
+When every rank shares one host the pass is no ring at all: the blobs meet in
+a shared arena (csrc/host_arena.h), each written once and read in place.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from . import _core, autotune as _autotune, config as _config, cuda as _cuda, mpi_backend, world as _world
+from . import _core, autotune as _autotune, config as _config, cuda as _cuda, mpi_backend, shm as _shm, world as _world
 from .errors import MismatchError, RingReduceError, StaleGenerationError
 
 
@@ -141,10 +143,15 @@ def init(backend: str | None = None, comm=None) -> None:
                                      tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
             w.extra["links"] = links.kinds()
             _state.world = w
+            try:
+                w.extra["arena"] = attach_arena(_state.comm, w.rank, w.size, "world", config)
+            except BaseException:
+                shutdown()  # a peer lost while agreeing: leave, so init() may be called again
+                raise
         _state.init_args = (backend or ("mpi" if _state.world.source == "MPI communicator" else "socket"), comm)
         _state.broken = None
         _state.generation = _state.world.extra.get("generation", 0)
-        _state.small_limit = _state.world.config.small_limit(_state.world.size)
+        _state.small_limit = _state.world.config.small_limit(_state.world.size, _state.world.extra.get("arena", False))
         _state.ring = _Ring(_state.comm, _state.world.rank, _state.world.size, _state.small_limit,
                             list(range(_state.world.size)))
         if _autotune.enabled() and _state.world.size > 1:  # before any user collective (ringreduce/autotune.py)
@@ -154,6 +161,12 @@ def init(backend: str | None = None, comm=None) -> None:
                 shutdown()  # a peer lost while calibrating: leave, so init() may be called again
                 raise
             _state.small_limit = _state.ring.small_limit
+
+
+def attach_arena(comm, rank: int, size: int, tag: str, config: _config.Config) -> bool:
+    """The host arena for a socket ring whose ranks share one host (ringreduce/shm.py)."""
+    slot = config.arena_bytes + _config.ARENA_HEADER_ROOM if config.arena_bytes else 0  # 0: wants none
+    return _shm.attach_arena(comm, rank, size, tag, slot, config.spin)
 
 
 def _check_same_init(backend, comm) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 MAX_SMALL_BYTES = 32 << 20
 MAX_SEGMENT_BYTES = 64 << 20
 MAX_SHM_BYTES = 1 << 30  # what a taker accepts (ringreduce/shm.py)
+MAX_ARENA_BYTES = 16 << 20  # per rank, twice over (csrc/host_arena.h)
+ARENA_HEADER_ROOM = 4096  # an arena slot holds arena_bytes of data plus the operation's header
 BACKENDS = ("", "socket", "mpi")
 SMALL_ALGORITHMS = ("", "doubling", "ring")
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
@@ -29,6 +31,8 @@ class Config:
     backend: str = ""               # RINGREDUCE_BACKEND: "socket" or "mpi"; empty: choose
     shm_bytes: int = 1 << 20        # RINGREDUCE_SHM_BYTES: buffer of a shared-memory link between
                                     # neighbours on one host (socket backend); 0: sockets only
+    arena_bytes: int = 256 << 10    # RINGREDUCE_ARENA_BYTES: largest tensor of the host arena, the small
+                                    # path when all ranks share one host (socket backend); 0: none
     fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
     cache_capacity: int = 1024      # RINGREDUCE_CACHE_CAPACITY: requests the engine's response cache
                                     # holds (ringreduce/response_cache.py); 0: no cache
@@ -46,6 +50,8 @@ class Config:
         _check("RINGREDUCE_BACKEND", self.backend, self.backend in BACKENDS, "'socket', 'mpi' or empty")
         _check("RINGREDUCE_SHM_BYTES", self.shm_bytes, 0 <= self.shm_bytes <= MAX_SHM_BYTES,
                f"0 (sockets only) .. {MAX_SHM_BYTES} bytes")
+        _check("RINGREDUCE_ARENA_BYTES", self.arena_bytes, 0 <= self.arena_bytes <= MAX_ARENA_BYTES,
+               f"0 (no host arena) .. {MAX_ARENA_BYTES} bytes")
         _check("RINGREDUCE_FUSION_THRESHOLD", self.fusion_bytes, self.fusion_bytes >= 0, "bytes >= 0")
         _check("RINGREDUCE_SMALL_ALGORITHM", self.small_algorithm, self.small_algorithm in SMALL_ALGORITHMS,
                "'doubling', 'ring' or empty")
@@ -57,11 +63,14 @@ class Config:
         """The timeout the C transport gets: 0 means never, which it spells inf."""
         return math.inf if self.timeout == 0 else self.timeout
 
-    def small_limit(self, size: int) -> int:
+    def small_limit(self, size: int, arena: bool = False) -> int:
         """Largest tensor (bytes) for the one-pass small algorithm on `size`
         ranks: it sends (N-1) times the tensor, the ring 2(N-1)/N times plus
-        3(N-1) latencies; measured crossover ~128 KiB at N=2, ~48 KiB at N=4."""
-        return self.small_bytes // max(size - 1, 1)
+        3(N-1) latencies; measured crossover ~128 KiB at N=2, ~48 KiB at N=4.
+        Through the host arena (`arena`) each rank writes its tensor once and
+        reads N: it beats the ring up to arena_bytes (docs/performance.md)."""
+        ring_pass = self.small_bytes // max(size - 1, 1)
+        return max(ring_pass, self.arena_bytes) if arena and self.small_bytes > 0 else ring_pass
 
     @classmethod
     def from_env(cls, env=None) -> "Config":
@@ -85,6 +94,7 @@ class Config:
             spin=get("RINGREDUCE_SPIN", d.spin, int),
             backend=get("RINGREDUCE_BACKEND", d.backend, str),
             shm_bytes=get("RINGREDUCE_SHM_BYTES", d.shm_bytes, int),
+            arena_bytes=get("RINGREDUCE_ARENA_BYTES", d.arena_bytes, int),
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
             small_algorithm=get("RINGREDUCE_SMALL_ALGORITHM", d.small_algorithm, str),

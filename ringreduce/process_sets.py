@@ -132,10 +132,11 @@ def add_process_set(process_set) -> ProcessSet:
                 comm.close()
             raise RingReduceError(f"add_process_set({ranks}) failed: " + "; ".join(failed))
         member = ranks.index(ring.rank) if ring.rank in ranks else -1
+        arena = comm is not None and comm.arena_slot > 0
         if comm is not None:
             comm = _SetComm(comm, set_id, ranks, links)
-        _c._state.sets[set_id] = _c._Ring(comm, member, len(ranks), _c._state.world.config.small_limit(len(ranks)),
-                                          ranks, [ps])
+        _c._state.sets[set_id] = _c._Ring(comm, member, len(ranks),
+                                          _c._state.world.config.small_limit(len(ranks), arena), ranks, [ps])
         ps.process_set_id = set_id
         return ps
 
@@ -248,8 +249,14 @@ def _connect(ring, ranks: list, set_id: int, ports: list, listener):
     links = _world.connect_subring(world, listener, me, ranks, [ports[r] for r in ranks],
                                    f"process set {set_id}", _generation) if listener is not None else _world.Links()
     cfg = world.config
-    return _core.Comm(me, len(ranks), links.next_fd, links.prev_fd, links.ctrl_fds, cfg.ring_timeout,
-                      cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd), links.kinds()
+    comm = _core.Comm(me, len(ranks), links.next_fd, links.prev_fd, links.ctrl_fds, cfg.ring_timeout,
+                      cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
+    try:
+        _c.attach_arena(comm, me, len(ranks), f"set{set_id}", cfg)
+    except BaseException:
+        comm.close()
+        raise
+    return comm, links.kinds()
 
 
 class _SetComm:

@@ -12,10 +12,15 @@ links are agreed nothing is left in /dev/shm, however the job ends.
 The file's layout is csrc/shm_link.h's: the magic and nonce at the start,
 the data from RR_SHM_DATA_OFFSET on. After this, csrc/tcp.c moves the data
 through the mapping and uses the socket only to wake a sleeping side.
+
+When every rank of a ring is on one host, they also share one arena
+(csrc/host_arena.h) for small operations: attach_arena() below, agreed the
+same way (the offer travels in a ring pass of blobs) and unlinked at once.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -25,6 +30,7 @@ import stat
 log = logging.getLogger("ringreduce")
 
 MAGIC = b"RRSHM1\0\0"
+ARENA_MAGIC = b"RRARENA1"  # csrc/host_arena.h
 DATA_OFFSET = 4096
 SHM_DIR = "/dev/shm"
 MAX_BYTES = 1 << 30  # largest link buffer offered or taken
@@ -39,15 +45,15 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{netns}"
 
 
-def _make_file(tag: str, capacity: int) -> tuple[int, str, bytes]:
+def _make_file(tag: str, capacity: int, magic: bytes = MAGIC, header: int = DATA_OFFSET) -> tuple[int, str, bytes]:
     nonce = secrets.token_bytes(32)
     path = os.path.join(SHM_DIR, f"ringreduce-{tag}-{secrets.token_hex(6)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         # Reserve the pages now: a full /dev/shm then says ENOSPC here (the
         # link stays on TCP), not SIGBUS in the middle of a collective.
-        os.posix_fallocate(fd, 0, DATA_OFFSET + capacity)
-        os.pwrite(fd, MAGIC + nonce, 0)
+        os.posix_fallocate(fd, 0, header + capacity)
+        os.pwrite(fd, magic + nonce, 0)
     except OSError:
         os.close(fd)
         os.unlink(path)
@@ -55,7 +61,7 @@ def _make_file(tag: str, capacity: int) -> tuple[int, str, bytes]:
     return fd, path, nonce
 
 
-def _open_offer(offer: dict) -> int:
+def _open_offer(offer: dict, magic: bytes = MAGIC, size_ok=lambda n: DATA_OFFSET < n <= DATA_OFFSET + MAX_BYTES) -> int:
     """The file named by a neighbour's offer, or -1 where we cannot share it."""
     if not isinstance(offer, dict) or not offer.get("path") or offer.get("host") != host_identity():
         return -1
@@ -70,8 +76,8 @@ def _open_offer(offer: dict) -> int:
         st = os.fstat(fd)
         # Only a file as _make_file leaves it: ours alone, one name, a sane size.
         private = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
-        if private and st.st_nlink == 1 and DATA_OFFSET < st.st_size <= DATA_OFFSET + MAX_BYTES and \
-                os.pread(fd, len(MAGIC) + 32, 0) == MAGIC + bytes.fromhex(offer.get("nonce", "")):
+        if private and st.st_nlink == 1 and size_ok(st.st_size) and \
+                os.pread(fd, len(magic) + 32, 0) == magic + bytes.fromhex(offer.get("nonce", "")):
             return fd
     except Exception:  # noqa: BLE001 - a malformed offer is declined, whatever is wrong with it
         pass
@@ -122,3 +128,50 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
         os.close(rx_fd)
         rx_fd = -1
     return tx_fd, rx_fd
+
+
+def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: int) -> bool:
+    """Gives comm (every rank of its ring calls this at the same point) a
+    host arena with slot_bytes per rank, when all ranks share this host and
+    want the same slot size (slot_bytes 0: this rank wants none, and so
+    nobody gets one; it still takes part, so no rank waits for it).
+
+    Ring rank 0 makes the file and offers it in a ring pass of blobs that
+    also carries every rank's host identity and slot size; the others open it
+    only when all of those are the same, and a second pass says whether all
+    could. Rank 0 unlinks the file after that pass, whatever happened: the
+    mappings keep it alive, and nothing is left in /dev/shm however the job ends.
+    Returns whether the arena is in use (False: small operations stay on the ring).
+    """
+    from . import _core
+
+    if size < 2:
+        return False
+    nbytes = _core.arena_file_bytes(size, slot_bytes) if slot_bytes > 0 else 0
+    fd, path = -1, None
+    offer: dict = {"host": host_identity(), "slot": slot_bytes}
+    try:
+        if rank == 0 and slot_bytes > 0:
+            try:
+                fd, path, nonce = _make_file(f"arena-{tag}", nbytes, ARENA_MAGIC, header=0)
+                offer.update(path=path, nonce=nonce.hex())
+            except OSError as exc:
+                log.info("ringreduce: no host arena: %s", exc)
+        offers = [json.loads(bytes(b)) for b in comm.exchange_blobs(json.dumps(offer).encode())]
+        alike = all(o.get("host") == offer["host"] and o.get("slot") == slot_bytes for o in offers)
+        if alike and slot_bytes > 0 and rank != 0 and offers[0].get("path"):
+            fd = _open_offer(offers[0], ARENA_MAGIC, lambda n: n == nbytes)
+        opened = comm.exchange_blobs(b"1" if fd >= 0 and alike else b"0")
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    finally:
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    if not all(bytes(b) == b"1" for b in opened):
+        if fd >= 0:
+            os.close(fd)
+        return False
+    return comm.attach_arena(fd, slot_bytes, spin)

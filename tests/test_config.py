@@ -14,6 +14,7 @@ BAD = {
     "RINGREDUCE_SPIN": ["-1"],
     "RINGREDUCE_BACKEND": ["gloo"],
     "RINGREDUCE_SHM_BYTES": ["-1", str(2 << 30)],
+    "RINGREDUCE_ARENA_BYTES": ["-1", str(32 << 20), "big"],
     "RINGREDUCE_FUSION_THRESHOLD": ["-1"],
     "RINGREDUCE_CACHE_CAPACITY": ["-1", "lots", str((1 << 20) + 1)],
 }

@@ -1,0 +1,59 @@
+/* A per-host shared arena: when every rank of a ring runs on one host, a
+ * small operation needs no ring at all. Each rank writes its blob (header and
+ * data) into its own slot of one shared mapping and publishes a round number;
+ * every rank waits until all N slots carry that round, then reads all N blobs
+ * in place. One write and one wait instead of N-1 hops through the ring, each
+ * of which could be a sleep and a wake-up.
+ *
+ *   file:  [ page 0: magic, nonce (ringreduce/shm.py) | gen | sleepers ]
+ *          [ round of rank 0 | round of rank 1 | ...   (a cache line each) ]
+ *          [ rank 0 buf 0 | rank 0 buf 1 | rank 1 buf 0 | rank 1 buf 1 | ... ]
+ *
+ * Round s goes into buffer s % 2. No "consumed" marks are needed: a rank
+ * publishes round s+1 only after finishing round s, which needed every rank's
+ * round s, which each published only after it had finished reading round
+ * s-1. So when any rank writes buffer (s+1) % 2, nobody reads round s-1 any
+ * more.
+ *
+ * Waiting: a brief sched_yield spin (with more ranks than cores, the rank we
+ * wait for runs now), then a futex sleep on `gen`, the word every publish
+ * bumps. A dead or silent peer is seen through the transport (its control
+ * star, csrc/tcp.c), asked between sleeps: the arena knows nothing of sockets.
+ *
+ * The file is made, checked and unlinked by ringreduce/shm.py (like the
+ * links); its layout is fixed here (rr_arena_file_bytes). */
+#ifndef RINGREDUCE_HOST_ARENA_H
+#define RINGREDUCE_HOST_ARENA_H
+
+#include <stddef.h>
+
+#include "error.h"
+#include "transport.h"
+
+#define RR_ARENA_MAGIC "RRARENA1"
+
+typedef struct rr_arena rr_arena;
+
+/* Size of the file for `size` ranks whose blobs are up to slot_bytes. */
+size_t rr_arena_file_bytes(int size, size_t slot_bytes);
+
+/* Maps the file (taking ownership of fd); its size must be
+ * rr_arena_file_bytes(size, slot_bytes). NULL with err filled on failure. */
+rr_arena *rr_arena_map(int fd, int rank, int size, size_t slot_bytes, int spin, rr_error *err);
+void rr_arena_unmap(rr_arena *a);
+
+/* Largest blob a slot holds. */
+size_t rr_arena_slot_bytes(const rr_arena *a);
+
+/* One round: publishes this rank's blob (head then data) and waits until
+ * every rank's blob of the round is there. A blob too big for its slot is
+ * published as its length alone: *all_fit is then 0 on every rank, and all
+ * of them must move this round's blobs another way. Waits ask t->ops->stalled
+ * (a lost or silent peer ends the wait with its error). */
+int rr_arena_round(rr_arena *a, rr_transport *t, const void *head, size_t hlen, const void *data, size_t dlen,
+                   int *all_fit, rr_error *err);
+
+/* Rank i's blob of the last round (valid until the next round), *len bytes. */
+const void *rr_arena_blob(const rr_arena *a, int i, size_t *len);
+
+#endif
