@@ -1,0 +1,59 @@
+"""The mistakes a new user makes in the first hour, each a clear error on
+every rank (naming the rank at fault), never a hang or silently wrong data."""
+from __future__ import annotations
+
+import pytest
+
+from ranks import run_ranks
+
+# Bad input on one rank only: that rank raises its own TypeError/ValueError
+# before any data moves. The others must not pair their collective with that
+# rank's next one (it ran ahead): they raise MismatchError naming it, and the
+# ring stays usable for the next collective on every rank.
+ONE_RANK_MISTAKES = {
+    "unknown op": "rr.allreduce(np.ones(3), op='mean' if bad else 'sum')",
+    "unsupported dtype": "rr.allreduce(np.ones(3, np.complex64 if bad else np.float32))",
+    "wrong out": "rr.allreduce(np.ones(3), out=np.ones(4) if bad else None)",
+    "read-only out": "rr.allreduce(np.ones(3), out=ro if bad else None)",
+    "ragged list": "rr.allreduce([[1.0], [2.0, 3.0]] if bad else np.ones(2))",
+    "large unsupported dtype": "rr.allreduce(np.ones(100_000, np.uint32 if bad else np.float32))",
+    "reduce_scatter op": "rr.reduce_scatter(np.ones(4), op='avg ' if bad else 'avg')",
+    "allgather object": "rr.allgather(np.array([None], object) if bad else np.ones(1))",
+    "broadcast root": "rr.broadcast(np.ones(3), root=7 if bad else 0)",
+    "alltoall 0-d": "rr.alltoall(np.float32(1) if bad else np.ones(rr.size()))",
+    "alltoall float splits": "rr.alltoall(np.ones(2), splits=[1.0, 1.0] if bad else [1, 1])",
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(ONE_RANK_MISTAKES))
+def test_bad_input_on_one_rank_raises_on_every_rank(tmp_path, mistake):
+    call = ONE_RANK_MISTAKES[mistake]
+    results = run_ranks(2, f"""
+        bad = rr.rank() == 1
+        ro = np.ones(3)
+        ro.flags.writeable = False
+        try:
+            {call}
+            first = "no error"
+        except rr.MismatchError as e:
+            first = "MismatchError: " + str(e)
+        except (TypeError, ValueError) as e:
+            first = "own: " + type(e).__name__
+        after = rr.allreduce(np.full(2, rr.rank() + 1.0), name="after").tolist()
+        result = first, after
+    """, tmp_path, timeout=60)
+    (good, good_after), (bad, bad_after) = (r.result for r in results)
+    assert bad.startswith("own: "), bad
+    assert good.startswith("MismatchError: ") and "rank 1" in good, good
+    assert good_after == bad_after == [3.0, 3.0]
+
+
+def test_same_bad_input_on_every_rank_raises_the_same_error_everywhere(tmp_path):
+    results = run_ranks(2, """
+        try:
+            rr.allreduce(np.ones(3), op="mean")
+        except ValueError as e:
+            first = str(e)
+        result = first, rr.allreduce(np.ones(2)).tolist()
+    """, tmp_path, timeout=60)
+    assert [r.result for r in results] == [("unknown op 'mean'; choose one of sum, prod, min, max, avg", [2.0, 2.0])] * 2
