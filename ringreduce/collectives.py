@@ -101,6 +101,7 @@ def init(backend: str | None = None, comm=None) -> None:
             _check_same_init(backend, comm)
             return
         config = _config.Config.from_env()  # a setting that makes no sense raises here
+        _config.warn_unknown()  # a misspelt one is warned about
         _autotune.enabled()  # so does RINGREDUCE_AUTOTUNE
         backend = backend or config.backend or None
         if comm is not None and backend not in (None, "mpi"):

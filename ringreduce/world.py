@@ -109,6 +109,11 @@ def discover(env=None) -> World:
 
     if env.get("TF_CONFIG"):
         return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, config)
+    half = [n for n in ("RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_LOCAL_RANK", "RINGREDUCE_LOCAL_SIZE")
+            if env.get(n, "") != ""]
+    if half:  # a world of N was meant: each process training alone would be silently wrong
+        raise RingReduceError(f"{', '.join(f'{n}={env[n]}' for n in half)} is set but RINGREDUCE_RANK is not: "
+                              "set RINGREDUCE_RANK on every rank too, or launch with ringrun -np N")
     return World(config=config)
 
 

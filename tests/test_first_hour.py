@@ -2,7 +2,11 @@
 every rank (naming the rank at fault), never a hang or silently wrong data."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+import ringreduce as rr
 
 from ranks import run_ranks
 
@@ -57,3 +61,35 @@ def test_same_bad_input_on_every_rank_raises_the_same_error_everywhere(tmp_path)
         result = first, rr.allreduce(np.ones(2)).tolist()
     """, tmp_path, timeout=60)
     assert [r.result for r in results] == [("unknown op 'mean'; choose one of sum, prod, min, max, avg", [2.0, 2.0])] * 2
+
+
+# --------------------------------------------------------------------------- the environment
+
+
+@pytest.mark.parametrize("env", [{"RINGREDUCE_SIZE": "4"},
+                                 {"RINGREDUCE_ADDR": "127.0.0.1:29500", "RINGREDUCE_SIZE": "2"},
+                                 {"RINGREDUCE_LOCAL_RANK": "1"}])
+def test_a_half_set_world_is_an_error_not_a_world_of_one(env):
+    """RINGREDUCE_SIZE=4 without RINGREDUCE_RANK meant 4 ranks: each process
+    training alone as a world of one would be silently wrong."""
+    from ringreduce import world
+    with pytest.raises(rr.RingReduceError, match="RINGREDUCE_RANK"):
+        world.discover(env)
+
+
+def test_no_launcher_at_all_is_a_world_of_one():
+    from ringreduce import world
+    w = world.discover({"HOME": "/root", "RINGREDUCE_SECRET": "s"})
+    assert (w.rank, w.size, w.source) == (0, 1, "single process")
+
+
+def test_a_misspelt_setting_is_warned_about_with_the_name_meant(monkeypatch):
+    monkeypatch.setenv("RINGREDUCE_TIMOUT", "5")
+    monkeypatch.setenv("RINGREDUCE_SEGMENT_BYTES", "65536")
+    for name in [n for n in os.environ if n.startswith(("RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_ADDR"))]:
+        monkeypatch.delenv(name)
+    rr.shutdown()
+    with pytest.warns(UserWarning, match="RINGREDUCE_TIMOUT.*RINGREDUCE_TIMEOUT") as caught:
+        rr.init()
+    rr.shutdown()
+    assert not any("SEGMENT" in str(w.message) for w in caught)
