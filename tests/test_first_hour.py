@@ -3,12 +3,14 @@ every rank (naming the rank at fault), never a hang or silently wrong data."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 import ringreduce as rr
 
-from ranks import run_ranks
+from ranks import REPO, run_ranks
 
 # Bad input on one rank only: that rank raises its own TypeError/ValueError
 # before any data moves. The others must not pair their collective with that
@@ -93,3 +95,47 @@ def test_a_misspelt_setting_is_warned_about_with_the_name_meant(monkeypatch):
         rr.init()
     rr.shutdown()
     assert not any("SEGMENT" in str(w.message) for w in caught)
+
+
+# --------------------------------------------------------------------------- ringrun
+
+
+def ringrun(*args, timeout=60):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RINGREDUCE_SECRET", None)
+    return subprocess.run([sys.executable, "-m", "ringreduce.run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+class _Ended:
+    """A rank's process that has already ended with `code`."""
+
+    def __init__(self, code):
+        self.returncode, self.stdin, self.pid = code, None, -1
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self):
+        return self.returncode
+
+
+def test_ringrun_names_the_rank_that_failed_first_not_the_lowest(capsys):
+    """Rank 2 fails; ranks 0 and 1 fail a few ms later (PeerLostError), inside
+    one of ringrun's 50 ms polls: ringrun must blame rank 2, whose output says
+    why, not rank 0, whose output only says it lost a peer."""
+    from ringreduce import run
+    job = run.Job()
+    job.ranks = [run.Rank(i, False, _Ended(code)) for i, code in enumerate([1, 1, 3])]
+    for i in (2, 0, 1):  # the order they ended in
+        job.wait_for(job.ranks[i])
+    assert run.watch(job).code == 3
+    assert capsys.readouterr().err == "ringrun: rank 2 exited with code 3; no rank left to stop\n"
+
+
+@pytest.mark.parametrize("args, says", [(["--timeout", "-1"], "--timeout"), (["-H", "localhost:x"], "-H"),
+                                        (["-H", "localhost:0"], "-H"), (["-H", ":2"], "-H")])
+def test_ringrun_refuses_bad_arguments_up_front(args, says):
+    out = ringrun("-np", "2", *args, sys.executable, "-c", "pass")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "ringrun: error:" in out.stderr and says in out.stderr, out.stderr
