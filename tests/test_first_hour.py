@@ -139,3 +139,19 @@ def test_ringrun_refuses_bad_arguments_up_front(args, says):
     out = ringrun("-np", "2", *args, sys.executable, "-c", "pass")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "ringrun: error:" in out.stderr and says in out.stderr, out.stderr
+
+
+def test_srun_without_a_world_is_an_error_not_n_worlds_of_one():
+    """`srun -n 4 python train.py` (no PMI for MPI): every task would train alone."""
+    from ringreduce import world
+    with pytest.raises(rr.RingReduceError, match="srun"):
+        world.discover({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4"})
+    w = world.discover({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"})  # a batch script's own step
+    assert (w.rank, w.size) == (0, 1)
+
+
+def test_srun_with_pmix_gives_the_size_of_the_step():
+    """srun --mpi=pmix sets PMIX_RANK but no PMI_SIZE: rank 3 must not be a rank of a world of one."""
+    from ringreduce import world
+    w = world.discover({"PMIX_RANK": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3"})
+    assert (w.rank, w.size, w.source) == (3, 4, "mpirun")
