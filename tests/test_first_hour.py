@@ -155,3 +155,11 @@ def test_srun_with_pmix_gives_the_size_of_the_step():
     from ringreduce import world
     w = world.discover({"PMIX_RANK": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3"})
     assert (w.rank, w.size, w.source) == (3, 4, "mpirun")
+
+
+def test_ringrun_with_a_script_but_no_interpreter_says_to_add_python(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    out = ringrun("-np", "2", str(script))
+    assert out.returncode == 127
+    assert "ringrun -np N python" in out.stderr, out.stderr
