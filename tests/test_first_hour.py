@@ -163,3 +163,52 @@ def test_ringrun_with_a_script_but_no_interpreter_says_to_add_python(tmp_path):
     out = ringrun("-np", "2", str(script))
     assert out.returncode == 127
     assert "ringrun -np N python" in out.stderr, out.stderr
+
+
+ENGINE_MISTAKES = {
+    "unsupported dtype": "e.enqueue('g', np.ones(3, np.complex64 if bad else np.float32), op='avg')",
+    "unknown op": "e.enqueue('g', np.ones(3), op='mean' if bad else 'avg')",
+    "broadcast root": "e.enqueue('g', np.ones(3), kind='broadcast', root=5 if bad else 0)",
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(ENGINE_MISTAKES))
+def test_bad_input_on_one_rank_fails_at_once_in_the_engine(tmp_path, mistake):
+    """The same through the background engine (the TF layer's path): the
+    others fail that tensor at once, naming the rank, not after waiting
+    RINGREDUCE_TIMEOUT for a tensor "never submitted"."""
+    results = run_ranks(2, f"""
+        import time
+        from ringreduce.engine import engine
+        e = engine()
+        bad = rr.rank() == 1
+        t0 = time.monotonic()
+        try:
+            e.wait({ENGINE_MISTAKES[mistake]})
+            first = "no error"
+        except rr.MismatchError as exc:
+            first = "MismatchError: " + str(exc)
+        except (TypeError, ValueError) as exc:
+            first = "own: " + type(exc).__name__
+        took = time.monotonic() - t0
+        after = e.wait(e.enqueue("after", np.full(2, rr.rank() + 1.0), op="sum")).tolist()
+        result = first, took, after
+    """, tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "30"})
+    (good, took, good_after), (bad, _, bad_after) = (r.result for r in results)
+    assert bad.startswith("own: "), bad
+    assert good.startswith("MismatchError: ") and "rank 1" in good, good
+    assert took < 15, took
+    assert good_after == bad_after == [3.0, 3.0]
+
+
+def test_the_same_bad_input_on_every_rank_leaves_the_engine_working(tmp_path):
+    results = run_ranks(2, """
+        from ringreduce.engine import engine
+        e = engine()
+        try:
+            e.enqueue("g", np.ones(3), op="mean")
+        except ValueError as exc:
+            first = str(exc)
+        result = first, e.wait(e.enqueue("g", np.ones(2), op="sum")).tolist()
+    """, tmp_path, timeout=60)
+    assert [r.result for r in results] == [("unknown op 'mean'; choose one of sum, prod, min, max, avg", [2.0, 2.0])] * 2
