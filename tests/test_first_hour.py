@@ -212,3 +212,24 @@ def test_the_same_bad_input_on_every_rank_leaves_the_engine_working(tmp_path):
         result = first, e.wait(e.enqueue("g", np.ones(2), op="sum")).tolist()
     """, tmp_path, timeout=60)
     assert [r.result for r in results] == [("unknown op 'mean'; choose one of sum, prod, min, max, avg", [2.0, 2.0])] * 2
+
+
+def test_bad_input_on_one_member_of_a_process_set_raises_on_the_others(tmp_path):
+    results = run_ranks(3, """
+        ps = rr.add_process_set([0, 1])
+        if ps.included():
+            try:
+                rr.allreduce(np.ones(3, np.complex64 if rr.rank() == 1 else np.float32), process_set=ps)
+                first = "no error"
+            except rr.MismatchError as exc:
+                first = "MismatchError: " + str(exc)
+            except TypeError:
+                first = "own"
+        else:
+            first = "not a member"
+        result = first, rr.allreduce(np.ones(2)).tolist()
+    """, tmp_path, timeout=60)
+    got = [r.result for r in results]
+    assert got[0][0].startswith("MismatchError: ") and "rank 1" in got[0][0], got
+    assert [g[0] for g in got[1:]] == ["own", "not a member"]
+    assert all(g[1] == [3.0, 3.0] for g in got)
