@@ -233,3 +233,12 @@ def test_bad_input_on_one_member_of_a_process_set_raises_on_the_others(tmp_path)
     assert got[0][0].startswith("MismatchError: ") and "rank 1" in got[0][0], got
     assert [g[0] for g in got[1:]] == ["own", "not a member"]
     assert all(g[1] == [3.0, 3.0] for g in got)
+
+
+def test_every_setting_the_code_reads_is_a_known_name():
+    """A new RINGREDUCE_* variable must join config.KNOWN_NAMES, or setting it warns as a typo."""
+    import re
+    from ringreduce import config
+    sources = [*(REPO / "ringreduce").rglob("*.py"), REPO / "setup.py"]
+    read = {m for p in sources for m in re.findall(r"[\"'](RINGREDUCE_[A-Z0-9_]+)[\"']", p.read_text())}
+    assert read and read <= config.KNOWN_NAMES, sorted(read - config.KNOWN_NAMES)
