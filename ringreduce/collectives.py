@@ -115,6 +115,7 @@ def init(backend: str | None = None, comm=None) -> None:
             _check_same_init(backend, comm)
             return
         config = _config.Config.from_env()  # a setting that makes no sense raises here
+        _config.warn_unknown()  # a misspelt one is warned about
         _autotune.enabled()  # so does RINGREDUCE_AUTOTUNE
         backend = backend or config.backend or None
         if comm is not None and backend not in (None, "mpi"):
@@ -396,6 +397,21 @@ _AUTOTUNE_PREFIX = "ringreduce.autotune"  # the names of autotune's collectives 
 REFUSED_PREFIX = "ringreduce.refused:"
 
 
+def _refuse(kind: int, problem: Exception, process_set=None) -> None:
+    """This rank refuses its own bad input (a TypeError or ValueError found
+    before any data moves), but still meets the others' collective, under a
+    name saying why: they raise MismatchError naming this rank, instead of
+    pairing their collective with this rank's next one (silently wrong data)
+    or waiting for it (a hang). The caller then raises its own error."""
+    try:
+        with _state.lock:
+            ring = _ring(process_set)
+            head = _header(kind, 0, 0, (), f"{REFUSED_PREFIX} {problem}"[:400])
+            _agree(ring.comm.exchange_blobs(head, b""), head, (), _KIND_NAMES[kind], ring)
+    except (RingReduceError, TypeError, ValueError):
+        pass  # not initialized, or the others refused too, or a peer is lost: this rank's own error says most
+
+
 def _check_agreement(heads, fields, what: str, ranks=None) -> None:
     """Raises MismatchError on every rank alike: all hold the same headers.
     ranks: the world rank of each header's sender (a process set's members)."""
@@ -515,20 +531,24 @@ def _reduce_blobs(payloads, dtype, code, opc, shape):
 def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set=None):
     """Reduces x over all ranks (of process_set); returns a new array, or writes `out` (may be x) and returns it."""
     # Small allreduces are latency-bound, so this path keeps its Python short.
-    if type(x) is not np.ndarray:
-        if _cuda.is_device_array(x):
-            return _allreduce_device(x, op, out, name, process_set)
-        x = np.asarray(x)
-    code = _DTYPES.get(x.dtype)
-    if code is None:
-        x = _native(x)
-        code = _dtype_code(x.dtype)  # raises the TypeError
-    opc = _OPS.get(op)
-    if opc is None:
-        _op_code(op)  # raises the ValueError
-    if out is not None and (type(out) is not np.ndarray or out.shape != x.shape
-                            or out.dtype.newbyteorder("=") != x.dtype):
-        raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}")
+    if type(x) is not np.ndarray and _cuda.is_device_array(x):
+        return _allreduce_device(x, op, out, name, process_set)
+    try:
+        if type(x) is not np.ndarray:
+            x = np.asarray(x)
+        code = _DTYPES.get(x.dtype)
+        if code is None:
+            x = _native(x)
+            code = _dtype_code(x.dtype)  # raises the TypeError
+        opc = _OPS.get(op)
+        if opc is None:
+            _op_code(op)  # raises the ValueError
+        if out is not None and (type(out) is not np.ndarray or out.shape != x.shape
+                                or out.dtype.newbyteorder("=") != x.dtype or not out.flags.writeable):
+            raise ValueError(f"out must be a writeable numpy array of shape {x.shape} and dtype {x.dtype}")
+    except (TypeError, ValueError) as exc:
+        _refuse(ALLREDUCE, exc, process_set)
+        raise
     with _state.lock:
         ring = _ring(process_set)
         small = x.nbytes <= ring.allreduce_limit
@@ -552,10 +572,14 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
 
 
 def _allreduce_device(x, op, out, name, process_set=None):
-    g, x = _arrays_for(x)
-    code, opc = _dtype_code(x.dtype), _op_code(op)
-    if out is not None and (not _cuda.is_device_array(out) or out.shape != x.shape or out.dtype != x.dtype):
-        raise ValueError(f"out must be a GPU array of shape {x.shape} and dtype {x.dtype}")
+    try:
+        g, x = _arrays_for(x)
+        code, opc = _dtype_code(x.dtype), _op_code(op)
+        if out is not None and (not _cuda.is_device_array(out) or out.shape != x.shape or out.dtype != x.dtype):
+            raise ValueError(f"out must be a GPU array of shape {x.shape} and dtype {x.dtype}")
+    except (TypeError, ValueError) as exc:
+        _refuse(ALLREDUCE, exc, process_set)
+        raise
     with _state.lock, g.on(x):
         ring = _ring(process_set)
         if x.nbytes <= ring.allreduce_limit:
@@ -582,8 +606,12 @@ def _chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
 
 def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None):
     """Returns this rank's chunk of the flattened reduction (chunks in rank order)."""
-    g, x = _arrays_for(x)
-    code, opc = _dtype_code(x.dtype), _op_code(op)
+    try:
+        g, x = _arrays_for(x)
+        code, opc = _dtype_code(x.dtype), _op_code(op)
+    except (TypeError, ValueError) as exc:
+        _refuse(REDUCE_SCATTER, exc, process_set)
+        raise
     with _state.lock, g.on(x):
         w = _ring(process_set)
         small = x.nbytes <= w.small_limit
@@ -601,7 +629,11 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
 
 def allgather(x, name: str | None = None, process_set=None):
     """Concatenates every rank's x along axis 0 (ranks may differ in dim 0 only)."""
-    g, x = _arrays_for(x, reduces=False)
+    try:
+        g, x = _arrays_for(x, reduces=False)
+    except (TypeError, ValueError) as exc:
+        _refuse(ALLGATHER, exc, process_set)
+        raise
     if x.ndim == 0:
         x = x.reshape(1)
     with _state.lock, g.on(x):
@@ -629,13 +661,19 @@ def allgather(x, name: str | None = None, process_set=None):
 def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
     """Returns a new array holding root's x (same shape and dtype on every rank).
     root is a world rank; with a process set, one of its members (as Horovod's)."""
-    g, x = _arrays_for(x, reduces=False)
+    try:
+        g, x = _arrays_for(x, reduces=False)
+    except (TypeError, ValueError) as exc:
+        _refuse(BROADCAST, exc, process_set)
+        raise
     with _state.lock, g.on(x):
         w = _ring(process_set)
         if root not in w.ranks:
-            raise ValueError(f"root {root} is not a rank of this world of {w.size}" if w is _state.ring
-                             else f"root {root} is not a member of process set {process_set.process_set_id} "
-                                  f"(ranks {w.ranks})")
+            problem = ValueError(f"root {root} is not a rank of this world of {w.size}" if w is _state.ring
+                                 else f"root {root} is not a member of process set {process_set.process_set_id} "
+                                      f"(ranks {w.ranks})")
+            _refuse(BROADCAST, problem, process_set)
+            raise problem
         root = w.ranks.index(root) if w is not _state.ring else root
         small = x.nbytes <= w.small_limit
         head = _header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype)
@@ -701,10 +739,14 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
     this one, concatenated in rank order, and how many rows came from each
     (int32). Ranks must agree on dtype and shape[1:]; they may differ in rows.
     A GPU array goes through the host and comes back on its GPU."""
-    g, x = _arrays_for(x, reduces=False)
-    if x.ndim == 0:
-        raise ValueError("alltoall needs a tensor of at least one dimension (its rows are split)")
-    given = None if splits is None else _read_splits(splits)
+    try:
+        g, x = _arrays_for(x, reduces=False)
+        if x.ndim == 0:
+            raise ValueError("alltoall needs a tensor of at least one dimension (its rows are split)")
+        given = None if splits is None else _read_splits(splits)
+    except (TypeError, ValueError) as exc:
+        _refuse(ALLTOALL, exc, process_set)
+        raise
     host = np.ascontiguousarray(g.to_host(x))
     with _state.lock, g.on(x):
         w = _ring(process_set)

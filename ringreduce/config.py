@@ -101,6 +101,29 @@ class Config:
         )
 
 
+# Every RINGREDUCE_* name read anywhere (launcher, world, engine, TF layer, build): any other is a typo.
+KNOWN_NAMES = frozenset({
+    "RINGREDUCE_TIMEOUT", "RINGREDUCE_START_TIMEOUT", "RINGREDUCE_SEGMENT_BYTES", "RINGREDUCE_SMALL_BYTES",
+    "RINGREDUCE_SPIN", "RINGREDUCE_BACKEND", "RINGREDUCE_SHM_BYTES", "RINGREDUCE_FUSION_THRESHOLD",
+    "RINGREDUCE_CACHE_CAPACITY", "RINGREDUCE_AUTOTUNE", "RINGREDUCE_SMALL_ALGORITHM",
+    "RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_SECRET", "RINGREDUCE_LOCAL_RANK",
+    "RINGREDUCE_LOCAL_SIZE", "RINGREDUCE_HOST", "RINGREDUCE_ELASTIC_ADDR", "RINGREDUCE_WORKER_ID",
+    "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",
+})
+
+
+def warn_unknown(env=None) -> None:
+    """Warns of each RINGREDUCE_* variable no part of ringreduce reads, naming
+    the one probably meant: a misspelt setting otherwise does nothing, silently."""
+    import difflib
+    import warnings
+    env = os.environ if env is None else env
+    for name in sorted(n for n in env if n.startswith("RINGREDUCE_") and n not in KNOWN_NAMES):
+        close = difflib.get_close_matches(name, KNOWN_NAMES, n=1)
+        warnings.warn(f"{name} is not a ringreduce setting and is ignored"
+                      + (f"; did you mean {close[0]}?" if close else " (docs/api.md lists them)"), stacklevel=3)
+
+
 def _check(name: str, value, ok: bool, allowed: str) -> None:
     if not ok or (isinstance(value, float) and math.isnan(value)):
         raise ValueError(f"{name}={value!r} makes no sense: use {allowed}")

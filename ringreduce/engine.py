@@ -67,6 +67,8 @@ def register_kind(name: str, run: Callable | None, *, reduces=False, rooted=Fals
     KINDS[name] = Kind(run, reduces, rooted, ragged)
 
 
+# A request this rank refused (bad input): its key differs from every valid one (Engine._refuse).
+REFUSED = "refused"
 register_kind("allreduce", None, reduces=True)
 register_kind("reduce_scatter", lambda h: _c.reduce_scatter(h.array, op=h.op, name=h.name, process_set=h.group),
               reduces=True)
@@ -169,6 +171,30 @@ class Engine:
         if not isinstance(name, str) or not name:
             raise ValueError("every collective in the engine needs a name, the same on every rank")
         group, process_set = _resolve(process_set)
+        try:
+            return self._enqueue(name, array, op, kind, spec, root, group, process_set, compression, extra)
+        except (TypeError, ValueError) as exc:
+            self._refuse(name, kind, process_set, group, exc)
+            raise
+
+    def _refuse(self, name, kind, process_set, group, problem) -> None:
+        """This rank's bad input still meets the others' request of that name,
+        as a refusal that differs from theirs: negotiation fails it on every
+        rank at once, naming this one (collectives._refuse is the same for
+        the direct calls), instead of their waiting RINGREDUCE_TIMEOUT. Returns
+        once negotiated, so the name is free again when the caller raises."""
+        key = (name, kind, f"(bad input: {problem})"[:300], (), "", 0, process_set)
+        with self._cond:
+            if self._error is not None or (process_set, name) in self._pending:
+                return
+            self._seq += 1
+            h = Handle(name, np.zeros(0), REFUSED, "", 0, process_set, key, self._seq, family=_c._HostArrays,
+                       group=group)
+            self._pending[(process_set, name)] = h
+            self._cond.notify()
+        h.done.wait()
+
+    def _enqueue(self, name, array, op, kind, spec, root, group, process_set, compression, extra) -> Handle:
         family, array = _c._arrays_for(array, reduces=spec.reduces)
         with family.on(array):
             array = family.xp.ascontiguousarray(array).reshape(array.shape)  # a 0-d array stays 0-d
@@ -455,8 +481,9 @@ class Engine:
         self.timeline.end(h.name, "QUEUE")
         h.family.wait(h.ready)
         try:
-            with h.family.on(h.array):
-                h.result = KINDS[h.kind].run(h)
+            if h.kind != REFUSED:  # every rank refused it alike: nothing to run, nobody waits
+                with h.family.on(h.array):
+                    h.result = KINDS[h.kind].run(h)
         except MismatchError as exc:  # the collective's own header check: the ring stays usable
             h.error = exc
         with self._cond:

@@ -71,7 +71,9 @@ def guard(command: list[str], grace: float) -> None:
     try:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid()))
     except OSError as exc:
-        print(f"ringrun: cannot start {command[0]}: {exc}", file=sys.stderr, flush=True)
+        hint = (f" (a Python script needs its interpreter: ringrun -np N python {' '.join(command)})"
+                if command[0].endswith(".py") else "")
+        print(f"ringrun: cannot start {command[0]}: {exc}{hint}", file=sys.stderr, flush=True)
         sys.exit(127)
     try:
         child_exit = os.pidfd_open(child.pid)

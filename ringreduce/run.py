@@ -40,6 +40,8 @@ def parse_hosts(spec: str | None, np_: int) -> list[str]:
     hosts = []
     for item in spec.split(","):
         name, _, slots = item.strip().partition(":")
+        if not name or (slots and not (slots.isdigit() and int(slots) > 0)):
+            raise ValueError(f"{item.strip()!r} is not host or host:slots (slots a whole number > 0)")
         hosts += [name] * (int(slots) if slots else 1)
     if len(hosts) < np_:
         raise SystemExit(f"ringrun: -H gives {len(hosts)} slots but -np asks for {np_}")
@@ -115,6 +117,14 @@ class Job:
         self.lock = threading.Lock()
         self.signals: list[int] = []         # signals ringrun got, in order (from the handler)
         self.closed_sink: str | None = None  # "stdout"/"stderr" once writing to it failed
+        self.ended: list[int] = []           # ranks in the order they ended: the first failure is the cause
+
+    def wait_for(self, rank: "Rank"):
+        """Records when a rank ends, so ringrun blames the first to fail (its
+        peers fail a moment later, lost a peer), not the lowest rank number."""
+        rank.proc.wait()
+        with self.lock:
+            self.ended.append(rank.index)
 
     def pump(self, rank: int, stream, sink, sink_name: str):
         """Copies one rank's output to ours, line by line, each line prefixed.
@@ -185,6 +195,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
                 job.stop_all(signal.SIGKILL)
                 return Ending(127)
             job.ranks.append(Rank(rank, host in LOCAL_HOSTS, p))
+            threading.Thread(target=job.wait_for, args=(job.ranks[-1],), daemon=True).start()
             for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
                 t = threading.Thread(target=job.pump, args=(rank, stream, sink, name), daemon=True)
                 t.start()
@@ -215,7 +226,10 @@ def watch(job: Job) -> Ending:
                 ending = Ending(128 + signal.SIGPIPE, own_signal=signal.SIGPIPE)
                 reason = f"{job.closed_sink} was closed"
             else:
-                failed = next((r for r in job.ranks if r.proc.poll() not in (None, 0)), None)
+                with job.lock:  # then any whose end is not recorded yet (its wait just returned)
+                    ended = [job.ranks[i] for i in job.ended]
+                    ended += [r for r in job.ranks if r.index not in job.ended and r.proc.returncode is not None]
+                failed = next((r for r in ended if r.proc.returncode != 0), None)
                 if failed is not None:
                     code = failed.proc.returncode
                     ending = Ending(code if code > 0 else 128 - code)
@@ -271,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command given")
     if args.np < 1:
         parser.error("-np must be at least 1")
+    if args.timeout is not None and not args.timeout >= 0:
+        parser.error(f"--timeout {args.timeout:g} makes no sense: use seconds >= 0 (0: never time out)")
+    if args.hosts and not args.elastic:
+        try:
+            parse_hosts(args.hosts, 0)
+        except ValueError as exc:
+            parser.error(f"-H: {exc}")
     given = [f for f in ("min_np", "max_np", "max_restarts", "elastic_timeout", "host_discovery_script")
              if getattr(args, f) is not None]
     if given and not args.elastic:

@@ -7,7 +7,8 @@ discover() reads the world from the environment, in this order:
   2. mpirun: Open MPI's OMPI_COMM_WORLD_*, MPICH/Hydra's PMI_* (with the TCP
      backend, rank 0's address and the job secret then travel over MPI)
   3. TensorFlow's TF_CONFIG (the ring is the chief, then the workers in order)
-  4. none of these: a world of one rank.
+  4. none of these: a world of one rank (but RINGREDUCE_SIZE/ADDR without
+     RINGREDUCE_RANK, or srun's tasks without PMI, raise: N ranks were meant)
 
 rendezvous() then connects the ring: every rank dials rank 0 at
 RINGREDUCE_ADDR and gets everyone's listening address back, connects to its
@@ -101,7 +102,7 @@ def discover(env=None) -> World:
 
     mpi_rank = _env_int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
     if mpi_rank is not None:
-        size = _env_int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") or 1
+        size = _env_int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS") or 1  # srun --mpi=pmix
         local_rank = _env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
         local_size = _env_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
         return World(mpi_rank, size, mpi_rank if local_rank is None else local_rank,
@@ -109,6 +110,16 @@ def discover(env=None) -> World:
 
     if env.get("TF_CONFIG"):
         return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, config)
+    half = [n for n in ("RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_LOCAL_RANK", "RINGREDUCE_LOCAL_SIZE")
+            if env.get(n, "") != ""]
+    if half:  # a world of N was meant: each process training alone would be silently wrong
+        raise RingReduceError(f"{', '.join(f'{n}={env[n]}' for n in half)} is set but RINGREDUCE_RANK is not: "
+                              "set RINGREDUCE_RANK on every rank too, or launch with ringrun -np N")
+    tasks = _env_int(env, "SLURM_STEP_NUM_TASKS")
+    if env.get("SLURM_PROCID", "") != "" and tasks is not None and tasks > 1:  # so too under srun without PMI
+        raise RingReduceError(f"srun started {tasks} tasks but none of them has a ringreduce world (no PMI_RANK or "
+                              "PMIX_RANK): use srun --mpi=pmi2 or --mpi=pmix (and mpi4py), or one srun task "
+                              "running ringrun -np N")
     return World(config=config)
 
 
