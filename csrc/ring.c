@@ -65,6 +65,7 @@ rr_ring *rr_ring_create(rr_transport *t, size_t segment_bytes)
     ring->rank = t ? t->rank : 0;
     ring->size = t ? t->size : 1;
     ring->segment = segment_bytes;
+    ring->zero_copy = 1;
     return ring;
 }
 
@@ -161,6 +162,122 @@ static int queue_download(device_queue *q, char *host, const char *dev_src, size
     return RR_OK;
 }
 
+/* What a received run of n bytes at byte `at` of the buffer becomes at
+ * step g: reduced with our own input (steps below reduce_until) or copied
+ * (later steps) into buf and, when `out` is given, also into the send
+ * window as the next step's bytes. A partial that is not final goes to
+ * `out` alone when given: nobody reads it from buf. The kernels and their
+ * order are those of the copying path, so the bits are too. */
+static void absorb(int N, const char *src, char *buf, size_t at, const char *in, size_t n, char *out, int g,
+                   int reduce_until, rr_dtype dtype, rr_op op)
+{
+    const size_t count = n / rr_dtype_size(dtype);
+    char *dst = buf + at;
+    if (g >= reduce_until) {
+        memcpy(dst, in, n);
+        if (out) memcpy(out, dst, n); /* dst is still in cache */
+        return;
+    }
+    const int final = g == reduce_until - 1, mean = op == RR_AVG && rr_avg_is_mean(dtype);
+    char *to = out && !final ? out : dst;
+    /* The received partial holds g + 1 contributions; ours makes g + 2. */
+    if (mean) rr_mean_fold(to, src + at, in, count, dtype, g + 2);
+    else rr_reduce3(to, src + at, in, count, dtype, op);
+    if (op == RR_AVG && !mean && final) rr_divide(to, count, dtype, N);
+    if (out && final) memcpy(out, dst, n);
+}
+
+/* ring_steps on a host buffer over a transport with zero-copy windows
+ * (both links shared memory). Per byte of a step the copying path reads 4
+ * streams and writes 3 (buf -> mapping, mapping -> staging, staging + src
+ * -> buf); here a received byte is reduced straight out of the mapping and,
+ * once this rank's sends have caught up with its receives ("fused"), the
+ * result goes straight into the next link's mapping: read 2, write 1 (2 in
+ * AllGather and at the last reducing step, whose result buf keeps).
+ *
+ * Not caught up (the first step's chunk still leaving from src, or next
+ * slow to take bytes), received bytes are reduced into buf and sent from
+ * there later, as the copying path does. A rank never waits on its send
+ * window while bytes it could take are waiting: otherwise a ring whose
+ * mappings were all full would wait on itself. */
+static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len,
+                                int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank;
+    const size_t seg = ring->segment, esize = rr_dtype_size(dtype);
+    rr_transport *t = ring->transport;
+    const rr_transport_ops *ops = t->ops;
+    int sg = g0, rg = g0;         /* the steps being sent and received */
+    size_t soff = 0, roff = 0;    /* bytes of their chunks sent; received (and absorbed) */
+    for (;;) {
+        while (sg < g1 && soff == len[mod(r - sg - 1, N)]) { sg++; soff = 0; }
+        while (rg < g1 && roff == len[mod(r - rg - 2, N)]) {
+            rg++;
+            roff = 0;
+            if (rg == reduce_until) ring->phase_times[1] = monotonic_s(); /* owned chunk final */
+        }
+        if (sg >= g1 && rg >= g1) break;
+        const int sc = mod(r - sg - 1, N), rc = mod(r - rg - 2, N);
+        /* Caught up: the next bytes to send are the next to arrive. */
+        const int fused = sg < g1 && sg == rg + 1 && soff == roff;
+        int moved = 0, want_tx = 0;
+
+        /* Catching up: send what is ready from src (first step) or buf. */
+        if (sg < g1 && !fused) {
+            const size_t ready = sg == g0 || sg != rg + 1 ? len[sc] : roff;
+            const char *from = (sg == g0 ? src : buf) + off[sc];
+            while (soff < ready) {
+                void *w;
+                size_t m = ops->tx_window(t, &w);
+                if (m == 0) { want_tx = 1; break; }
+                if (m > ready - soff) m = ready - soff;
+                memcpy(w, from + soff, m);
+                rr_transport_commit(t, RR_SENT_RING, m);
+                soff += m;
+                moved = 1;
+            }
+        }
+
+        /* Receiving, a segment at most so that what absorb writes to buf is
+         * still in cache when it is copied on. */
+        if (rg < g1) {
+            const void *in;
+            size_t n = ops->rx_window(t, &in);
+            if (n > len[rc] - roff) n = len[rc] - roff;
+            if (n > seg) n = seg;
+            n -= n % esize;
+            void *w = NULL;
+            size_t m = 0;
+            if (n && fused) {
+                m = ops->tx_window(t, &w);
+                m -= m % esize;
+            }
+            if (n && m) {
+                if (n > m) n = m;
+                absorb(N, src, buf, off[rc] + roff, in, n, w, rg, reduce_until, dtype, op);
+                ops->rx_consume(t, n);
+                rr_transport_commit(t, RR_SENT_RING, n);
+                soff += n;
+                roff += n;
+                moved = 1;
+            } else if (n && (!moved || sg == g0)) {
+                /* Sends that just moved come first, so buf's lead shrinks
+                 * and the ring gets back to fused; but the first step's
+                 * chunk is long, and receiving must not wait for all of it. */
+                absorb(N, src, buf, off[rc] + roff, in, n, NULL, rg, reduce_until, dtype, op);
+                ops->rx_consume(t, n);
+                roff += n;
+                moved = 1;
+            }
+        }
+        if (!moved) {
+            int rc_ = ops->wait(t, want_tx, rg < g1, err);
+            if (rc_ != RR_OK) return fail(ring, rc_, err);
+        }
+    }
+    return RR_OK;
+}
+
 /* Runs steps g0 .. g1-1 of the schedule above over chunks at byte offsets
  * off[] with byte lengths len[]. Steps below `reduce_until` reduce, later
  * steps copy; for avg, each segment of the owned chunk is divided the moment
@@ -194,6 +311,9 @@ static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf,
     size_t soff = 0;             /* bytes of step sg's chunk sent */
     size_t roff = 0, rdone = 0;  /* bytes of step rg's chunk received; of those, ready to forward */
     int rc_ = RR_OK;
+    if (t->ops->align) t->ops->align(t);
+    if (!dev && ring->zero_copy && t->ops->rx_window)
+        return ring_steps_zero_copy(ring, src, buf, off, len, g0, g1, reduce_until, dtype, op, err);
 #define DEV(CALL) do { if ((rc_ = (CALL)) != RR_OK) return fail(ring, rc_, err); } while (0)
 
     for (;;) {

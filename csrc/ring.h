@@ -15,6 +15,8 @@ typedef struct rr_ring {
     size_t segment;          /* pipeline segment, bytes (a multiple of 64) */
     void *staging;           /* one segment: where received partials land before reduction */
     double phase_times[3];   /* last allreduce: start, ScatterReduce done, end (CLOCK_MONOTONIC s) */
+    int zero_copy;           /* reduce in the transport's windows where it offers them (default 1;
+                                RINGREDUCE_SHM_ZEROCOPY) */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */
@@ -41,7 +43,8 @@ int rr_allreduce(rr_ring *ring, rr_device *dev, const void *src, void *dst, size
                  rr_error *err);
 
 /* ScatterReduce only: afterwards chunk `rank` of dst (see rr_chunk_count)
- * holds the reduction; other chunks hold partials. dst may be src. */
+ * holds the reduction; other chunks are undefined (partials, or what was
+ * there: zero copy sends partials without keeping them). dst may be src. */
 int rr_reduce_scatter(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
                       rr_error *err);
 

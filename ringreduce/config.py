@@ -28,6 +28,9 @@ class Config:
     backend: str = ""               # RINGREDUCE_BACKEND: "socket" or "mpi"; empty: choose
     shm_bytes: int = 1 << 20        # RINGREDUCE_SHM_BYTES: buffer of a shared-memory link between
                                     # neighbours on one host (socket backend); 0: sockets only
+    shm_zerocopy: bool = True       # RINGREDUCE_SHM_ZEROCOPY: 1 (default): where both of a rank's links
+                                    # are shared memory, the ring reduces straight in the mappings;
+                                    # 0: through its own staging buffer (the path before issue 17)
     fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
     cache_capacity: int = 1024      # RINGREDUCE_CACHE_CAPACITY: requests the engine's response cache
                                     # holds (ringreduce/response_cache.py); 0: no cache
@@ -43,6 +46,7 @@ class Config:
         _check("RINGREDUCE_BACKEND", self.backend, self.backend in BACKENDS, "'socket', 'mpi' or empty")
         _check("RINGREDUCE_SHM_BYTES", self.shm_bytes, 0 <= self.shm_bytes <= MAX_SHM_BYTES,
                f"0 (sockets only) .. {MAX_SHM_BYTES} bytes")
+        _check("RINGREDUCE_SHM_ZEROCOPY", self.shm_zerocopy, isinstance(self.shm_zerocopy, bool), "0 or 1")
         _check("RINGREDUCE_FUSION_THRESHOLD", self.fusion_bytes, self.fusion_bytes >= 0, "bytes >= 0")
         _check("RINGREDUCE_CACHE_CAPACITY", self.cache_capacity, 0 <= self.cache_capacity <= MAX_CACHE_CAPACITY,
                f"0 (no cache) .. {MAX_CACHE_CAPACITY} requests")
@@ -70,7 +74,8 @@ class Config:
             try:
                 return kind(text)
             except ValueError:
-                raise ValueError(f"{name}={text!r} is not {'a number' if kind is float else 'an integer'}") from None
+                what = {float: "a number", int: "an integer", _switch: "0 or 1"}.get(kind, kind.__name__)
+                raise ValueError(f"{name}={text!r} is not {what}") from None
 
         return cls(
             timeout=get("RINGREDUCE_TIMEOUT", d.timeout, float),
@@ -80,9 +85,16 @@ class Config:
             spin=get("RINGREDUCE_SPIN", d.spin, int),
             backend=get("RINGREDUCE_BACKEND", d.backend, str),
             shm_bytes=get("RINGREDUCE_SHM_BYTES", d.shm_bytes, int),
+            shm_zerocopy=get("RINGREDUCE_SHM_ZEROCOPY", d.shm_zerocopy, _switch),
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
         )
+
+
+def _switch(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(text)
+    return text == "1"
 
 
 def _check(name: str, value, ok: bool, allowed: str) -> None:

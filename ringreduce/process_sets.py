@@ -249,7 +249,8 @@ def _connect(ring, ranks: list, set_id: int, ports: list, listener):
                                    f"process set {set_id}", _generation) if listener is not None else _world.Links()
     cfg = world.config
     return _core.Comm(me, len(ranks), links.next_fd, links.prev_fd, links.ctrl_fds, cfg.ring_timeout,
-                      cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd), links.kinds()
+                      cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd,
+                      zero_copy=cfg.shm_zerocopy), links.kinds()
 
 
 class _SetComm:
