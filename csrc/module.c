@@ -137,21 +137,20 @@ static int check_usable(CommObject *self)
 }
 
 /* Comm(rank, size, next_fd, prev_fd, ctrl_fds, timeout, segment, spin=100,
- * tx_shm=-1, rx_shm=-1, zero_copy=1) runs over TCP sockets (a link's data
- * through shared memory where tx_shm / rx_shm give its file; zero_copy: the
- * ring reduces in the mappings when both links have one); Comm(rank, size, -1, -1, (), timeout, segment,
+ * tx_shm=-1, rx_shm=-1) runs over TCP sockets (a link's data through shared
+ * memory where tx_shm / rx_shm give its file); Comm(rank, size, -1, -1, (), timeout, segment,
  * transport=capsule) over a transport built elsewhere (ringreduce._mpi). */
 static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"rank", "size", "next_fd", "prev_fd", "ctrl_fds", "timeout", "segment", "spin",
-                             "transport", "tx_shm", "rx_shm", "zero_copy", NULL};
-    int rank, size, next_fd, prev_fd, tx_shm = -1, rx_shm = -1, zero_copy = 1;
+                             "transport", "tx_shm", "rx_shm", NULL};
+    int rank, size, next_fd, prev_fd, tx_shm = -1, rx_shm = -1;
     PyObject *ctrl, *capsule = NULL;
     double timeout;
     Py_ssize_t segment;
     int spin = 100;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn|iOiip", kwlist, &rank, &size, &next_fd, &prev_fd,
-                                     &ctrl, &timeout, &segment, &spin, &capsule, &tx_shm, &rx_shm, &zero_copy))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiOdn|iOii", kwlist, &rank, &size, &next_fd, &prev_fd,
+                                     &ctrl, &timeout, &segment, &spin, &capsule, &tx_shm, &rx_shm))
         return -1;
     if (capsule && capsule != Py_None) {
         rr_transport *t = PyCapsule_GetPointer(capsule, "ringreduce.transport");
@@ -200,7 +199,6 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
     }
     self->ring->rank = rank;
     self->ring->size = size;
-    self->ring->zero_copy = zero_copy;
     pthread_mutex_init(&self->mu, NULL);
     return 0;
 fail_shm:
@@ -621,7 +619,9 @@ static PyObject *Comm_set_segment(CommObject *self, PyObject *args)
 }
 
 /* Takes the lock, as set_segment. Returns whether ring operations now take
- * the zero-copy path: asked for, and the transport offers windows. */
+ * the zero-copy path: asked for, and the transport offers windows. The
+ * path's byte order differs: every rank must get the same answer, which
+ * ringreduce/shm.py's agree_zero_copy sees to. */
 static PyObject *Comm_set_zero_copy(CommObject *self, PyObject *args)
 {
     int on;
@@ -663,7 +663,7 @@ static PyMethodDef Comm_methods[] = {
      "set_segment(bytes): the ring's pipeline segment from the next operation on (rounded up to 64); returns it"},
     {"set_zero_copy", (PyCFunction)Comm_set_zero_copy, METH_VARARGS,
      "set_zero_copy(on): reduce straight in shared-memory links from the next operation on; "
-     "returns whether that path is now taken (both links shared memory)"},
+     "returns whether that path is now taken (both links shared memory); every rank must agree"},
     {"last_phases", (PyCFunction)Comm_last_phases, METH_NOARGS,
      "(start, ScatterReduce done, end) of the last ring allreduce, in time.monotonic() seconds"},
     {"allreduce", (PyCFunction)Comm_allreduce, METH_VARARGS,

@@ -65,7 +65,7 @@ rr_ring *rr_ring_create(rr_transport *t, size_t segment_bytes)
     ring->rank = t ? t->rank : 0;
     ring->size = t ? t->size : 1;
     ring->segment = segment_bytes;
-    ring->zero_copy = 1;
+    ring->zero_copy = 0; /* until the ranks agree on it (ring.h) */
     return ring;
 }
 
@@ -187,65 +187,102 @@ static void absorb(int N, const char *src, char *buf, size_t at, const char *in,
     if (out && final) memcpy(out, dst, n);
 }
 
+/* A cursor into the slice-major stream of ring_steps_zero_copy: slice s,
+ * step g, bytes `at` of that step's piece. */
+typedef struct { size_t s; int g; size_t at; } zc_cursor;
+
+/* Bytes of chunk c's piece in slice s (slices of `slice` bytes). */
+static size_t piece(const size_t *len, int c, size_t s, size_t slice)
+{
+    size_t from = s * slice;
+    return len[c] <= from ? 0 : len[c] - from < slice ? len[c] - from : slice;
+}
+
+/* Moves a cursor over finished (and empty) pieces; `chunk_of(g)` is the
+ * chunk its stream carries at step g: (r - g - 1) mod N for sends, one
+ * less for receives. */
+static void zc_advance(zc_cursor *c, int first_chunk, int N, const size_t *len, size_t slices, size_t slice,
+                       int g0, int g1)
+{
+    while (c->s < slices && c->at == piece(len, mod(first_chunk - c->g, N), c->s, slice)) {
+        c->at = 0;
+        if (++c->g == g1) { c->g = g0; c->s++; }
+    }
+}
+
 /* ring_steps on a host buffer over a transport with zero-copy windows
- * (both links shared memory). Per byte of a step the copying path reads 4
- * streams and writes 3 (buf -> mapping, mapping -> staging, staging + src
- * -> buf); here a received byte is reduced straight out of the mapping and,
- * once this rank's sends have caught up with its receives ("fused"), the
- * result goes straight into the next link's mapping: read 2, write 1 (2 in
- * AllGather and at the last reducing step, whose result buf keeps).
+ * (both links shared memory), as NCCL does it. Per byte of a step the
+ * copying path reads 4 streams and writes 3 (buf -> mapping, mapping ->
+ * staging, staging + src -> buf). Here a received byte is reduced straight
+ * out of the mapping and the result goes straight into the next link's
+ * mapping when it is sent on next: read 2, write 1 (2 in AllGather and at
+ * the last reducing step, whose result buf keeps).
  *
- * Not caught up (the first step's chunk still leaving from src, or next
- * slow to take bytes), received bytes are reduced into buf and sent from
- * there later, as the copying path does. A rank never waits on its send
- * window while bytes it could take are waiting: otherwise a ring whose
- * mappings were all full would wait on itself. */
+ * For that the bytes travel slice-major: every chunk is cut into slices of
+ * one segment and slice s runs all steps g0 .. g1-1 before slice s + 1
+ * starts. A rank then only sends ahead of what it receives by the one piece
+ * it sends from src (the first step's), which fits in the mapping; in the
+ * step-major order of the copying path it sends a whole chunk from src
+ * first and must keep everything received meanwhile in buf. The order
+ * differs from the copying path's, so every rank of the ring must take this
+ * path or none (ringreduce/shm.py agrees on it).
+ *
+ * When the next rank is slow to take bytes (its mapping full), received
+ * bytes are reduced into buf and sent from there later, as the copying path
+ * does: a rank never waits on its send window while bytes it could take are
+ * waiting, or a ring of full mappings would wait on itself. */
 static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len,
                                 int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
 {
     const int N = ring->size, r = ring->rank;
-    const size_t seg = ring->segment, esize = rr_dtype_size(dtype);
+    const size_t slice = ring->segment, esize = rr_dtype_size(dtype);
     rr_transport *t = ring->transport;
     const rr_transport_ops *ops = t->ops;
-    int sg = g0, rg = g0;         /* the steps being sent and received */
-    size_t soff = 0, roff = 0;    /* bytes of their chunks sent; received (and absorbed) */
+    size_t longest = 0;
+    for (int c = 0; c < N; c++) if (len[c] > longest) longest = len[c];
+    const size_t slices = (longest + slice - 1) / slice;
+    zc_cursor snd = {0, g0, 0}, rcv = {0, g0, 0};
+    int reduced = 0;
     for (;;) {
-        while (sg < g1 && soff == len[mod(r - sg - 1, N)]) { sg++; soff = 0; }
-        while (rg < g1 && roff == len[mod(r - rg - 2, N)]) {
-            rg++;
-            roff = 0;
-            if (rg == reduce_until) ring->phase_times[1] = monotonic_s(); /* owned chunk final */
+        zc_advance(&snd, r - 1, N, len, slices, slice, g0, g1);
+        zc_advance(&rcv, r - 2, N, len, slices, slice, g0, g1);
+        if (!reduced && (rcv.s == slices || (rcv.s + 1 == slices && rcv.g >= reduce_until))) {
+            reduced = 1;
+            ring->phase_times[1] = monotonic_s(); /* owned chunk final: its last slice is */
         }
-        if (sg >= g1 && rg >= g1) break;
-        const int sc = mod(r - sg - 1, N), rc = mod(r - rg - 2, N);
-        /* Caught up: the next bytes to send are the next to arrive. */
-        const int fused = sg < g1 && sg == rg + 1 && soff == roff;
+        if (snd.s == slices && rcv.s == slices) break;
+        const int sc = mod(r - snd.g - 1, N), rc = mod(r - rcv.g - 2, N);
+        /* The piece being sent is the one being received, forwarded. */
+        const int forwarding = snd.s == rcv.s && snd.g == rcv.g + 1;
+        const int fused = forwarding && snd.at == rcv.at;
         int moved = 0, want_tx = 0;
 
-        /* Catching up: send what is ready from src (first step) or buf. */
-        if (sg < g1 && !fused) {
-            const size_t ready = sg == g0 || sg != rg + 1 ? len[sc] : roff;
-            const char *from = (sg == g0 ? src : buf) + off[sc];
-            while (soff < ready) {
+        /* Not fused: send what is ready, from src (first step) or buf. */
+        if (snd.s < slices && !fused) {
+            /* A forwarded piece is ready as far as it has been received:
+             * the receiver may still be on an earlier slice. */
+            const int received = rcv.s > snd.s || (rcv.s == snd.s && rcv.g >= snd.g);
+            const size_t ready = snd.g == g0 || received ? piece(len, sc, snd.s, slice) : forwarding ? rcv.at : 0;
+            const char *from = (snd.g == g0 ? src : buf) + off[sc] + snd.s * slice;
+            while (snd.at < ready) {
                 void *w;
                 size_t m = ops->tx_window(t, &w);
+                if (m > ready - snd.at) m = ready - snd.at;
+                m -= m % esize; /* whole elements, so the reader's windows hold whole ones */
                 if (m == 0) { want_tx = 1; break; }
-                if (m > ready - soff) m = ready - soff;
-                memcpy(w, from + soff, m);
+                memcpy(w, from + snd.at, m);
                 rr_transport_commit(t, RR_SENT_RING, m);
-                soff += m;
+                snd.at += m;
                 moved = 1;
             }
         }
 
-        /* Receiving, a segment at most so that what absorb writes to buf is
-         * still in cache when it is copied on. */
-        if (rg < g1) {
+        if (rcv.s < slices) {
             const void *in;
-            size_t n = ops->rx_window(t, &in);
-            if (n > len[rc] - roff) n = len[rc] - roff;
-            if (n > seg) n = seg;
+            size_t n = ops->rx_window(t, &in), rest = piece(len, rc, rcv.s, slice) - rcv.at;
+            if (n > rest) n = rest;
             n -= n % esize;
+            const size_t at = off[rc] + rcv.s * slice + rcv.at;
             void *w = NULL;
             size_t m = 0;
             if (n && fused) {
@@ -254,24 +291,23 @@ static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const
             }
             if (n && m) {
                 if (n > m) n = m;
-                absorb(N, src, buf, off[rc] + roff, in, n, w, rg, reduce_until, dtype, op);
+                absorb(N, src, buf, at, in, n, w, rcv.g, reduce_until, dtype, op);
                 ops->rx_consume(t, n);
                 rr_transport_commit(t, RR_SENT_RING, n);
-                soff += n;
-                roff += n;
+                snd.at += n;
+                rcv.at += n;
                 moved = 1;
-            } else if (n && (!moved || sg == g0)) {
-                /* Sends that just moved come first, so buf's lead shrinks
-                 * and the ring gets back to fused; but the first step's
-                 * chunk is long, and receiving must not wait for all of it. */
-                absorb(N, src, buf, off[rc] + roff, in, n, NULL, rg, reduce_until, dtype, op);
+            } else if (n && (!moved || snd.g == g0)) {
+                /* Sends that just moved come first, so the ring gets back to
+                 * fused; but receiving never waits on a piece from src. */
+                absorb(N, src, buf, at, in, n, NULL, rcv.g, reduce_until, dtype, op);
                 ops->rx_consume(t, n);
-                roff += n;
+                rcv.at += n;
                 moved = 1;
             }
         }
         if (!moved) {
-            int rc_ = ops->wait(t, want_tx, rg < g1, err);
+            int rc_ = ops->wait(t, want_tx, rcv.s < slices, err);
             if (rc_ != RR_OK) return fail(ring, rc_, err);
         }
     }

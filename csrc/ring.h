@@ -15,8 +15,9 @@ typedef struct rr_ring {
     size_t segment;          /* pipeline segment, bytes (a multiple of 64) */
     void *staging;           /* one segment: where received partials land before reduction */
     double phase_times[3];   /* last allreduce: start, ScatterReduce done, end (CLOCK_MONOTONIC s) */
-    int zero_copy;           /* reduce in the transport's windows where it offers them (default 1;
-                                RINGREDUCE_SHM_ZEROCOPY) */
+    int zero_copy;           /* reduce in the transport's windows (ring_steps_zero_copy); its byte
+                                order differs, so every rank must set it alike: 0 until
+                                ringreduce/shm.py's agree_zero_copy (RINGREDUCE_SHM_ZEROCOPY) */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from . import _core, autotune as _autotune, config as _config, cuda as _cuda, mpi_backend, world as _world
+from . import _core, autotune as _autotune, config as _config, cuda as _cuda, mpi_backend, shm as _shm, world as _world
 from .errors import MismatchError, RingReduceError, StaleGenerationError
 
 
@@ -126,8 +126,8 @@ def init(backend: str | None = None, comm=None) -> None:
             links = _world.rendezvous(w)
             _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
                                      config.ring_timeout, config.segment_bytes, config.spin,
-                                     tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd,
-                                     zero_copy=config.shm_zerocopy)
+                                     tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
+            _shm.agree_zero_copy(_state.comm, config.shm_zerocopy)
             w.extra["links"] = links.kinds()
             _state.world = w
         _state.init_args = (backend or ("mpi" if _state.world.source == "MPI communicator" else "socket"), comm)

@@ -21,7 +21,7 @@ import operator
 
 import numpy as np
 
-from . import _core, collectives as _c, mpi_backend, traffic as _traffic, world as _world
+from . import _core, collectives as _c, mpi_backend, shm as _shm, traffic as _traffic, world as _world
 from .errors import MismatchError, RingReduceError
 
 
@@ -248,9 +248,10 @@ def _connect(ring, ranks: list, set_id: int, ports: list, listener):
     links = _world.connect_subring(world, listener, me, ranks, [ports[r] for r in ranks],
                                    f"process set {set_id}", _generation) if listener is not None else _world.Links()
     cfg = world.config
-    return _core.Comm(me, len(ranks), links.next_fd, links.prev_fd, links.ctrl_fds, cfg.ring_timeout,
-                      cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd,
-                      zero_copy=cfg.shm_zerocopy), links.kinds()
+    comm = _core.Comm(me, len(ranks), links.next_fd, links.prev_fd, links.ctrl_fds, cfg.ring_timeout,
+                      cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
+    _shm.agree_zero_copy(comm, cfg.shm_zerocopy)
+    return comm, links.kinds()
 
 
 class _SetComm:
