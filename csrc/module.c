@@ -640,6 +640,11 @@ static PyObject *Comm_set_zero_copy(CommObject *self, PyObject *args)
     return PyBool_FromLong(used);
 }
 
+static PyObject *Comm_zero_copy_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLongLong(self->ring ? self->ring->zero_copy_ops : 0);
+}
+
 static PyObject *Comm_last_phases(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (!self->ring) Py_RETURN_NONE;
@@ -664,6 +669,8 @@ static PyMethodDef Comm_methods[] = {
     {"set_zero_copy", (PyCFunction)Comm_set_zero_copy, METH_VARARGS,
      "set_zero_copy(on): reduce straight in shared-memory links from the next operation on; "
      "returns whether that path is now taken (both links shared memory); every rank must agree"},
+    {"zero_copy_ops", (PyCFunction)Comm_zero_copy_ops, METH_NOARGS,
+     "how many ring operations so far reduced straight in the shared-memory mappings"},
     {"last_phases", (PyCFunction)Comm_last_phases, METH_NOARGS,
      "(start, ScatterReduce done, end) of the last ring allreduce, in time.monotonic() seconds"},
     {"allreduce", (PyCFunction)Comm_allreduce, METH_VARARGS,

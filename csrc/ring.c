@@ -219,7 +219,7 @@ static void zc_advance(zc_cursor *c, int first_chunk, int N, const size_t *len, 
  * the last reducing step, whose result buf keeps).
  *
  * For that the bytes travel slice-major: every chunk is cut into slices of
- * one segment and slice s runs all steps g0 .. g1-1 before slice s + 1
+ * ZC_SLICE bytes and slice s runs all steps g0 .. g1-1 before slice s + 1
  * starts. A rank then only sends ahead of what it receives by the one piece
  * it sends from src (the first step's), which fits in the mapping; in the
  * step-major order of the copying path it sends a whole chunk from src
@@ -231,16 +231,33 @@ static void zc_advance(zc_cursor *c, int first_chunk, int N, const size_t *len, 
  * bytes are reduced into buf and sent from there later, as the copying path
  * does: a rank never waits on its send window while bytes it could take are
  * waiting, or a ring of full mappings would wait on itself. */
+static size_t longest_chunk(const size_t *len, int N)
+{
+    size_t longest = 0;
+    for (int c = 0; c < N; c++) if (len[c] > longest) longest = len[c];
+    return longest;
+}
+
+/* Slices are a fixed size, not the segment: the byte order depends on it,
+ * and ranks with different RINGREDUCE_SEGMENT_BYTES must still agree. */
+#define ZC_SLICE ((size_t)256 << 10)
+
+/* Below this chunk size the copying path's first step fits in a default
+ * (1 MiB) mapping, it waits less than the slice-by-slice schedule, and wins
+ * (docs/performance.md, "Shared memory without the extra copy"). Every rank
+ * sees the same chunk sizes, so every rank decides alike. */
+#define ZC_MIN_CHUNK ((size_t)2 << 20)
+
+static int zero_copy_pays(const size_t *len, int N) { return longest_chunk(len, N) >= ZC_MIN_CHUNK; }
+
 static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len,
                                 int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
 {
     const int N = ring->size, r = ring->rank;
-    const size_t slice = ring->segment, esize = rr_dtype_size(dtype);
+    const size_t slice = ZC_SLICE, esize = rr_dtype_size(dtype);
     rr_transport *t = ring->transport;
     const rr_transport_ops *ops = t->ops;
-    size_t longest = 0;
-    for (int c = 0; c < N; c++) if (len[c] > longest) longest = len[c];
-    const size_t slices = (longest + slice - 1) / slice;
+    const size_t slices = (longest_chunk(len, N) + slice - 1) / slice;
     zc_cursor snd = {0, g0, 0}, rcv = {0, g0, 0};
     int reduced = 0;
     for (;;) {
@@ -348,7 +365,7 @@ static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf,
     size_t roff = 0, rdone = 0;  /* bytes of step rg's chunk received; of those, ready to forward */
     int rc_ = RR_OK;
     if (t->ops->align) t->ops->align(t);
-    if (!dev && ring->zero_copy && t->ops->rx_window)
+    if (!dev && ring->zero_copy && t->ops->rx_window && zero_copy_pays(len, N) && ++ring->zero_copy_ops)
         return ring_steps_zero_copy(ring, src, buf, off, len, g0, g1, reduce_until, dtype, op, err);
 #define DEV(CALL) do { if ((rc_ = (CALL)) != RR_OK) return fail(ring, rc_, err); } while (0)
 

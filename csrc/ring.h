@@ -18,6 +18,7 @@ typedef struct rr_ring {
     int zero_copy;           /* reduce in the transport's windows (ring_steps_zero_copy); its byte
                                 order differs, so every rank must set it alike: 0 until
                                 ringreduce/shm.py's agree_zero_copy (RINGREDUCE_SHM_ZEROCOPY) */
+    unsigned long long zero_copy_ops; /* ring operations that took that path (tests, benchmarks) */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */
