@@ -26,6 +26,13 @@ and the roofline column is busbw / (bytes * 2(N-1)/N / bound time): the
 share of the zero-copy schedule's own memory work the path achieves. It
 ignores that concurrent ranks share memory bandwidth and wake-up latency, so
 it is an upper bound, never reached.
+
+CPU columns: CPU seconds (time.process_time) per operation, summed over the
+ranks, median over repeats: the work each path costs, which load on the
+machine moves less than wall time. They include the yields of a waiting
+rank (RINGREDUCE_SPIN); with RINGREDUCE_SPIN=0 a waiting rank sleeps in poll
+and costs nothing, so that run shows the work alone. cpu ratio = copying /
+zero-copy (above 1: zero copy costs less).
 """
 from __future__ import annotations
 
@@ -83,7 +90,8 @@ def table(mibs: list[int], repeats: int) -> str:
     lines = [f"N = {n} on {cores} cores, float32 sum, out of place; busbw GB/s; "
              f"roofline = busbw / zero-copy bound",
              f"{'MiB':>4} {'memcpy':>7} {'add':>6} {'bound':>6} {'zero-copy':>10} {'copying':>8} "
-             f"{'ratio':>6} {'zc roof':>8} {'copy roof':>9} {'#wrong':>6}"]
+             f"{'ratio':>6} {'zc roof':>8} {'copy roof':>9} {'zc cpu ms':>9} {'copy cpu ms':>11} "
+             f"{'cpu ratio':>9} {'#wrong':>6}"]
     for mib in mibs:
         count = mib * MIB // 4
         nbytes = count * 4
@@ -92,17 +100,20 @@ def table(mibs: list[int], repeats: int) -> str:
         out = np.empty_like(x)
         want = np.float32(n * (n + 1) // 2)
         samples = {label: [] for label, _ in PATHS}
+        cpu = {label: [] for label, _ in PATHS}
         wrong = 0
         for rep in range(repeats + 1):  # the first round warms up
             for label, on in PATHS:
                 comm.set_zero_copy(on)
                 out.fill(0)
                 rr.barrier()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 for _ in range(iters):
                     rr.allreduce(x, op="sum", out=out)
                 if rep:
+                    spent = (time.process_time() - c) / iters
                     samples[label].append(harness.slowest((time.perf_counter() - t) / iters))
+                    cpu[label].append(float(rr.allreduce(np.array([spent]), op="sum")[0]))
                 wrong += int(np.count_nonzero(out != want))
         comm.set_zero_copy(True)
         cpy, add = machine_rates(nbytes // n)
@@ -111,9 +122,11 @@ def table(mibs: list[int], repeats: int) -> str:
         bound = nbytes * factor / bound_s / 1e9
         bw = {label: nbytes * factor / statistics.median(s) / 1e9 for label, s in samples.items()}
         wrong = int(rr.allreduce(np.array([wrong], np.int64), op="sum")[0])
+        zc_cpu, copy_cpu = statistics.median(cpu["zero-copy"]), statistics.median(cpu["copying"])
         lines.append(f"{mib:>4} {cpy:>7.2f} {add:>6.2f} {bound:>6.2f} {bw['zero-copy']:>10.2f} "
                      f"{bw['copying']:>8.2f} {bw['zero-copy'] / bw['copying']:>6.2f} "
-                     f"{bw['zero-copy'] / bound:>8.2f} {bw['copying'] / bound:>9.2f} {wrong:>6}")
+                     f"{bw['zero-copy'] / bound:>8.2f} {bw['copying'] / bound:>9.2f} {zc_cpu * 1e3:>9.1f} "
+                     f"{copy_cpu * 1e3:>11.1f} {copy_cpu / zc_cpu:>9.2f} {wrong:>6}")
     return "\n".join(lines)
 
 
