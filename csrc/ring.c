@@ -187,6 +187,25 @@ static void absorb(int N, const char *src, char *buf, size_t at, const char *in,
     if (out && final) memcpy(out, dst, n);
 }
 
+static size_t longest_chunk(const size_t *len, int N)
+{
+    size_t longest = 0;
+    for (int c = 0; c < N; c++) if (len[c] > longest) longest = len[c];
+    return longest;
+}
+
+/* Slices are a fixed size, not the segment: the byte order depends on it,
+ * and ranks with different RINGREDUCE_SEGMENT_BYTES must still agree. */
+#define ZC_SLICE ((size_t)256 << 10)
+
+/* Below this chunk size the copying path's first step fits in a default
+ * (1 MiB) mapping, it waits less than the slice-by-slice schedule, and wins
+ * (docs/performance.md, "Shared memory without the extra copy"). Every rank
+ * sees the same chunk sizes, so every rank decides alike. */
+#define ZC_MIN_CHUNK ((size_t)2 << 20)
+
+static int zero_copy_pays(const size_t *len, int N) { return longest_chunk(len, N) >= ZC_MIN_CHUNK; }
+
 /* A cursor into the slice-major stream of ring_steps_zero_copy: slice s,
  * step g, bytes `at` of that step's piece. */
 typedef struct { size_t s; int g; size_t at; } zc_cursor;
@@ -198,9 +217,9 @@ static size_t piece(const size_t *len, int c, size_t s, size_t slice)
     return len[c] <= from ? 0 : len[c] - from < slice ? len[c] - from : slice;
 }
 
-/* Moves a cursor over finished (and empty) pieces; `chunk_of(g)` is the
- * chunk its stream carries at step g: (r - g - 1) mod N for sends, one
- * less for receives. */
+/* Moves a cursor over finished (and empty) pieces. At step g its stream
+ * carries chunk (first_chunk - g) mod N: first_chunk is r - 1 for sends,
+ * r - 2 for receives. */
 static void zc_advance(zc_cursor *c, int first_chunk, int N, const size_t *len, size_t slices, size_t slice,
                        int g0, int g1)
 {
@@ -231,25 +250,6 @@ static void zc_advance(zc_cursor *c, int first_chunk, int N, const size_t *len, 
  * bytes are reduced into buf and sent from there later, as the copying path
  * does: a rank never waits on its send window while bytes it could take are
  * waiting, or a ring of full mappings would wait on itself. */
-static size_t longest_chunk(const size_t *len, int N)
-{
-    size_t longest = 0;
-    for (int c = 0; c < N; c++) if (len[c] > longest) longest = len[c];
-    return longest;
-}
-
-/* Slices are a fixed size, not the segment: the byte order depends on it,
- * and ranks with different RINGREDUCE_SEGMENT_BYTES must still agree. */
-#define ZC_SLICE ((size_t)256 << 10)
-
-/* Below this chunk size the copying path's first step fits in a default
- * (1 MiB) mapping, it waits less than the slice-by-slice schedule, and wins
- * (docs/performance.md, "Shared memory without the extra copy"). Every rank
- * sees the same chunk sizes, so every rank decides alike. */
-#define ZC_MIN_CHUNK ((size_t)2 << 20)
-
-static int zero_copy_pays(const size_t *len, int N) { return longest_chunk(len, N) >= ZC_MIN_CHUNK; }
-
 static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len,
                                 int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
 {
