@@ -202,3 +202,35 @@ def test_a_bad_switch_is_refused_by_name():
     with pytest.raises(ValueError, match="RINGREDUCE_SHM_ZEROCOPY"):
         Config.from_env({"RINGREDUCE_SHM_ZEROCOPY": "yes"})
     assert Config.from_env({}).shm_zerocopy is True
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_killed_mid_transfer_is_named_without_a_hang(tmp_path, n):
+    # The zero-copy path waits in tcp.c's wait(), which must see the dead
+    # peer's socket close as exchange() does: PeerLostError naming it.
+    import signal
+    ranks = run_ranks(n, """
+import os, signal, threading, time
+from ringreduce import collectives as C
+x = np.ones(16 << 20, np.float32)
+rr.allreduce(x)
+before = C._state.comm.zero_copy_ops()
+if rr.rank() == 1:  # dies in the middle of the next allreduce
+    threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+t0 = time.time()
+try:
+    for i in range(50):
+        rr.allreduce(x)
+    result = "no error"
+except rr.PeerLostError as e:
+    result = (e.rank, str(e), time.time() - t0, before)
+""", tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"}, check=False)
+    assert ranks[1].returncode == -signal.SIGKILL
+    for r in ranks:
+        if r.rank == 1:
+            continue
+        assert r.returncode == 0, r.stderr
+        lost, message, elapsed, before = r.result
+        assert before >= 1, "the zero-copy path did not run"
+        assert lost == 1 and "rank 1" in message, (r.rank, message)
+        assert elapsed < 10, f"rank {r.rank} took {elapsed:.1f} s to notice"
