@@ -396,11 +396,15 @@ static int tcp_begin(rr_transport *base, rr_error *err)
     return star_verdict(t, err);
 }
 
-static const rr_transport_ops tcp_ops = {tcp_exchange, tcp_abort, tcp_destroy, tcp_begin, tcp_align};
+static const rr_transport_ops tcp_ops = {
+    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align,
+};
 /* Both links through shared memory: the ring may also reduce in the mappings. */
-static const rr_transport_ops tcp_shm_ops = {tcp_exchange, tcp_abort, tcp_destroy, tcp_begin, tcp_align,
-                                             tcp_rx_window, tcp_rx_consume, tcp_tx_window, tcp_tx_commit,
-                                             tcp_wait};
+static const rr_transport_ops tcp_shm_ops = {
+    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align,
+    .rx_window = tcp_rx_window, .rx_consume = tcp_rx_consume, .tx_window = tcp_tx_window,
+    .tx_commit = tcp_tx_commit, .wait = tcp_wait,
+};
 
 rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
                             const int *ctrl_fds, int n_ctrl, double timeout_s, int spin_rounds,
