@@ -14,6 +14,7 @@
 
 #include "device_binding.h"
 #include "reduce.h"
+#include "recursive_doubling.h"
 #include "reduce16.h"
 #include "ring.h"
 #include "tcp.h"
@@ -618,6 +619,47 @@ static PyObject *Comm_set_segment(CommObject *self, PyObject *args)
     return PyLong_FromSize_t(self->ring ? self->ring->segment : 0);
 }
 
+/* For benchmarks and tests: every rank must choose alike (ring.h). Takes
+ * the lock, as set_segment does. */
+static PyObject *Comm_set_small_algorithm(CommObject *self, PyObject *args)
+{
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    if (!self->ring || forked_away(self)) {
+        PyErr_SetString(PyExc_ValueError, "the communicator is closed");
+        return NULL;
+    }
+    const int reaches_any = self->ring->transport && self->ring->transport->ops->sendrecv;
+    rr_small_algorithm algo;
+    if (!strcmp(name, "auto") || (!strcmp(name, "doubling") && reaches_any)) algo = RR_SMALL_AUTO;
+    else if (!strcmp(name, "ring")) algo = RR_SMALL_RING;
+    else {
+        PyErr_Format(PyExc_ValueError, "small algorithm %s: choose 'auto', 'ring'%s", name,
+                     reaches_any ? " or 'doubling'" : " ('doubling' needs a transport that reaches any rank: MPI)");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    if (self->ring) self->ring->small_algorithm = algo;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Comm_get_small_algorithm(CommObject *self, void *Py_UNUSED(closure))
+{
+    return PyUnicode_FromString(self->ring && rr_doubling_usable(self->ring) ? "doubling" : "ring");
+}
+
+/* What the busiest rank of a small allreduce sends, in tensors: the cost
+ * model of Python's small-path limit (ringreduce/collectives.py). */
+static PyObject *Comm_get_small_rounds(CommObject *self, void *Py_UNUSED(closure))
+{
+    if (!self->ring) return PyLong_FromLong(0);
+    const int N = self->ring->size;
+    return PyLong_FromLong(rr_doubling_usable(self->ring) ? rr_doubling_rounds(N) : N - 1);
+}
+
 /* Takes the lock, as set_segment. Returns whether ring operations now take
  * the zero-copy path: asked for, and the transport offers windows. The
  * path's byte order differs: every rank must get the same answer, which
@@ -666,6 +708,9 @@ static PyMethodDef Comm_methods[] = {
      "bytes sent to the next rank so far: (ring data steps, blob exchanges, alltoall)"},
     {"set_segment", (PyCFunction)Comm_set_segment, METH_VARARGS,
      "set_segment(bytes): the ring's pipeline segment from the next operation on (rounded up to 64); returns it"},
+    {"set_small_algorithm", (PyCFunction)Comm_set_small_algorithm, METH_VARARGS,
+     "set_small_algorithm('auto' | 'ring' | 'doubling'): of the small operations from the next one on; "
+     "every rank must choose alike"},
     {"set_zero_copy", (PyCFunction)Comm_set_zero_copy, METH_VARARGS,
      "set_zero_copy(on): reduce straight in shared-memory links from the next operation on; "
      "returns whether that path is now taken (both links shared memory); every rank must agree"},
@@ -702,6 +747,11 @@ static PyMethodDef Comm_methods[] = {
 
 static PyGetSetDef Comm_getset[] = {
     {"broken", (getter)Comm_get_broken, NULL, "why the communicator is unusable, or None", NULL},
+    {"small_algorithm", (getter)Comm_get_small_algorithm, NULL,
+     "the small operations' algorithm in effect: 'doubling' or 'ring'", NULL},
+    {"small_rounds", (getter)Comm_get_small_rounds, NULL,
+     "tensors the busiest rank of a small allreduce sends (doubling: log2 N, +1 off powers of two; ring: N-1)",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -14,8 +14,14 @@
  * While it sleeps it also asks the interrupt hook (Ctrl-C) and looks for
  * failure notices.
  *
+ * Any rank (sendrecv, for recursive doubling): whole messages to and from
+ * one peer, on their own tag so they never meet the ring's. The receiver
+ * probes for each message's size, allocates it, and receives it in place.
+ * The wait is the ring's: yield, then nap, asking for notices.
+ *
  * Failure: a rank that gives up (an error, a timeout, an interrupt) sends a
- * notice, {rank to blame, error code}, to both neighbours, which give up in
+ * notice, {rank to blame, error code}, to every rank (a doubling partner
+ * waiting on it need not be a neighbour), and those that hear it give up in
  * turn and pass it on, so the whole ring learns promptly who left. A peer
  * that makes no progress for the timeout is reported as lost; a dead peer
  * usually makes the MPI runtime end the job itself. A rank that gives up
@@ -34,6 +40,7 @@
 
 #define RING_TAG 0x5252   /* "RR" */
 #define NOTICE_TAG 0x5253 /* a failure notice: int[2] = {rank to blame, RR_E_* code} */
+#define PEER_TAG 0x5254   /* sendrecv's messages, to and from any rank */
 
 #define SPIN_S 1e-3       /* yield between tests this long, then sleep */
 #define NAP_MIN_NS 10000L
@@ -52,9 +59,14 @@ typedef struct {
     int rpending_len;
     char *carry;          /* bytes of a message larger than its window */
     size_t carry_len, carry_off, carry_cap;
-    /* Failure notices: a receive posted for each neighbour's, and ours. */
-    int notice_in[2][2], notice_out[2];
-    MPI_Request notice_rreq[2], notice_sreq[2];
+    /* Failure notices: a receive posted for prev's, next's and anyone
+     * else's; ours go to every rank (notice_sreq[size]). */
+    int notice_in[3][2], notice_out[2];
+    MPI_Request notice_rreq[3], *notice_sreq;
+    /* sendrecv's requests; after an error they stay here for settle(). */
+    MPI_Request peer_sreq[RR_PEER_MSGS], peer_rreq;
+    void *peer_rbuf;      /* the buffer of a pending peer receive (ours, freed once it settles) */
+    void *stale_rbuf;     /* one released to MPI unfinished: freed only at destroy */
     char *drop;           /* where abort drains messages nobody will read */
     size_t drop_cap;
     int aborted;
@@ -78,11 +90,12 @@ static void nap(long *nap_ns)
 /* A neighbour gave up and said whom to blame: so do we. */
 static int notice_received(mpi_transport *t, rr_error *err)
 {
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         int done = 0;
+        MPI_Status st;
         if (t->notice_rreq[i] == MPI_REQUEST_NULL) continue;
-        if (MPI_Test(&t->notice_rreq[i], &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) continue;
-        int culprit = t->notice_in[i][0], from = i == 0 ? t->prev : t->next;
+        if (MPI_Test(&t->notice_rreq[i], &done, &st) != MPI_SUCCESS || !done) continue;
+        int culprit = t->notice_in[i][0], from = i == 0 ? t->prev : i == 1 ? t->next : st.MPI_SOURCE;
         if (culprit < 0 || culprit >= t->base.size) culprit = from;
         const char *why = t->notice_in[i][1] == RR_E_INTERRUPTED ? "it was interrupted" : "it failed";
         if (culprit == t->base.rank)
@@ -209,6 +222,109 @@ static int mpi_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
     }
 }
 
+/* Waits like exchange(): yields for SPIN_S, then naps, asking for notices
+ * and the interrupt hook. RR_OK: wait again. *start restarts on progress;
+ * the peer is blamed after the timeout and depth graces (transport.h), unless
+ * a notice names someone else first. */
+static int wait_a_little(mpi_transport *t, int peer, int depth, double *start, long long *next_check, long *nap_ns,
+                         rr_error *err)
+{
+    const double now = now_s();
+    if (now > *start + t->timeout_s * (1 + depth * RR_BLAME_GRACE)) {
+        if (notice_received(t, err) != RR_OK) return err->code;
+        rr_set_error(err, RR_E_PEER_LOST, peer, "lost rank %d: no progress for %.1f s (RINGREDUCE_TIMEOUT) over MPI",
+                     peer, t->timeout_s);
+        return err->code;
+    }
+    if (now - *start < SPIN_S) {
+        sched_yield();
+        return RR_OK;
+    }
+    int rc;
+    if ((rc = notice_received(t, err)) != RR_OK) return rc;
+    if ((rc = rr_should_stop(&t->base, (long long)(now * 1000), next_check, err)) != RR_OK) return rc;
+    nap(nap_ns);
+    return RR_OK;
+}
+
+static int mpi_sendrecv(rr_transport *base, int peer, int depth, const void *const *sbufs, const size_t *slens,
+                        int nsend, void **rbufs, size_t *rlens, int nrecv, rr_error *err)
+{
+    mpi_transport *t = (mpi_transport *)base;
+    for (int i = 0; i < nrecv; i++) rbufs[i] = NULL;
+    if (t->aborted) {
+        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
+        return err->code;
+    }
+    if (nsend > RR_PEER_MSGS || nrecv > RR_PEER_MSGS || peer < 0 || peer >= base->size || peer == base->rank) {
+        rr_set_error(err, RR_E_INVALID, -1, "sendrecv: bad peer %d or message count", peer);
+        return err->code;
+    }
+    int rc;
+    for (int i = 0; i < nsend; i++) {
+        if (slens[i] > INT32_MAX) {
+            rr_set_error(err, RR_E_INVALID, -1, "message of more than 2 GiB");
+            return err->code;
+        }
+        rc = MPI_Isend(sbufs[i], (int)slens[i], MPI_BYTE, peer, PEER_TAG, t->comm, &t->peer_sreq[i]);
+        if (rc != MPI_SUCCESS) return mpi_failed(t, rc, "Isend", err);
+    }
+    double start = now_s();
+    long long next_check = (long long)(start * 1000) + RR_INTERRUPT_CHECK_MS;
+    long nap_ns = 0;
+    int got = 0, sends_done = 0;
+    for (;;) {
+        int progress = 0;
+        if (got < nrecv && !t->peer_rbuf) { /* the next message: its size, then the message itself */
+            int flag = 0, count = 0;
+            MPI_Message msg;
+            MPI_Status st;
+            rc = MPI_Improbe(peer, PEER_TAG, t->comm, &flag, &msg, &st);
+            if (rc != MPI_SUCCESS) goto mpi_error;
+            if (flag) {
+                MPI_Get_count(&st, MPI_BYTE, &count);
+                if (!(t->peer_rbuf = malloc(count ? (size_t)count : 1))) {
+                    rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+                    goto failed;
+                }
+                rc = MPI_Imrecv(t->peer_rbuf, count, MPI_BYTE, &msg, &t->peer_rreq);
+                if (rc != MPI_SUCCESS) goto mpi_error;
+                rlens[got] = (size_t)count;
+            }
+        }
+        if (t->peer_rbuf) {
+            int done = 0;
+            rc = MPI_Test(&t->peer_rreq, &done, MPI_STATUS_IGNORE);
+            if (rc != MPI_SUCCESS) goto mpi_error;
+            if (done) {
+                rbufs[got++] = t->peer_rbuf;
+                t->peer_rbuf = NULL;
+                progress = 1;
+            }
+        }
+        if (!sends_done) {
+            rc = MPI_Testall(nsend, t->peer_sreq, &sends_done, MPI_STATUSES_IGNORE);
+            if (rc != MPI_SUCCESS) goto mpi_error;
+            progress |= sends_done;
+        }
+        if (sends_done && got == nrecv) return RR_OK;
+        if (progress) {
+            start = now_s();
+            nap_ns = 0;
+            continue;
+        }
+        if ((rc = wait_a_little(t, peer, depth, &start, &next_check, &nap_ns, err)) != RR_OK) goto failed;
+    }
+mpi_error:
+    mpi_failed(t, rc, "sendrecv", err);
+failed:
+    for (int i = 0; i < got; i++) {
+        free(rbufs[i]);
+        rbufs[i] = NULL;
+    }
+    return err->code; /* pending requests stay for settle() */
+}
+
 /* Takes and drops a message from prev that nobody will read (MPICH cannot
  * cancel a send: this lets prev's complete). */
 static void drain_one(mpi_transport *t)
@@ -216,7 +332,8 @@ static void drain_one(mpi_transport *t)
     int flag = 0, count = 0;
     MPI_Message msg;
     MPI_Status st;
-    if (MPI_Improbe(t->prev, RING_TAG, t->comm, &flag, &msg, &st) != MPI_SUCCESS || !flag) return;
+    if (MPI_Improbe(t->prev, RING_TAG, t->comm, &flag, &msg, &st) != MPI_SUCCESS || !flag)
+        if (MPI_Improbe(MPI_ANY_SOURCE, PEER_TAG, t->comm, &flag, &msg, &st) != MPI_SUCCESS || !flag) return;
     MPI_Get_count(&st, MPI_BYTE, &count);
     if ((size_t)count > t->drop_cap) {
         char *grown = realloc(t->drop, (size_t)count);
@@ -235,16 +352,35 @@ static void drain_one(mpi_transport *t)
  * draining what prev sent meanwhile. What is still pending after that (a
  * neighbour that makes no MPI calls at all) is released to MPI: it finishes
  * on its own, on memory the caller may have freed. */
+static int notices_pending(const mpi_transport *t)
+{
+    for (int i = 0; i < t->base.size; i++)
+        if (t->notice_sreq[i] != MPI_REQUEST_NULL) return 1;
+    return 0;
+}
+
+static int peer_pending(const mpi_transport *t)
+{
+    for (int i = 0; i < RR_PEER_MSGS; i++)
+        if (t->peer_sreq[i] != MPI_REQUEST_NULL) return 1;
+    return t->peer_rbuf != NULL;
+}
+
 static void settle(mpi_transport *t, double seconds)
 {
     const double end = now_s() + seconds;
     long nap_ns = 0;
-    while (t->spending || t->rpending || t->notice_sreq[0] != MPI_REQUEST_NULL ||
-           t->notice_sreq[1] != MPI_REQUEST_NULL) {
+    while (t->spending || t->rpending || notices_pending(t) || peer_pending(t)) {
         int done = 0;
+        for (int i = 0; i < RR_PEER_MSGS; i++)
+            if (t->peer_sreq[i] != MPI_REQUEST_NULL) MPI_Test(&t->peer_sreq[i], &done, MPI_STATUS_IGNORE);
+        if (t->peer_rbuf && (MPI_Test(&t->peer_rreq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done)) {
+            free(t->peer_rbuf);
+            t->peer_rbuf = NULL;
+        }
         if (t->spending && (MPI_Test(&t->sreq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done)) t->spending = NULL;
         if (t->rpending && (MPI_Test(&t->rreq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done)) t->rpending = NULL;
-        for (int i = 0; i < 2; i++)
+        for (int i = 0; i < t->base.size; i++)
             if (t->notice_sreq[i] != MPI_REQUEST_NULL) MPI_Test(&t->notice_sreq[i], &done, MPI_STATUS_IGNORE);
         drain_one(t);
         if (now_s() > end) break;
@@ -252,7 +388,14 @@ static void settle(mpi_transport *t, double seconds)
     }
     if (t->spending) MPI_Request_free(&t->sreq);
     if (t->rpending) MPI_Request_free(&t->rreq);
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < RR_PEER_MSGS; i++)
+        if (t->peer_sreq[i] != MPI_REQUEST_NULL) MPI_Request_free(&t->peer_sreq[i]);
+    if (t->peer_rbuf) {
+        MPI_Request_free(&t->peer_rreq); /* it may still land: its buffer is kept until destroy */
+        t->stale_rbuf = t->peer_rbuf;
+        t->peer_rbuf = NULL;
+    }
+    for (int i = 0; i < t->base.size; i++)
         if (t->notice_sreq[i] != MPI_REQUEST_NULL) MPI_Request_free(&t->notice_sreq[i]);
     t->spending = NULL;
     t->rpending = NULL;
@@ -263,12 +406,10 @@ static void mpi_abort(rr_transport *base, const rr_error *why)
     mpi_transport *t = (mpi_transport *)base;
     if (t->aborted) return;
     t->aborted = 1;
-    if (t->base.size > 1) { /* tell both neighbours whom to blame */
-        t->notice_out[0] = why && why->rank >= 0 ? why->rank : t->base.rank;
-        t->notice_out[1] = why ? why->code : RR_E_PEER_LOST;
-        MPI_Isend(t->notice_out, 2, MPI_INT, t->next, NOTICE_TAG, t->comm, &t->notice_sreq[0]);
-        MPI_Isend(t->notice_out, 2, MPI_INT, t->prev, NOTICE_TAG, t->comm, &t->notice_sreq[1]);
-    }
+    t->notice_out[0] = why && why->rank >= 0 ? why->rank : t->base.rank;
+    t->notice_out[1] = why ? why->code : RR_E_PEER_LOST;
+    for (int i = 0; i < t->base.size; i++) /* tell everyone whom to blame */
+        if (i != t->base.rank) MPI_Isend(t->notice_out, 2, MPI_INT, i, NOTICE_TAG, t->comm, &t->notice_sreq[i]);
     settle(t, t->timeout_s < SETTLE_S ? t->timeout_s : SETTLE_S);
 }
 
@@ -279,7 +420,7 @@ static void mpi_destroy(rr_transport *base)
     MPI_Finalized(&finalized);
     if (!finalized) {
         settle(t, SETTLE_S); /* nothing pending after a finished operation */
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < 3; i++) {
             if (t->notice_rreq[i] == MPI_REQUEST_NULL) continue;
             MPI_Cancel(&t->notice_rreq[i]); /* an unmatched receive: cancels at once */
             MPI_Wait(&t->notice_rreq[i], MPI_STATUS_IGNORE);
@@ -288,10 +429,12 @@ static void mpi_destroy(rr_transport *base)
     }
     free(t->carry);
     free(t->drop);
+    free(t->stale_rbuf);
+    free(t->notice_sreq);
     free(t);
 }
 
-static const rr_transport_ops mpi_ops = {mpi_exchange, mpi_abort, mpi_destroy};
+static const rr_transport_ops mpi_ops = {mpi_exchange, mpi_abort, mpi_destroy, NULL, mpi_sendrecv};
 
 rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s)
 {
@@ -308,10 +451,18 @@ rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s)
     t->next = (t->base.rank + 1) % t->base.size;
     t->prev = (t->base.rank + t->base.size - 1) % t->base.size;
     t->timeout_s = timeout_s;
-    for (int i = 0; i < 2; i++) t->notice_rreq[i] = t->notice_sreq[i] = MPI_REQUEST_NULL;
+    if (!(t->notice_sreq = malloc(sizeof *t->notice_sreq * (size_t)t->base.size))) {
+        MPI_Comm_free(&t->comm);
+        free(t);
+        return NULL;
+    }
+    for (int i = 0; i < t->base.size; i++) t->notice_sreq[i] = MPI_REQUEST_NULL;
+    for (int i = 0; i < 3; i++) t->notice_rreq[i] = MPI_REQUEST_NULL;
+    for (int i = 0; i < RR_PEER_MSGS; i++) t->peer_sreq[i] = MPI_REQUEST_NULL;
     if (t->base.size > 1) {
         MPI_Irecv(t->notice_in[0], 2, MPI_INT, t->prev, NOTICE_TAG, t->comm, &t->notice_rreq[0]);
         MPI_Irecv(t->notice_in[1], 2, MPI_INT, t->next, NOTICE_TAG, t->comm, &t->notice_rreq[1]);
+        MPI_Irecv(t->notice_in[2], 2, MPI_INT, MPI_ANY_SOURCE, NOTICE_TAG, t->comm, &t->notice_rreq[2]);
     }
     return &t->base;
 }

@@ -40,6 +40,7 @@
 #include <time.h>
 
 #include "device.h"
+#include "recursive_doubling.h"
 #include "reduce.h"
 
 static double monotonic_s(void)
@@ -601,6 +602,7 @@ int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *
                      MAX_BLOB >> 20);
         return fail(ring, RR_E_INVALID, err);
     }
+    if (rr_doubling_usable(ring)) return rr_exchange_blobs_doubling(ring, head, hlen, data, dlen, all, lens, err);
     char **frame = calloc((size_t)N, sizeof *frame);
     if (!frame || !(frame[r] = malloc(8 + len))) goto oom;
     uint64_t len64 = len;
@@ -669,6 +671,9 @@ int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void 
         rr_set_error(err, RR_E_INVALID, -1, "unsupported dtype %d or ragged buffer", (int)dtype);
         return err->code;
     }
+    const int mean = op == RR_AVG && rr_avg_is_mean(dtype);
+    if (!mean && rr_doubling_usable(ring))
+        return rr_allreduce_doubling(ring, head, hlen, data, dlen, out, dtype, op, agreed, all, lens, err);
     int rc = rr_exchange_blobs(ring, head, hlen, data, dlen, all, lens, err);
     if (rc != RR_OK) return rc;
     const char *blob = *all;
@@ -677,7 +682,6 @@ int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void 
     *agreed = 1;
     blob = *all;
     memcpy(out, blob + hlen, dlen);
-    const int mean = op == RR_AVG && rr_avg_is_mean(dtype);
     for (int i = 1; i < N; i++) {
         blob += hlen + dlen;
         if (mean) rr_mean_fold(out, blob + hlen, out, dlen / esize, dtype, i + 1);

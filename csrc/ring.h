@@ -9,12 +9,18 @@
 #include "device.h"
 #include "transport.h"
 
+/* The small operations' algorithm (rr_exchange_blobs, rr_allreduce_small):
+ * AUTO takes recursive doubling where the transport reaches any rank
+ * (recursive_doubling.h), else the ring; RING forces the ring's N-1 hops. */
+typedef enum { RR_SMALL_AUTO = 0, RR_SMALL_RING = 1 } rr_small_algorithm;
+
 typedef struct rr_ring {
     rr_transport *transport; /* owned */
     int rank, size;
     size_t segment;          /* pipeline segment, bytes (a multiple of 64) */
     void *staging;           /* one segment: where received partials land before reduction */
     double phase_times[3];   /* last allreduce: start, ScatterReduce done, end (CLOCK_MONOTONIC s) */
+    rr_small_algorithm small_algorithm; /* the same on every rank, or the blob passes never meet */
     int zero_copy;           /* reduce in the transport's windows (ring_steps_zero_copy); its byte
                                 order differs, so every rank must set it alike: 0 until
                                 ringreduce/shm.py's agree_zero_copy (RINGREDUCE_SHM_ZEROCOPY) */
@@ -64,13 +70,16 @@ int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int ro
 int rr_alltoall(rr_ring *ring, const void *src, void *dst, const size_t *bytes, rr_error *err);
 
 /* Every rank contributes one blob of any length (up to 64 MiB), given as a
- * header and data; every rank gets all of them, in rank order. *all is one malloc'ed block holding the
+ * header and data; every rank gets all of them, in rank order (by recursive
+ * doubling where rr_doubling_usable, else around the ring). *all is one malloc'ed block holding the
  * blobs back to back; lens[size] their lengths. Used for the headers that
  * precede every operation, and for small operations whose data rides along. */
 int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
                       void **all, size_t *lens, rr_error *err);
 
-/* Allreduce for small buffers: every rank's header and data travel in one
+/* Allreduce for small buffers: where rr_doubling_usable, by recursive
+ * doubling (rr_allreduce_doubling; 16-bit averages gather by doubling and
+ * reduce as below). Else every rank's header and data travel in one
  * rr_exchange_blobs pass, and each rank reduces them in rank order into out.
  * If any header differs from ours, *agreed is 0, nothing is reduced, and
  * *all/lens hold every rank's blob (caller frees *all). */

@@ -31,6 +31,20 @@ typedef struct rr_transport_ops {
     /* Optional (NULL: nothing to check). An operation starts: fail now,
      * with err filled, if the transport already knows a peer is lost. */
     int (*begin)(rr_transport *t, rr_error *err);
+    /* Optional (NULL: the transport reaches its ring neighbours only). For
+     * algorithms that talk to any rank (recursive_doubling.c): sends nsend
+     * whole messages to `peer` (sbufs[i], slens[i] bytes) while receiving
+     * the next nrecv messages from it, each into a buffer malloc'ed here
+     * (rbufs[i], rlens[i] bytes; the caller frees). Messages between two
+     * ranks arrive in the order sent. At most RR_PEER_MSGS each way. Returns
+     * RR_OK once every message has moved; or an error code with err filled
+     * (and rbufs all NULL) when the peer fails or stays silent past the
+     * transport's timeout plus depth * RR_BLAME_GRACE of it: depth counts the
+     * waits the peer may itself be stuck in, so the rank that waits on the
+     * one really silent blames it first, and its notice arrives in time. */
+    int (*sendrecv)(rr_transport *t, int peer, int depth, const void *const *sbufs, const size_t *slens,
+                    int nsend, void **rbufs, size_t *rlens, int nrecv, rr_error *err);
+
     /* Optional (NULL: nothing to do). A ring operation starts; every rank
      * calls it at the same point of its stream (shared-memory links align
      * it there, see rr_shm_link_align_tx). */
@@ -54,6 +68,9 @@ typedef struct rr_transport_ops {
     int (*wait)(rr_transport *t, int tx, int rx, rr_error *err);
 } rr_transport_ops;
 
+#define RR_PEER_MSGS 2
+#define RR_BLAME_GRACE 0.1
+
 /* Asked while exchange() waits (see rr_should_stop): nonzero means give up,
  * e.g. the user pressed Ctrl-C. Set by the binding; the transport only calls
  * it, so it stays free of Python. */
@@ -70,8 +87,9 @@ struct rr_transport {
     int size;
     rr_interrupt_hook interrupted; /* NULL: never asked */
     void *interrupt_arg;
-    /* Bytes this rank has sent to next, by what sent them (RR_SENT_*); only
-     * rr_transport_exchange adds to it. Transports allocate zeroed. */
+    /* Bytes this rank has sent (to next, or to any peer by sendrecv), by
+     * what sent them (RR_SENT_*); only rr_transport_exchange and
+     * rr_transport_sendrecv add to it. Transports allocate zeroed. */
     unsigned long long sent[RR_SENT_KINDS];
 };
 
@@ -90,6 +108,17 @@ static inline void rr_transport_commit(rr_transport *t, int kind, size_t n)
 {
     t->ops->tx_commit(t, n);
     t->sent[kind] += n;
+}
+
+/* sendrecv's counterpart of rr_transport_exchange: what was sent is counted. */
+static inline int rr_transport_sendrecv(rr_transport *t, int kind, int peer, int depth, const void *const *sbufs,
+                                        const size_t *slens, int nsend, void **rbufs, size_t *rlens, int nrecv,
+                                        rr_error *err)
+{
+    int rc = t->ops->sendrecv(t, peer, depth, sbufs, slens, nsend, rbufs, rlens, nrecv, err);
+    if (rc == RR_OK)
+        for (int i = 0; i < nsend; i++) t->sent[kind] += slens[i];
+    return rc;
 }
 
 /* How often a waiting transport asks the hook: a pending Ctrl-C is noticed

@@ -4,9 +4,13 @@ running world instead of the fixed numbers of ringreduce/config.py.
 At init, once the ring is connected and before the first user collective
 (collectives.init calls `tune_ring`):
 
-  1. The world's shape is its key: ranks, ranks per host, backend and how
-     many ring links go through shared memory (an allreduce, so every rank
-     builds the same key).
+  1. The world's shape is its key: ranks, ranks per host, backend, how
+     many ring links go through shared memory, and a digest of what every
+     rank runs on: its machine (CPU model, core count, architecture; not
+     the hostname, so like machines share a cache), ringreduce.__version__
+     and the build (a digest of the compiled extensions). One allgather, so
+     every rank builds the same key; a cache copied to another kind of
+     machine, or kept across an upgrade or a rebuild, is not reused.
   2. Rank 0 looks for $XDG_CACHE_HOME/ringreduce/autotune/<key>.json and
      broadcasts what it found. Only rank 0 reads, so ranks on hosts with
      different caches still agree; a file that does not parse, or holds a
@@ -26,6 +30,9 @@ At init, once the ring is connected and before the first user collective
                 all those sizes wins.
        Either way the built-in default stays unless a candidate beats it
        by more than MARGIN (5%): here most of the spread is load noise.
+       And a candidate that would replace it must do so again in fresh
+       rounds of just the two (the least of several noisy scores is
+       biased low), so a lucky round alone moves nothing.
   4. The choice is applied (Comm.set_segment, the ring's small limit, the
      world's Config, which process sets made later use) and logged.
 
@@ -45,9 +52,12 @@ tune: it negotiates as soon as a request is ready.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.machinery
 import json
 import logging
 import os
+import platform
 import tempfile
 import time
 from dataclasses import dataclass
@@ -83,8 +93,43 @@ class Choice:
     seconds: float = 0.0       # the calibration's wall time
 
 
-def shape_key(size: int, local_size: int, backend: str, shm_links: int) -> str:
-    return f"n{size}-per-host{local_size}-{backend}-shm{shm_links}"
+def shape_key(size: int, local_size: int, backend: str, shm_links: int, machines: str) -> str:
+    """machines: world_digest() of every rank's fingerprint()."""
+    return f"n{size}-per-host{local_size}-{backend}-shm{shm_links}-{machines}"
+
+
+def this_machine() -> str:
+    """What the timings depend on in the machine, the hostname left out:
+    CPU model, core count, architecture."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{model or platform.processor() or 'unknown CPU'}; {os.cpu_count()} cores; {platform.machine()}"
+
+
+def this_build() -> str:
+    """Digest of the package's compiled extensions (kernels, ring, transports):
+    a rebuild of the same version recalibrates."""
+    here = Path(__file__).parent
+    files = sorted({f for suffix in importlib.machinery.EXTENSION_SUFFIXES for f in here.glob("*" + suffix)})
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(machine: str, version: str, build: str) -> int:
+    """One rank's machine, version and build as a non-negative int64 (for the allgather)."""
+    raw = hashlib.sha256(f"{machine}\0{version}\0{build}".encode()).digest()
+    return int.from_bytes(raw[:8], "little") >> 1
+
+
+def world_digest(fingerprints) -> str:
+    """Every rank's fingerprint, in rank order, as the key's last part."""
+    return hashlib.sha256(np.asarray(fingerprints, np.int64).tobytes()).hexdigest()[:12]
 
 
 def cache_dir(env=None) -> Path:
@@ -114,15 +159,16 @@ def load_cached(path: Path) -> Choice | None:
     return Choice(seg, small)
 
 
-def store(path: Path, choice: Choice, key: str) -> None:
-    """Atomically: a reader sees the old file or the whole new one."""
+def store(path: Path, choice: Choice, key: str, about: dict | None = None) -> None:
+    """Atomically: a reader sees the old file or the whole new one. about:
+    what the key's digest stands for, for a reader of the file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump({"version": CACHE_VERSION, "key": key, "segment_bytes": choice.segment_bytes,
                        "small_bytes": choice.small_bytes, "calibration_seconds": round(choice.seconds, 3),
-                       "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
+                       "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(about or {})}, f)
         os.replace(tmp, path)
     except OSError as exc:  # a read-only home must not stop training
         log.warning("ringreduce autotune: could not write the cache %s (%s)", path, exc)
@@ -139,17 +185,33 @@ def _pick(scores, prefer: int | None) -> int:
     return best
 
 
+def segment_scores(times: np.ndarray) -> np.ndarray:
+    """times[c, p]: candidate c on probe size p. Each candidate's mean time
+    relative to the best at each size."""
+    return (times / times.min(axis=0)).sum(axis=1) / times.shape[1]
+
+
+def small_costs(small: np.ndarray, ring: np.ndarray) -> np.ndarray:
+    """small[j], ring[j]: the two paths at the size of candidate j's limit
+    (ascending). What each limit's rule (small at or below it) costs over
+    all those sizes."""
+    k = len(small)
+    return np.array([sum(small[j] if j <= c else ring[j] for j in range(k)) for c in range(k)])
+
+
 def best_segment(times: np.ndarray, prefer: int | None = None) -> int:
-    """times[c, p]: candidate c on probe size p. Index of the least sum of
-    times relative to the best at each size."""
-    return _pick((times / times.min(axis=0)).sum(axis=1) / times.shape[1], prefer)
+    """Index of the least segment_scores (prefer: see _pick)."""
+    return _pick(segment_scores(times), prefer)
 
 
 def best_small(small: np.ndarray, ring: np.ndarray, prefer: int | None = None) -> int:
-    """small[j], ring[j]: the two paths at the size of candidate j's limit
-    (ascending). Index of the limit whose rule costs least over all sizes."""
-    k = len(small)
-    return _pick(np.array([sum(small[j] if j <= c else ring[j] for j in range(k)) for c in range(k)]), prefer)
+    """Index of the least small_costs (prefer: see _pick)."""
+    return _pick(small_costs(small, ring), prefer)
+
+
+def still_beats(scores: np.ndarray, pick: int, default: int) -> bool:
+    """On fresh timings: does pick still beat default by more than MARGIN?"""
+    return _pick(scores[[pick, default]], prefer=1) == 0
 
 
 def tune_ring(ring, world, backend: str, env=None):
@@ -159,9 +221,12 @@ def tune_ring(ring, world, backend: str, env=None):
     from . import collectives as _c
     env = os.environ if env is None else env
     config = world.config
-    shm_links = int(_c.allreduce(np.array([world.extra.get("links", {}).get("next") == "shm"], np.int64),
-                                 name="ringreduce.autotune.key")[0])
-    key = shape_key(world.size, world.local_size, backend, shm_links)
+    from . import __version__
+    machine, build = this_machine(), this_build()
+    mine = np.array([[world.extra.get("links", {}).get("next") == "shm", fingerprint(machine, __version__, build)]],
+                    np.int64)
+    every = _c.allgather(mine, name="ringreduce.autotune.key")
+    key = shape_key(world.size, world.local_size, backend, int(every[:, 0].sum()), world_digest(every[:, 1]))
     path = cache_dir(env) / f"{key}.json"
     # rank 0 speaks for all: what it has cached, and which variables it has set by hand
     mine = np.zeros(6, np.int64)
@@ -182,7 +247,7 @@ def tune_ring(ring, world, backend: str, env=None):
                            (fixed_small,) if fixed_small >= 0 else SMALL_CANDIDATES, config.segment_bytes,
                            config.small_bytes)
         if world.rank == 0:
-            store(path, choice, key)
+            store(path, choice, key, {"rank0_machine": machine, "ringreduce": __version__, "build": build})
     if fixed_seg:
         choice = dataclasses.replace(choice, segment_bytes=fixed_seg)
     if fixed_small >= 0:
@@ -204,27 +269,14 @@ def tune_ring(ring, world, backend: str, env=None):
     return config
 
 
-def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int | None = None) -> Choice:
-    """Times the candidates on the ring (see the module's doc) and returns
-    the choice every rank makes alike. segment: the ring's segment now (the
-    small limit is timed with it, unless segments holds just one); it and
-    small_bytes, where among the candidates, are kept unless beaten by
-    MARGIN.
-
+def _time_probes(ring, probes, segment: int, arrays) -> np.ndarray:
+    """The fastest of REPS timed rounds of every probe (segment, element
+    count, small path?), the slowest rank's: the same table on every rank.
     The probes run round-robin, REPS + 1 rounds (the first a warm-up), so a
     burst of load from elsewhere slows every candidate alike instead of
     sinking the one it happens to meet."""
     from . import collectives as _c
-    t_start = time.monotonic()
     limit = ring.small_limit
-    small_segment = segments[0] if len(segments) == 1 else segment
-    probes = []  # (segment, element count, small path?)
-    if len(segments) > 1:
-        probes += [(s, nbytes // 4, False) for s in segments for nbytes in SEGMENT_PROBES]
-    if len(smalls) > 1:
-        probes += [(small_segment, max(1, c // max(size - 1, 1) // 4), path)
-                   for c in smalls for path in (True, False)]
-    arrays = {count: np.ones(count, np.float32) for _, count, _ in probes}
     local = np.zeros((REPS, len(probes)))
     try:
         for rep in range(REPS + 1):
@@ -239,16 +291,53 @@ def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int 
     finally:
         ring.small_limit = limit
         ring.comm.set_segment(segment)
-    # the slowest rank's time of every probe, the same table on every rank
-    fastest = _c.allreduce(local, op="max", name="ringreduce.autotune.times").min(axis=0)
-    at = seg_i = small_i = 0
+    return _c.allreduce(local, op="max", name="ringreduce.autotune.times").min(axis=0)
+
+
+def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int | None = None,
+              recheck: bool = True) -> Choice:
+    """Times the candidates on the ring (see the module's doc) and returns
+    the choice every rank makes alike. segment: the ring's segment now (the
+    small limit is timed with it, unless segments holds just one); it and
+    small_bytes, where among the candidates, are kept unless beaten by
+    MARGIN.
+
+    recheck: a candidate that would replace the default must beat it by
+    MARGIN again in fresh rounds of just the two (the least of several
+    noisy scores is biased low: the winner of one round is partly its
+    luck). It costs a few probes only when the default would change."""
+    from . import collectives as _c
+    t_start = time.monotonic()
+    small_segment = segments[0] if len(segments) == 1 else segment
+    seg_probes, small_probes = [], []  # (segment, element count, small path?)
     if len(segments) > 1:
-        at = len(segments) * len(SEGMENT_PROBES)
-        seg_i = best_segment(fastest[:at].reshape(len(segments), len(SEGMENT_PROBES)),
-                             segments.index(segment) if segment in segments else None)
+        seg_probes = [(s, nbytes // 4, False) for s in segments for nbytes in SEGMENT_PROBES]
     if len(smalls) > 1:
-        pairs = fastest[at:].reshape(len(smalls), 2)
-        small_i = best_small(pairs[:, 0], pairs[:, 1], smalls.index(small_bytes) if small_bytes in smalls else None)
+        small_probes = [(small_segment, max(1, c // max(size - 1, 1) // 4), path)
+                        for c in smalls for path in (True, False)]
+    probes = seg_probes + small_probes
+    arrays = {count: np.ones(count, np.float32) for _, count, _ in probes}
+    fastest = _time_probes(ring, probes, segment, arrays)
+    seg_times = fastest[:len(seg_probes)].reshape(len(segments), len(SEGMENT_PROBES)) if seg_probes else None
+    pairs = fastest[len(seg_probes):].reshape(len(smalls), 2) if small_probes else None
+    seg_default = segments.index(segment) if segment in segments else None
+    small_default = smalls.index(small_bytes) if small_bytes in smalls else None
+    seg_i = best_segment(seg_times, seg_default) if seg_probes else 0
+    small_i = best_small(pairs[:, 0], pairs[:, 1], small_default) if small_probes else 0
+    # fresh rounds for a change of default (every rank holds the same table, so runs the same ones)
+    move_seg = recheck and seg_default is not None and seg_i != seg_default
+    move_small = recheck and small_default is not None and small_i != small_default
+    if move_seg or move_small:
+        per = len(SEGMENT_PROBES)
+        again = ([p for c in (seg_i, seg_default) for p in seg_probes[c * per:(c + 1) * per]] if move_seg else [])
+        again += small_probes if move_small else []
+        fresh = _time_probes(ring, again, segment, arrays)
+        if move_seg and not still_beats(segment_scores(fresh[:2 * per].reshape(2, per)), 0, 1):
+            seg_i = seg_default
+        if move_small:
+            pairs = fresh[len(again) - len(small_probes):].reshape(len(smalls), 2)
+            if not still_beats(small_costs(pairs[:, 0], pairs[:, 1]), small_i, small_default):
+                small_i = small_default
     picked = np.array([segments[seg_i], smalls[small_i]], np.int64)
     seg, small = (int(v) for v in _c.broadcast(picked, 0, name="ringreduce.autotune.choice"))
     return Choice(seg, small, calibrated=True, seconds=time.monotonic() - t_start)

@@ -7,6 +7,8 @@ each rank's header, and for small tensors (Config.small_limit) the data itself.
 Every rank then holds every header, so a disagreement raises MismatchError on
 all of them alike. Small allreduces finish right there, reducing the blobs in
 rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
+Over MPI both passes run by recursive doubling instead (log2 N rounds, the
+small allreduce reducing as it goes: csrc/recursive_doubling.c).
 """
 from __future__ import annotations
 
@@ -65,6 +67,16 @@ class _Ring:
     small_limit: int
     ranks: list
     owners: list = field(default_factory=list)  # the ProcessSet objects naming it, invalidated at its end
+
+    @property
+    def allreduce_limit(self) -> int:
+        """Largest allreduce on the small path. small_limit spends a budget of
+        bytes the busiest rank sends (Config.small_limit: N-1 tensors around
+        the ring); recursive doubling over MPI sends only comm.small_rounds
+        tensors (log2 N, +1 off powers of two), so a larger tensor fits the
+        same budget. (+ N-2: the budget back whole from its floor division.)"""
+        rounds = self.comm.small_rounds if self.size > 1 else 1
+        return (self.small_limit * (self.size - 1) + self.size - 2) // rounds if rounds else self.small_limit
 
 
 class _State:
@@ -507,7 +519,7 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
         raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}")
     with _state.lock:
         ring = _ring(process_set)
-        small = x.nbytes <= ring.small_limit
+        small = x.nbytes <= ring.allreduce_limit
         head = _header(ALLREDUCE, opc, code, x.shape, name, small)
         in_place = out is not None and out.flags.c_contiguous and out.flags.writeable and out.dtype == x.dtype
         src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
@@ -534,7 +546,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
         raise ValueError(f"out must be a GPU array of shape {x.shape} and dtype {x.dtype}")
     with _state.lock, g.on(x):
         ring = _ring(process_set)
-        if x.nbytes <= ring.small_limit:
+        if x.nbytes <= ring.allreduce_limit:
             # Latency-bound: one copy each way and the host path, whose
             # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
             return _deliver(g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x),

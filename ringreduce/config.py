@@ -13,6 +13,7 @@ MAX_SMALL_BYTES = 32 << 20
 MAX_SEGMENT_BYTES = 64 << 20
 MAX_SHM_BYTES = 1 << 30  # what a taker accepts (ringreduce/shm.py)
 BACKENDS = ("", "socket", "mpi")
+SMALL_ALGORITHMS = ("", "doubling", "ring")
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 
 
@@ -34,6 +35,8 @@ class Config:
     fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
     cache_capacity: int = 1024      # RINGREDUCE_CACHE_CAPACITY: requests the engine's response cache
                                     # holds (ringreduce/response_cache.py); 0: no cache
+    small_algorithm: str = ""       # RINGREDUCE_SMALL_ALGORITHM: over MPI, "doubling" (the default:
+                                    # recursive doubling) or "ring" (the ring's passes); alike on every rank
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -48,6 +51,8 @@ class Config:
                f"0 (sockets only) .. {MAX_SHM_BYTES} bytes")
         _check("RINGREDUCE_SHM_ZEROCOPY", self.shm_zerocopy, isinstance(self.shm_zerocopy, bool), "0 or 1")
         _check("RINGREDUCE_FUSION_THRESHOLD", self.fusion_bytes, self.fusion_bytes >= 0, "bytes >= 0")
+        _check("RINGREDUCE_SMALL_ALGORITHM", self.small_algorithm, self.small_algorithm in SMALL_ALGORITHMS,
+               "'doubling', 'ring' or empty")
         _check("RINGREDUCE_CACHE_CAPACITY", self.cache_capacity, 0 <= self.cache_capacity <= MAX_CACHE_CAPACITY,
                f"0 (no cache) .. {MAX_CACHE_CAPACITY} requests")
 
@@ -88,6 +93,7 @@ class Config:
             shm_zerocopy=get("RINGREDUCE_SHM_ZEROCOPY", d.shm_zerocopy, _switch),
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
+            small_algorithm=get("RINGREDUCE_SMALL_ALGORITHM", d.small_algorithm, str),
         )
 
 

@@ -49,8 +49,11 @@ def connect(config: Config, comm=None):
     local.Free()
     abort_on_uncaught_exception()
     transport = _mpi.create(comm.py2f(), config.ring_timeout)
-    return world, _core.Comm(world.rank, world.size, -1, -1, (), config.ring_timeout, config.segment_bytes,
-                             config.spin, transport)
+    ring = _core.Comm(world.rank, world.size, -1, -1, (), config.ring_timeout, config.segment_bytes, config.spin,
+                      transport)
+    if config.small_algorithm:  # small operations by recursive doubling unless "ring" (docs/architecture.md)
+        ring.set_small_algorithm(config.small_algorithm)
+    return world, ring
 
 
 def abort_on_uncaught_exception() -> None:

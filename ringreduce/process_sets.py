@@ -264,6 +264,8 @@ class _SetComm:
 
     def __getattr__(self, attr):
         fn = getattr(self._comm, attr)
+        if not callable(fn):  # an attribute (small_rounds, broken)
+            return fn
 
         def call(*args, **kwargs):
             try:

@@ -2,12 +2,14 @@
 its cache per world shape, and the engine's fusion threshold tuned from
 its cycles (ringreduce/autotune.py)."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ranks import run_ranks
+import ringreduce
 from ringreduce import autotune
 from ringreduce.config import Config
 
@@ -27,6 +29,12 @@ for n in (1, 3, 1000, 2731, 10923, 16385, 65537, 300001):
 result = dict(tune=w.extra.get("autotune"), limit=_c._state.ring.small_limit, seg=w.config.segment_bytes,
               small=w.config.small_bytes, ok=ok)
 """
+
+
+def _key(n, backend="socket", shm_links=None):
+    """The cache key of n ranks all on this machine, this version and build."""
+    one = autotune.fingerprint(autotune.this_machine(), ringreduce.__version__, autotune.this_build())
+    return autotune.shape_key(n, n, backend, n if shm_links is None else shm_links, autotune.world_digest([one] * n))
 
 
 def _env(tmp_path, **extra):
@@ -51,7 +59,7 @@ def test_calibration_picks_candidates_agreed_and_cached(tmp_path, n):
     assert first["limit"] == Config(small_bytes=first["small"]).small_limit(n)
     files = list((tmp_path / "cache" / "ringreduce" / "autotune").glob("*.json"))
     assert [f.name for f in files] == [first["tune"]["key"] + ".json"]
-    assert f"n{n}-per-host{n}-socket-shm" in first["tune"]["key"]
+    assert first["tune"]["key"] == _key(n)
     cached = json.loads(files[0].read_text())
     assert (cached["segment_bytes"], cached["small_bytes"]) == (first["seg"], first["small"])
 
@@ -64,7 +72,7 @@ def test_calibration_picks_candidates_agreed_and_cached(tmp_path, n):
 
 def test_cached_values_are_used(tmp_path):
     """A cache written by hand decides: proof the read path is taken."""
-    key = autotune.shape_key(2, 2, "socket", 2)
+    key = _key(2)
     path = tmp_path / "cache" / "ringreduce" / "autotune" / f"{key}.json"
     autotune.store(path, autotune.Choice(64 << 10, 512 << 10), key)
     ranks = run_ranks(2, REPORT, tmp_path, timeout=60, env=_env(tmp_path))
@@ -76,7 +84,7 @@ def test_cached_values_are_used(tmp_path):
 @pytest.mark.parametrize("junk", ["{not json", '{"version": 1, "segment_bytes": 12345, "small_bytes": 65536}',
                                   '["a list"]'])
 def test_corrupt_cache_is_ignored_and_replaced(tmp_path, junk):
-    key = autotune.shape_key(2, 2, "socket", 2)
+    key = _key(2)
     path = tmp_path / "cache" / "ringreduce" / "autotune" / f"{key}.json"
     path.parent.mkdir(parents=True)
     path.write_text(junk)
@@ -183,7 +191,6 @@ with open(f"{sys.argv[1]}.rank{rr.rank()}.pkl", "wb") as f:
 
 
 def test_over_mpi_calibrates_then_reads_the_cache(tmp_path):
-    import os
     import pickle
     import subprocess
     import sys
@@ -206,12 +213,12 @@ def test_over_mpi_calibrates_then_reads_the_cache(tmp_path):
         same = [(r["tune"]["segment_bytes"], r["tune"]["small_bytes"], r["tune"]["calibrated"], r["limit"])
                 for r in results]
         assert same == [same[0]] * 3, "ranks disagree"  # the seconds are each rank's own
-        assert results[0]["tune"]["calibrated"] is calibrated and results[0]["tune"]["key"] == "n3-per-host3-mpi-shm0"
+        assert results[0]["tune"]["calibrated"] is calibrated and results[0]["tune"]["key"] == _key(3, "mpi", 0)
     assert runs[1][0]["tune"]["small_bytes"] == runs[0][0]["tune"]["small_bytes"]
 
 
 def test_process_sets_made_later_use_the_tuned_values(tmp_path):
-    key = autotune.shape_key(3, 3, "socket", 3)
+    key = _key(3)
     autotune.store(tmp_path / "cache" / "ringreduce" / "autotune" / f"{key}.json",
                    autotune.Choice(64 << 10, 512 << 10), key)
     body = """
@@ -279,3 +286,94 @@ result = dict(after_init=after_init, after_one=rr.stats()["ring"], calibrated=_c
     for r in run_ranks(2, "from ringreduce import collectives as _c\n" + body, tmp_path, timeout=60, env=_env(tmp_path)):
         assert r.result["calibrated"] and r.result["after_init"] == 0, r.result
         assert r.result["after_one"] <= 4000 + 64, r.result  # the one allreduce, not the probes' megabytes
+
+
+def test_fingerprint_covers_machine_version_and_build():
+    import socket
+    machine, build = autotune.this_machine(), autotune.this_build()
+    assert socket.gethostname() not in machine  # like machines share one cache
+    assert f"{os.cpu_count()} cores" in machine
+    assert len(build) == 16 and build == autotune.this_build()
+    base = autotune.fingerprint(machine, "0.1.0", build)
+    others = {autotune.fingerprint("Other CPU; 96 cores; aarch64", "0.1.0", build),
+              autotune.fingerprint(machine, "0.2.0", build), autotune.fingerprint(machine, "0.1.0", "f" * 16)}
+    assert base >= 0 and len(others) == 3 and base not in others
+    # every rank counts, in rank order: one unlike rank changes the world's digest
+    assert autotune.world_digest([base, base]) != autotune.world_digest([base, min(others)])
+
+
+# Patched before init on the named ranks: what a cache copied to another machine, or kept
+# across an upgrade or a rebuild, would meet.
+CHANGES = {
+    "machine": "autotune.this_machine = lambda: 'Other CPU; 96 cores; aarch64'",
+    "version": "import ringreduce; ringreduce.__version__ = '9.9.9'",
+    "build": "autotune.this_build = lambda: 'f' * 16",
+}
+
+
+@pytest.mark.parametrize("change, on_ranks", [("machine", (1,)), ("version", (0, 1)), ("build", (0, 1))])
+def test_a_changed_machine_version_or_build_recalibrates(tmp_path, change, on_ranks):
+    key = _key(2)
+    path = tmp_path / "cache" / "ringreduce" / "autotune" / f"{key}.json"
+    autotune.store(path, autotune.Choice(64 << 10, 512 << 10), key)  # what this machine and build cached
+    body = f"""
+from ringreduce import autotune
+if int(os.environ["RINGREDUCE_RANK"]) in {on_ranks!r}:
+    {CHANGES[change]}
+rr.init()
+""" + REPORT
+    ranks = run_ranks(2, body, tmp_path, timeout=60, env=_env(tmp_path), init=False)
+    first = _same_on_every_rank(ranks)
+    assert first["tune"]["calibrated"], "the cache of another machine, version or build was reused"
+    assert first["tune"]["key"] != key and all(r.result["tune"]["key"] == first["tune"]["key"] for r in ranks)
+    written = json.loads((path.parent / f"{first['tune']['key']}.json").read_text())
+    assert written["ringreduce"] == ("9.9.9" if change == "version" else ringreduce.__version__)
+    assert autotune.load_cached(path) == autotune.Choice(64 << 10, 512 << 10)  # the other one is left alone
+
+
+def test_rules_for_a_fresh_recheck():
+    assert autotune.still_beats(np.array([1.0, 5.0, 1.2]), 0, 2)       # 1.0 vs 1.2: by more than MARGIN
+    assert not autotune.still_beats(np.array([1.0, 5.0, 1.04]), 0, 2)  # within MARGIN: the default stays
+    assert list(autotune.small_costs(np.array([1.0, 9.0]), np.array([5.0, 5.0]))) == [6.0, 10.0]
+
+
+# The probes' timings scripted (the real ones are load noise here): the first table
+# says 64 KiB segments and a 32 KiB small limit beat the defaults by far; the fresh
+# recheck of just those against the defaults either agrees or finds them equal.
+RECHECK = """
+from ringreduce import autotune, collectives as _c
+from ringreduce.config import Config
+seg_n, small_n, per = len(autotune.SEGMENT_CANDIDATES), len(autotune.SMALL_CANDIDATES), len(autotune.SEGMENT_PROBES)
+first = np.concatenate([np.repeat([0.5] + [1.0] * (seg_n - 1), per), np.tile([9.0, 5.0], small_n)])
+agrees = np.concatenate([[0.5] * per + [1.0] * per, np.tile([9.0, 5.0], small_n)])
+equal = np.ones(2 * per + 2 * small_n)
+seen = []
+def scripted(tables):
+    def fake(ring, probes, segment, arrays):
+        seen.append(len(probes))
+        out = tables.pop(0)
+        assert len(out) == len(probes)
+        return out
+    return fake
+d = Config()
+result = {}
+for name, tables, recheck in [("noise", [first, equal], True), ("real", [first, agrees], True),
+                              ("no recheck", [first], False)]:
+    autotune._time_probes = scripted(list(tables))
+    c = autotune.calibrate(_c._state.ring, rr.size(), autotune.SEGMENT_CANDIDATES, autotune.SMALL_CANDIDATES,
+                           d.segment_bytes, d.small_bytes, recheck=recheck)
+    result[name] = (c.segment_bytes, c.small_bytes)
+result["calls"] = seen
+"""
+
+
+def test_a_change_of_default_must_win_again_in_fresh_rounds(tmp_path):
+    d = Config()
+    ranks = run_ranks(2, RECHECK, tmp_path, timeout=60)
+    for r in ranks:
+        assert r.result["noise"] == (d.segment_bytes, d.small_bytes), r.result  # a lucky first round only
+        assert r.result["real"] == (64 << 10, 32 << 10), r.result
+        assert r.result["no recheck"] == (64 << 10, 32 << 10), r.result  # what the old calibration kept
+        n_probes = len(autotune.SEGMENT_CANDIDATES) * len(autotune.SEGMENT_PROBES) + 2 * len(autotune.SMALL_CANDIDATES)
+        fresh = 2 * len(autotune.SEGMENT_PROBES) + 2 * len(autotune.SMALL_CANDIDATES)
+        assert r.result["calls"] == [n_probes, fresh, n_probes, fresh, n_probes]
