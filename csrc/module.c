@@ -707,6 +707,33 @@ static PyObject *Comm_get_arena_slot(CommObject *self, void *Py_UNUSED(closure))
                              ? rr_arena_slot_bytes(self->ring->arena) : 0);
 }
 
+/* Takes the lock, as set_segment. Returns whether ring operations now take
+ * the zero-copy path: asked for, and the transport offers windows. The
+ * path's byte order differs: every rank must get the same answer, which
+ * ringreduce/shm.py's agree_zero_copy sees to. */
+static PyObject *Comm_set_zero_copy(CommObject *self, PyObject *args)
+{
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    if (!self->ring || forked_away(self)) {
+        PyErr_SetString(PyExc_ValueError, "the communicator is closed");
+        return NULL;
+    }
+    int used;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    self->ring->zero_copy = on;
+    used = on && self->ring->transport && self->ring->transport->ops->rx_window;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(used);
+}
+
+static PyObject *Comm_zero_copy_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLongLong(self->ring ? self->ring->zero_copy_ops : 0);
+}
+
 static PyObject *Comm_last_phases(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (!self->ring) Py_RETURN_NONE;
@@ -731,6 +758,11 @@ static PyMethodDef Comm_methods[] = {
     {"set_small_algorithm", (PyCFunction)Comm_set_small_algorithm, METH_VARARGS,
      "set_small_algorithm('auto' | 'ring' | 'doubling'): of the small operations from the next one on; "
      "every rank must choose alike"},
+    {"set_zero_copy", (PyCFunction)Comm_set_zero_copy, METH_VARARGS,
+     "set_zero_copy(on): reduce straight in shared-memory links from the next operation on; "
+     "returns whether that path is now taken (both links shared memory); every rank must agree"},
+    {"zero_copy_ops", (PyCFunction)Comm_zero_copy_ops, METH_NOARGS,
+     "how many ring operations so far reduced straight in the shared-memory mappings"},
     {"last_phases", (PyCFunction)Comm_last_phases, METH_NOARGS,
      "(start, ScatterReduce done, end) of the last ring allreduce, in time.monotonic() seconds"},
     {"allreduce", (PyCFunction)Comm_allreduce, METH_VARARGS,

@@ -67,6 +67,7 @@ rr_ring *rr_ring_create(rr_transport *t, size_t segment_bytes)
     ring->rank = t ? t->rank : 0;
     ring->size = t ? t->size : 1;
     ring->segment = segment_bytes;
+    ring->zero_copy = 0; /* until the ranks agree on it (ring.h) */
     return ring;
 }
 
@@ -173,6 +174,175 @@ static int queue_download(device_queue *q, char *host, const char *dev_src, size
     return RR_OK;
 }
 
+/* What a received run of n bytes at byte `at` of the buffer becomes at
+ * step g: reduced with our own input (steps below reduce_until) or copied
+ * (later steps) into buf and, when `out` is given, also into the send
+ * window as the next step's bytes. A partial that is not final goes to
+ * `out` alone when given: nobody reads it from buf. The kernels and their
+ * order are those of the copying path, so the bits are too. */
+static void absorb(int N, const char *src, char *buf, size_t at, const char *in, size_t n, char *out, int g,
+                   int reduce_until, rr_dtype dtype, rr_op op)
+{
+    const size_t count = n / rr_dtype_size(dtype);
+    char *dst = buf + at;
+    if (g >= reduce_until) {
+        memcpy(dst, in, n);
+        if (out) memcpy(out, dst, n); /* dst is still in cache */
+        return;
+    }
+    const int final = g == reduce_until - 1, mean = op == RR_AVG && rr_avg_is_mean(dtype);
+    char *to = out && !final ? out : dst;
+    /* The received partial holds g + 1 contributions; ours makes g + 2. */
+    if (mean) rr_mean_fold(to, src + at, in, count, dtype, g + 2);
+    else rr_reduce3(to, src + at, in, count, dtype, op);
+    if (op == RR_AVG && !mean && final) rr_divide(to, count, dtype, N);
+    if (out && final) memcpy(out, dst, n);
+}
+
+static size_t longest_chunk(const size_t *len, int N)
+{
+    size_t longest = 0;
+    for (int c = 0; c < N; c++) if (len[c] > longest) longest = len[c];
+    return longest;
+}
+
+/* Slices are a fixed size, not the segment: the byte order depends on it,
+ * and ranks with different RINGREDUCE_SEGMENT_BYTES must still agree. */
+#define ZC_SLICE ((size_t)256 << 10)
+
+/* Below this chunk size the copying path's first step fits in a default
+ * (1 MiB) mapping, it waits less than the slice-by-slice schedule, and wins
+ * (docs/performance.md, "Shared memory without the extra copy"). Every rank
+ * sees the same chunk sizes, so every rank decides alike. */
+#define ZC_MIN_CHUNK ((size_t)2 << 20)
+
+static int zero_copy_pays(const size_t *len, int N) { return longest_chunk(len, N) >= ZC_MIN_CHUNK; }
+
+/* A cursor into the slice-major stream of ring_steps_zero_copy: slice s,
+ * step g, bytes `at` of that step's piece. */
+typedef struct { size_t s; int g; size_t at; } zc_cursor;
+
+/* Bytes of chunk c's piece in slice s (slices of `slice` bytes). */
+static size_t piece(const size_t *len, int c, size_t s, size_t slice)
+{
+    size_t from = s * slice;
+    return len[c] <= from ? 0 : len[c] - from < slice ? len[c] - from : slice;
+}
+
+/* Moves a cursor over finished (and empty) pieces. At step g its stream
+ * carries chunk (first_chunk - g) mod N: first_chunk is r - 1 for sends,
+ * r - 2 for receives. */
+static void zc_advance(zc_cursor *c, int first_chunk, int N, const size_t *len, size_t slices, size_t slice,
+                       int g0, int g1)
+{
+    while (c->s < slices && c->at == piece(len, mod(first_chunk - c->g, N), c->s, slice)) {
+        c->at = 0;
+        if (++c->g == g1) { c->g = g0; c->s++; }
+    }
+}
+
+/* ring_steps on a host buffer over a transport with zero-copy windows
+ * (both links shared memory), as NCCL does it. Per byte of a step the
+ * copying path reads 4 streams and writes 3 (buf -> mapping, mapping ->
+ * staging, staging + src -> buf). Here a received byte is reduced straight
+ * out of the mapping and the result goes straight into the next link's
+ * mapping when it is sent on next: read 2, write 1 (2 in AllGather and at
+ * the last reducing step, whose result buf keeps).
+ *
+ * For that the bytes travel slice-major: every chunk is cut into slices of
+ * ZC_SLICE bytes and slice s runs all steps g0 .. g1-1 before slice s + 1
+ * starts. A rank then only sends ahead of what it receives by the one piece
+ * it sends from src (the first step's), which fits in the mapping; in the
+ * step-major order of the copying path it sends a whole chunk from src
+ * first and must keep everything received meanwhile in buf. The order
+ * differs from the copying path's, so every rank of the ring must take this
+ * path or none (ringreduce/shm.py agrees on it).
+ *
+ * When the next rank is slow to take bytes (its mapping full), received
+ * bytes are reduced into buf and sent from there later, as the copying path
+ * does: a rank never waits on its send window while bytes it could take are
+ * waiting, or a ring of full mappings would wait on itself. */
+static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len,
+                                int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank;
+    const size_t slice = ZC_SLICE, esize = rr_dtype_size(dtype);
+    rr_transport *t = ring->transport;
+    const rr_transport_ops *ops = t->ops;
+    const size_t slices = (longest_chunk(len, N) + slice - 1) / slice;
+    zc_cursor snd = {0, g0, 0}, rcv = {0, g0, 0};
+    int reduced = 0;
+    for (;;) {
+        zc_advance(&snd, r - 1, N, len, slices, slice, g0, g1);
+        zc_advance(&rcv, r - 2, N, len, slices, slice, g0, g1);
+        if (!reduced && (rcv.s == slices || (rcv.s + 1 == slices && rcv.g >= reduce_until))) {
+            reduced = 1;
+            ring->phase_times[1] = monotonic_s(); /* owned chunk final: its last slice is */
+        }
+        if (snd.s == slices && rcv.s == slices) break;
+        const int sc = mod(r - snd.g - 1, N), rc = mod(r - rcv.g - 2, N);
+        /* The piece being sent is the one being received, forwarded. */
+        const int forwarding = snd.s == rcv.s && snd.g == rcv.g + 1;
+        const int fused = forwarding && snd.at == rcv.at;
+        int moved = 0, want_tx = 0;
+
+        /* Not fused: send what is ready, from src (first step) or buf. */
+        if (snd.s < slices && !fused) {
+            /* A forwarded piece is ready as far as it has been received:
+             * the receiver may still be on an earlier slice. */
+            const int received = rcv.s > snd.s || (rcv.s == snd.s && rcv.g >= snd.g);
+            const size_t ready = snd.g == g0 || received ? piece(len, sc, snd.s, slice) : forwarding ? rcv.at : 0;
+            const char *from = (snd.g == g0 ? src : buf) + off[sc] + snd.s * slice;
+            while (snd.at < ready) {
+                void *w;
+                size_t m = ops->tx_window(t, &w);
+                if (m > ready - snd.at) m = ready - snd.at;
+                m -= m % esize; /* whole elements, so the reader's windows hold whole ones */
+                if (m == 0) { want_tx = 1; break; }
+                memcpy(w, from + snd.at, m);
+                rr_transport_commit(t, RR_SENT_RING, m);
+                snd.at += m;
+                moved = 1;
+            }
+        }
+
+        if (rcv.s < slices) {
+            const void *in;
+            size_t n = ops->rx_window(t, &in), rest = piece(len, rc, rcv.s, slice) - rcv.at;
+            if (n > rest) n = rest;
+            n -= n % esize;
+            const size_t at = off[rc] + rcv.s * slice + rcv.at;
+            void *w = NULL;
+            size_t m = 0;
+            if (n && fused) {
+                m = ops->tx_window(t, &w);
+                m -= m % esize;
+            }
+            if (n && m) {
+                if (n > m) n = m;
+                absorb(N, src, buf, at, in, n, w, rcv.g, reduce_until, dtype, op);
+                ops->rx_consume(t, n);
+                rr_transport_commit(t, RR_SENT_RING, n);
+                snd.at += n;
+                rcv.at += n;
+                moved = 1;
+            } else if (n && (!moved || snd.g == g0)) {
+                /* Sends that just moved come first, so the ring gets back to
+                 * fused; but receiving never waits on a piece from src. */
+                absorb(N, src, buf, at, in, n, NULL, rcv.g, reduce_until, dtype, op);
+                ops->rx_consume(t, n);
+                rcv.at += n;
+                moved = 1;
+            }
+        }
+        if (!moved) {
+            int rc_ = ops->wait(t, want_tx, rcv.s < slices, err);
+            if (rc_ != RR_OK) return fail(ring, rc_, err);
+        }
+    }
+    return RR_OK;
+}
+
 /* Runs steps g0 .. g1-1 of the schedule above over chunks at byte offsets
  * off[] with byte lengths len[]. Steps below `reduce_until` reduce, later
  * steps copy; for avg, each segment of the owned chunk is divided the moment
@@ -206,6 +376,9 @@ static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf,
     size_t soff = 0;             /* bytes of step sg's chunk sent */
     size_t roff = 0, rdone = 0;  /* bytes of step rg's chunk received; of those, ready to forward */
     int rc_ = RR_OK;
+    if (t->ops->align) t->ops->align(t);
+    if (!dev && ring->zero_copy && t->ops->rx_window && zero_copy_pays(len, N) && ++ring->zero_copy_ops)
+        return ring_steps_zero_copy(ring, src, buf, off, len, g0, g1, reduce_until, dtype, op, err);
 #define DEV(CALL) do { if ((rc_ = (CALL)) != RR_OK) return fail(ring, rc_, err); } while (0)
 
     for (;;) {

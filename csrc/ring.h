@@ -24,6 +24,10 @@ typedef struct rr_ring {
     rr_small_algorithm small_algorithm; /* the same on every rank, or the blob passes never meet */
     rr_arena *arena;         /* owned, or NULL: every rank on one host shares it (host_arena.h) */
     int use_arena;           /* blob exchanges and small allreduces go through it (a switch to compare) */
+    int zero_copy;           /* reduce in the transport's windows (ring_steps_zero_copy); its byte
+                                order differs, so every rank must set it alike: 0 until
+                                ringreduce/shm.py's agree_zero_copy (RINGREDUCE_SHM_ZEROCOPY) */
+    unsigned long long zero_copy_ops; /* ring operations that took that path (tests, benchmarks) */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */
@@ -55,7 +59,8 @@ int rr_allreduce(rr_ring *ring, rr_device *dev, const void *src, void *dst, size
                  rr_error *err);
 
 /* ScatterReduce only: afterwards chunk `rank` of dst (see rr_chunk_count)
- * holds the reduction; other chunks hold partials. dst may be src. */
+ * holds the reduction; other chunks are undefined (partials, or what was
+ * there: zero copy sends partials without keeping them). dst may be src. */
 int rr_reduce_scatter(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype, rr_op op,
                       rr_error *err);
 

@@ -45,6 +45,7 @@ struct rr_shm_link {
     unsigned char *data;
     size_t capacity;
     size_t mapped;
+    size_t gap;         /* alignment bytes this side still has to leave (writer) or skip (reader) */
 };
 
 rr_shm_link *rr_shm_link_map(int fd, rr_error *err)
@@ -90,12 +91,46 @@ void rr_shm_link_unmap(rr_shm_link *link)
     free(link);
 }
 
-size_t rr_shm_link_write(rr_shm_link *link, const void *buf, size_t len)
+/* Leaves (writer) or skips (reader) what it can of an alignment gap.
+ * Returns the index after it. */
+static uint64_t pass_gap(rr_shm_link *link, _Atomic uint64_t *mine, uint64_t at, size_t movable)
+{
+    size_t n = link->gap < movable ? link->gap : movable;
+    if (n == 0) return at;
+    link->gap -= n;
+    atomic_store_explicit(mine, at + n, memory_order_release);
+    return at + n;
+}
+
+/* The writable run at head: its length, and where it starts in *at. */
+static size_t writable(rr_shm_link *link, uint64_t *head_out)
 {
     uint64_t head = atomic_load_explicit(&link->hdr->head.v, memory_order_relaxed);
     uint64_t tail = atomic_load_explicit(&link->hdr->tail.v, memory_order_acquire);
     size_t used = (size_t)(head - tail);
     size_t room = used < link->capacity ? link->capacity - used : 0;
+    uint64_t h = pass_gap(link, &link->hdr->head.v, head, room);
+    room -= (size_t)(h - head);
+    *head_out = h;
+    return room;
+}
+
+/* The readable bytes at tail, after any alignment gap. */
+static size_t readable(rr_shm_link *link, uint64_t *tail_out)
+{
+    uint64_t tail = atomic_load_explicit(&link->hdr->tail.v, memory_order_relaxed);
+    uint64_t head = atomic_load_explicit(&link->hdr->head.v, memory_order_acquire);
+    size_t avail = (size_t)(head - tail);
+    if (avail > link->capacity) avail = link->capacity; /* a confused writer cannot make us read past the map */
+    uint64_t t = pass_gap(link, &link->hdr->tail.v, tail, avail);
+    *tail_out = t;
+    return avail - (size_t)(t - tail);
+}
+
+size_t rr_shm_link_write(rr_shm_link *link, const void *buf, size_t len)
+{
+    uint64_t head;
+    size_t room = writable(link, &head);
     size_t n = len < room ? len : room;
     if (n == 0) return 0;
     size_t at = (size_t)(head % link->capacity), first = link->capacity - at;
@@ -108,10 +143,8 @@ size_t rr_shm_link_write(rr_shm_link *link, const void *buf, size_t len)
 
 size_t rr_shm_link_read(rr_shm_link *link, void *buf, size_t len)
 {
-    uint64_t tail = atomic_load_explicit(&link->hdr->tail.v, memory_order_relaxed);
-    uint64_t head = atomic_load_explicit(&link->hdr->head.v, memory_order_acquire);
-    size_t avail = (size_t)(head - tail);
-    if (avail > link->capacity) avail = link->capacity; /* a confused writer cannot make us read past the map */
+    uint64_t tail;
+    size_t avail = readable(link, &tail);
     size_t n = len < avail ? len : avail;
     if (n == 0) return 0;
     size_t at = (size_t)(tail % link->capacity), first = link->capacity - at;
@@ -121,6 +154,50 @@ size_t rr_shm_link_read(rr_shm_link *link, void *buf, size_t len)
     atomic_store_explicit(&link->hdr->tail.v, tail + n, memory_order_release);
     return n;
 }
+
+size_t rr_shm_link_read_window(rr_shm_link *link, const void **p)
+{
+    uint64_t tail;
+    size_t avail = readable(link, &tail);
+    size_t at = (size_t)(tail % link->capacity), first = link->capacity - at;
+    *p = link->data + at;
+    return avail < first ? avail : first;
+}
+
+void rr_shm_link_consume(rr_shm_link *link, size_t n)
+{
+    uint64_t tail = atomic_load_explicit(&link->hdr->tail.v, memory_order_relaxed);
+    atomic_store_explicit(&link->hdr->tail.v, tail + n, memory_order_release);
+}
+
+size_t rr_shm_link_write_window(rr_shm_link *link, void **p)
+{
+    uint64_t head;
+    size_t room = writable(link, &head);
+    size_t at = (size_t)(head % link->capacity), first = link->capacity - at;
+    *p = link->data + at;
+    return room < first ? room : first;
+}
+
+void rr_shm_link_commit(rr_shm_link *link, size_t n)
+{
+    uint64_t head = atomic_load_explicit(&link->hdr->head.v, memory_order_relaxed);
+    atomic_store_explicit(&link->hdr->head.v, head + n, memory_order_release);
+}
+
+void rr_shm_link_align_tx(rr_shm_link *link)
+{
+    uint64_t head = atomic_load_explicit(&link->hdr->head.v, memory_order_relaxed) + link->gap;
+    link->gap += (size_t)((RR_SHM_ALIGN - head % RR_SHM_ALIGN) % RR_SHM_ALIGN);
+}
+
+void rr_shm_link_align_rx(rr_shm_link *link)
+{
+    uint64_t tail = atomic_load_explicit(&link->hdr->tail.v, memory_order_relaxed) + link->gap;
+    link->gap += (size_t)((RR_SHM_ALIGN - tail % RR_SHM_ALIGN) % RR_SHM_ALIGN);
+}
+
+size_t rr_shm_link_capacity(const rr_shm_link *link) { return link->capacity; }
 
 size_t rr_shm_link_pending(rr_shm_link *link)
 {

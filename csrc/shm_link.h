@@ -49,5 +49,27 @@ void rr_shm_link_reader_done(rr_shm_link *link);
 
 /* Bytes the reader has not taken yet. */
 size_t rr_shm_link_pending(rr_shm_link *link);
+size_t rr_shm_link_capacity(const rr_shm_link *link);
+
+/* Zero copy: the ring reduces straight out of (into) the mapping instead of
+ * copying through a buffer of its own. A window is the contiguous run of
+ * bytes readable (writable) now, the part before the end of the buffer
+ * first (0 when empty / full); consume (commit) then hands n <= that many
+ * back to the other side. The wake-up rule is as after a read (write). */
+size_t rr_shm_link_read_window(rr_shm_link *link, const void **p);
+void rr_shm_link_consume(rr_shm_link *link, size_t n);
+size_t rr_shm_link_write_window(rr_shm_link *link, void **p);
+void rr_shm_link_commit(rr_shm_link *link, size_t n);
+
+/* Moves this side's stream position on to the next multiple of
+ * RR_SHM_ALIGN: the writer (align_tx) leaves a gap, the reader (align_rx)
+ * skips it; both take effect with the next write / read / window. The two
+ * ends call it at the same point of their streams (the start of a ring
+ * operation, where all earlier bytes have been read), so they agree on the
+ * gap without a word, and every element of the operation lies aligned in
+ * the mapping, never split by the end of the buffer. */
+#define RR_SHM_ALIGN 64
+void rr_shm_link_align_tx(rr_shm_link *link);
+void rr_shm_link_align_rx(rr_shm_link *link);
 
 #endif

@@ -215,6 +215,60 @@ static int star_verdict(tcp_transport *t, rr_error *err)
     return culprit < 0 ? RR_OK : blame(t, culprit, silent, 0, NULL, err);
 }
 
+/* One turn of waiting, after a try moved nothing: yields the core a few
+ * times, then sleeps in poll until a socket, a wake-up byte or the star has
+ * news (at most RR_INTERRUPT_CHECK_MS). RR_OK: try again; else the error
+ * (timeout, a verdict, an interrupt). tx / rx: which ways want to move. */
+static int wait_turn(tcp_transport *t, int tx, int rx, int *spins, int64_t deadline, long long *next_check,
+                     rr_error *err)
+{
+    int rc;
+    /* Small messages live or die by wake-up latency. Before sleeping in
+     * poll, yield the core a few times: a peer that is about to answer
+     * (often on this very core, when ranks outnumber cores) runs now, and
+     * we find its bytes without a sleep and a wake-up. */
+    if (*spins < t->spin_limit) {
+        (*spins)++;
+        sched_yield();
+        return RR_OK;
+    }
+    /* Nothing can move. A rank lost while this one was away (computing,
+     * in Python) or waiting was noted by the star: that verdict decides
+     * now. Only now: bytes a lost rank sent before it went are taken
+     * first, so an operation it had finished its part of still completes. */
+    if ((rc = star_verdict(t, err)) != RR_OK) return rc;
+    int tx_sleeps = tx && t->tx_shm, rx_sleeps = rx && t->rx_shm;
+    if (!ready_to_sleep(t, tx_sleeps, rx_sleeps)) return RR_OK;
+
+    /* A shared-memory link's socket brings wake-ups (POLLIN) both ways,
+     * and its EOF: watched while idle too, since writes into the mapping
+     * never fail when the reader is gone. The star's wake fd says a
+     * verdict came in. */
+    struct pollfd pfd[3];
+    int watch_next = t->tx_shm ? !t->next_closed : tx;
+    pfd[0] = (struct pollfd){.fd = watch_next ? t->next_fd : -1, .events = t->tx_shm ? POLLIN : POLLOUT};
+    pfd[1] = (struct pollfd){.fd = rx ? t->prev_fd : -1, .events = POLLIN};
+    pfd[2] = (struct pollfd){.fd = rr_star_wake_fd(t->star), .events = POLLIN};
+    int64_t left = deadline - now_ms();
+    int r = left > 0 ? poll(pfd, 3, (int)(left < RR_INTERRUPT_CHECK_MS ? left : RR_INTERRUPT_CHECK_MS)) : 0;
+    int poll_errno = errno;
+    if (tx_sleeps) rr_shm_link_writer_done(t->tx_shm);
+    if (rx_sleeps) rr_shm_link_reader_done(t->rx_shm);
+    /* Interrupted: the error names this rank, and the abort that follows
+     * says so on the control star, so the peers blame it at once. */
+    if (rr_should_stop(&t->base, now_ms(), next_check, err)) return err->code;
+    if (left <= 0) return peer_silent(t, rx ? prev_rank(t) : next_rank(t), err);
+    if (r < 0 && poll_errno != EINTR) {
+        rr_set_error(err, RR_E_SYSTEM, -1, "poll failed: %s", strerror(poll_errno));
+        return err->code;
+    }
+    if (r > 0 && t->tx_shm && pfd[0].fd >= 0 && pfd[0].revents && drain(t->next_fd)) t->next_closed = 1;
+    if (r > 0 && t->rx_shm && pfd[1].fd >= 0 && pfd[1].revents && drain(t->prev_fd)) t->prev_closed = 1;
+    /* pfd[2] (a verdict came in) needs nothing here: the next turn moves
+     * what it can, then consults the verdict. */
+    return RR_OK;
+}
+
 static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_t *sent,
                         void *rbuf, size_t rlen, size_t *rcvd, rr_error *err)
 {
@@ -225,57 +279,83 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
         return err->code;
     }
     if (slen == 0 && rlen == 0) return RR_OK;
-    int rc;
     int64_t deadline = t->timeout_ms >= 0 ? now_ms() + t->timeout_ms : INT64_MAX;
     long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
     int spins = 0;
-    struct pollfd pfd[3];
     for (;;) {
-        rc = try_move(t, sbuf, slen, sent, rbuf, rlen, rcvd, err);
+        int rc = try_move(t, sbuf, slen, sent, rbuf, rlen, rcvd, err);
         if (rc != RR_OK || *sent || *rcvd) return rc;
-        /* Small messages live or die by wake-up latency. Before sleeping in
-         * poll, yield the core a few times: a peer that is about to answer
-         * (often on this very core, when ranks outnumber cores) runs now, and
-         * we find its bytes without a sleep and a wake-up. */
-        if (spins < t->spin_limit) {
-            spins++;
-            sched_yield();
-            continue;
-        }
-        /* Nothing can move. A rank lost while this one was away (computing,
-         * in Python) or waiting was noted by the star: that verdict decides
-         * now. Only now: bytes a lost rank sent before it went are taken
-         * first, so an operation it had finished its part of still completes. */
-        if ((rc = star_verdict(t, err)) != RR_OK) return rc;
-        int tx_sleeps = slen && t->tx_shm, rx_sleeps = rlen && t->rx_shm;
-        if (!ready_to_sleep(t, tx_sleeps, rx_sleeps)) continue;
-
-        /* A shared-memory link's socket brings wake-ups (POLLIN) both ways,
-         * and its EOF: watched while idle too, since writes into the mapping
-         * never fail when the reader is gone. The star's wake fd says a
-         * verdict came in. */
-        int watch_next = t->tx_shm ? !t->next_closed : slen > 0;
-        pfd[0] = (struct pollfd){.fd = watch_next ? t->next_fd : -1, .events = t->tx_shm ? POLLIN : POLLOUT};
-        pfd[1] = (struct pollfd){.fd = rlen ? t->prev_fd : -1, .events = POLLIN};
-        pfd[2] = (struct pollfd){.fd = rr_star_wake_fd(t->star), .events = POLLIN};
-        int64_t left = deadline - now_ms();
-        int r = left > 0 ? poll(pfd, 3, (int)(left < RR_INTERRUPT_CHECK_MS ? left : RR_INTERRUPT_CHECK_MS)) : 0;
-        int poll_errno = errno;
-        if (tx_sleeps) rr_shm_link_writer_done(t->tx_shm);
-        if (rx_sleeps) rr_shm_link_reader_done(t->rx_shm);
-        /* Interrupted: the error names this rank, and the abort that follows
-         * says so on the control star, so the peers blame it at once. */
-        if (rr_should_stop(base, now_ms(), &next_check, err)) return err->code;
-        if (left <= 0) return peer_silent(t, rlen ? prev_rank(t) : next_rank(t), err);
-        if (r < 0 && poll_errno != EINTR) {
-            rr_set_error(err, RR_E_SYSTEM, -1, "poll failed: %s", strerror(poll_errno));
-            return err->code;
-        }
-        if (r > 0 && t->tx_shm && pfd[0].fd >= 0 && pfd[0].revents && drain(t->next_fd)) t->next_closed = 1;
-        if (r > 0 && t->rx_shm && pfd[1].fd >= 0 && pfd[1].revents && drain(t->prev_fd)) t->prev_closed = 1;
-        /* pfd[2] (a verdict came in) needs nothing here: the next turn moves
-         * what it can, then consults the verdict. */
+        if ((rc = wait_turn(t, slen > 0, rlen > 0, &spins, deadline, &next_check, err)) != RR_OK) return rc;
     }
+}
+
+/* Zero copy (both links through shared memory): the ring reads and writes
+ * the mappings through these windows, and calls tcp_wait when neither can
+ * move. The failure rules are try_move's. */
+static size_t tcp_rx_window(rr_transport *base, const void **p)
+{
+    return rr_shm_link_read_window(((tcp_transport *)base)->rx_shm, p);
+}
+
+static void tcp_rx_consume(rr_transport *base, size_t n)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    rr_shm_link_consume(t->rx_shm, n);
+    if (rr_shm_link_writer_waits(t->rx_shm)) kick(t->prev_fd);
+}
+
+static size_t tcp_tx_window(rr_transport *base, void **p)
+{
+    return rr_shm_link_write_window(((tcp_transport *)base)->tx_shm, p);
+}
+
+static void tcp_tx_commit(rr_transport *base, size_t n)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    rr_shm_link_commit(t->tx_shm, n);
+    if (rr_shm_link_reader_waits(t->tx_shm)) kick(t->next_fd);
+}
+
+/* 1 when a wanted way can move now, 0 when not, or an error for a peer
+ * that left: a writer gone with nothing left for us, a reader gone while we
+ * still have bytes for it. */
+static int zc_ready(tcp_transport *t, int tx, int rx, rr_error *err)
+{
+    int rx_ready = rx && rr_shm_link_pending(t->rx_shm) > 0;
+    if (rx && !rx_ready && !t->prev_closed && drain(t->prev_fd)) t->prev_closed = 1;
+    if (rx && !rx_ready && t->prev_closed && !(rx_ready = rr_shm_link_pending(t->rx_shm) > 0))
+        return -closed_error(t, prev_rank(t), err);
+    int tx_ready = tx && rr_shm_link_pending(t->tx_shm) < rr_shm_link_capacity(t->tx_shm);
+    if (tx && !tx_ready && !t->next_closed && drain(t->next_fd)) t->next_closed = 1;
+    if (tx && t->next_closed && !rx_ready) return -closed_error(t, next_rank(t), err);
+    return tx_ready || rx_ready;
+}
+
+static int tcp_wait(rr_transport *base, int tx, int rx, rr_error *err)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    if (t->aborted) {
+        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
+        return err->code;
+    }
+    int64_t deadline = t->timeout_ms >= 0 ? now_ms() + t->timeout_ms : INT64_MAX;
+    long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
+    int spins = 0;
+    for (;;) {
+        int ready = zc_ready(t, tx, rx, err);
+        if (ready) return ready < 0 ? -ready : RR_OK;
+        int rc = wait_turn(t, tx, rx, &spins, deadline, &next_check, err);
+        if (rc != RR_OK) return rc;
+    }
+}
+
+/* Both ends of a shared-memory link call this at the start of each ring
+ * operation (see rr_shm_link_align_tx). */
+static void tcp_align(rr_transport *base)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    if (t->tx_shm) rr_shm_link_align_tx(t->tx_shm);
+    if (t->rx_shm) rr_shm_link_align_rx(t->rx_shm);
 }
 
 static void tcp_abort(rr_transport *base, const rr_error *why)
@@ -345,7 +425,16 @@ static int tcp_stalled(rr_transport *base, int waited_on, long long waited_ms, r
 }
 
 static const rr_transport_ops tcp_ops = {
-    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .stalled = tcp_stalled};
+    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align,
+    .stalled = tcp_stalled,
+};
+/* Both links through shared memory: the ring may also reduce in the mappings. */
+static const rr_transport_ops tcp_shm_ops = {
+    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align,
+    .stalled = tcp_stalled,
+    .rx_window = tcp_rx_window, .rx_consume = tcp_rx_consume, .tx_window = tcp_tx_window,
+    .tx_commit = tcp_tx_commit, .wait = tcp_wait,
+};
 
 rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
                             const int *ctrl_fds, int n_ctrl, double timeout_s, int spin_rounds,
@@ -384,5 +473,9 @@ rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
         tcp_destroy(&t->base);
         return NULL;
     }
+    /* Windows need whole elements at aligned addresses (RR_SHM_ALIGN). */
+    if (t->tx_shm && t->rx_shm && rr_shm_link_capacity(t->tx_shm) % RR_SHM_ALIGN == 0 &&
+        rr_shm_link_capacity(t->rx_shm) % RR_SHM_ALIGN == 0)
+        t->base.ops = &tcp_shm_ops;
     return &t->base;
 }

@@ -49,6 +49,28 @@ typedef struct rr_transport_ops {
      * waited_ms on rank waited_on: returns an error, with err filled, when a
      * peer is known lost or the wait has passed the transport's timeout. */
     int (*stalled)(rr_transport *t, int waited_on, long long waited_ms, rr_error *err);
+
+    /* Optional (NULL: nothing to do). A ring operation starts; every rank
+     * calls it at the same point of its stream (shared-memory links align
+     * it there, see rr_shm_link_align_tx). */
+    void (*align)(rr_transport *t);
+
+    /* Optional zero copy, for a transport whose both links are memory the
+     * ring can address (shared-memory links); all five or none. The ring
+     * then reduces straight out of the receive window and into the send
+     * window instead of copying through buffers of its own.
+     * rx_window: the contiguous bytes from prev readable now (*p, length;
+     * 0: none yet), at most up to the end of the buffer (the rest comes in
+     * the next window); rx_consume(n): hands n of them back. tx_window /
+     * tx_commit: the same for room towards next. Windows of an operation
+     * hold whole, aligned elements. wait: blocks until tx (rx) can move, or
+     * returns an error as exchange() would (peer lost, silent, interrupt).
+     * Bytes committed are counted by rr_transport_commit, not here. */
+    size_t (*rx_window)(rr_transport *t, const void **p);
+    void (*rx_consume)(rr_transport *t, size_t n);
+    size_t (*tx_window)(rr_transport *t, void **p);
+    void (*tx_commit)(rr_transport *t, size_t n);
+    int (*wait)(rr_transport *t, int tx, int rx, rr_error *err);
 } rr_transport_ops;
 
 #define RR_PEER_MSGS 2
@@ -84,6 +106,13 @@ static inline int rr_transport_exchange(rr_transport *t, int kind, const void *s
     int rc = t->ops->exchange(t, sbuf, slen, sent, rbuf, rlen, rcvd, err);
     t->sent[kind] += *sent;
     return rc;
+}
+
+/* The zero-copy sends go through here, counted as rr_transport_exchange counts. */
+static inline void rr_transport_commit(rr_transport *t, int kind, size_t n)
+{
+    t->ops->tx_commit(t, n);
+    t->sent[kind] += n;
 }
 
 /* sendrecv's counterpart of rr_transport_exchange: what was sent is counted. */

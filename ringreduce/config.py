@@ -33,6 +33,9 @@ class Config:
                                     # neighbours on one host (socket backend); 0: sockets only
     arena_bytes: int = 256 << 10    # RINGREDUCE_ARENA_BYTES: largest tensor of the host arena, the small
                                     # path when all ranks share one host (socket backend); 0: none
+    shm_zerocopy: bool = True       # RINGREDUCE_SHM_ZEROCOPY: 1 (default): where both of a rank's links
+                                    # are shared memory, the ring reduces straight in the mappings;
+                                    # 0: through its own staging buffer (the path before issue 17)
     fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
     cache_capacity: int = 1024      # RINGREDUCE_CACHE_CAPACITY: requests the engine's response cache
                                     # holds (ringreduce/response_cache.py); 0: no cache
@@ -52,6 +55,7 @@ class Config:
                f"0 (sockets only) .. {MAX_SHM_BYTES} bytes")
         _check("RINGREDUCE_ARENA_BYTES", self.arena_bytes, 0 <= self.arena_bytes <= MAX_ARENA_BYTES,
                f"0 (no host arena) .. {MAX_ARENA_BYTES} bytes")
+        _check("RINGREDUCE_SHM_ZEROCOPY", self.shm_zerocopy, isinstance(self.shm_zerocopy, bool), "0 or 1")
         _check("RINGREDUCE_FUSION_THRESHOLD", self.fusion_bytes, self.fusion_bytes >= 0, "bytes >= 0")
         _check("RINGREDUCE_SMALL_ALGORITHM", self.small_algorithm, self.small_algorithm in SMALL_ALGORITHMS,
                "'doubling', 'ring' or empty")
@@ -84,7 +88,8 @@ class Config:
             try:
                 return kind(text)
             except ValueError:
-                raise ValueError(f"{name}={text!r} is not {'a number' if kind is float else 'an integer'}") from None
+                what = {float: "a number", int: "an integer", _switch: "0 or 1"}.get(kind, kind.__name__)
+                raise ValueError(f"{name}={text!r} is not {what}") from None
 
         return cls(
             timeout=get("RINGREDUCE_TIMEOUT", d.timeout, float),
@@ -95,6 +100,7 @@ class Config:
             backend=get("RINGREDUCE_BACKEND", d.backend, str),
             shm_bytes=get("RINGREDUCE_SHM_BYTES", d.shm_bytes, int),
             arena_bytes=get("RINGREDUCE_ARENA_BYTES", d.arena_bytes, int),
+            shm_zerocopy=get("RINGREDUCE_SHM_ZEROCOPY", d.shm_zerocopy, _switch),
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
             small_algorithm=get("RINGREDUCE_SMALL_ALGORITHM", d.small_algorithm, str),
@@ -106,6 +112,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_TIMEOUT", "RINGREDUCE_START_TIMEOUT", "RINGREDUCE_SEGMENT_BYTES", "RINGREDUCE_SMALL_BYTES",
     "RINGREDUCE_SPIN", "RINGREDUCE_BACKEND", "RINGREDUCE_SHM_BYTES", "RINGREDUCE_FUSION_THRESHOLD",
     "RINGREDUCE_CACHE_CAPACITY", "RINGREDUCE_AUTOTUNE", "RINGREDUCE_SMALL_ALGORITHM", "RINGREDUCE_ARENA_BYTES",
+    "RINGREDUCE_SHM_ZEROCOPY",
     "RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_SECRET", "RINGREDUCE_LOCAL_RANK",
     "RINGREDUCE_LOCAL_SIZE", "RINGREDUCE_HOST", "RINGREDUCE_ELASTIC_ADDR", "RINGREDUCE_WORKER_ID",
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",
@@ -122,6 +129,12 @@ def warn_unknown(env=None) -> None:
         close = difflib.get_close_matches(name, KNOWN_NAMES, n=1)
         warnings.warn(f"{name} is not a ringreduce setting and is ignored"
                       + (f"; did you mean {close[0]}?" if close else " (docs/api.md lists them)"), stacklevel=3)
+
+
+def _switch(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(text)
+    return text == "1"
 
 
 def _check(name: str, value, ok: bool, allowed: str) -> None:

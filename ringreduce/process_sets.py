@@ -21,7 +21,7 @@ import operator
 
 import numpy as np
 
-from . import _core, collectives as _c, mpi_backend, traffic as _traffic, world as _world
+from . import _core, collectives as _c, mpi_backend, shm as _shm, traffic as _traffic, world as _world
 from .errors import MismatchError, RingReduceError
 
 
@@ -256,6 +256,7 @@ def _connect(ring, ranks: list, set_id: int, ports: list, listener):
     except BaseException:
         comm.close()
         raise
+    _shm.agree_zero_copy(comm, cfg.shm_zerocopy)
     return comm, links.kinds()
 
 

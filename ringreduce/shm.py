@@ -27,6 +27,10 @@ import secrets
 import socket
 import stat
 
+import numpy as np
+
+from . import _core
+
 log = logging.getLogger("ringreduce")
 
 MAGIC = b"RRSHM1\0\0"
@@ -175,3 +179,16 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
             os.close(fd)
         return False
     return comm.attach_arena(fd, slot_bytes, spin)
+def agree_zero_copy(comm, wanted: bool) -> bool:
+    """Lets comm's ring reduce straight in the shared-memory mappings
+    (csrc/ring.c, ring_steps_zero_copy) if every rank wants it
+    (RINGREDUCE_SHM_ZEROCOPY) and has both its links through shared memory.
+    That path sends bytes in another order than the copying one, so it is
+    all ranks or none. Collective: every rank of comm calls it at the same
+    point. Returns whether the ring now takes it."""
+    comm.set_zero_copy(False)  # the vote itself travels the copying path, which every rank can take
+    able = np.array([comm.set_zero_copy(wanted)], np.int32)
+    comm.set_zero_copy(False)
+    everyone = np.zeros_like(able)
+    comm.allreduce(able, everyone, _core.INT32, _core.MIN)
+    return comm.set_zero_copy(bool(everyone[0]))
