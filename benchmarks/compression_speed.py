@@ -178,8 +178,8 @@ def main():
         trace_dir = Path(args.out).parent / ".traces"
         trace_dir.mkdir(parents=True, exist_ok=True)
         print(f"one rank alone, batch {args.batch}: forward+backward {alone['fwd_bwd_s']:.3f} s", flush=True)
-    for rate in args.rates.split(","):
-        for n in [int(x) for x in args.ns.split(",")]:
+    for n in [int(x) for x in args.ns.split(",")]:  # N outer: --ns 8,4,2 has N = 8 at every rate first
+        for rate in args.rates.split(","):
             if args.no_cluster:
                 cluster = None
             else:
