@@ -6,6 +6,7 @@ network namespace per host, links shaped with tc).
     sudo .venv/bin/python benchmarks/compression_speed.py --ns 8 --rates 100mbit
     .venv/bin/python benchmarks/compression_speed.py --quick --no-cluster  # tiny, loopback: checks the pipeline
     sudo .venv/bin/python benchmarks/compression_speed.py --train --batch 2048   # training steps: compute and overlap
+    .venv/bin/python benchmarks/compression_speed.py --cpu       # each compressor's arithmetic per step, one rank
 
 Every rank holds the gradients of benchmarks/training_scaling.py's model
 (Dense kernels and biases, 20M+ parameters by default) and hands them all to
@@ -104,6 +105,28 @@ def run(args, hosts, n: int, compression: str) -> dict:
     return _result(procs, f"N={n} {compression}", args.timeout)
 
 
+def compressor_cpu(args) -> None:
+    """Process CPU seconds of each compressor's arithmetic on the whole
+    model's gradient, one rank alone (N = 1: its collectives do nothing),
+    the least of --steps: what every rank of a step spends besides the wire."""
+    import numpy as np
+
+    import ringreduce as rr
+    os.environ.update(RINGREDUCE_RANK="0", RINGREDUCE_SIZE="1")
+    rr.init()
+    rng = np.random.default_rng(0)
+    names, grads = zip(*[(n, rng.standard_normal(s, dtype=np.float32) * 0.01) for n, s in layer_shapes(args)])
+    for spec in args.compressions.split(";")[1:] if args.compressions.startswith("none") else args.compressions.split(";"):
+        c = make_compressor(spec)
+        c.reduce_bucket(list(names), list(grads), "avg")  # warm: state, warm starts
+        best = float("inf")
+        for _ in range(args.steps):
+            t = time.process_time()
+            c.reduce_bucket(list(names), list(grads), "avg")
+            best = min(best, time.process_time() - t)
+        print(f"| {spec} | {best:.3f} |", flush=True)
+
+
 def train_args(args) -> argparse.Namespace:
     """training_scaling.py's options for this model (its model_argv)."""
     return argparse.Namespace(features=args.features, width=args.width, layers=args.layers, batch=args.batch,
@@ -146,6 +169,7 @@ def main():
     p.add_argument("--layers", type=int, default=9)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--train", action="store_true", help="the whole training step: compute stand-ins, overlap")
+    p.add_argument("--cpu", action="store_true", help="each compressor's CPU seconds per step, one rank, no wire")
     p.add_argument("--batch", type=int, default=2048, help="--train: per worker, what the compute stands in for")
     p.add_argument("--slice", type=int, default=8, help="--train: rows each rank really computes per step")
     p.add_argument("--reps", type=int, default=5, help="--train: repeats of the one-rank timing (the fastest counts)")
@@ -161,6 +185,8 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.cpu:
+        return compressor_cpu(args)
     if args.from_json:
         return print("\n".join(table(json.loads(Path(args.from_json).read_text())["rows"])))
     stem = "compression_train" if args.train else "compression_speed"
