@@ -169,7 +169,8 @@ def table(results: dict) -> list[str]:
             paired = [100 * (r["test_acc"] - base[s]["test_acc"]) for s, r in runs.items() if s in base]
             diff = (f"{np.mean(paired):+.2f} ({min(paired):+.2f} .. {max(paired):+.2f})"
                     if paired and spec != "none" else "")
-            out.append(f"| {task} | {spec} | {','.join(runs)} | {acc.mean():.2f}% | {acc.min():.2f} .. {acc.max():.2f} | "
+            out.append(f"| {task} | {spec} | {','.join(runs)} | {acc.mean():.2f}% | "
+                       f"{acc.min():.2f} .. {acc.max():.2f} | "
                        f"{acc.std(ddof=1) if len(acc) > 1 else 0:.2f} | {diff} | "
                        f"{np.mean([r['bytes_per_step'] for r in runs.values()]) / 1e6:.3f} | "
                        f"{all(r['weights_agree'] for r in runs.values())} |")

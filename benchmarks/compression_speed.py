@@ -47,11 +47,12 @@ COMPRESSIONS = ("none", "powersgd:rank=4", "int8", "topk:ratio=0.01")
 
 
 def make_compressor(spec: str):
-    """'none', 'int8', 'powersgd:rank=4', 'topk:ratio=0.01' -> a ringreduce.compression one (None: exact)."""
+    """'none', 'int8', 'int8:block=256', 'powersgd:rank=4', 'topk:ratio=0.01' -> a
+    ringreduce.compression one (None: exact)."""
     from ringreduce.compression import Int8, PowerSGD, TopK
     name, _, params = spec.partition(":")
     kw = {k: (float(v) if "." in v else int(v)) for k, v in (p.split("=") for p in params.split(",") if p)}
-    return {"none": lambda: None, "powersgd": lambda: PowerSGD(**kw), "int8": lambda: Int8(),
+    return {"none": lambda: None, "powersgd": lambda: PowerSGD(**kw), "int8": lambda: Int8(**kw),
             "topk": lambda: TopK(**kw)}[name]()
 
 
@@ -116,7 +117,7 @@ def compressor_cpu(args) -> None:
     rr.init()
     rng = np.random.default_rng(0)
     names, grads = zip(*[(n, rng.standard_normal(s, dtype=np.float32) * 0.01) for n, s in layer_shapes(args)])
-    for spec in args.compressions.split(";")[1:] if args.compressions.startswith("none") else args.compressions.split(";"):
+    for spec in [s for s in args.compressions.split(";") if s != "none"]:
         c = make_compressor(spec)
         c.reduce_bucket(list(names), list(grads), "avg")  # warm: state, warm starts
         best = float("inf")

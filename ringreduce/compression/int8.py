@@ -81,7 +81,7 @@ class Int8(Compressor):
         per_tensor = np.split(scales, np.cumsum(counts)[:-1])
         qs = []
         for v, s in zip(vals, per_tensor):
-            if not np.isfinite(s).all():  # no scale: send zeros, the result is NaN (as an exact sum would not be finite)
+            if not np.isfinite(s).all():  # no scale: send zeros; the result is NaN, as an exact sum is not finite
                 qs.append(np.zeros(v.size, wire))
                 continue
             t = v.copy()
