@@ -5,6 +5,8 @@ the same data; final test accuracy and the loss curves.
     .venv/bin/python benchmarks/compression_accuracy.py                 # digits and the 20M+ synthetic task
     .venv/bin/python benchmarks/compression_accuracy.py --tasks digits
     .venv/bin/python benchmarks/compression_accuracy.py --quick         # a few steps, into /tmp
+    .venv/bin/python benchmarks/compression_accuracy.py --tasks synthetic --seeds 0,1,2 \
+        --compressions "none;powersgd:rank=4;int8"                    # the spread over seeds
 
 Tasks:
   digits     scikit-learn's 8x8 digits (1797 images; 360 held out), an MLP
@@ -13,6 +15,8 @@ Tasks:
              features that are a noisy linear image of a 32-dimensional
              latent; the label is the argmax of a fixed linear map of the
              latent (10 classes). MLP 4096-4096-1024-10 (21.0M parameters).
+A seed sets the model's initial weights and the order of the training rows
+(seed 0: their stored order); the task's data are the same for every seed.
 Everything is real (no stand-ins): every rank computes its own shard of each
 global batch. Ranks run on this machine's loopback (accuracy does not depend
 on link speed).
@@ -33,7 +37,7 @@ PY = sys.executable
 COMPRESSIONS = ("none", "powersgd:rank=4", "int8", "topk:ratio=0.01")
 
 
-def data(task: str, quick: bool):
+def data(task: str, quick: bool, seed: int = 0):
     import numpy as np
     if task == "digits":
         from sklearn.datasets import load_digits
@@ -41,19 +45,24 @@ def data(task: str, quick: bool):
         x, y = (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
         order = np.random.default_rng(0).permutation(len(x))
         x, y = x[order], y[order]
-        return (x[:1437], y[:1437]), (x[1437:], y[1437:])
-    rng = np.random.default_rng(0)
-    n_train, n_test = (2048, 512) if quick else (16384, 2048)
-    z = rng.standard_normal((n_train + n_test, 32)).astype(np.float32)
-    a = rng.standard_normal((32, 4096)).astype(np.float32) / np.sqrt(32)
-    x = z @ a + 0.5 * rng.standard_normal((len(z), 4096)).astype(np.float32)
-    y = np.argmax(z @ rng.standard_normal((32, 10)).astype(np.float32), axis=1)
-    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+        (x, y), test = (x[:1437], y[:1437]), (x[1437:], y[1437:])
+    else:
+        rng = np.random.default_rng(0)
+        n_train, n_test = (2048, 512) if quick else (16384, 2048)
+        z = rng.standard_normal((n_train + n_test, 32)).astype(np.float32)
+        a = rng.standard_normal((32, 4096)).astype(np.float32) / np.sqrt(32)
+        x = z @ a + 0.5 * rng.standard_normal((len(z), 4096)).astype(np.float32)
+        y = np.argmax(z @ rng.standard_normal((32, 10)).astype(np.float32), axis=1)
+        (x, y), test = (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+    if seed:  # the same task, its training rows in another order
+        order = np.random.default_rng(seed).permutation(len(x))
+        x, y = x[order], y[order]
+    return (x, y), test
 
 
-def model(task: str):
+def model(task: str, seed: int = 0):
     import keras
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(seed)
     dims = [64, 256, 128] if task == "digits" else [4096, 4096, 1024]
     layers = [keras.Input((dims[0],))] + [keras.layers.Dense(d, activation="relu") for d in dims[1:]]
     return keras.Sequential(layers + [keras.layers.Dense(10)])
@@ -72,10 +81,10 @@ def worker(args) -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     rrtf.init()
     n, r = rrtf.size(), rrtf.rank()
-    (x, y), (xt, yt) = data(args.task, args.quick)
+    (x, y), (xt, yt) = data(args.task, args.quick, args.seed)
     comp = make_compressor(args.compression)
     compression = rrtf.Compression.none if comp is None else rrtf.compression.EngineCompression(comp)
-    net = model(args.task)
+    net = model(args.task, args.seed)
     net.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(args.lr, momentum=0.9),
                                                     compression=compression),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
@@ -102,13 +111,13 @@ def worker(args) -> None:
     engine().shutdown()
 
 
-def run(args, task: str, compression: str) -> dict:
+def run(args, task: str, compression: str, seed: int) -> dict:
     from training_scaling import Hosts, _base_env, _result
     hosts = Hosts(None)
     port, secret = hosts.port(0), secrets.token_hex(16)
     argv = [PY, str(Path(__file__).resolve()), "--worker", "--task", task, "--compression", compression,
             "--epochs", str(args.epochs if task == "digits" else args.synthetic_epochs), "--batch",
-            str(args.batch), "--lr", str(args.lr if task == "digits" else args.synthetic_lr)]
+            str(args.batch), "--lr", str(args.lr if task == "digits" else args.synthetic_lr), "--seed", str(seed)]
     if args.quick:
         argv.append("--quick")
     procs = []
@@ -117,7 +126,7 @@ def run(args, task: str, compression: str) -> dict:
                "RINGREDUCE_ADDR": f"127.0.0.1:{port}", "RINGREDUCE_SECRET": secret,
                "RINGREDUCE_LOCAL_RANK": str(r), "RINGREDUCE_LOCAL_SIZE": str(args.n)}
         procs.append(hosts.popen(r, argv, env))
-    return _result(procs, f"{task} {compression}", args.timeout)
+    return _result(procs, f"{task} {compression} seed {seed}", args.timeout)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -128,14 +137,17 @@ def plot(results: dict, path: Path) -> None:
     tasks = list(results)
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for spec, res in results[task].items():
-            losses = np.array(res["losses"])
+        for spec, runs in results[task].items():
+            losses = np.mean([r["losses"] for r in runs.values()], axis=0)  # the mean over seeds
             k = max(1, len(losses) // 50)  # a moving mean: per-batch losses are noisy
             smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-            ax.plot(np.arange(len(smooth)) + k - 1, smooth, label=f"{spec} (test acc {100 * res['test_acc']:.1f}%)")
-        ax.set_title(f"{task} ({next(iter(results[task].values()))['params'] / 1e6:.2f}M parameters)")
+            acc = 100 * np.mean([r["test_acc"] for r in runs.values()])
+            ax.plot(np.arange(len(smooth)) + k - 1, smooth,
+                    label=f"{spec} (test acc {acc:.2f}%, {len(runs)} seed{'s' * (len(runs) > 1)})")
+        first = next(iter(results[task].values()))
+        ax.set_title(f"{task} ({next(iter(first.values()))['params'] / 1e6:.2f}M parameters)")
         ax.set_xlabel("step")
-        ax.set_ylabel("training loss (moving mean)")
+        ax.set_ylabel("training loss (moving mean; mean over seeds)")
         ax.set_yscale("log")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -143,15 +155,32 @@ def plot(results: dict, path: Path) -> None:
 
 
 def table(results: dict) -> list[str]:
-    out = ["| task | compression | test accuracy | vs none (points) | MB sent per step, rank 0 | weights agree |",
-           "|---|---|---|---|---|---|"]
+    """Per task and compressor, over its seeds: test accuracy's mean, range
+    and standard deviation; against none, the mean and range of the
+    difference paired by seed (the same start and data order)."""
+    import numpy as np
+    out = ["| task | compression | seeds | test accuracy, mean | min .. max | std (points) | vs none, paired by seed "
+           "(points): mean (min .. max) | MB sent per step, rank 0 | weights agree |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for task, rows in results.items():
-        base = rows.get("none")
-        for spec, res in rows.items():
-            diff = f"{100 * (res['test_acc'] - base['test_acc']):+.1f}" if base else ""
-            out.append(f"| {task} | {spec} | {100 * res['test_acc']:.1f}% | {diff} | "
-                       f"{res['bytes_per_step'] / 1e6:.3f} | {res['weights_agree']} |")
+        base = rows.get("none", {})
+        for spec, runs in rows.items():
+            acc = 100 * np.array([r["test_acc"] for r in runs.values()])
+            paired = [100 * (r["test_acc"] - base[s]["test_acc"]) for s, r in runs.items() if s in base]
+            diff = (f"{np.mean(paired):+.2f} ({min(paired):+.2f} .. {max(paired):+.2f})"
+                    if paired and spec != "none" else "")
+            out.append(f"| {task} | {spec} | {','.join(runs)} | {acc.mean():.2f}% | "
+                       f"{acc.min():.2f} .. {acc.max():.2f} | "
+                       f"{acc.std(ddof=1) if len(acc) > 1 else 0:.2f} | {diff} | "
+                       f"{np.mean([r['bytes_per_step'] for r in runs.values()]) / 1e6:.3f} | "
+                       f"{all(r['weights_agree'] for r in runs.values())} |")
     return out
+
+
+def _by_seed(results: dict) -> dict:
+    """Saved results as task -> compression -> seed -> result (an older file held one run, seed 0, per compression)."""
+    return {task: {spec: {"0": res} if "test_acc" in res else res for spec, res in rows.items()}
+            for task, rows in results.items()}
 
 
 def main():
@@ -165,11 +194,13 @@ def main():
     p.add_argument("--lr", type=float, default=0.05, help="digits")
     p.add_argument("--synthetic-lr", type=float, default=0.01)
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--seeds", default="0", help="','-separated; each sets the initial weights and the data order")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(REPO / "docs"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--task", help=argparse.SUPPRESS)
     p.add_argument("--compression", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -177,16 +208,16 @@ def main():
         args.epochs, args.out = 2, "/tmp"
     out = Path(args.out)
     saved = out / "compression_accuracy.json"
-    # Tasks not run now keep their saved results: the tasks can be run one at a time.
-    results: dict = json.loads(saved.read_text())["results"] if saved.exists() and not args.quick else {}
+    # Runs not made now keep their saved results: tasks, compressions and seeds can be run a few at a time.
+    results: dict = _by_seed(json.loads(saved.read_text())["results"]) if saved.exists() and not args.quick else {}
     for task in args.tasks.split(","):
-        results[task] = {}
-        for spec in args.compressions.split(";"):
-            res = run(args, task, spec)
-            results[task][spec] = res
-            print(f"{task} {spec}: test accuracy {100 * res['test_acc']:.1f}%, "
-                  f"{res['bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
-            saved.write_text(json.dumps({"argv": sys.argv[1:], "results": results}))
+        for seed in args.seeds.split(","):
+            for spec in args.compressions.split(";"):
+                res = run(args, task, spec, int(seed))
+                results.setdefault(task, {}).setdefault(spec, {})[seed] = res
+                print(f"{task} {spec} seed {seed}: test accuracy {100 * res['test_acc']:.2f}%, "
+                      f"{res['bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
+                saved.write_text(json.dumps({"argv": sys.argv[1:], "results": results}))
     plot(results, out / "compression_accuracy.png")
     print("\n".join(table(results)))
 

@@ -225,6 +225,7 @@ def ring_worker(args) -> None:
     import keras
     import tensorflow as tf
 
+    import ringreduce as rr
     import ringreduce.tensorflow as rrtf
     _tf_threads(args)
     rrtf.init()
@@ -249,17 +250,19 @@ def ring_worker(args) -> None:
     for i, (xb, yb) in enumerate(data):
         if i == args.warmup:
             rrtf.allreduce(tf.zeros(1), name="training_scaling.start")  # every rank starts the clock together
+            rr.reset_stats()
             t_start = time.perf_counter()
         t0 = time.monotonic()
         losses.append(float(step(xb, yb)))
         windows.append((t0, time.monotonic()))
     seconds = time.perf_counter() - t_start
+    sent = rr.stats()["bytes_sent"]  # this rank's, over the timed steps (counted in C)
     check = rrtf.allreduce(tf.reduce_sum([tf.reduce_sum(v) for v in model.trainable_variables]), op=rrtf.Sum,
                            name="training_scaling.check")
     mine = float(tf.reduce_sum([tf.reduce_sum(v) for v in model.trainable_variables]))
     if rank == 0:
         print("RESULT", json.dumps({
-            "samples_per_s_mean": args.steps * args.batch * n / seconds, "windows": windows[args.warmup:], "losses": losses, "params": model.count_params(),
+            "samples_per_s_mean": args.steps * args.batch * n / seconds, "bytes_per_step": sent / args.steps, "windows": windows[args.warmup:], "losses": losses, "params": model.count_params(),
             # every rank holds the same weights: their sum over ranks is n times rank 0's
             "weights_agree": abs(float(check) - n * mine) <= 1e-3 * max(1.0, abs(n * mine))}), flush=True)
     from ringreduce.engine import engine

@@ -134,7 +134,7 @@ def test_the_engine_fuses_compressed_tensors_and_mismatched_compressors_raise(tm
         errs = r.result["errors"]
         assert len(errs) == 3, errs
         assert "powersgd(min_size=1,rank=4" in errs[0] and "rank=5" in errs[0], errs[0]
-        assert "int8()" in errs[1], errs[1]
+        assert "int8(block=1024)" in errs[1], errs[1]
         assert errs[2].startswith("type:") and "int32" in errs[2]
         assert r.result["after"] == [2.0, 2.0, 2.0]
     events = json.loads((tmp_path / "t.json").read_text())
@@ -200,6 +200,74 @@ def test_keras_fit_and_the_tape_train_with_each_compressor(tmp_path):
         assert res["int8"]["sent"] < res["none"]["sent"] / 2.5
         assert res["tape"]["same"] and res["tape"]["last"] < 0.85 * res["tape"]["first"], res["tape"]
         assert res["tape"]["keys"] == 4, "one state per variable, not one per step"
+
+
+# Int8's scales are per block: one rank's outlier coarsens only its own
+# block. One block as long as the tensor is the old per-tensor scale, which
+# rounds everything but the outlier to zero.
+INT8_BLOCK_JOB = """
+import hashlib
+from ringreduce.compression import Int8
+N, me = rr.size(), rr.rank()
+def grad(rank):
+    g = np.random.default_rng(rank).standard_normal(4196).astype(np.float32) * 1e-3   # 4 blocks and a tail of 100
+    if rank == 0:
+        g[10] = 1e3
+    return g
+exact = np.mean([grad(r) for r in range(N)], axis=0)
+out = {}
+for block in (1024, 4196):
+    res = Int8(block=block).allreduce(grad(me), "w", op="avg")
+    rest = slice(1024, None)   # every block but the outlier's
+    out[str(block)] = dict(err=float(np.linalg.norm(res[rest] - exact[rest]) / np.linalg.norm(exact[rest])),
+                      zeros=float(np.mean(res[rest] == 0)), outlier=float(abs(res[10] - exact[10])),
+                      digest=hashlib.sha256(res.tobytes()).hexdigest())
+result = out
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_int8_scales_per_block_so_an_outlier_zeroes_only_its_own_block(tmp_path, n):
+    ranks = run_ranks(n, INT8_BLOCK_JOB, tmp_path, timeout=60)
+    levels = 127 // n
+    for r in ranks:
+        blocks, whole = r.result["1024"], r.result["4196"]
+        assert all(x.result[k]["digest"] == r.result[k]["digest"] for x in ranks for k in ("1024", "4196"))
+        # rounding to L levels of each block's own peak (~3.3 sigma): ~1 / L of the values' rms
+        assert blocks["err"] < 3.0 / levels and blocks["zeros"] < 0.1, blocks
+        assert whole["zeros"] == 1.0 and whole["err"] == pytest.approx(1.0), whole   # 1e3 / L per level
+        assert blocks["outlier"] <= 1e3 / n / levels, blocks   # its own block still carries it
+
+
+INT8_BYTES_JOB = """
+from ringreduce.compression import Int8
+g = np.random.default_rng(rr.rank()).standard_normal(1 << 20).astype(np.float32)
+out = {}
+for block in (16, 1024):
+    rr.reset_stats()
+    Int8(block=block).allreduce(g, "w")
+    out[str(block)] = rr.stats()
+result = out
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_int8_sends_one_byte_per_value_and_four_per_block(tmp_path, n):
+    for r in run_ranks(n, INT8_BYTES_JOB, tmp_path, timeout=60):
+        ring = 2 * (n - 1) / n
+        # block 16: 65536 float32 scales, 256 KiB, go round the ring beside the 1 MiB of int8 (25% more)
+        assert r.result["16"]["ring"] == pytest.approx(ring * ((1 << 20) + 4 * (1 << 16)), rel=0.002), r.result
+        # block 1024: 4 KiB of scales, a small allreduce (blobs); the ring carries the int8 values alone
+        assert r.result["1024"]["ring"] == pytest.approx(ring * (1 << 20), rel=0.002), r.result
+        assert r.result["1024"]["bytes_sent"] < ring * (1 << 20) + (n - 1) * 4096 + 4096, r.result
+
+
+def test_int8_block_is_part_of_the_tag_and_checked():
+    from ringreduce.compression import Int8, from_tag
+    assert Int8().tag == "int8(block=1024)" and from_tag(Int8(block=256).tag).block == 256
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="block"):
+            Int8(block=bad)
 
 
 def test_the_speed_benchmark_runs_and_counts_fewer_bytes(tmp_path):
@@ -410,7 +478,7 @@ rr.barrier()   # the bad rank goes on: its peer must not be waiting on it
 def test_an_integer_tensor_on_one_rank_fails_every_rank(tmp_path):
     r0, r1 = run_ranks(2, INT_ON_ONE_RANK_JOB, tmp_path, timeout=60)
     assert r1.result[0] == "TypeError" and "'w' is int32" in r1.result[1]
-    assert r0.result[0] == "MismatchError" and "rank 1: Int8() compresses floating-point tensors; 'w' is int32" \
+    assert r0.result[0] == "MismatchError" and "rank 1: Int8(block=1024) compresses floating-point tensors; 'w' is int32" \
         in r0.result[1], r0.result
 
 
