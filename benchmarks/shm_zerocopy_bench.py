@@ -33,11 +33,17 @@ machine moves less than wall time. They include the yields of a waiting
 rank (RINGREDUCE_SPIN); with RINGREDUCE_SPIN=0 a waiting rank sleeps in poll
 and costs nothing, so that run shows the work alone. cpu ratio = copying /
 zero-copy (above 1: zero copy costs less).
+
+Waits columns: voluntary context switches (getrusage ru_nvcsw: a rank
+slept in poll for a peer) per operation, summed over the ranks, median over
+repeats: how often the ring stalled on a neighbour, the thing running ahead
+(ZC_SLICE in csrc/ring.c) is meant to cut.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -91,7 +97,7 @@ def table(mibs: list[int], repeats: int) -> str:
              f"roofline = busbw / zero-copy bound",
              f"{'MiB':>4} {'memcpy':>7} {'add':>6} {'bound':>6} {'zero-copy':>10} {'copying':>8} "
              f"{'ratio':>6} {'zc roof':>8} {'copy roof':>9} {'zc cpu ms':>9} {'copy cpu ms':>11} "
-             f"{'cpu ratio':>9} {'#wrong':>6}"]
+             f"{'cpu ratio':>9} {'zc waits':>8} {'copy waits':>10} {'#wrong':>6}"]
     for mib in mibs:
         count = mib * MIB // 4
         nbytes = count * 4
@@ -101,6 +107,7 @@ def table(mibs: list[int], repeats: int) -> str:
         want = np.float32(n * (n + 1) // 2)
         samples = {label: [] for label, _ in PATHS}
         cpu = {label: [] for label, _ in PATHS}
+        waits = {label: [] for label, _ in PATHS}
         wrong = 0
         for rep in range(repeats + 1):  # the first round warms up
             for label, on in PATHS:
@@ -108,12 +115,16 @@ def table(mibs: list[int], repeats: int) -> str:
                 out.fill(0)
                 rr.barrier()
                 t, c = time.perf_counter(), time.process_time()
+                w = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
                 for _ in range(iters):
                     rr.allreduce(x, op="sum", out=out)
                 if rep:
                     spent = (time.process_time() - c) / iters
+                    slept = (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - w) / iters
                     samples[label].append(harness.slowest((time.perf_counter() - t) / iters))
-                    cpu[label].append(float(rr.allreduce(np.array([spent]), op="sum")[0]))
+                    total = rr.allreduce(np.array([spent, slept]), op="sum")
+                    cpu[label].append(float(total[0]))
+                    waits[label].append(float(total[1]))
                 wrong += int(np.count_nonzero(out != want))
         comm.set_zero_copy(True)
         cpy, add = machine_rates(nbytes // n)
@@ -126,7 +137,8 @@ def table(mibs: list[int], repeats: int) -> str:
         lines.append(f"{mib:>4} {cpy:>7.2f} {add:>6.2f} {bound:>6.2f} {bw['zero-copy']:>10.2f} "
                      f"{bw['copying']:>8.2f} {bw['zero-copy'] / bw['copying']:>6.2f} "
                      f"{bw['zero-copy'] / bound:>8.2f} {bw['copying'] / bound:>9.2f} {zc_cpu * 1e3:>9.1f} "
-                     f"{copy_cpu * 1e3:>11.1f} {copy_cpu / zc_cpu:>9.2f} {wrong:>6}")
+                     f"{copy_cpu * 1e3:>11.1f} {copy_cpu / zc_cpu:>9.2f} {statistics.median(waits['zero-copy']):>8.0f} "
+                     f"{statistics.median(waits['copying']):>10.0f} {wrong:>6}")
     return "\n".join(lines)
 
 

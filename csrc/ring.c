@@ -206,9 +206,16 @@ static size_t longest_chunk(const size_t *len, int N)
     return longest;
 }
 
-/* Slices are a fixed size, not the segment: the byte order depends on it,
- * and ranks with different RINGREDUCE_SEGMENT_BYTES must still agree. */
-#define ZC_SLICE ((size_t)256 << 10)
+/* The slice is how far a rank runs ahead of its neighbours: piece (s, g+1)
+ * follows piece (s, g) in the stream by one piece, so a rank may send up to
+ * a slice beyond what it has received. Running K slices of 256 KiB ahead
+ * (slices interleaved K at a time, step by step) is byte for byte the stream
+ * of slices of K * 256 KiB, so the slice size is the run-ahead. Half the
+ * default 1 MiB mapping (K = 2): a rank descheduled on a loaded machine
+ * leaves its neighbours up to a slice to take and a slice of room to fill
+ * (docs/performance.md, "Running ahead"). Fixed, not the segment nor the
+ * mapping: the byte order depends on it and every rank must agree. */
+#define ZC_SLICE ((size_t)512 << 10)
 
 /* Below this chunk size the copying path's first step fits in a default
  * (1 MiB) mapping, it waits less than the slice-by-slice schedule, and wins
@@ -251,8 +258,8 @@ static void zc_advance(zc_cursor *c, int first_chunk, int N, const size_t *len, 
  *
  * For that the bytes travel slice-major: every chunk is cut into slices of
  * ZC_SLICE bytes and slice s runs all steps g0 .. g1-1 before slice s + 1
- * starts. A rank then only sends ahead of what it receives by the one piece
- * it sends from src (the first step's), which fits in the mapping; in the
+ * starts. A rank then only sends ahead of what it receives by one piece
+ * (ZC_SLICE bytes), which fits in a default mapping; in the
  * step-major order of the copying path it sends a whole chunk from src
  * first and must keep everything received meanwhile in buf. The order
  * differs from the copying path's, so every rank of the ring must take this
@@ -261,7 +268,9 @@ static void zc_advance(zc_cursor *c, int first_chunk, int N, const size_t *len, 
  * When the next rank is slow to take bytes (its mapping full), received
  * bytes are reduced into buf and sent from there later, as the copying path
  * does: a rank never waits on its send window while bytes it could take are
- * waiting, or a ring of full mappings would wait on itself. */
+ * waiting, or a ring of full mappings would wait on itself. That holds for
+ * any slice and mapping size: a mapping smaller than a slice only makes the
+ * first step's piece go out in parts, with received bytes parked in buf. */
 static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len,
                                 int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
 {

@@ -115,6 +115,39 @@ def test_sizes_around_a_small_link_buffer_and_its_wrap_around(tmp_path, n):
     check_cases(run(n, WRAP, tmp_path, env={"RINGREDUCE_SHM_BYTES": str(65536 + 64 * 7)}))
 
 
+# Running ahead (ZC_SLICE in ring.c, 512 KiB: a rank sends up to a slice
+# ahead of what it has received) against mappings below, at and just above a
+# slice, none a power of two where it can be: the first step's piece from the
+# input then does not fit, or fits with no room to spare, and ranks forward
+# through the output while the mapping wraps around. Chunks end just before,
+# on and just after a slice boundary, and in a short last slice.
+SLICE = 512 << 10
+RUN_AHEAD = """
+result = {}
+SLICE = %d
+for dtype in ("float32", "float16"):
+    esize = np_dtype(dtype).itemsize
+    per_slice = SLICE // esize
+    for extra in (1, per_slice - 1, per_slice + 1, 3 * per_slice // 2 + 1):
+        # every chunk is 2 MiB (four slices) + about `extra` elements
+        mine, want = case(dtype, "sum", rr.size() * ((2 << 20) // esize + extra))
+        got = both(lambda: rr.allreduce(mine, op="sum"))
+        result[dtype, extra] = (close_enough(got[True], want, dtype, "sum"),
+                                got[True].tobytes() == got[False].tobytes(), got[True, "ops"],
+                                digest(got[True]))
+""" % SLICE
+
+
+@pytest.mark.parametrize("n, shm_bytes", [
+    (2, 3 * SLICE // 4 + 64 * 3),   # below one slice
+    (2, SLICE),                     # exactly one slice: the piece fills it
+    (4, SLICE + 64 * 5),            # just above: one slice of slack, little more
+    (4, 3 * SLICE + 64 * 9),        # three slices
+])
+def test_running_a_slice_ahead_through_small_and_odd_mappings(tmp_path, n, shm_bytes):
+    check_cases(run(n, RUN_AHEAD, tmp_path, env={"RINGREDUCE_SHM_BYTES": str(shm_bytes)}))
+
+
 # reduce_scatter (ScatterReduce alone) and allgather (AllGather alone, with
 # blocks of different sizes) take the path too.
 SCATTER_GATHER = """
