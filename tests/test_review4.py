@@ -1,0 +1,58 @@
+"""A hostile review of the host arena, recursive doubling over MPI and zero
+copy in the shared-memory links: each test here failed (hung, or gave the
+wrong answer) before the fix it names. Every job runs under a timeout."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ranks import REPO, run_ranks
+
+MPIRUN = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
+
+
+def _mpi_missing() -> str | None:
+    try:
+        from ringreduce import _mpi  # noqa: F401
+        import mpi4py  # noqa: F401
+    except ImportError as exc:
+        return f"MPI transport not built or mpi4py missing ({exc})"
+    return None if os.path.exists(MPIRUN) else "no mpirun"
+
+
+def mpirun(n: int, body: str, tmp_path: Path, timeout: float = 60) -> list[str]:
+    """Runs body on n MPI ranks; returns each rank's last stdout line (it prints one)."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nimport numpy as np\nfrom mpi4py import MPI\nR = MPI.COMM_WORLD.Get_rank()\n"
+                      + textwrap.dedent(body))
+    proc = subprocess.run([MPIRUN, "-np", str(n), sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines = sorted(line for line in proc.stdout.splitlines() if line[:1].isdigit())
+    assert len(lines) == n, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return lines
+
+
+# --------------------------------------------------------------------------- recursive doubling over MPI
+
+
+@pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
+def test_small_algorithm_differing_across_mpi_ranks_raises_on_every_rank(tmp_path):
+    # Before: rank 0 ran the ring's passes, the others recursive doubling,
+    # each waiting for messages never sent: the job hung.
+    lines = mpirun(3, """
+        os.environ["RINGREDUCE_SMALL_ALGORITHM"] = "ring" if R == 0 else "doubling"
+        import ringreduce as rr
+        try:
+            rr.init(backend="mpi")
+            rr.allreduce(np.ones(10, np.float32))
+            print(R, "no error")
+        except ValueError as exc:
+            print(R, exc)
+        """, tmp_path, timeout=30)
+    for r, line in enumerate(lines):
+        assert line.startswith(f"{r} RINGREDUCE_SMALL_ALGORITHM must be alike"), line
+        assert "rank 0: 'ring', rank 1: 'doubling'" in line, line
