@@ -56,3 +56,43 @@ def test_small_algorithm_differing_across_mpi_ranks_raises_on_every_rank(tmp_pat
     for r, line in enumerate(lines):
         assert line.startswith(f"{r} RINGREDUCE_SMALL_ALGORITHM must be alike"), line
         assert "rank 0: 'ring', rank 1: 'doubling'" in line, line
+
+
+# --------------------------------------------------------------------------- shared-memory files
+
+
+def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path):
+    # A rank SIGKILLed after offering its link file and before its neighbour
+    # answered leaves the file under its name (elastic jobs left such files
+    # on this host). Before: it stayed in /dev/shm for good; now the next rank
+    # to make a file on this host sees its maker is gone and removes it.
+    from ringreduce import shm
+    record = tmp_path / "made"
+    ranks = run_ranks(2, f"""
+        import signal
+        from ringreduce import shm
+        make, connect = shm._make_file, shm.connect
+        def make_and_record(*a, **k):
+            fd, path, nonce = make(*a, **k)
+            open({str(record)!r} + str(rr_rank), "w").write(path)
+            return fd, path, nonce
+        def connect_then_die(to_next, from_prev, tag, capacity, send_msg, recv_msg):
+            def recv_and_die(sock):
+                if rr_rank == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)  # the offer is out, the file not yet unlinked
+                return recv_msg(sock)
+            return connect(to_next, from_prev, tag, capacity, send_msg, recv_and_die)
+        rr_rank = int(os.environ["RINGREDUCE_RANK"])
+        shm._make_file, shm.connect = make_and_record, connect_then_die
+        try:
+            rr.init()
+        except Exception as exc:
+            result = type(exc).__name__
+        """, tmp_path, init=False, timeout=40, check=False, env={"RINGREDUCE_TIMEOUT": "5"})
+    assert ranks[0].returncode == -9
+    left = Path((tmp_path / "made0").read_text())
+    assert left.exists(), "the killed rank's file should still be there"
+    fd, path, _ = shm._make_file("review4", 64)  # the next maker on this host
+    os.close(fd)
+    os.unlink(path)
+    assert not left.exists(), f"{left} was left in /dev/shm"
