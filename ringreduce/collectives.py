@@ -142,10 +142,10 @@ def init(backend: str | None = None, comm=None) -> None:
             _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
                                      config.ring_timeout, config.segment_bytes, config.spin,
                                      tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
-            _shm.agree_zero_copy(_state.comm, config.shm_zerocopy)
             w.extra["links"] = links.kinds()
             _state.world = w
             try:
+                _shm.agree_zero_copy(_state.comm, config.shm_zerocopy)
                 w.extra["arena"] = attach_arena(_state.comm, w.rank, w.size, "world", config)
             except BaseException:
                 shutdown()  # a peer lost while agreeing: leave, so init() may be called again

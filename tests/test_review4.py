@@ -96,3 +96,32 @@ def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path
     os.close(fd)
     os.unlink(path)
     assert not left.exists(), f"{left} was left in /dev/shm"
+
+
+# --------------------------------------------------------------------------- init's votes
+
+
+def test_a_peer_lost_in_the_zero_copy_vote_leaves_init_undone(tmp_path):
+    # Before: the vote ran outside init's clean-up, so the survivors kept a
+    # half-made ring: is_initialized() said True, init() again did nothing,
+    # and every call then said "not initialized" (an elastic job could never
+    # re-form). Now init() leaves, as it does when the arena agreement fails.
+    ranks = run_ranks(3, """
+        from ringreduce import shm
+        r = int(os.environ["RINGREDUCE_RANK"])
+        agree = shm.agree_zero_copy
+        def die_in_the_vote(comm, wanted):
+            if r == 2:
+                os._exit(5)
+            return agree(comm, wanted)
+        shm.agree_zero_copy = die_in_the_vote
+        try:
+            rr.init()
+            result = "init returned"
+        except rr.PeerLostError as exc:
+            result = (exc.rank, rr.is_initialized())
+        """, tmp_path, init=False, timeout=40, check=False, env={"RINGREDUCE_TIMEOUT": "5"})
+    assert ranks[2].returncode == 5
+    for k in ranks[:2]:
+        assert k.returncode == 0, k.stderr[-2000:]
+        assert k.result == (2, False), k.result
