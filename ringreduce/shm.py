@@ -37,6 +37,7 @@ log = logging.getLogger("ringreduce")
 MAGIC = b"RRSHM1\0\0"
 ARENA_MAGIC = b"RRARENA1"  # csrc/host_arena.h
 DATA_OFFSET = 4096
+ALIGN = 64  # csrc/shm_link.h RR_SHM_ALIGN
 SHM_DIR = "/dev/shm"
 MAX_BYTES = 1 << 30  # largest link buffer offered or taken
 
@@ -142,7 +143,9 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
     """
     rx_fd, tx_fd, path = -1, -1, None
     offer: dict = {"path": None}
-    capacity = min(capacity, MAX_BYTES)
+    # A whole number of RR_SHM_ALIGN (64) bytes: the zero-copy windows need it (csrc/tcp.c), and a
+    # RINGREDUCE_SHM_BYTES of, say, 1000 would otherwise turn that path off for the whole ring.
+    capacity = min(-(-capacity // ALIGN) * ALIGN, MAX_BYTES)
     if capacity > 0:
         try:
             rx_fd, path, nonce = _make_file(tag, capacity)

@@ -125,3 +125,23 @@ def test_a_peer_lost_in_the_zero_copy_vote_leaves_init_undone(tmp_path):
     for k in ranks[:2]:
         assert k.returncode == 0, k.stderr[-2000:]
         assert k.result == (2, False), k.result
+
+
+# --------------------------------------------------------------------------- zero copy
+
+
+def test_an_odd_shm_size_on_one_rank_keeps_zero_copy_and_the_right_sums(tmp_path):
+    # Before: RINGREDUCE_SHM_BYTES=1000 on one rank made a link of 1000
+    # bytes, not a multiple of the 64 the windows need, and the whole ring
+    # silently lost the zero-copy path. Now the size is rounded up to 1024.
+    ranks = run_ranks(3, """
+        r = int(os.environ["RINGREDUCE_RANK"])
+        os.environ["RINGREDUCE_SHM_BYTES"] = "1000" if r == 1 else str(1 << 20)
+        rr.init()
+        from ringreduce import collectives as C
+        base = (np.arange((3 << 20) + 5) % 7).astype(np.float32)
+        y = rr.allreduce(base * (r + 1))
+        result = (bool(np.array_equal(y, base * 6)), C._state.comm.zero_copy_ops())
+        """, tmp_path, init=False, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"})
+    for k in ranks:
+        assert k.result == (True, 1), (k.rank, k.result)
