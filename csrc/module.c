@@ -729,6 +729,12 @@ static PyObject *Comm_set_zero_copy(CommObject *self, PyObject *args)
     return PyBool_FromLong(used);
 }
 
+static PyObject *Comm_get_zero_copy(CommObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->ring && self->ring->zero_copy && self->ring->transport &&
+                           self->ring->transport->ops->rx_window);
+}
+
 static PyObject *Comm_zero_copy_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     return PyLong_FromUnsignedLongLong(self->ring ? self->ring->zero_copy_ops : 0);
@@ -804,6 +810,8 @@ static PyGetSetDef Comm_getset[] = {
      "tensors the busiest rank of a small allreduce sends (doubling: log2 N, +1 off powers of two; ring: N-1)",
      NULL},
     {"arena_slot", (getter)Comm_get_arena_slot, NULL, "blob bytes per rank of the host arena in use, 0: none", NULL},
+    {"zero_copy", (getter)Comm_get_zero_copy, NULL,
+     "whether host ring operations take the zero-copy path now (set_zero_copy's last answer)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

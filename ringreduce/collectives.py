@@ -142,10 +142,10 @@ def init(backend: str | None = None, comm=None) -> None:
             _state.comm = _core.Comm(w.rank, w.size, links.next_fd, links.prev_fd, links.ctrl_fds,
                                      config.ring_timeout, config.segment_bytes, config.spin,
                                      tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
-            _shm.agree_zero_copy(_state.comm, config.shm_zerocopy)
             w.extra["links"] = links.kinds()
             _state.world = w
             try:
+                _shm.agree_zero_copy(_state.comm, config.shm_zerocopy)
                 w.extra["arena"] = attach_arena(_state.comm, w.rank, w.size, "world", config)
             except BaseException:
                 shutdown()  # a peer lost while agreeing: leave, so init() may be called again
@@ -347,9 +347,11 @@ def _native(a: np.ndarray) -> np.ndarray:
     return a.astype(a.dtype.newbyteorder("="))
 
 
-def _header(kind, op, dtype, shape, name, root=0, inline=False, descr=None, splits=()) -> bytes:
-    """descr: the numpy dtype; None takes the name of code `dtype`."""
-    return _header_of(_state.generation, kind, op, dtype, shape, name, root, inline, descr, splits)
+def _header(kind, op, dtype, shape, name, root=0, inline=False, descr=None, splits=(), device=False) -> bytes:
+    """descr: the numpy dtype; None takes the name of code `dtype`. device: this
+    rank runs the operation on a device (the inline byte's bit 1, see _byte_order)."""
+    return _header_of(_state.generation, kind, op, dtype, shape, name, root, int(inline) | (2 if device else 0),
+                      descr, splits)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -379,7 +381,25 @@ def _parse(blob: bytes) -> dict:
     at += nlen
     described = blob[at:at + dlen].decode(errors="replace")
     return {"kind": kind, "op": op, "dtype": described, "code": dtype, "root": root, "shape": shape, "name": name,
-            "splits": splits, "inline": bool(inline), "payload": memoryview(blob)[at + dlen:]}
+            "splits": splits, "inline": bool(inline & 1), "device": bool(inline & 2),
+            "payload": memoryview(blob)[at + dlen:]}
+
+
+@contextlib.contextmanager
+def _byte_order(comm, blobs):
+    """The ring operation inside runs on every rank in one byte order. The
+    zero-copy path (csrc/ring.c ring_steps_zero_copy) sends slice-major, the
+    staged device path step-major: when any rank's header says it runs on a
+    device, every rank takes the copying path this once (decided from the
+    agreed headers, alike everywhere)."""
+    if not comm.zero_copy or not any(_parse(b)["device"] for b in blobs):
+        yield
+        return
+    comm.set_zero_copy(False)
+    try:
+        yield
+    finally:
+        comm.set_zero_copy(True)
 
 
 def _describe(field, value):
@@ -565,10 +585,11 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
                 return dst if out is None or dst is out else _deliver(dst, out)
             _agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce", ring)  # another rank chose the ring
         else:
-            _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
+            blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
         if dst is not src and np.may_share_memory(dst, src):
             src = src.copy()
-        ring.comm.allreduce(_raw(src), _raw(dst), code, opc)
+        with _byte_order(ring.comm, blobs):
+            ring.comm.allreduce(_raw(src), _raw(dst), code, opc)
         return _deliver(dst, out)
 
 
@@ -588,13 +609,14 @@ def _allreduce_device(x, op, out, name, process_set=None):
             # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
             return _deliver(g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x),
                             out, g.xp)
-        head = _header(ALLREDUCE, opc, code, x.shape, name, False)
-        _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
+        head = _header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
+        blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
         src = g.xp.ascontiguousarray(x)
         dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
         if dst is not src and g.xp.may_share_memory(dst, src):
             src = src.copy()
-        g.allreduce(ring.comm, src, dst, code, opc)
+        with _byte_order(ring.comm, blobs):
+            g.allreduce(ring.comm, src, dst, code, opc)
         return _deliver(dst, out, g.xp)
 
 
@@ -616,7 +638,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
     with _state.lock, g.on(x):
         w = _ring(process_set)
         small = x.nbytes <= w.small_limit
-        head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small)
+        head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small, device=g is not _HostArrays)
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
                           ("op", "dtype", "shape", "name"), "reduce_scatter", w)
         lo, hi = _chunk_bounds(x.size, w.size, w.rank)
@@ -624,7 +646,8 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
             mine = _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
             return g.from_host(mine, like=x)
         work = g.xp.empty(x.size, dtype=x.dtype)
-        g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
+        with _byte_order(w.comm, blobs):
+            g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
         return work[lo:hi].copy()
 
 
@@ -640,7 +663,7 @@ def allgather(x, name: str | None = None, process_set=None):
     with _state.lock, g.on(x):
         w = _ring(process_set)
         small = x.nbytes <= w.small_limit
-        head = _header(ALLGATHER, 0, 0, x.shape, name, inline=small, descr=x.dtype)
+        head = _header(ALLGATHER, 0, 0, x.shape, name, inline=small, descr=x.dtype, device=g is not _HostArrays)
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
                           ("dtype", "trailing", "name"), "allgather", w)
         heads = [_parse(b) for b in blobs]
@@ -655,7 +678,8 @@ def allgather(x, name: str | None = None, process_set=None):
         nbytes = [r * row_bytes for r in rows]
         at = sum(nbytes[:w.rank])
         flat[at:at + nbytes[w.rank]] = _bytes(g.xp.ascontiguousarray(x))
-        g.allgather(w.comm, flat, nbytes)
+        with _byte_order(w.comm, blobs):
+            g.allgather(w.comm, flat, nbytes)
         return out
 
 

@@ -47,6 +47,7 @@ def connect(config: Config, comm=None):
     world = World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local.Get_rank(),
                   local_size=local.Get_size(), config=config, source="MPI communicator")
     local.Free()
+    _check_alike(comm, "RINGREDUCE_SMALL_ALGORITHM", config.small_algorithm or "doubling")
     abort_on_uncaught_exception()
     transport = _mpi.create(comm.py2f(), config.ring_timeout)
     ring = _core.Comm(world.rank, world.size, -1, -1, (), config.ring_timeout, config.segment_bytes, config.spin,
@@ -54,6 +55,16 @@ def connect(config: Config, comm=None):
     if config.small_algorithm:  # small operations by recursive doubling unless "ring" (docs/architecture.md)
         ring.set_small_algorithm(config.small_algorithm)
     return world, ring
+
+
+def _check_alike(comm, name: str, value: str) -> None:
+    """Raises on every rank of comm, naming each rank's value, unless all
+    ranks chose `value` alike: ranks on different small algorithms send
+    messages the others never receive, and the job would hang."""
+    values = comm.allgather(value)
+    if any(v != values[0] for v in values):
+        per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        raise ValueError(f"{name} must be alike on every rank ({per_rank})")
 
 
 def abort_on_uncaught_exception() -> None:

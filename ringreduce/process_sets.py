@@ -253,10 +253,10 @@ def _connect(ring, ranks: list, set_id: int, ports: list, listener):
                       cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
     try:
         _c.attach_arena(comm, me, len(ranks), f"set{set_id}", cfg)
+        _shm.agree_zero_copy(comm, cfg.shm_zerocopy)
     except BaseException:
         comm.close()
         raise
-    _shm.agree_zero_copy(comm, cfg.shm_zerocopy)
     return comm, links.kinds()
 
 

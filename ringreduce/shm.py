@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import stat
@@ -36,6 +37,7 @@ log = logging.getLogger("ringreduce")
 MAGIC = b"RRSHM1\0\0"
 ARENA_MAGIC = b"RRARENA1"  # csrc/host_arena.h
 DATA_OFFSET = 4096
+ALIGN = 64  # csrc/shm_link.h RR_SHM_ALIGN
 SHM_DIR = "/dev/shm"
 MAX_BYTES = 1 << 30  # largest link buffer offered or taken
 
@@ -49,9 +51,50 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{netns}"
 
 
+# A file's name ends in its maker's pid namespace and pid: the file lives
+# under its name only until its peers have opened it, but a maker killed
+# (SIGKILL) in that window cannot unlink it, and the next maker on the host
+# that finds the pid gone does (_sweep_stale).
+_STALE = re.compile(r"^ringreduce-.*-n(\d+)p(\d+)-[0-9a-f]{12}$")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _sweep_stale() -> None:
+    """Unlinks our files in SHM_DIR whose maker (in our pid namespace) is dead."""
+    ns = _pid_namespace()
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        m = _STALE.match(name)
+        if not m or int(m.group(1)) != ns or int(m.group(2)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(2)), 0)
+            continue  # alive (or another user's): not ours to judge
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        path = os.path.join(SHM_DIR, name)
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == os.geteuid():
+                os.unlink(path)
+                log.info("ringreduce: removed %s, left by a rank that died", path)
+
+
 def _make_file(tag: str, capacity: int, magic: bytes = MAGIC, header: int = DATA_OFFSET) -> tuple[int, str, bytes]:
+    _sweep_stale()
     nonce = secrets.token_bytes(32)
-    path = os.path.join(SHM_DIR, f"ringreduce-{tag}-{secrets.token_hex(6)}")
+    owner = f"n{_pid_namespace()}p{os.getpid()}"
+    path = os.path.join(SHM_DIR, f"ringreduce-{tag}-{owner}-{secrets.token_hex(6)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         # Reserve the pages now: a full /dev/shm then says ENOSPC here (the
@@ -100,7 +143,9 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
     """
     rx_fd, tx_fd, path = -1, -1, None
     offer: dict = {"path": None}
-    capacity = min(capacity, MAX_BYTES)
+    # A whole number of RR_SHM_ALIGN (64) bytes: the zero-copy windows need it (csrc/tcp.c), and a
+    # RINGREDUCE_SHM_BYTES of, say, 1000 would otherwise turn that path off for the whole ring.
+    capacity = min(-(-capacity // ALIGN) * ALIGN, MAX_BYTES)
     if capacity > 0:
         try:
             rx_fd, path, nonce = _make_file(tag, capacity)
