@@ -150,8 +150,24 @@ static void sleep_on(rr_arena *a, uint32_t seen)
 }
 
 /* Waits until rank i has published `round`. */
+struct awaited {
+    rr_arena *a;
+    int i;
+    uint64_t round;
+};
+
+/* Whether rank i has published the round: asked again by the transport
+ * before it blames i, since i may publish, finish the round and leave
+ * (closing its links) between our look and the transport's. */
+static int has_arrived(void *p)
+{
+    const struct awaited *w = p;
+    return atomic_load_explicit(&w->a->round[w->i].v, memory_order_acquire) >= w->round;
+}
+
 static int wait_for(rr_arena *a, rr_transport *t, int i, uint64_t round, rr_error *err)
 {
+    struct awaited awaited = {a, i, round};
     int spins = 0;
     int64_t start = -1;
     long long next_check = 0;
@@ -170,7 +186,8 @@ static int wait_for(rr_arena *a, rr_transport *t, int i, uint64_t round, rr_erro
         sleep_on(a, seen);
         int64_t now = now_ms();
         if (rr_should_stop(t, now, &next_check, err)) return err->code;
-        int rc = t->ops->stalled(t, i, now - start, err);
+        if (has_arrived(&awaited)) return RR_OK;
+        int rc = t->ops->stalled(t, i, now - start, has_arrived, &awaited, err);
         if (rc != RR_OK) return rc;
     }
 }

@@ -412,15 +412,16 @@ static int link_closed(int fd, int shm, int *closed)
  * neighbour waited on that closed its link left without its part (one that
  * left after publishing is not waited on); the rank at fault is named as
  * peer_failed names it, and the star tells the ranks that are no neighbour. */
-static int tcp_stalled(rr_transport *base, int waited_on, long long waited_ms, rr_error *err)
+static int tcp_stalled(rr_transport *base, int waited_on, long long waited_ms, int (*arrived)(void *), void *arg,
+                       rr_error *err)
 {
     tcp_transport *t = (tcp_transport *)base;
     int rc = tcp_begin(base, err);
     if (rc != RR_OK) return rc;
     if ((waited_on == next_rank(t) && link_closed(t->next_fd, t->tx_shm != NULL, &t->next_closed)) ||
         (waited_on == prev_rank(t) && link_closed(t->prev_fd, t->rx_shm != NULL, &t->prev_closed)))
-        return closed_error(t, waited_on, err);
-    if (t->timeout_ms >= 0 && waited_ms >= t->timeout_ms) return peer_silent(t, waited_on, err);
+        return arrived(arg) ? RR_OK : closed_error(t, waited_on, err); /* published, then left cleanly */
+    if (t->timeout_ms >= 0 && waited_ms >= t->timeout_ms && !arrived(arg)) return peer_silent(t, waited_on, err);
     return RR_OK;
 }
 

@@ -47,8 +47,12 @@ typedef struct rr_transport_ops {
     /* Optional (NULL: the transport cannot judge waits it does not run). A
      * wait outside exchange() (the host arena, csrc/host_arena.h) has waited
      * waited_ms on rank waited_on: returns an error, with err filled, when a
-     * peer is known lost or the wait has passed the transport's timeout. */
-    int (*stalled)(rr_transport *t, int waited_on, long long waited_ms, rr_error *err);
+     * peer is known lost or the wait has passed the transport's timeout.
+     * Before it blames a rank (a neighbour's link seen closed, the timeout
+     * passed) it asks arrived(arg) whether what the wait is for has come
+     * after all: a peer may publish, finish and leave between two looks. */
+    int (*stalled)(rr_transport *t, int waited_on, long long waited_ms, int (*arrived)(void *), void *arg,
+                   rr_error *err);
 
     /* Optional (NULL: nothing to do). A ring operation starts; every rank
      * calls it at the same point of its stream (shared-memory links align

@@ -240,3 +240,28 @@ def test_ranks_that_disagree_on_the_arena_keep_the_ring(tmp_path):
     """, tmp_path, timeout=60, init=False)
     for r in ranks:
         assert r.result == (0, [3.0] * 3)
+
+
+# A rank that publishes its part, finishes the round and leaves at once (its
+# links closed) must not be blamed by a rank that was asleep waiting for that
+# part: the waiter looks at the arena again before blaming (host_arena.c,
+# has_arrived). Rank 0 comes late to every round, so rank 3 (its ring
+# neighbour) is asleep when rank 0 publishes and shuts down.
+LEAVING_RIGHT_AFTER_THE_ROUND = """
+    import time
+    r, N, ok = rr.rank(), rr.size(), 0
+    for i in range(25):
+        if r == 0:
+            time.sleep(0.004)
+        got = rr.allreduce(np.ones(8, np.float32))
+        assert got[0] == N, got
+        rr.shutdown()
+        rr.init()
+        ok += 1
+    result = ok
+"""
+
+
+def test_a_rank_leaving_right_after_its_round_is_not_blamed(tmp_path):
+    ranks = run_ranks(4, LEAVING_RIGHT_AFTER_THE_ROUND, tmp_path, timeout=150)
+    assert [x.result for x in ranks] == [25] * 4
