@@ -5,6 +5,8 @@ import pytest
 
 from ranks import run_ranks
 
+LINKS_ONLY = {"RINGREDUCE_ARENA_BYTES": "0"}  # bytes are counted on links; one host's arena crosses none
+
 # Every rank holds a different low-noise gradient per step; the exact average
 # is known to every rank (each can rebuild the others' from their seeds).
 ACCURACY_JOB = """
@@ -75,7 +77,7 @@ result = out
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_bytes_sent_drop_as_each_compressor_promises(tmp_path, n):
-    for r in run_ranks(n, BYTES_JOB, tmp_path, timeout=100):
+    for r in run_ranks(n, BYTES_JOB, tmp_path, timeout=100, env=LINKS_ONLY):
         b = r.result
         plain = 2 * (n - 1) / n * 4 * 1024 * 1024
         assert b["none"] == pytest.approx(plain, rel=0.01)
@@ -190,7 +192,7 @@ result = out
 
 
 def test_keras_fit_and_the_tape_train_with_each_compressor(tmp_path):
-    for r in run_ranks(2, KERAS_JOB, tmp_path, timeout=150, init=False):
+    for r in run_ranks(2, KERAS_JOB, tmp_path, timeout=150, init=False, env=LINKS_ONLY):
         res = r.result
         for label in ("none", "powersgd", "int8", "topk"):
             assert res[label]["same"], f"{label}: weights differ between ranks"
@@ -253,7 +255,7 @@ result = out
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_int8_sends_one_byte_per_value_and_four_per_block(tmp_path, n):
-    for r in run_ranks(n, INT8_BYTES_JOB, tmp_path, timeout=60):
+    for r in run_ranks(n, INT8_BYTES_JOB, tmp_path, timeout=60, env=LINKS_ONLY):
         ring = 2 * (n - 1) / n
         # block 16: 65536 float32 scales, 256 KiB, go round the ring beside the 1 MiB of int8 (25% more)
         assert r.result["16"]["ring"] == pytest.approx(ring * ((1 << 20) + 4 * (1 << 16)), rel=0.002), r.result
