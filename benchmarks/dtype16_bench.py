@@ -81,15 +81,7 @@ def allreduce_table(mibs: list[int], ops: list[str], repeats: int) -> str:
 
 def kernel_rate(fn, count: int, seconds: float = 0.3) -> float:
     """G elements/s of fn(), best of a few timed batches."""
-    fn()
-    best, spent = 0.0, 0.0
-    while spent < seconds:
-        t = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t
-        spent += dt
-        best = max(best, count / dt / 1e9)
-    return best
+    return harness.best_rate(fn, count, seconds)
 
 
 def kernels_table(counts: list[int]) -> str:

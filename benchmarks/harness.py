@@ -134,3 +134,18 @@ def isolated_median_us(fn: Callable[[], object], iters: int, warmup: int = 0) ->
         fn()
         times.append(time.perf_counter() - t0)
     return float(np.median(times) * 1e6)
+
+
+def best_rate(fn: Callable[[], object], amount: float, seconds: float = 0.2) -> float:
+    """amount / 1e9 per second of fn() (G units/s), the best of calls timed
+    for about `seconds` after one warm-up call: a kernel's or a copy's rate."""
+    fn()
+    best, spent = 0.0, 0.0
+    while spent < seconds:
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        spent += dt
+        best = max(best, amount / dt / 1e9)
+    return best
+

@@ -62,15 +62,7 @@ PATHS = (("zero-copy", True), ("copying", False))
 
 def rate(fn, nbytes: int, seconds: float = 0.2) -> float:
     """GB/s of fn() over nbytes of output, best of a few timed calls."""
-    fn()
-    best, spent = 0.0, 0.0
-    while spent < seconds:
-        t = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t
-        spent += dt
-        best = max(best, nbytes / dt / 1e9)
-    return best
+    return harness.best_rate(fn, nbytes, seconds)
 
 
 def machine_rates(chunk: int) -> tuple[float, float]:
