@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE))
 PY = sys.executable
 
 COMPRESSIONS = ("none", "powersgd:rank=4", "int8", "topk:ratio=0.01")
+DIGITS_EPOCHS, SYNTHETIC_EPOCHS = 30, 1
 
 
 def data(task: str, quick: bool, seed: int = 0):
@@ -177,6 +178,19 @@ def table(results: dict) -> list[str]:
     return out
 
 
+def label(args, task: str) -> str:
+    """The key a task's runs are saved under: its name, plus the epochs when
+    they are not the default, so that runs of another length sit beside the
+    default ones (as 'synthetic:epochs=2') rather than overwrite them."""
+    if args.quick:
+        return task
+    if task == "synthetic" and args.synthetic_epochs != SYNTHETIC_EPOCHS:
+        return f"{task}:epochs={args.synthetic_epochs}"
+    if task == "digits" and args.epochs != DIGITS_EPOCHS:
+        return f"{task}:epochs={args.epochs}"
+    return task
+
+
 def _by_seed(results: dict) -> dict:
     """Saved results as task -> compression -> seed -> result (an older file held one run, seed 0, per compression)."""
     return {task: {spec: {"0": res} if "test_acc" in res else res for spec, res in rows.items()}
@@ -188,8 +202,10 @@ def main():
     p.add_argument("--tasks", default="digits,synthetic")
     p.add_argument("--compressions", default=";".join(COMPRESSIONS), help="';'-separated")
     p.add_argument("-n", type=int, default=2, help="ranks")
-    p.add_argument("--epochs", type=int, default=30, help="digits")
-    p.add_argument("--synthetic-epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=DIGITS_EPOCHS,
+                   help="digits (another number is saved as its own task, 'digits:epochs=E')")
+    p.add_argument("--synthetic-epochs", type=int, default=SYNTHETIC_EPOCHS,
+                   help="synthetic (another number is saved as its own task, 'synthetic:epochs=E')")
     p.add_argument("--batch", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05, help="digits")
     p.add_argument("--synthetic-lr", type=float, default=0.01)
@@ -214,8 +230,8 @@ def main():
         for seed in args.seeds.split(","):
             for spec in args.compressions.split(";"):
                 res = run(args, task, spec, int(seed))
-                results.setdefault(task, {}).setdefault(spec, {})[seed] = res
-                print(f"{task} {spec} seed {seed}: test accuracy {100 * res['test_acc']:.2f}%, "
+                results.setdefault(label(args, task), {}).setdefault(spec, {})[seed] = res
+                print(f"{label(args, task)} {spec} seed {seed}: test accuracy {100 * res['test_acc']:.2f}%, "
                       f"{res['bytes_per_step'] / 1e6:.3f} MB/step", flush=True)
                 saved.write_text(json.dumps({"argv": sys.argv[1:], "results": results}))
     plot(results, out / "compression_accuracy.png")
