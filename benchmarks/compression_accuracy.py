@@ -125,7 +125,10 @@ def run(args, task: str, compression: str, seed: int) -> dict:
     for r in range(args.n):
         env = {**_base_env(), "RINGREDUCE_RANK": str(r), "RINGREDUCE_SIZE": str(args.n),
                "RINGREDUCE_ADDR": f"127.0.0.1:{port}", "RINGREDUCE_SECRET": secret,
-               "RINGREDUCE_LOCAL_RANK": str(r), "RINGREDUCE_LOCAL_SIZE": str(args.n)}
+               "RINGREDUCE_LOCAL_RANK": str(r), "RINGREDUCE_LOCAL_SIZE": str(args.n),
+               # bytes are counted on links: the ranks share this host, whose arena would carry
+               # PowerSGD's small P and Q allreduces and every header uncounted (docs/api.md, stats)
+               "RINGREDUCE_ARENA_BYTES": "0"}
         procs.append(hosts.popen(r, argv, env))
     return _result(procs, f"{task} {compression} seed {seed}", args.timeout)
 
