@@ -146,8 +146,10 @@ def _best_time(fn, reps: int) -> float:
 def stand_in_schedule(layer_fwd, layer_bwd, fwd_total: float, fwd_bwd_total: float) -> dict:
     """Each layer's stand-in seconds: the whole model's measured forward and
     backward times, split in proportion to each layer's own measured times."""
-    bwd_total = max(fwd_bwd_total - fwd_total, 0.0)
     sf, sb = sum(layer_fwd), sum(layer_bwd)
+    bwd_total = fwd_bwd_total - fwd_total
+    if bwd_total <= 0.0:  # a tiny model's backward lost in timing noise: take the layers' backward/forward ratio
+        bwd_total = fwd_total * sb / sf
     return {"fwd": [fwd_total * t / sf for t in layer_fwd], "bwd": [bwd_total * t / sb for t in layer_bwd],
             "fwd_s": fwd_total, "bwd_s": bwd_total}
 

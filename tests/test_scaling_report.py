@@ -22,6 +22,13 @@ def test_schedule_splits_the_measured_times_by_each_layers_share():
     assert sum(s["fwd"]) + sum(s["bwd"]) == pytest.approx(1.2)
 
 
+def test_schedule_keeps_a_backward_when_the_whole_models_is_lost_in_noise():
+    # CI once measured forward+backward no longer than forward alone (a tiny
+    # model): the layers' own backward/forward ratio stands in, never zero.
+    s = ts.stand_in_schedule([1.0, 3.0], [2.0, 6.0], fwd_total=0.4, fwd_bwd_total=0.39)
+    assert s["bwd_s"] == pytest.approx(0.8) and s["bwd"] == pytest.approx([0.2, 0.6])
+
+
 def test_compression_by_name_and_factory_with_keywords(monkeypatch):
     from ringreduce.tensorflow import Compression
     assert ts.compression_from("none") is Compression.none
