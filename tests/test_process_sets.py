@@ -3,6 +3,7 @@ on the socket backend (shared-memory and TCP links) and under mpirun, every
 result against numpy and bit-identical across a set's members; the errors."""
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -215,7 +216,74 @@ def test_a_killed_member_is_named_on_the_other_members(tmp_path, links):
         assert ranks[r].returncode == 0, ranks[r].stderr
         lost, set_rank, message = ranks[r].result
         assert (lost, set_rank) == (2, 1), (r, ranks[r].result)
-        assert "process set 1" in message and "rank 1 of the set is world rank 2" in message, message
+        assert "process set 1" in message and "lost world rank 2 (rank 1 of set 1)" in message, message
+        assert not _bare_ranks(message), message
+
+
+def _bare_ranks(message: str) -> list:
+    """Every "rank N" of a set's error that leaves open whose numbering N is in."""
+    return [m.group(0) for m in re.finditer(r"(?<!world )\brank \d+(?! of set)", message)]
+
+
+# What the C core says (in the set's numbering) -> what the user reads, for the set [1, 2, 3] (id 4).
+SET_MESSAGES = {
+    "lost rank 1: no progress for 3.0 s (RINGREDUCE_TIMEOUT); rank 2 was waiting on rank 1":
+        "lost world rank 2 (rank 1 of set 4): no progress for 3.0 s (RINGREDUCE_TIMEOUT); "
+        "world rank 3 (rank 2 of set 4) was waiting on world rank 2 (rank 1 of set 4)",
+    "lost rank 1 (reported through rank 0; rank 2 saw: rank 1 closed its connection)":
+        "lost world rank 2 (rank 1 of set 4) (reported through world rank 1 (rank 0 of set 4); "
+        "world rank 3 (rank 2 of set 4) saw: world rank 2 (rank 1 of set 4) closed its connection)",
+    "rank 0 gave up waiting on this rank (1) and left the ring (over MPI)":
+        "world rank 1 (rank 0 of set 4) gave up waiting on this rank (world rank 2, rank 1 of set 4) "
+        "and left the ring (over MPI)",
+    "communicator is unusable after an earlier error: lost rank 1: it failed and left the ring (over MPI)":
+        "communicator is unusable after an earlier error: lost world rank 2 (rank 1 of set 4): "
+        "it failed and left the ring (over MPI)",
+}
+
+
+@pytest.mark.parametrize("said", list(SET_MESSAGES))
+def test_a_sets_errors_name_every_rank_in_world_terms(said):
+    """No process needed: the set's _core.Comm is a stand-in that raises what C would."""
+    from ringreduce.errors import PeerLostError
+    from ringreduce.process_sets import _SetComm
+
+    class Failing:
+        def allreduce(self, *args):
+            raise PeerLostError(said, 1)
+
+    with pytest.raises(PeerLostError) as caught:
+        _SetComm(Failing(), 4, [1, 2, 3], None).allreduce()
+    assert str(caught.value) == "process set 4 (world ranks [1, 2, 3]): " + SET_MESSAGES[said]
+    assert (caught.value.rank, caught.value.set_rank) == (2, 1)
+    assert not _bare_ranks(str(caught.value))
+
+
+@pytest.mark.parametrize("links", list(LINKS))
+def test_a_silent_member_is_named_in_world_terms_by_every_member(tmp_path, links):
+    """World rank 2 (rank 1 of the set [1, 2, 3]) computes past the timeout:
+    the set's star (world rank 1) judges it; every message names world ranks."""
+    ranks = run_ranks(4, """
+        import time
+        trio = rr.add_process_set([1, 2, 3])
+        if trio.included():
+            rr.allreduce(np.ones(10), process_set=trio)
+            if rr.rank() == 2:
+                time.sleep(7)
+            try:
+                rr.allreduce(np.ones(1 << 18, dtype=np.float32), process_set=trio)
+                result = "no error"
+            except rr.PeerLostError as e:
+                result = (e.rank, getattr(e, "set_rank", None), str(e))
+        else:
+            result = "outside"
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "2", **LINKS[links]})
+    assert ranks[0].result == "outside"
+    for r in (1, 3):
+        lost, set_rank, message = ranks[r].result
+        assert (lost, set_rank) == (2, 1), (r, ranks[r].result)
+        assert "lost world rank 2 (rank 1 of set 1)" in message and not _bare_ranks(message), message
+    assert "world rank 3 (rank 2 of set 1) was waiting on world rank 2 (rank 1 of set 1)" in ranks[3].result[2]
 
 
 # --------------------------------------------------------------------------- under mpirun
