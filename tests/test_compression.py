@@ -507,3 +507,42 @@ def test_powersgd_agrees_whatever_signs_a_lapack_gives_its_qr(tmp_path):
     r0, r1 = run_ranks(2, QR_SIGN_JOB, tmp_path, timeout=60)
     assert r0.result["digest"] == r1.result["digest"], (r0.result, r1.result)
     assert r0.result["err"] < 1e-4   # a rank-2 gradient: exact after a step or two
+
+
+def test_topk_indices_are_int64_only_past_what_int32_holds():
+    """Choosing without allocating 8 GiB: the last index of 2**31 elements fits
+    int32; one more element would wrap to a negative index."""
+    import numpy as np
+    from ringreduce.compression import topk
+    assert topk.index_dtype(1) == np.int32 and topk.index_dtype(2**31) == np.int32
+    assert topk.index_dtype(2**31 + 1) == np.int64 and topk.index_dtype(2**40) == np.int64
+    idx = np.array([3, 2**31 - 1, 2**31, 2**33 + 7])   # past int32: exact only as int64
+    values = np.array([1.5, -2.0, 3.25, 4.0], np.float32)
+    idx_back, values_back = topk.unpack(topk.pack(idx, values, 2**34), 4, 2**34, np.float32)
+    assert idx_back.dtype == np.int64 and idx_back.tolist() == idx.tolist()
+    assert values_back.tolist() == values.tolist()
+
+
+# The int64 path end to end on a small tensor: with the int32 limit lowered,
+# ranks send int64 indices; the sums and the error left behind are the same
+# bits as on the int32 path, and the gathered bytes grow by 4 per pair.
+TOPK_WIDE_JOB = """
+from ringreduce.compression import TopK, topk
+xs = [np.random.default_rng(r).standard_normal(1001).astype(np.float32) for r in range(rr.size())]
+out = {}
+for limit in [2**31, 100]:
+    topk.INT32_INDEX_LIMIT = limit
+    c = TopK(ratio=0.1)
+    rr.reset_stats()
+    got = [c.allreduce(xs[rr.rank()] * (s + 1), "w", op="sum") for s in range(3)]
+    out[limit] = (b"".join(g.tobytes() for g in got), c._state[(0, "w")]["error"].tobytes(),
+                  rr.stats()["bytes_sent"])
+result = out
+"""
+
+
+def test_topk_with_int64_indices_gives_the_same_bits(tmp_path):
+    for r in run_ranks(2, TOPK_WIDE_JOB, tmp_path, timeout=60, env=LINKS_ONLY):
+        narrow, wide = r.result[2**31], r.result[100]
+        assert wide[:2] == narrow[:2], f"rank {r.rank}: int64 indices changed the result"
+        assert wide[2] - narrow[2] == 101 * 3 * 4 * (2 - 1), (wide[2], narrow[2])   # (N-1) copies of 101 pairs x 3 steps, 4 bytes more each
