@@ -546,3 +546,62 @@ def test_topk_with_int64_indices_gives_the_same_bits(tmp_path):
         narrow, wide = r.result[2**31], r.result[100]
         assert wide[:2] == narrow[:2], f"rank {r.rank}: int64 indices changed the result"
         assert wide[2] - narrow[2] == 101 * 3 * 4 * (2 - 1), (wide[2], narrow[2])   # (N-1) copies of 101 pairs x 3 steps, 4 bytes more each
+
+
+# A compressor of the user's own, defined on every rank (here: in the job),
+# is registered under its name, so a joined rank's engine makes its stand-in
+# from the tag as for the built-in ones. One without a name of its own (a
+# stand-in would be its parent) is refused at enqueue, on every rank alike.
+CUSTOM_JOB = """
+from ringreduce.compression import Compressor, Int8
+from ringreduce.engine import engine
+
+class Scaled(Compressor):   # exact: scales by a power of two before the sum, back after
+    name = "scaled"
+    def __init__(self, factor=4.0):
+        super().__init__()
+        self.factor = factor
+    def params(self):
+        return {"factor": self.factor}
+    def _reduce(self, items, n, group, label):
+        return [s / self.factor for s in self._plain_sum([a * self.factor for _, a, _ in items], group, label)]
+
+class Renamed(Int8):
+    pass
+
+c, eng = Scaled(factor=8.0), engine()
+steps = 3 if rr.rank() == 0 else 1   # rank 1 runs out of data first
+got = []
+for step in range(steps):
+    got.append(eng.wait(eng.enqueue("w", np.full((8, 8), 1.0 + rr.rank(), np.float32), op="avg",
+                                    compression=c)).tolist())
+last = rr.join()
+try:
+    eng.enqueue("v", np.ones(4, np.float32), compression=Renamed())
+    refused = None
+except ValueError as e:
+    refused = str(e)
+result = dict(got=got, last=last, refused=refused, after=rr.allreduce(np.ones(3)).tolist())
+"""
+
+
+def test_a_compressor_of_the_users_own_runs_on_a_joined_rank_too(tmp_path):
+    r0, r1 = run_ranks(2, CUSTOM_JOB, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"})
+    assert r1.result["got"] == [[[1.5] * 8] * 8]
+    assert r0.result["got"] == [[[1.5] * 8] * 8] + [[[0.5] * 8] * 8] * 2   # (1 + 0) / 2 once rank 1 joined
+    assert r0.result["last"] == r1.result["last"] == 0
+    for r in (r0, r1):
+        assert "Renamed has no name of its own" in r.result["refused"], r.result
+        assert r.result["after"] == [2.0] * 3
+
+
+def test_from_tag_names_the_tag_and_the_fix_for_an_unknown_compressor():
+    from ringreduce.compression import Compressor, TopK, from_tag
+    with pytest.raises(ValueError, match=r"no compressor named 'nosuch' \(tag 'nosuch\(x=1\)'\).*"
+                                         r"subclass with name = 'nosuch' must be defined on every rank"):
+        from_tag("nosuch(x=1)")
+    with pytest.raises(ValueError, match=r"TopK cannot be made again from its tag 'topk\(bogus=1\)'"):
+        from_tag("topk(bogus=1)")
+    with pytest.raises(TypeError, match="compressor name 'topk' is taken by ringreduce.compression.topk.TopK"):
+        type("Clash", (Compressor,), {"name": "topk"})
+    assert repr(from_tag(TopK(ratio=0.25).tag)) == "TopK(ratio=0.25)"
