@@ -130,6 +130,8 @@ def test_errors_of_sets_on_every_rank(tmp_path):
             out["pair"] = rr.allreduce(np.full(5, r + 1.0), process_set=pair).tolist()
             out["root_outside"] = error(lambda: rr.broadcast(np.ones(2), root=1, process_set=pair))
             out["set_mismatch"] = error(lambda: rr.allreduce(np.ones(3 + r), process_set=pair))
+            out["set_refused"] = error(lambda: rr.allreduce(np.ones(3, np.complex64 if r == 2 else np.float32),
+                                                            process_set=pair))
             out["pair_still"] = rr.allreduce(np.full(2, r + 1.0), process_set=pair).tolist()
         out["unregistered"] = error(lambda: rr.allreduce(np.ones(3), process_set=rr.ProcessSet([0, 2])))
         out["not_a_set"] = error(lambda: rr.allreduce(np.ones(3), process_set=[0, 2]))
@@ -167,8 +169,13 @@ def test_errors_of_sets_on_every_rank(tmp_path):
         if r in (0, 2):
             assert res["pair"] == [4.0] * 5 and res["pair_again"] == [4.0, 4.0]
             assert res["root_outside"][0] == "ValueError" and "not a member" in res["root_outside"][1]
-            kind, message = res["set_mismatch"]  # named by world rank
-            assert kind == "MismatchError" and "rank 0: (3,)" in message and "rank 2: (5,)" in message, message
+            kind, message = res["set_mismatch"]  # named by world rank and rank in the set
+            assert kind == "MismatchError" and "world rank 0 (rank 0 of set 1): (3,)" in message, message
+            assert "world rank 2 (rank 1 of set 1): (5,)" in message and not _bare_ranks(message), message
+            kind, message = res["set_refused"]  # rank 2's own TypeError; rank 0 names it
+            assert kind == ("TypeError" if r == 2 else "MismatchError"), res["set_refused"]
+            if r == 0:
+                assert "world rank 2 (rank 1 of set 1): " in message and not _bare_ranks(message), message
             assert res["pair_still"] == [4.0, 4.0]
         assert res["unregistered"][0] == "ValueError" and "not registered" in res["unregistered"][1]
         assert res["not_a_set"][0] == "TypeError"
