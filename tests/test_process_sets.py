@@ -266,6 +266,33 @@ def test_a_sets_errors_name_every_rank_in_world_terms(said):
     assert not _bare_ranks(str(caught.value))
 
 
+def test_the_engines_verdicts_on_a_sets_request_say_they_count_world_ranks():
+    """Negotiation numbers ranks as the world does; on a set's request (set 1:
+    world ranks 1 and 3 of 4) its messages say so. No process needed."""
+    from ringreduce.negotiation import Negotiator, agree, decode, encode
+    from ringreduce.response_cache import ResponseCache
+
+    def key(name, shape=(4,)):
+        return (name, "allreduce", "float32", shape, "avg", 0, 1)
+
+    def members(ps):
+        return [1, 3] if ps == 1 else [0, 1, 2, 3]
+
+    cache = ResponseCache(16)
+    differ = agree([decode(encode(keys, False, cache)) for keys in [[], [key("x")], [], [key("x", (5,))]]],
+                   cache, members)
+    left = agree([decode(encode(keys, False, cache, left=r == 3)) for r, keys in enumerate([[], [key("y")], [], []])],
+                 cache, members)
+    stall = Negotiator(16, stall_seconds=0)._judge_stalls({(1, "z"): ([1], [3])})
+    messages = [differ.failed[0][1], left.failed[0][1], stall[0][2]]
+    assert "tensor 'x' of process set 1 differs between ranks: world rank 1 has" in messages[0], messages
+    assert "world rank 3 has allreduce float32 shape (5,)" in messages[0], messages
+    assert "cannot run: world rank(s) 3 (of process set 1) have shut down" in messages[1], messages
+    assert ("submitted by world rank(s) 1 (of process set 1) but not by world rank(s) 3 (of process set 1)"
+            in messages[2]), messages
+    assert not any(_bare_ranks(m) for m in messages), messages
+
+
 @pytest.mark.parametrize("links", list(LINKS))
 def test_a_silent_member_is_named_in_world_terms_by_every_member(tmp_path, links):
     """World rank 2 (rank 1 of the set [1, 2, 3]) computes past the timeout:
