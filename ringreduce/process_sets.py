@@ -274,7 +274,9 @@ class _SetComm:
 
     def __getattr__(self, attr):
         fn = getattr(self._comm, attr)
-        if not callable(fn):  # an attribute (small_rounds, broken)
+        if attr == "broken" and fn is not None:  # why the ring is unusable: a C message, in set ranks
+            return f"{self._where()}: {in_world_terms(fn, self._ranks, self._set_id)}"
+        if not callable(fn):  # an attribute (small_rounds)
             return fn
 
         def call(*args, **kwargs):
@@ -284,9 +286,11 @@ class _SetComm:
                 raise self._in_world_terms(exc) from None
         return call
 
+    def _where(self) -> str:
+        return f"process set {self._set_id} (world ranks {self._ranks})"
+
     def _in_world_terms(self, exc: RingReduceError) -> RingReduceError:
-        said = in_world_terms(str(exc), self._ranks, self._set_id)
-        message = f"process set {self._set_id} (world ranks {self._ranks}): {said}"
+        message = f"{self._where()}: {in_world_terms(str(exc), self._ranks, self._set_id)}"
         if exc.rank is None or not 0 <= exc.rank < len(self._ranks):
             return type(exc)(message)
         new = type(exc)(message, self._ranks[exc.rank])

@@ -256,12 +256,16 @@ def test_a_sets_errors_name_every_rank_in_world_terms(said):
     from ringreduce.process_sets import _SetComm
 
     class Failing:
+        broken = said  # why the ring is unusable, as module.c reads it
+
         def allreduce(self, *args):
             raise PeerLostError(said, 1)
 
+    comm = _SetComm(Failing(), 4, [1, 2, 3], None)
     with pytest.raises(PeerLostError) as caught:
-        _SetComm(Failing(), 4, [1, 2, 3], None).allreduce()
+        comm.allreduce()
     assert str(caught.value) == "process set 4 (world ranks [1, 2, 3]): " + SET_MESSAGES[said]
+    assert comm.broken == str(caught.value)
     assert (caught.value.rank, caught.value.set_rank) == (2, 1)
     assert not _bare_ranks(str(caught.value))
 
