@@ -16,7 +16,7 @@
  * rounding rr_f64_to_16 computes (Boldo & Melquiond, "Emulation of FMA and
  * correctly rounded sums: proved algorithms using rounding to odd").
  * The bfloat16 fold gets the same bits from float32 arithmetic alone, as
- * explained above bf16_mean_step: no conversions to and from double.
+ * explained at "bfloat16 mean fold in float32": no conversions to and from double.
  * Where the CPU has AVX-512F, every kernel runs sixteen a step.
  * AVX-512 BF16's vcvtneps2bf16 is not used: it flushes subnormals to zero.
  */
@@ -207,38 +207,46 @@ AVX2 static void f16_mean(uint16_t *d, const uint16_t *x, const uint16_t *m, siz
 
 /* ------------------------------------------------------------ bfloat16 mean fold in float32
  *
- * rr_mean16_bf16 rounds Y = (m (k-1) + x) / k, computed in double, once to
- * bfloat16. bfloat16 has 8 significant bits, float32 24, and that is room
- * enough to get the same bits without double (k < 2^15; tests/
- * bf16_mean_exhaustive.c checks every pair of bit patterns for k = 2..8):
+ * rr_mean16_bf16 computes Y = (m (k-1) + x) / k in double and rounds it once
+ * to bfloat16. bfloat16 has 8 significant bits, float32 24: room enough to
+ * get the same bits without double, and with it without the conversions
+ * that bound the double fold (k < 2^15; tests/bf16_mean_exhaustive.c checks
+ * every pair of bit patterns for k = 2..8):
  *   1. Scale by 2^-s, 2^s >= k: P = m (k-1) 2^-s and X = x 2^-s are exact
- *      (11 + 4 bits at most; bfloat16 is a multiple of 2^-133, float32 can
- *      hold multiples of 2^-149) and |P + X| stays within bfloat16's range,
- *      where unscaled m (k-1) could overflow float32.
- *   2. TwoSum (Knuth): hi + lo = P + X exactly. Y' = (hi + lo) / k = Y 2^-s.
- *   3. q = hi * RN(1/k) is within 3 float32 ulps of Y' (three roundings of
- *      2^-24 each: 1/k, the product, and lo dropped).
- *   4. Rounding to bfloat16 turns only at midpoints: float32 values whose low
- *      16 bits are 0x8000. If q's low 16 bits are more than 8 from 0x8000,
- *      no midpoint lies between q and Y', and q rounds as Y' does. If they
- *      are within 8, Y''s side of that midpoint M is the sign of
- *      (hi - k M) + lo: k M is exact (9 + 15 bits), hi - k M is exact
- *      (Sterbenz: both are within 12 ulps of k Y'), and the rounded sum of two
- *      floats is 0 only where the exact one is. q becomes M - 1 ulp, M or
- *      M + 1 ulp on Y''s side (in magnitude), which rounds as Y' does: down,
- *      to even, up.
- *   5. Scale back by 2^s (exact) and round to nearest even as store_bf16.
- * The bounds of 3 and 4 need q in float32's normal range: a block with a
- * nonzero |hi| below 2^(s-124) (unscaled means below about 2^-124 / k, values
- * near 1e-38) is folded again by the scalar rr_mean16_bf16. Infinities and
- * NaNs pass through as in double: q is then inf or NaN with low bits 0, never
- * near a midpoint. The products here are exact, so a compiler that fuses them
- * with the adds (FMA) changes no bit. */
+ *      (11 + 4 bits at most; bfloat16 is a multiple of 2^-133, float32 holds
+ *      multiples of 2^-149) and |P + X| stays within bfloat16's range, where
+ *      unscaled m (k-1) could overflow float32.
+ *   2. hi = RN(P + X), and q = hi * RN(1/k): within 3 float32 ulps of
+ *      Y' = Y 2^-s (three roundings of at most 2^-24: 1/k, the product, and
+ *      the sum's error lo = P + X - hi, which TwoSum gives exactly).
+ *   3. Rounding to bfloat16 turns only at midpoints: floats whose low 16 bits
+ *      are 0x8000. If q's low 16 bits are more than 8 from 0x8000, no
+ *      midpoint lies between q and Y', and q rounds as Y' does: the fast
+ *      path, nearly every element. (k a power of 2: q = hi / k exactly and
+ *      Y' - q = lo / k, at most half an ulp; only q on a midpoint with
+ *      lo != 0 is in doubt.)
+ *   4. Near a midpoint M, Y''s side of it is the sign of r = (hi - k M) + lo:
+ *      k M is exact (9 + 15 bits), hi - k M is exact (Sterbenz), and so is r
+ *      wherever it is small. One catch: the double fold rounds the sum
+ *      m (k-1) + x to 53 bits before dividing, so where |r| is at most half
+ *      a double ulp of k M (the sum held a tiny x against a huge m), it
+ *      lands on k M and Y on M: a tie. q becomes M - 1 ulp, M or M + 1 ulp
+ *      (in magnitude) on that side, which rounds as Y' does. (Dividing the
+ *      53-bit sum by k rounds again, but never onto a midpoint.)
+ *   5. Scale back by 2^s (exact) and round to nearest even; NaNs, which got
+ *      here from bfloat16 NaNs or inf - inf, have their low 16 bits clear
+ *      and keep their payload, quiet, like rr_f32_to_bf16's.
+ * Steps 2-4 need q in float32's normal range: a block with a nonzero |hi|
+ * below 2^(s-124) (means below about 2^-124 / k, near 1e-38) is folded again
+ * by the scalar rr_mean16_bf16. The products here are exact, so a compiler
+ * that fuses them with the adds (FMA) changes no bit. */
 #define BF16_MEAN_MAX_K (1 << 15)
+#define MIDPOINT_WINDOW 8 /* float32 ulps either side of a bfloat16 midpoint, > step 2's 3 */
 
 typedef struct {
     float k, one_over_k, km1_down, down, up; /* down = 2^-s, up = 2^s */
     int32_t tiny;                            /* bits of 2^(s-124) */
+    int pow2;
 } bf16_mean_consts;
 
 static bf16_mean_consts bf16_mean_consts_for(int k)
@@ -247,28 +255,34 @@ static bf16_mean_consts bf16_mean_consts_for(int k)
     while ((1 << s) < k) s++;
     const float down = rr_bits_f32((uint32_t)(127 - s) << 23);
     return (bf16_mean_consts){(float)k, 1.0f / (float)k, (float)(k - 1) * down, down,
-                              rr_bits_f32((uint32_t)(127 + s) << 23), (127 + s - 124) << 23};
+                              rr_bits_f32((uint32_t)(127 + s) << 23), (127 + s - 124) << 23, (k & (k - 1)) == 0};
 }
 
-#define MIDPOINT_WINDOW 8 /* float32 ulps either side of a bfloat16 midpoint, > step 3's 3 */
-
-/* Steps 1-5 on eight pairs, up to the rounding; *tiny is set where step 3's
- * bound may fail. */
-AVX2 static inline __m256 bf16_mean_step(__m256 x, __m256 m, const bf16_mean_consts *c, int *tiny)
+/* The bfloat16 rounding of store_bf16, for floats whose NaNs have clear low
+ * bits (step 5). */
+AVX2 static inline void store_bf16_plain(uint16_t *p, __m256 v)
 {
-    const __m256 p = _mm256_mul_ps(m, _mm256_set1_ps(c->km1_down));
-    const __m256 xs = _mm256_mul_ps(x, _mm256_set1_ps(c->down));
-    const __m256 hi = _mm256_add_ps(p, xs);
-    const __m256 xv = _mm256_sub_ps(hi, p), pv = _mm256_sub_ps(hi, xv);
-    const __m256 lo = _mm256_add_ps(_mm256_sub_ps(p, pv), _mm256_sub_ps(xs, xv));
-    const __m256 q = _mm256_mul_ps(hi, _mm256_set1_ps(c->one_over_k));
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i out = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08)));
+}
 
-    const __m256i qi = _mm256_castps_si256(q), half = _mm256_set1_epi32(0x8000);
-    const __m256i off = _mm256_abs_epi32(_mm256_sub_epi32(_mm256_and_si256(qi, _mm256_set1_epi32(0xffff)), half));
-    const __m256i near = _mm256_cmpgt_epi32(_mm256_set1_epi32(MIDPOINT_WINDOW + 1), off);
-    const __m256i mid = _mm256_or_si256(_mm256_andnot_si256(_mm256_set1_epi32(0xffff), qi), half);
+/* TwoSum (Knuth): the exact error of hi = RN(p + x). */
+AVX2 static inline __m256 sum_error(__m256 p, __m256 x, __m256 hi)
+{
+    const __m256 xv = _mm256_sub_ps(hi, p), pv = _mm256_sub_ps(hi, xv);
+    return _mm256_add_ps(_mm256_sub_ps(p, pv), _mm256_sub_ps(x, xv));
+}
+
+/* Step 4 where `near` (all ones) is set: q moved next to, or onto, its
+ * midpoint on Y''s side. */
+AVX2 static inline __m256 midpoint_side(__m256 q, __m256 hi, __m256 lo, __m256i near, const bf16_mean_consts *c)
+{
+    const __m256i qi = _mm256_castps_si256(q);
+    const __m256i mid = _mm256_or_si256(_mm256_andnot_si256(_mm256_set1_epi32(0xffff), qi), _mm256_set1_epi32(0x8000));
     const __m256 km = _mm256_mul_ps(_mm256_castsi256_ps(mid), _mm256_set1_ps(c->k));
-    const __m256 r = _mm256_add_ps(_mm256_sub_ps(hi, km), lo); /* S' - k M */
+    const __m256 r = _mm256_add_ps(_mm256_sub_ps(hi, km), lo);
     const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
     const __m256 binade = _mm256_and_ps(km, _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000)));
     const __m256 lost = _mm256_cmp_ps(_mm256_mul_ps(_mm256_andnot_ps(sign, r), _mm256_set1_ps(0x1p53f)), binade, _CMP_LE_OQ);
@@ -276,18 +290,47 @@ AVX2 static inline __m256 bf16_mean_step(__m256 x, __m256 m, const bf16_mean_con
     const __m256i above = _mm256_castps_si256(_mm256_cmp_ps(side, _mm256_setzero_ps(), _CMP_GT_OQ));
     const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(side, _mm256_setzero_ps(), _CMP_LT_OQ));
     const __m256i moved = _mm256_add_epi32(_mm256_sub_epi32(mid, above), below); /* the masks are -1 */
-    const __m256 z = _mm256_blendv_ps(q, _mm256_castsi256_ps(moved), _mm256_castsi256_ps(near));
+    return _mm256_blendv_ps(q, _mm256_castsi256_ps(moved), _mm256_castsi256_ps(near));
+}
 
+/* Nonzero where 0 < |hi| < 2^(s-124). */
+AVX2 static inline int any_tiny(__m256 hi, const bf16_mean_consts *c)
+{
     const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(hi), _mm256_set1_epi32(0x7fffffff));
     const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(c->tiny), magnitude);
     const __m256i zero = _mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256());
-    *tiny = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(zero, small)));
-    return _mm256_mul_ps(z, _mm256_set1_ps(c->up));
+    return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(zero, small)));
 }
 
-/* The tail (< LANES elements) through a zero-padded block; a block with a
- * tiny lane refolded by the scalar arithmetic. */
-#define BF16_MEAN_KERNEL(NAME, TARGET, LANES, LOAD, STORE, STEP)                      \
+/* Steps 1-5 on eight elements at x and m into d (d may be either); returns
+ * nonzero, storing nothing, where the block is tiny. */
+AVX2 static inline int bf16_mean_block(uint16_t *d, const uint16_t *x, const uint16_t *m, const bf16_mean_consts *c)
+{
+    const __m256 p = _mm256_mul_ps(load_bf16(m), _mm256_set1_ps(c->km1_down));
+    const __m256 xs = _mm256_mul_ps(load_bf16(x), _mm256_set1_ps(c->down));
+    const __m256 hi = _mm256_add_ps(p, xs);
+    const __m256 q = _mm256_mul_ps(hi, _mm256_set1_ps(c->one_over_k));
+    const __m256i low = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0xffff));
+    const __m256i half = _mm256_set1_epi32(0x8000);
+    __m256 z = q;
+    if (c->pow2) {
+        const __m256 lo = sum_error(p, xs, hi);
+        const __m256i inexact = _mm256_castps_si256(_mm256_cmp_ps(lo, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+        const __m256i near = _mm256_and_si256(_mm256_cmpeq_epi32(low, half), inexact);
+        if (!_mm256_testz_si256(near, near)) z = midpoint_side(q, hi, lo, near, c);
+    } else {
+        const __m256i off = _mm256_abs_epi32(_mm256_sub_epi32(low, half));
+        const __m256i near = _mm256_cmpgt_epi32(_mm256_set1_epi32(MIDPOINT_WINDOW + 1), off);
+        if (!_mm256_testz_si256(near, near)) z = midpoint_side(q, hi, sum_error(p, xs, hi), near, c);
+    }
+    if (any_tiny(hi, c)) return 1;
+    store_bf16_plain(d, _mm256_mul_ps(z, _mm256_set1_ps(c->up)));
+    return 0;
+}
+
+/* The tail (< LANES elements) through a zero-padded block; a tiny block is
+ * folded again by the scalar arithmetic. */
+#define BF16_MEAN_KERNEL(NAME, TARGET, LANES, BLOCK)                                  \
     TARGET static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k) \
     {                                                                                 \
         const bf16_mean_consts c = bf16_mean_consts_for(k);                           \
@@ -301,19 +344,15 @@ AVX2 static inline __m256 bf16_mean_step(__m256 x, __m256 m, const bf16_mean_con
                 memcpy(bm, mi, n * 2);                                                \
                 xi = bx, mi = bm, di = bd;                                            \
             }                                                                         \
-            int tiny;                                                                 \
-            const __typeof__(LOAD(xi)) r = STEP(LOAD(xi), LOAD(mi), &c, &tiny);       \
-            if (tiny) {                                                               \
+            if (BLOCK(di, xi, mi, &c)) {                                              \
                 for (size_t j = 0; j < LANES; j++) bd[j] = rr_mean16_bf16(xi[j], mi[j], k); \
                 if (n == LANES) memcpy(di, bd, sizeof bd);                            \
-            } else {                                                                  \
-                STORE(di, r);                                                         \
             }                                                                         \
             if (n < LANES) memcpy(d + i, bd, n * 2);                                  \
         }                                                                             \
     }
 
-BF16_MEAN_KERNEL(bf16_mean, AVX2, 8, load_bf16, store_bf16, bf16_mean_step)
+BF16_MEAN_KERNEL(bf16_mean, AVX2, 8, bf16_mean_block)
 
 /* ------------------------------------------------------------ AVX-512: sixteen a step
  *
@@ -411,24 +450,28 @@ AVX512 static void f16_mean512(uint16_t *d, const uint16_t *x, const uint16_t *m
     }
 }
 
-/* bf16_mean_step with mask registers. */
-AVX512 static inline __m512 bf16_mean_step512(__m512 x, __m512 m, const bf16_mean_consts *c, int *tiny)
+/* The AVX2 bfloat16 fold's helpers with mask registers. */
+AVX512 static inline void store16_bf16_plain(uint16_t *p, __m512 v)
 {
-    const __m512 p = _mm512_mul_ps(m, _mm512_set1_ps(c->km1_down));
-    const __m512 xs = _mm512_mul_ps(x, _mm512_set1_ps(c->down));
-    const __m512 hi = _mm512_add_ps(p, xs);
-    const __m512 xv = _mm512_sub_ps(hi, p), pv = _mm512_sub_ps(hi, xv);
-    const __m512 lo = _mm512_add_ps(_mm512_sub_ps(p, pv), _mm512_sub_ps(xs, xv));
-    const __m512 q = _mm512_mul_ps(hi, _mm512_set1_ps(c->one_over_k));
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i out = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(out));
+}
 
+AVX512 static inline __m512 sum_error512(__m512 p, __m512 x, __m512 hi)
+{
+    const __m512 xv = _mm512_sub_ps(hi, p), pv = _mm512_sub_ps(hi, xv);
+    return _mm512_add_ps(_mm512_sub_ps(p, pv), _mm512_sub_ps(x, xv));
+}
+
+AVX512 static inline __m512 midpoint_side512(__m512 q, __m512 hi, __m512 lo, __mmask16 near, const bf16_mean_consts *c)
+{
     const __m512i qi = _mm512_castps_si512(q);
-    const __m512i off = _mm512_sub_epi32(_mm512_and_si512(qi, _mm512_set1_epi32(0xffff)),
-                                         _mm512_set1_epi32(0x8000 - MIDPOINT_WINDOW));
-    const __mmask16 near = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(2 * MIDPOINT_WINDOW + 1));
     /* (q & 0xffff0000) | 0x8000 */
     const __m512i mid = _mm512_ternarylogic_epi32(qi, _mm512_set1_epi32((int)0xffff0000u), _mm512_set1_epi32(0x8000), 0xea);
     const __m512 km = _mm512_mul_ps(_mm512_castsi512_ps(mid), _mm512_set1_ps(c->k));
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(hi, km), lo); /* S' - k M */
+    const __m512 r = _mm512_add_ps(_mm512_sub_ps(hi, km), lo);
     const __m512 binade = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(km), _mm512_set1_epi32(0x7f800000)));
     const __m512 r_abs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), _mm512_set1_epi32(0x7fffffff)));
     const __mmask16 lost = _mm512_cmp_ps_mask(_mm512_mul_ps(r_abs, _mm512_set1_ps(0x1p53f)), binade, _CMP_LE_OQ);
@@ -441,11 +484,32 @@ AVX512 static inline __m512 bf16_mean_step512(__m512 x, __m512 m, const bf16_mea
     __m512i z = _mm512_mask_mov_epi32(qi, near, mid);
     z = _mm512_mask_add_epi32(z, above, z, _mm512_set1_epi32(1));
     z = _mm512_mask_sub_epi32(z, below, z, _mm512_set1_epi32(1));
+    return _mm512_castsi512_ps(z);
+}
 
+AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, const uint16_t *m, const bf16_mean_consts *c)
+{
+    const __m512 p = _mm512_mul_ps(load16_bf16(m), _mm512_set1_ps(c->km1_down));
+    const __m512 xs = _mm512_mul_ps(load16_bf16(x), _mm512_set1_ps(c->down));
+    const __m512 hi = _mm512_add_ps(p, xs);
+    const __m512 q = _mm512_mul_ps(hi, _mm512_set1_ps(c->one_over_k));
+    const __m512i low = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0xffff));
+    __m512 z = q;
+    if (c->pow2) {
+        const __m512 lo = sum_error512(p, xs, hi);
+        const __mmask16 inexact = _mm512_cmp_ps_mask(lo, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+        const __mmask16 near = _mm512_mask_cmpeq_epi32_mask(inexact, low, _mm512_set1_epi32(0x8000));
+        if (near) z = midpoint_side512(q, hi, lo, near, c);
+    } else {
+        const __m512i off = _mm512_sub_epi32(low, _mm512_set1_epi32(0x8000 - MIDPOINT_WINDOW));
+        const __mmask16 near = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(2 * MIDPOINT_WINDOW + 1));
+        if (near) z = midpoint_side512(q, hi, sum_error512(p, xs, hi), near, c);
+    }
     const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(0x7fffffff));
-    *tiny = (int)_mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)),
-                                         _mm512_set1_epi32(c->tiny - 1));
-    return _mm512_mul_ps(_mm512_castsi512_ps(z), _mm512_set1_ps(c->up));
+    if (_mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(c->tiny - 1)))
+        return 1;
+    store16_bf16_plain(d, _mm512_mul_ps(z, _mm512_set1_ps(c->up)));
+    return 0;
 }
 
 AVX512 static inline __m512 nan_first512(__m512 a, __m512 r)
@@ -492,7 +556,7 @@ BINARY_KERNEL512(bf16_prod512, load16_bf16, store16_bf16, v_prod512)
 BINARY_KERNEL512(bf16_min512, load16_bf16, store16_bf16, v_min512)
 BINARY_KERNEL512(bf16_max512, load16_bf16, store16_bf16, v_max512)
 
-BF16_MEAN_KERNEL(bf16_mean512, AVX512, 16, load16_bf16, store16_bf16, bf16_mean_step512)
+BF16_MEAN_KERNEL(bf16_mean512, AVX512, 16, bf16_mean_block512)
 
 typedef void binary_kernel(uint16_t *, const uint16_t *, const uint16_t *, size_t);
 static binary_kernel *const binary_kernels[2][2][4] = {
@@ -523,7 +587,7 @@ int rr_mean_fold16_vec(void *dst, const void *x, const void *mean, size_t count,
 #ifdef RR_HAVE_X86
     const rr_kernels16 level = rr_kernels16_current();
     if (!rr_avg_is_mean(dtype) || k < 2 || level < RR_KERNELS16_AVX2) return -1;
-    if (dtype == RR_BFLOAT16 && k >= BF16_MEAN_MAX_K) return -1; /* the scalar loop: see bf16_mean_step */
+    if (dtype == RR_BFLOAT16 && k >= BF16_MEAN_MAX_K) return -1; /* the scalar loop: see "bfloat16 mean fold" */
     if (level == RR_KERNELS16_AVX512) (dtype == RR_FLOAT16 ? f16_mean512 : bf16_mean512)(dst, x, mean, count, k);
     else (dtype == RR_FLOAT16 ? f16_mean : bf16_mean)(dst, x, mean, count, k);
     return 0;
