@@ -103,7 +103,8 @@ def kernels_table(counts: list[int]) -> str:
             for kind, fn in (("sum", lambda: _core.reduce(dst_u8, src, CODES[name], _core.SUM)),
                              ("max", lambda: _core.reduce(dst_u8, src, CODES[name], _core.MAX)),
                              ("mean fold k=2", lambda: _core.mean_fold(dst_u8, src, CODES[name], 2)),
-                             ("mean fold k=3", lambda: _core.mean_fold(dst_u8, src, CODES[name], 3))):
+                             ("mean fold k=3", lambda: _core.mean_fold(dst_u8, src, CODES[name], 3)),
+                             ("mean fold k=4", lambda: _core.mean_fold(dst_u8, src, CODES[name], 4))):
                 rates = []
                 for kernels in ("portable", best):
                     _core.kernels16(kernels)

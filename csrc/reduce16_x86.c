@@ -15,8 +15,8 @@
  * with 24 bits against 11, at least two more, the two roundings give the one
  * rounding rr_f64_to_16 computes (Boldo & Melquiond, "Emulation of FMA and
  * correctly rounded sums: proved algorithms using rounding to odd").
- * The bfloat16 fold gets the same bits from float32 arithmetic alone, as
- * explained at "bfloat16 mean fold in float32": no conversions to and from double.
+ * The bfloat16 fold gets the same bits from float32 arithmetic alone, with
+ * no conversions to and from double ("bfloat16 mean fold in float32" below).
  * Where the CPU has AVX-512F, every kernel runs sixteen a step.
  * AVX-512 BF16's vcvtneps2bf16 is not used: it flushes subnormals to zero.
  */
@@ -265,7 +265,8 @@ AVX2 static inline void store_bf16_plain(uint16_t *p, __m256 v)
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     const __m256i out = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08)));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 }
 
 /* TwoSum (Knuth): the exact error of hi = RN(p + x). */
@@ -285,8 +286,10 @@ AVX2 static inline __m256 midpoint_side(__m256 q, __m256 hi, __m256 lo, __m256i 
     const __m256 r = _mm256_add_ps(_mm256_sub_ps(hi, km), lo);
     const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
     const __m256 binade = _mm256_and_ps(km, _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000)));
-    const __m256 lost = _mm256_cmp_ps(_mm256_mul_ps(_mm256_andnot_ps(sign, r), _mm256_set1_ps(0x1p53f)), binade, _CMP_LE_OQ);
-    const __m256 side = _mm256_andnot_ps(lost, _mm256_xor_ps(r, _mm256_and_ps(q, sign))); /* > 0: above M in magnitude */
+    const __m256 r_scaled = _mm256_mul_ps(_mm256_andnot_ps(sign, r), _mm256_set1_ps(0x1p53f));
+    const __m256 lost = _mm256_cmp_ps(r_scaled, binade, _CMP_LE_OQ);
+    /* > 0 where Y' is above M in magnitude */
+    const __m256 side = _mm256_andnot_ps(lost, _mm256_xor_ps(r, _mm256_and_ps(q, sign)));
     const __m256i above = _mm256_castps_si256(_mm256_cmp_ps(side, _mm256_setzero_ps(), _CMP_GT_OQ));
     const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(side, _mm256_setzero_ps(), _CMP_LT_OQ));
     const __m256i moved = _mm256_add_epi32(_mm256_sub_epi32(mid, above), below); /* the masks are -1 */
@@ -469,7 +472,8 @@ AVX512 static inline __m512 midpoint_side512(__m512 q, __m512 hi, __m512 lo, __m
 {
     const __m512i qi = _mm512_castps_si512(q);
     /* (q & 0xffff0000) | 0x8000 */
-    const __m512i mid = _mm512_ternarylogic_epi32(qi, _mm512_set1_epi32((int)0xffff0000u), _mm512_set1_epi32(0x8000), 0xea);
+    const __m512i mid = _mm512_ternarylogic_epi32(qi, _mm512_set1_epi32((int)0xffff0000u),
+                                                  _mm512_set1_epi32(0x8000), 0xea);
     const __m512 km = _mm512_mul_ps(_mm512_castsi512_ps(mid), _mm512_set1_ps(c->k));
     const __m512 r = _mm512_add_ps(_mm512_sub_ps(hi, km), lo);
     const __m512 binade = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(km), _mm512_set1_epi32(0x7f800000)));
@@ -487,7 +491,8 @@ AVX512 static inline __m512 midpoint_side512(__m512 q, __m512 hi, __m512 lo, __m
     return _mm512_castsi512_ps(z);
 }
 
-AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, const uint16_t *m, const bf16_mean_consts *c)
+AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, const uint16_t *m,
+                                            const bf16_mean_consts *c)
 {
     const __m512 p = _mm512_mul_ps(load16_bf16(m), _mm512_set1_ps(c->km1_down));
     const __m512 xs = _mm512_mul_ps(load16_bf16(x), _mm512_set1_ps(c->down));
