@@ -212,10 +212,14 @@ AVX2 static void f16_mean(uint16_t *d, const uint16_t *x, const uint16_t *m, siz
  * get the same bits without double, and with it without the conversions
  * that bound the double fold (k < 2^15; tests/bf16_mean_exhaustive.c checks
  * every pair of bit patterns for k = 2..8):
- *   1. Scale by 2^-s, 2^s >= k: P = m (k-1) 2^-s and X = x 2^-s are exact
- *      (11 + 4 bits at most; bfloat16 is a multiple of 2^-133, float32 holds
- *      multiples of 2^-149) and |P + X| stays within bfloat16's range, where
- *      unscaled m (k-1) could overflow float32.
+ *   1. P = m (k-1) is exact (8 + 15 bits at most) and X = x. Where |RN(P +
+ *      X)| reaches 2^127 (or is inf or NaN) the block goes again, scaled by
+ *      2^-s, 2^s >= k: P = m (k-1) 2^-s and X = x 2^-s are still exact
+ *      (bfloat16 is a multiple of 2^-133, float32 holds multiples of 2^-149)
+ *      and |P + X| stays within bfloat16's range, where m (k-1) could
+ *      overflow float32. (Not scaled always: that saves two multiplies,
+ *      and keeps values near 2^-126 out of float32's subnormal range, where
+ *      x86 takes slow microcode assists.)
  *   2. hi = RN(P + X), and q = hi * RN(1/k): within 3 float32 ulps of
  *      Y' = Y 2^-s (three roundings of at most 2^-24: 1/k, the product, and
  *      the sum's error lo = P + X - hi, which TwoSum gives exactly).
@@ -233,19 +237,19 @@ AVX2 static void f16_mean(uint16_t *d, const uint16_t *x, const uint16_t *m, siz
  *      lands on k M and Y on M: a tie. q becomes M - 1 ulp, M or M + 1 ulp
  *      (in magnitude) on that side, which rounds as Y' does. (Dividing the
  *      53-bit sum by k rounds again, but never onto a midpoint.)
- *   5. Scale back by 2^s (exact) and round to nearest even; NaNs, which got
- *      here from bfloat16 NaNs or inf - inf, have their low 16 bits clear
- *      and keep their payload, quiet, like rr_f32_to_bf16's.
+ *   5. Scale back by 2^s if scaled (exact) and round to nearest even; NaNs,
+ *      which got here from bfloat16 NaNs or inf - inf, have their low 16
+ *      bits clear and keep their payload, quiet, like rr_f32_to_bf16's.
  * Steps 2-4 need q in float32's normal range: a block with a nonzero |hi|
- * below 2^(s-124) (means below about 2^-124 / k, near 1e-38) is folded again
- * by the scalar rr_mean16_bf16. The products here are exact, so a compiler
- * that fuses them with the adds (FMA) changes no bit. */
+ * below 2^(s-124) (means below about 2^-124, near 1e-37) is folded again by
+ * the scalar rr_mean16_bf16. The products here are exact, so a compiler that
+ * fuses them with the adds (FMA) changes no bit. */
 #define BF16_MEAN_MAX_K (1 << 15)
 #define MIDPOINT_WINDOW 8 /* float32 ulps either side of a bfloat16 midpoint, > step 2's 3 */
 
 typedef struct {
-    float k, one_over_k, km1_down, down, up; /* down = 2^-s, up = 2^s */
-    int32_t tiny;                            /* bits of 2^(s-124) */
+    float k, one_over_k, km1, km1_down, down, up; /* down = 2^-s, up = 2^s */
+    int32_t tiny;                                 /* bits of 2^(s-124) */
     int pow2;
 } bf16_mean_consts;
 
@@ -254,9 +258,13 @@ static bf16_mean_consts bf16_mean_consts_for(int k)
     int s = 0;
     while ((1 << s) < k) s++;
     const float down = rr_bits_f32((uint32_t)(127 - s) << 23);
-    return (bf16_mean_consts){(float)k, 1.0f / (float)k, (float)(k - 1) * down, down,
+    return (bf16_mean_consts){(float)k, 1.0f / (float)k, (float)(k - 1), (float)(k - 1) * down, down,
                               rr_bits_f32((uint32_t)(127 + s) << 23), (127 + s - 124) << 23, (k & (k - 1)) == 0};
 }
+
+/* What a block's float32 pass found (step 1, and the tiny means). */
+enum { BLOCK_DONE, BLOCK_HUGE, BLOCK_TINY };
+#define HUGE_BITS 0x7f000000 /* 2^127 */
 
 /* The bfloat16 rounding of store_bf16, for floats whose NaNs have clear low
  * bits (step 5). */
@@ -296,38 +304,73 @@ AVX2 static inline __m256 midpoint_side(__m256 q, __m256 hi, __m256 lo, __m256i 
     return _mm256_blendv_ps(q, _mm256_castsi256_ps(moved), _mm256_castsi256_ps(near));
 }
 
-/* Nonzero where 0 < |hi| < 2^(s-124). */
-AVX2 static inline int any_tiny(__m256 hi, const bf16_mean_consts *c)
+/* Steps 1-4 on eight pairs into *z, scaled (a compile-time constant where
+ * inlined) or not; or BLOCK_HUGE (unscaled only) or BLOCK_TINY. */
+AVX2 static inline int bf16_mean_lanes(__m256 x, __m256 m, const bf16_mean_consts *c, int scaled, __m256 *z)
 {
-    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(hi), _mm256_set1_epi32(0x7fffffff));
-    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(c->tiny), magnitude);
-    const __m256i zero = _mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256());
-    return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(zero, small)));
-}
-
-/* Steps 1-5 on eight elements at x and m into d (d may be either); returns
- * nonzero, storing nothing, where the block is tiny. */
-AVX2 static inline int bf16_mean_block(uint16_t *d, const uint16_t *x, const uint16_t *m, const bf16_mean_consts *c)
-{
-    const __m256 p = _mm256_mul_ps(load_bf16(m), _mm256_set1_ps(c->km1_down));
-    const __m256 xs = _mm256_mul_ps(load_bf16(x), _mm256_set1_ps(c->down));
+    const __m256 p = _mm256_mul_ps(m, _mm256_set1_ps(scaled ? c->km1_down : c->km1));
+    const __m256 xs = scaled ? _mm256_mul_ps(x, _mm256_set1_ps(c->down)) : x;
     const __m256 hi = _mm256_add_ps(p, xs);
+    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(hi), _mm256_set1_epi32(0x7fffffff));
+    if (!scaled) {
+        const __m256i huge = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(HUGE_BITS - 1));
+        if (!_mm256_testz_si256(huge, huge)) return BLOCK_HUGE;
+    }
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(c->tiny), magnitude);
+    const __m256i tiny = _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256()), small);
+    if (!_mm256_testz_si256(tiny, tiny)) return BLOCK_TINY;
+
     const __m256 q = _mm256_mul_ps(hi, _mm256_set1_ps(c->one_over_k));
     const __m256i low = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0xffff));
     const __m256i half = _mm256_set1_epi32(0x8000);
-    __m256 z = q;
+    *z = q;
     if (c->pow2) {
         const __m256 lo = sum_error(p, xs, hi);
         const __m256i inexact = _mm256_castps_si256(_mm256_cmp_ps(lo, _mm256_setzero_ps(), _CMP_NEQ_OQ));
         const __m256i near = _mm256_and_si256(_mm256_cmpeq_epi32(low, half), inexact);
-        if (!_mm256_testz_si256(near, near)) z = midpoint_side(q, hi, lo, near, c);
+        if (!_mm256_testz_si256(near, near)) *z = midpoint_side(q, hi, lo, near, c);
     } else {
         const __m256i off = _mm256_abs_epi32(_mm256_sub_epi32(low, half));
         const __m256i near = _mm256_cmpgt_epi32(_mm256_set1_epi32(MIDPOINT_WINDOW + 1), off);
-        if (!_mm256_testz_si256(near, near)) z = midpoint_side(q, hi, sum_error(p, xs, hi), near, c);
+        if (!_mm256_testz_si256(near, near)) *z = midpoint_side(q, hi, sum_error(p, xs, hi), near, c);
     }
-    if (any_tiny(hi, c)) return 1;
-    store_bf16_plain(d, _mm256_mul_ps(z, _mm256_set1_ps(c->up)));
+    if (scaled) *z = _mm256_mul_ps(*z, _mm256_set1_ps(c->up));
+    return BLOCK_DONE;
+}
+
+/* Steps 1-5 on eight elements at x and m into d (d may be either); returns
+ * nonzero, storing nothing, where the block is tiny. The fast path is the
+ * unscaled step 1 and step 3's "no midpoint near"; one branch leaves it. */
+AVX2 static inline int bf16_mean_block(uint16_t *d, const uint16_t *x, const uint16_t *m, const bf16_mean_consts *c)
+{
+    const __m256 xv = load_bf16(x), mv = load_bf16(m);
+    const __m256 p = _mm256_mul_ps(mv, _mm256_set1_ps(c->km1));
+    const __m256 hi = _mm256_add_ps(p, xv);
+    const __m256 q = _mm256_mul_ps(hi, _mm256_set1_ps(c->one_over_k));
+    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(hi), _mm256_set1_epi32(0x7fffffff));
+    const __m256i huge = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(HUGE_BITS - 1));
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(c->tiny), magnitude);
+    const __m256i tiny = _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256()), small);
+    const __m256i low = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0xffff));
+    const __m256i half = _mm256_set1_epi32(0x8000);
+    __m256i near;
+    if (c->pow2) {
+        const __m256 lo = sum_error(p, xv, hi);
+        const __m256i inexact = _mm256_castps_si256(_mm256_cmp_ps(lo, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+        near = _mm256_and_si256(_mm256_cmpeq_epi32(low, half), inexact);
+    } else {
+        near = _mm256_cmpgt_epi32(_mm256_set1_epi32(MIDPOINT_WINDOW + 1), _mm256_abs_epi32(_mm256_sub_epi32(low, half)));
+    }
+    const __m256i odd = _mm256_or_si256(_mm256_or_si256(huge, tiny), near);
+    if (_mm256_testz_si256(odd, odd)) {
+        store_bf16_plain(d, q);
+        return 0;
+    }
+    __m256 z;
+    int found = bf16_mean_lanes(xv, mv, c, 0, &z);
+    if (found == BLOCK_HUGE) found = bf16_mean_lanes(xv, mv, c, 1, &z);
+    if (found == BLOCK_TINY) return 1;
+    store_bf16_plain(d, z);
     return 0;
 }
 
@@ -491,29 +534,62 @@ AVX512 static inline __m512 midpoint_side512(__m512 q, __m512 hi, __m512 lo, __m
     return _mm512_castsi512_ps(z);
 }
 
-AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, const uint16_t *m,
-                                            const bf16_mean_consts *c)
+AVX512 static inline int bf16_mean_lanes512(__m512 x, __m512 m, const bf16_mean_consts *c, int scaled, __m512 *z)
 {
-    const __m512 p = _mm512_mul_ps(load16_bf16(m), _mm512_set1_ps(c->km1_down));
-    const __m512 xs = _mm512_mul_ps(load16_bf16(x), _mm512_set1_ps(c->down));
+    const __m512 p = _mm512_mul_ps(m, _mm512_set1_ps(scaled ? c->km1_down : c->km1));
+    const __m512 xs = scaled ? _mm512_mul_ps(x, _mm512_set1_ps(c->down)) : x;
     const __m512 hi = _mm512_add_ps(p, xs);
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(0x7fffffff));
+    if (!scaled && _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(HUGE_BITS))) return BLOCK_HUGE;
+    if (_mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(c->tiny - 1)))
+        return BLOCK_TINY;
+
     const __m512 q = _mm512_mul_ps(hi, _mm512_set1_ps(c->one_over_k));
     const __m512i low = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0xffff));
-    __m512 z = q;
+    *z = q;
     if (c->pow2) {
         const __m512 lo = sum_error512(p, xs, hi);
         const __mmask16 inexact = _mm512_cmp_ps_mask(lo, _mm512_setzero_ps(), _CMP_NEQ_OQ);
         const __mmask16 near = _mm512_mask_cmpeq_epi32_mask(inexact, low, _mm512_set1_epi32(0x8000));
-        if (near) z = midpoint_side512(q, hi, lo, near, c);
+        if (near) *z = midpoint_side512(q, hi, lo, near, c);
     } else {
         const __m512i off = _mm512_sub_epi32(low, _mm512_set1_epi32(0x8000 - MIDPOINT_WINDOW));
         const __mmask16 near = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(2 * MIDPOINT_WINDOW + 1));
-        if (near) z = midpoint_side512(q, hi, sum_error512(p, xs, hi), near, c);
+        if (near) *z = midpoint_side512(q, hi, sum_error512(p, xs, hi), near, c);
     }
+    if (scaled) *z = _mm512_mul_ps(*z, _mm512_set1_ps(c->up));
+    return BLOCK_DONE;
+}
+
+AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, const uint16_t *m,
+                                            const bf16_mean_consts *c)
+{
+    const __m512 xv = load16_bf16(x), mv = load16_bf16(m);
+    const __m512 p = _mm512_mul_ps(mv, _mm512_set1_ps(c->km1));
+    const __m512 hi = _mm512_add_ps(p, xv);
+    const __m512 q = _mm512_mul_ps(hi, _mm512_set1_ps(c->one_over_k));
     const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(0x7fffffff));
-    if (_mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(c->tiny - 1)))
-        return 1;
-    store16_bf16_plain(d, _mm512_mul_ps(z, _mm512_set1_ps(c->up)));
+    const __mmask16 huge = _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(HUGE_BITS));
+    const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)),
+                                                   _mm512_set1_epi32(c->tiny - 1));
+    const __m512i low = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0xffff));
+    __mmask16 near;
+    if (c->pow2) {
+        const __mmask16 inexact = _mm512_cmp_ps_mask(sum_error512(p, xv, hi), _mm512_setzero_ps(), _CMP_NEQ_OQ);
+        near = _mm512_mask_cmpeq_epi32_mask(inexact, low, _mm512_set1_epi32(0x8000));
+    } else {
+        const __m512i off = _mm512_sub_epi32(low, _mm512_set1_epi32(0x8000 - MIDPOINT_WINDOW));
+        near = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(2 * MIDPOINT_WINDOW + 1));
+    }
+    if (!(huge | tiny | near)) {
+        store16_bf16_plain(d, q);
+        return 0;
+    }
+    __m512 z;
+    int found = bf16_mean_lanes512(xv, mv, c, 0, &z);
+    if (found == BLOCK_HUGE) found = bf16_mean_lanes512(xv, mv, c, 1, &z);
+    if (found == BLOCK_TINY) return 1;
+    store16_bf16_plain(d, z);
     return 0;
 }
 
