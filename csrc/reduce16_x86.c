@@ -221,8 +221,9 @@ AVX2 static void f16_mean(uint16_t *d, const uint16_t *x, const uint16_t *m, siz
  *      and keeps values near 2^-126 out of float32's subnormal range, where
  *      x86 takes slow microcode assists.)
  *   2. hi = RN(P + X), and q = hi * RN(1/k): within 3 float32 ulps of
- *      Y' = Y 2^-s (three roundings of at most 2^-24: 1/k, the product, and
- *      the sum's error lo = P + X - hi, which TwoSum gives exactly).
+ *      Y' = (P + X) / k, which is Y or, scaled, Y 2^-s (three roundings of at
+ *      most 2^-24: 1/k, the product, and the sum's error lo = P + X - hi,
+ *      which TwoSum gives exactly).
  *   3. Rounding to bfloat16 turns only at midpoints: floats whose low 16 bits
  *      are 0x8000. If q's low 16 bits are more than 8 from 0x8000, no
  *      midpoint lies between q and Y', and q rounds as Y' does: the fast
