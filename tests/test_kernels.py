@@ -365,6 +365,9 @@ def test_bfloat16_float32_fold_gives_the_double_folds_bits(k):
     the portable double fold, on the pairs that are hard for float32, and
     against the double mean rounded once where it is finite."""
     x, m = bf16_hard_pairs(k)
+    # Shuffled, so one vector block mixes fast lanes with each kind of hard one.
+    mixed = np.random.default_rng(k).permutation(x.size)
+    x, m = np.concatenate([x, x[mixed]]), np.concatenate([m, m[mixed]])
     portable, vector = both_paths(lambda: mean_fold(x, m, "bfloat16", k))
     assert same_bits_or_both_nan(portable, vector)
     finite = np.isfinite(x.astype(np.float32)) & np.isfinite(m.astype(np.float32))
