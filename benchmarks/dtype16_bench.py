@@ -4,6 +4,7 @@ kernels alone.
     ringrun -np 2 python benchmarks/dtype16_bench.py
     ringrun -np 4 python benchmarks/dtype16_bench.py --ops sum,avg
     python benchmarks/dtype16_bench.py --kernels        # one process: G elements/s
+    python benchmarks/dtype16_bench.py --kernels --level avx2
 
 Sizes are float32 bytes (1-64 MiB); float16 and bfloat16 move half as many
 bytes for the same count. The variants of one size run interleaved, repeat by
@@ -103,7 +104,8 @@ def kernels_table(counts: list[int]) -> str:
             for kind, fn in (("sum", lambda: _core.reduce(dst_u8, src, CODES[name], _core.SUM)),
                              ("max", lambda: _core.reduce(dst_u8, src, CODES[name], _core.MAX)),
                              ("mean fold k=2", lambda: _core.mean_fold(dst_u8, src, CODES[name], 2)),
-                             ("mean fold k=3", lambda: _core.mean_fold(dst_u8, src, CODES[name], 3))):
+                             ("mean fold k=3", lambda: _core.mean_fold(dst_u8, src, CODES[name], 3)),
+                             ("mean fold k=4", lambda: _core.mean_fold(dst_u8, src, CODES[name], 4))):
                 rates = []
                 for kernels in ("portable", best):
                     _core.kernels16(kernels)
@@ -121,7 +123,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kernels", action="store_true", help="time the kernels alone, in this one process")
     ap.add_argument("--counts", default="65536,4194304", help="elements per kernel call, with --kernels")
+    ap.add_argument("--level", help="16-bit vector kernels to compare with the portable ones (default: the best)")
     args = ap.parse_args()
+    if args.level and _core.kernels16(args.level) != args.level:
+        sys.exit(f"this CPU runs no {args.level} kernels")
     if args.kernels:
         print(kernels_table([int(c) for c in args.counts.split(",")]))
         return

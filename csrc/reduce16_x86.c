@@ -10,11 +10,13 @@
  *   - round once to nearest even: vcvtps2ph with an explicit rounding
  *     immediate (MXCSR is not consulted), or bfloat16's u + 0x7fff + lsb,
  *     with NaNs kept quiet as rr_f32_to_bf16 keeps them.
- * The running-mean fold computes in double like rr_mean_step, then rounds
- * double -> float32 *to odd* and float32 -> 16 bits to nearest even: with 24
- * bits against 11 (or 8), at least two more, the two roundings give the one
+ * The float16 running-mean fold computes in double like rr_mean_step, then
+ * rounds double -> float32 *to odd* and float32 -> 16 bits to nearest even:
+ * with 24 bits against 11, at least two more, the two roundings give the one
  * rounding rr_f64_to_16 computes (Boldo & Melquiond, "Emulation of FMA and
  * correctly rounded sums: proved algorithms using rounding to odd").
+ * The bfloat16 fold gets the same bits from float32 arithmetic alone, with
+ * no conversions to and from double ("bfloat16 mean fold in float32" below).
  * Where the CPU has AVX-512F, every kernel runs sixteen a step.
  * AVX-512 BF16's vcvtneps2bf16 is not used: it flushes subnormals to zero.
  */
@@ -134,19 +136,6 @@ AVX2 static inline __m128 to_float_odd(__m256d y)
     return _mm256_cvtpd_ps(_mm256_castsi256_pd(_mm256_or_si256(_mm256_andnot_si256(dropped_bits, u), sticky)));
 }
 
-/* Whether any of the float32 means f is subnormal: its mean y was below
- * float32's normal range, where the float32 step rounds a second time.
- * (Where y was below but f rounded up to 2^-126, or down to 0, the 16-bit
- * answer is that too.) Float16 means never get there (their least is
- * 2^-24 / k); bfloat16's can. */
-AVX2 static inline int any_subnormal(__m256 f)
-{
-    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(f), _mm256_set1_epi32(0x7fffffff));
-    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), magnitude);
-    const __m256i zero = _mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256());
-    return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(zero, below)));
-}
-
 AVX2 static inline __m256d divide(__m256d a, __m256d k, __m256d one_over_k, int k_is_power_of_2)
 {
     return k_is_power_of_2 ? _mm256_mul_pd(a, one_over_k) : _mm256_div_pd(a, k); /* the product is exact then */
@@ -196,37 +185,221 @@ BINARY_KERNEL(bf16_prod, load_bf16, store_bf16, v_prod)
 BINARY_KERNEL(bf16_min, load_bf16, store_bf16, v_min)
 BINARY_KERNEL(bf16_max, load_bf16, store_bf16, v_max)
 
-/* A block with a bfloat16 mean below float32's normal range (rare: values
- * near 1e-38) is folded again by the scalar rr_mean16_bf16. */
-#define MEAN_KERNEL(NAME, LOAD, STORE, CHECK_TINY)                                    \
-    AVX2 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k) \
+/* The tail (< 8 elements) goes through a zero-padded block. */
+AVX2 static void f16_mean(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k)
+{
+    const __m256d km1 = _mm256_set1_pd((double)(k - 1)), kd = _mm256_set1_pd((double)k);
+    const __m256d inv = _mm256_set1_pd(1.0 / (double)k);
+    const int pow2 = (k & (k - 1)) == 0;
+    uint16_t bx[8] = {0}, bm[8] = {0}, bd[8];
+    for (size_t i = 0; i < count; i += 8) {
+        const size_t n = count - i < 8 ? count - i : 8;
+        if (n < 8) {
+            memcpy(bx, x + i, n * 2);
+            memcpy(bm, m + i, n * 2);
+            store_f16(bd, mean_step(load_f16(bx), load_f16(bm), km1, kd, inv, pow2));
+            memcpy(d + i, bd, n * 2);
+        } else {
+            store_f16(d + i, mean_step(load_f16(x + i), load_f16(m + i), km1, kd, inv, pow2));
+        }
+    }
+}
+
+/* ------------------------------------------------------------ bfloat16 mean fold in float32
+ *
+ * rr_mean16_bf16 computes Y = (m (k-1) + x) / k in double and rounds it once
+ * to bfloat16. bfloat16 has 8 significant bits, float32 24: room enough to
+ * get the same bits without double, and with it without the conversions
+ * that bound the double fold (k < 2^15; tests/bf16_mean_exhaustive.c checks
+ * every pair of bit patterns for k = 2..8):
+ *   1. P = m (k-1) is exact (8 + 15 bits at most) and X = x. Where |RN(P +
+ *      X)| reaches 2^127 (or is inf or NaN) the block goes again, scaled by
+ *      2^-s, 2^s >= k: P = m (k-1) 2^-s and X = x 2^-s are still exact
+ *      (bfloat16 is a multiple of 2^-133, float32 holds multiples of 2^-149)
+ *      and |P + X| stays within bfloat16's range, where m (k-1) could
+ *      overflow float32. (Not scaled always: that saves two multiplies,
+ *      and keeps values near 2^-126 out of float32's subnormal range, where
+ *      x86 takes slow microcode assists.)
+ *   2. hi = RN(P + X), and q = hi * RN(1/k): within 3 float32 ulps of
+ *      Y' = (P + X) / k, which is Y or, scaled, Y 2^-s (three roundings of at
+ *      most 2^-24: 1/k, the product, and the sum's error lo = P + X - hi,
+ *      which TwoSum gives exactly).
+ *   3. Rounding to bfloat16 turns only at midpoints: floats whose low 16 bits
+ *      are 0x8000. If q's low 16 bits are more than 8 from 0x8000, no
+ *      midpoint lies between q and Y', and q rounds as Y' does: the fast
+ *      path, nearly every element. (k a power of 2: q = hi / k exactly and
+ *      Y' - q = lo / k, at most half an ulp; only q on a midpoint with
+ *      lo != 0 is in doubt.)
+ *   4. Near a midpoint M, Y''s side of it is the sign of r = (hi - k M) + lo:
+ *      k M is exact (9 + 15 bits), hi - k M is exact (Sterbenz), and so is r
+ *      wherever it is small. One catch: the double fold rounds the sum
+ *      m (k-1) + x to 53 bits before dividing, so where |r| is at most half
+ *      a double ulp of k M (the sum held a tiny x against a huge m), it
+ *      lands on k M and Y on M: a tie. q becomes M - 1 ulp, M or M + 1 ulp
+ *      (in magnitude) on that side, which rounds as Y' does. (Dividing the
+ *      53-bit sum by k rounds again, but never onto a midpoint.)
+ *   5. Scale back by 2^s if scaled (exact) and round to nearest even; NaNs,
+ *      which got here from bfloat16 NaNs or inf - inf, have their low 16
+ *      bits clear and keep their payload, quiet, like rr_f32_to_bf16's.
+ * Steps 2-4 need q in float32's normal range: a block with a nonzero |hi|
+ * below 2^(s-124) (means below about 2^-124, near 1e-37) is folded again by
+ * the scalar rr_mean16_bf16. The products here are exact, so a compiler that
+ * fuses them with the adds (FMA) changes no bit. */
+#define BF16_MEAN_MAX_K (1 << 15)
+#define MIDPOINT_WINDOW 8 /* float32 ulps either side of a bfloat16 midpoint, > step 2's 3 */
+
+typedef struct {
+    float k, one_over_k, km1, km1_down, down, up; /* down = 2^-s, up = 2^s */
+    int32_t tiny;                                 /* bits of 2^(s-124) */
+    int pow2;
+} bf16_mean_consts;
+
+static bf16_mean_consts bf16_mean_consts_for(int k)
+{
+    int s = 0;
+    while ((1 << s) < k) s++;
+    const float down = rr_bits_f32((uint32_t)(127 - s) << 23);
+    return (bf16_mean_consts){(float)k, 1.0f / (float)k, (float)(k - 1), (float)(k - 1) * down, down,
+                              rr_bits_f32((uint32_t)(127 + s) << 23), (127 + s - 124) << 23, (k & (k - 1)) == 0};
+}
+
+/* What a block's float32 pass found (step 1, and the tiny means). */
+enum { BLOCK_DONE, BLOCK_HUGE, BLOCK_TINY };
+#define HUGE_BITS 0x7f000000 /* 2^127 */
+
+/* The bfloat16 rounding of store_bf16, for floats whose NaNs have clear low
+ * bits (step 5). */
+AVX2 static inline void store_bf16_plain(uint16_t *p, __m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i out = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+/* TwoSum (Knuth): the exact error of hi = RN(p + x). */
+AVX2 static inline __m256 sum_error(__m256 p, __m256 x, __m256 hi)
+{
+    const __m256 xv = _mm256_sub_ps(hi, p), pv = _mm256_sub_ps(hi, xv);
+    return _mm256_add_ps(_mm256_sub_ps(p, pv), _mm256_sub_ps(x, xv));
+}
+
+/* Step 4 where `near` (all ones) is set: q moved next to, or onto, its
+ * midpoint on Y''s side. */
+AVX2 static inline __m256 midpoint_side(__m256 q, __m256 hi, __m256 lo, __m256i near, const bf16_mean_consts *c)
+{
+    const __m256i qi = _mm256_castps_si256(q);
+    const __m256i mid = _mm256_or_si256(_mm256_andnot_si256(_mm256_set1_epi32(0xffff), qi), _mm256_set1_epi32(0x8000));
+    const __m256 km = _mm256_mul_ps(_mm256_castsi256_ps(mid), _mm256_set1_ps(c->k));
+    const __m256 r = _mm256_add_ps(_mm256_sub_ps(hi, km), lo);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 binade = _mm256_and_ps(km, _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000)));
+    const __m256 r_scaled = _mm256_mul_ps(_mm256_andnot_ps(sign, r), _mm256_set1_ps(0x1p53f));
+    const __m256 lost = _mm256_cmp_ps(r_scaled, binade, _CMP_LE_OQ);
+    /* > 0 where Y' is above M in magnitude */
+    const __m256 side = _mm256_andnot_ps(lost, _mm256_xor_ps(r, _mm256_and_ps(q, sign)));
+    const __m256i above = _mm256_castps_si256(_mm256_cmp_ps(side, _mm256_setzero_ps(), _CMP_GT_OQ));
+    const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(side, _mm256_setzero_ps(), _CMP_LT_OQ));
+    const __m256i moved = _mm256_add_epi32(_mm256_sub_epi32(mid, above), below); /* the masks are -1 */
+    return _mm256_blendv_ps(q, _mm256_castsi256_ps(moved), _mm256_castsi256_ps(near));
+}
+
+/* Steps 1-4 on eight pairs into *z, scaled (a compile-time constant where
+ * inlined) or not; or BLOCK_HUGE (unscaled only) or BLOCK_TINY. */
+AVX2 static inline int bf16_mean_lanes(__m256 x, __m256 m, const bf16_mean_consts *c, int scaled, __m256 *z)
+{
+    const __m256 p = _mm256_mul_ps(m, _mm256_set1_ps(scaled ? c->km1_down : c->km1));
+    const __m256 xs = scaled ? _mm256_mul_ps(x, _mm256_set1_ps(c->down)) : x;
+    const __m256 hi = _mm256_add_ps(p, xs);
+    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(hi), _mm256_set1_epi32(0x7fffffff));
+    if (!scaled) {
+        const __m256i huge = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(HUGE_BITS - 1));
+        if (!_mm256_testz_si256(huge, huge)) return BLOCK_HUGE;
+    }
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(c->tiny), magnitude);
+    const __m256i tiny = _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256()), small);
+    if (!_mm256_testz_si256(tiny, tiny)) return BLOCK_TINY;
+
+    const __m256 q = _mm256_mul_ps(hi, _mm256_set1_ps(c->one_over_k));
+    const __m256i low = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0xffff));
+    const __m256i half = _mm256_set1_epi32(0x8000);
+    *z = q;
+    if (c->pow2) {
+        const __m256 lo = sum_error(p, xs, hi);
+        const __m256i inexact = _mm256_castps_si256(_mm256_cmp_ps(lo, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+        const __m256i near = _mm256_and_si256(_mm256_cmpeq_epi32(low, half), inexact);
+        if (!_mm256_testz_si256(near, near)) *z = midpoint_side(q, hi, lo, near, c);
+    } else {
+        const __m256i off = _mm256_abs_epi32(_mm256_sub_epi32(low, half));
+        const __m256i near = _mm256_cmpgt_epi32(_mm256_set1_epi32(MIDPOINT_WINDOW + 1), off);
+        if (!_mm256_testz_si256(near, near)) *z = midpoint_side(q, hi, sum_error(p, xs, hi), near, c);
+    }
+    if (scaled) *z = _mm256_mul_ps(*z, _mm256_set1_ps(c->up));
+    return BLOCK_DONE;
+}
+
+/* Steps 1-5 on eight elements at x and m into d (d may be either); returns
+ * nonzero, storing nothing, where the block is tiny. The fast path is the
+ * unscaled step 1 and step 3's "no midpoint near"; one branch leaves it. */
+AVX2 static inline int bf16_mean_block(uint16_t *d, const uint16_t *x, const uint16_t *m, const bf16_mean_consts *c)
+{
+    const __m256 xv = load_bf16(x), mv = load_bf16(m);
+    const __m256 p = _mm256_mul_ps(mv, _mm256_set1_ps(c->km1));
+    const __m256 hi = _mm256_add_ps(p, xv);
+    const __m256 q = _mm256_mul_ps(hi, _mm256_set1_ps(c->one_over_k));
+    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(hi), _mm256_set1_epi32(0x7fffffff));
+    const __m256i huge = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(HUGE_BITS - 1));
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(c->tiny), magnitude);
+    const __m256i tiny = _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256()), small);
+    const __m256i low = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0xffff));
+    const __m256i half = _mm256_set1_epi32(0x8000);
+    __m256i near;
+    if (c->pow2) {
+        const __m256 lo = sum_error(p, xv, hi);
+        const __m256i inexact = _mm256_castps_si256(_mm256_cmp_ps(lo, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+        near = _mm256_and_si256(_mm256_cmpeq_epi32(low, half), inexact);
+    } else {
+        near = _mm256_cmpgt_epi32(_mm256_set1_epi32(MIDPOINT_WINDOW + 1), _mm256_abs_epi32(_mm256_sub_epi32(low, half)));
+    }
+    const __m256i odd = _mm256_or_si256(_mm256_or_si256(huge, tiny), near);
+    if (_mm256_testz_si256(odd, odd)) {
+        store_bf16_plain(d, q);
+        return 0;
+    }
+    __m256 z;
+    int found = bf16_mean_lanes(xv, mv, c, 0, &z);
+    if (found == BLOCK_HUGE) found = bf16_mean_lanes(xv, mv, c, 1, &z);
+    if (found == BLOCK_TINY) return 1;
+    store_bf16_plain(d, z);
+    return 0;
+}
+
+/* The tail (< LANES elements) through a zero-padded block; a tiny block is
+ * folded again by the scalar arithmetic. */
+#define BF16_MEAN_KERNEL(NAME, TARGET, LANES, BLOCK)                                  \
+    TARGET static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k) \
     {                                                                                 \
-        const __m256d km1 = _mm256_set1_pd((double)(k - 1)), kd = _mm256_set1_pd((double)k); \
-        const __m256d inv = _mm256_set1_pd(1.0 / (double)k);                          \
-        const int pow2 = (k & (k - 1)) == 0;                                          \
-        uint16_t bx[8] = {0}, bm[8] = {0}, bd[8];                                     \
-        for (size_t i = 0; i < count; i += 8) {                                       \
-            const size_t n = count - i < 8 ? count - i : 8;                           \
+        const bf16_mean_consts c = bf16_mean_consts_for(k);                           \
+        uint16_t bx[LANES] = {0}, bm[LANES] = {0}, bd[LANES];                         \
+        for (size_t i = 0; i < count; i += LANES) {                                   \
+            const size_t n = count - i < LANES ? count - i : LANES;                   \
             const uint16_t *xi = x + i, *mi = m + i;                                  \
             uint16_t *di = d + i;                                                     \
-            if (n < 8) { /* the tail, through a zero-padded block */                  \
+            if (n < LANES) {                                                          \
                 memcpy(bx, xi, n * 2);                                                \
                 memcpy(bm, mi, n * 2);                                                \
                 xi = bx, mi = bm, di = bd;                                            \
             }                                                                         \
-            const __m256 r = mean_step(LOAD(xi), LOAD(mi), km1, kd, inv, pow2);           \
-            if (CHECK_TINY && any_subnormal(r)) {                                     \
-                for (size_t j = 0; j < 8; j++) bd[j] = rr_mean16_bf16(xi[j], mi[j], k); \
-                if (n == 8) memcpy(di, bd, 16);                                       \
-            } else {                                                                  \
-                STORE(di, r);                                                         \
+            if (BLOCK(di, xi, mi, &c)) {                                              \
+                for (size_t j = 0; j < LANES; j++) bd[j] = rr_mean16_bf16(xi[j], mi[j], k); \
+                if (n == LANES) memcpy(di, bd, sizeof bd);                            \
             }                                                                         \
-            if (n < 8) memcpy(d + i, bd, n * 2);                                      \
+            if (n < LANES) memcpy(d + i, bd, n * 2);                                  \
         }                                                                             \
     }
 
-MEAN_KERNEL(f16_mean, load_f16, store_f16, 0)
-MEAN_KERNEL(bf16_mean, load_bf16, store_bf16, 1)
+BF16_MEAN_KERNEL(bf16_mean, AVX2, 8, bf16_mean_block)
 
 /* ------------------------------------------------------------ AVX-512: sixteen a step
  *
@@ -274,12 +447,6 @@ AVX512 static inline __m256 to_float_odd512(__m512d y)
     return _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_or_epi64(kept, inexact, kept, _mm512_set1_epi64(1ll << 29))));
 }
 
-AVX512 static inline int any_subnormal512(__m512 f)
-{
-    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(f), _mm512_set1_epi32(0x7fffffff));
-    return (int)_mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fffff));
-}
-
 /* a / k correctly rounded without vdivpd, whose throughput bounds the fold:
  * q0 = a * RN(1/k) is faithful, the remainder a - q0 * k is exact (FMA), and
  * one correction step gives RN(a / k) (Markstein's theorem; Muller et al.,
@@ -311,32 +478,121 @@ AVX512 static inline __m512 mean_step512(__m512 x, __m512 mean, __m512d k_minus_
     return _mm512_castpd_ps(joined);
 }
 
-#define MEAN_KERNEL512(NAME, LOAD, STORE, CHECK_TINY)                                 \
-    AVX512 static void NAME(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k) \
-    {                                                                                 \
-        const __m512d km1 = _mm512_set1_pd((double)(k - 1)), kd = _mm512_set1_pd((double)k); \
-        const __m512d inv = _mm512_set1_pd(1.0 / (double)k);                          \
-        const int pow2 = (k & (k - 1)) == 0;                                          \
-        uint16_t bx[16] = {0}, bm[16] = {0}, bd[16];                                  \
-        for (size_t i = 0; i < count; i += 16) {                                      \
-            const size_t n = count - i < 16 ? count - i : 16;                         \
-            const uint16_t *xi = x + i, *mi = m + i;                                  \
-            uint16_t *di = d + i;                                                     \
-            if (n < 16) {                                                             \
-                memcpy(bx, xi, n * 2);                                                \
-                memcpy(bm, mi, n * 2);                                                \
-                xi = bx, mi = bm, di = bd;                                            \
-            }                                                                         \
-            const __m512 r = mean_step512(LOAD(xi), LOAD(mi), km1, kd, inv, pow2); \
-            if (CHECK_TINY && any_subnormal512(r)) {                                  \
-                for (size_t j = 0; j < 16; j++) bd[j] = rr_mean16_bf16(xi[j], mi[j], k); \
-                if (n == 16) memcpy(di, bd, 32);                                      \
-            } else {                                                                  \
-                STORE(di, r);                                                         \
-            }                                                                         \
-            if (n < 16) memcpy(d + i, bd, n * 2);                                     \
-        }                                                                             \
+AVX512 static void f16_mean512(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k)
+{
+    const __m512d km1 = _mm512_set1_pd((double)(k - 1)), kd = _mm512_set1_pd((double)k);
+    const __m512d inv = _mm512_set1_pd(1.0 / (double)k);
+    const int pow2 = (k & (k - 1)) == 0;
+    uint16_t bx[16] = {0}, bm[16] = {0}, bd[16];
+    for (size_t i = 0; i < count; i += 16) {
+        const size_t n = count - i < 16 ? count - i : 16;
+        if (n < 16) {
+            memcpy(bx, x + i, n * 2);
+            memcpy(bm, m + i, n * 2);
+            store16_f16(bd, mean_step512(load16_f16(bx), load16_f16(bm), km1, kd, inv, pow2));
+            memcpy(d + i, bd, n * 2);
+        } else {
+            store16_f16(d + i, mean_step512(load16_f16(x + i), load16_f16(m + i), km1, kd, inv, pow2));
+        }
     }
+}
+
+/* The AVX2 bfloat16 fold's helpers with mask registers. */
+AVX512 static inline void store16_bf16_plain(uint16_t *p, __m512 v)
+{
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i out = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(out));
+}
+
+AVX512 static inline __m512 sum_error512(__m512 p, __m512 x, __m512 hi)
+{
+    const __m512 xv = _mm512_sub_ps(hi, p), pv = _mm512_sub_ps(hi, xv);
+    return _mm512_add_ps(_mm512_sub_ps(p, pv), _mm512_sub_ps(x, xv));
+}
+
+AVX512 static inline __m512 midpoint_side512(__m512 q, __m512 hi, __m512 lo, __mmask16 near, const bf16_mean_consts *c)
+{
+    const __m512i qi = _mm512_castps_si512(q);
+    /* (q & 0xffff0000) | 0x8000 */
+    const __m512i mid = _mm512_ternarylogic_epi32(qi, _mm512_set1_epi32((int)0xffff0000u),
+                                                  _mm512_set1_epi32(0x8000), 0xea);
+    const __m512 km = _mm512_mul_ps(_mm512_castsi512_ps(mid), _mm512_set1_ps(c->k));
+    const __m512 r = _mm512_add_ps(_mm512_sub_ps(hi, km), lo);
+    const __m512 binade = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(km), _mm512_set1_epi32(0x7f800000)));
+    const __m512 r_abs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), _mm512_set1_epi32(0x7fffffff)));
+    const __mmask16 lost = _mm512_cmp_ps_mask(_mm512_mul_ps(r_abs, _mm512_set1_ps(0x1p53f)), binade, _CMP_LE_OQ);
+    /* r ^ (q & sign): > 0 where Y' is above M in magnitude */
+    const __m512 side = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(r), qi,
+                                                                      _mm512_set1_epi32((int)0x80000000u), 0x78));
+    const __mmask16 moves = near & ~lost;
+    const __mmask16 above = _mm512_mask_cmp_ps_mask(moves, side, _mm512_setzero_ps(), _CMP_GT_OQ);
+    const __mmask16 below = _mm512_mask_cmp_ps_mask(moves, side, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512i z = _mm512_mask_mov_epi32(qi, near, mid);
+    z = _mm512_mask_add_epi32(z, above, z, _mm512_set1_epi32(1));
+    z = _mm512_mask_sub_epi32(z, below, z, _mm512_set1_epi32(1));
+    return _mm512_castsi512_ps(z);
+}
+
+AVX512 static inline int bf16_mean_lanes512(__m512 x, __m512 m, const bf16_mean_consts *c, int scaled, __m512 *z)
+{
+    const __m512 p = _mm512_mul_ps(m, _mm512_set1_ps(scaled ? c->km1_down : c->km1));
+    const __m512 xs = scaled ? _mm512_mul_ps(x, _mm512_set1_ps(c->down)) : x;
+    const __m512 hi = _mm512_add_ps(p, xs);
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(0x7fffffff));
+    if (!scaled && _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(HUGE_BITS))) return BLOCK_HUGE;
+    if (_mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(c->tiny - 1)))
+        return BLOCK_TINY;
+
+    const __m512 q = _mm512_mul_ps(hi, _mm512_set1_ps(c->one_over_k));
+    const __m512i low = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0xffff));
+    *z = q;
+    if (c->pow2) {
+        const __m512 lo = sum_error512(p, xs, hi);
+        const __mmask16 inexact = _mm512_cmp_ps_mask(lo, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+        const __mmask16 near = _mm512_mask_cmpeq_epi32_mask(inexact, low, _mm512_set1_epi32(0x8000));
+        if (near) *z = midpoint_side512(q, hi, lo, near, c);
+    } else {
+        const __m512i off = _mm512_sub_epi32(low, _mm512_set1_epi32(0x8000 - MIDPOINT_WINDOW));
+        const __mmask16 near = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(2 * MIDPOINT_WINDOW + 1));
+        if (near) *z = midpoint_side512(q, hi, sum_error512(p, xs, hi), near, c);
+    }
+    if (scaled) *z = _mm512_mul_ps(*z, _mm512_set1_ps(c->up));
+    return BLOCK_DONE;
+}
+
+AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, const uint16_t *m,
+                                            const bf16_mean_consts *c)
+{
+    const __m512 xv = load16_bf16(x), mv = load16_bf16(m);
+    const __m512 p = _mm512_mul_ps(mv, _mm512_set1_ps(c->km1));
+    const __m512 hi = _mm512_add_ps(p, xv);
+    const __m512 q = _mm512_mul_ps(hi, _mm512_set1_ps(c->one_over_k));
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 huge = _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(HUGE_BITS));
+    const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)),
+                                                   _mm512_set1_epi32(c->tiny - 1));
+    const __m512i low = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0xffff));
+    __mmask16 near;
+    if (c->pow2) {
+        const __mmask16 inexact = _mm512_cmp_ps_mask(sum_error512(p, xv, hi), _mm512_setzero_ps(), _CMP_NEQ_OQ);
+        near = _mm512_mask_cmpeq_epi32_mask(inexact, low, _mm512_set1_epi32(0x8000));
+    } else {
+        const __m512i off = _mm512_sub_epi32(low, _mm512_set1_epi32(0x8000 - MIDPOINT_WINDOW));
+        near = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(2 * MIDPOINT_WINDOW + 1));
+    }
+    if (!(huge | tiny | near)) {
+        store16_bf16_plain(d, q);
+        return 0;
+    }
+    __m512 z;
+    int found = bf16_mean_lanes512(xv, mv, c, 0, &z);
+    if (found == BLOCK_HUGE) found = bf16_mean_lanes512(xv, mv, c, 1, &z);
+    if (found == BLOCK_TINY) return 1;
+    store16_bf16_plain(d, z);
+    return 0;
+}
 
 AVX512 static inline __m512 nan_first512(__m512 a, __m512 r)
 {
@@ -382,8 +638,7 @@ BINARY_KERNEL512(bf16_prod512, load16_bf16, store16_bf16, v_prod512)
 BINARY_KERNEL512(bf16_min512, load16_bf16, store16_bf16, v_min512)
 BINARY_KERNEL512(bf16_max512, load16_bf16, store16_bf16, v_max512)
 
-MEAN_KERNEL512(f16_mean512, load16_f16, store16_f16, 0)
-MEAN_KERNEL512(bf16_mean512, load16_bf16, store16_bf16, 1)
+BF16_MEAN_KERNEL(bf16_mean512, AVX512, 16, bf16_mean_block512)
 
 typedef void binary_kernel(uint16_t *, const uint16_t *, const uint16_t *, size_t);
 static binary_kernel *const binary_kernels[2][2][4] = {
@@ -414,6 +669,7 @@ int rr_mean_fold16_vec(void *dst, const void *x, const void *mean, size_t count,
 #ifdef RR_HAVE_X86
     const rr_kernels16 level = rr_kernels16_current();
     if (!rr_avg_is_mean(dtype) || k < 2 || level < RR_KERNELS16_AVX2) return -1;
+    if (dtype == RR_BFLOAT16 && k >= BF16_MEAN_MAX_K) return -1; /* the scalar loop: see "bfloat16 mean fold" */
     if (level == RR_KERNELS16_AVX512) (dtype == RR_FLOAT16 ? f16_mean512 : bf16_mean512)(dst, x, mean, count, k);
     else (dtype == RR_FLOAT16 ? f16_mean : bf16_mean)(dst, x, mean, count, k);
     return 0;

@@ -1,5 +1,9 @@
 """The reduction kernels (csrc/reduce_math.h, reduce.c) against numpy, in
 process: the same arithmetic the ring and the CUDA kernels use."""
+import shutil
+import subprocess
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -270,7 +274,7 @@ def same_bits_or_both_nan(x, y):
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("k", [2, 3, 4, 7, 1000])
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6, 7, 8, 1000])
 def test_vector_and_portable_mean_folds_give_the_same_bits(name, k):
     a, b = specials(name)
     portable, vector = both_paths(lambda: mean_fold(a, b, name, k))
@@ -325,3 +329,69 @@ def test_16_bit_sums_of_two_nans_keep_the_first_payload_on_every_path(name, op):
             finally:
                 _core.kernels16(best)
             assert got.tolist() == (want | quiet).tolist(), level
+
+
+# ----------------------------------------------------------------- the bfloat16 fold in float32 (reduce16_x86.c)
+
+def bf16_hard_pairs(seed):
+    """(x, mean) bit patterns where a float32 fold of bfloat16 means goes
+    wrong unless it takes care (csrc/reduce16_x86.c, "bfloat16 mean fold"):
+    means on or next to a bfloat16 midpoint (x a few ulps from the mean, or
+    mean and x equal), a tiny x against a huge mean and the reverse (the
+    double fold's sum drops x: a tie where the exact mean has none), sums
+    past float32's range, means around the refold threshold 2^-124 / k,
+    subnormals, zeros, infinities and NaNs against random values."""
+    rng = np.random.default_rng(seed)
+    n = 40_000
+    m = rng.integers(0, 1 << 16, size=n, dtype=np.uint16)
+    near = (m.astype(np.int32) + rng.integers(-4, 5, size=n)).astype(np.uint16)
+    sign = (rng.integers(0, 2, size=n) << 15).astype(np.uint16)
+    huge = (rng.integers(0x7000, 0x7f80, size=n) | sign).astype(np.uint16)
+    tiny = rng.integers(0, 0x1000, size=n).astype(np.uint16) ^ (rng.integers(0, 2, size=n) << 15).astype(np.uint16)
+    around = rng.integers(0x0000, 0x0400, size=n).astype(np.uint16) | sign  # 2^-133 .. 2^-119
+    edge = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x007f, 0x0080, 0x7f7f, 0xff7f, 0x7f80, 0xff80, 0x7fc0,
+                     0xffc0, 0x7f81, 0xffff], np.uint16)
+    special = rng.choice(edge, size=n)
+    xs = [near, tiny, huge, huge, around, special, m, rng.integers(0, 1 << 16, size=n, dtype=np.uint16)]
+    ms = [m, huge, tiny, huge[::-1], around[::-1], m, special, rng.integers(0, 1 << 16, size=n, dtype=np.uint16)]
+    x, mean = np.concatenate(xs), np.concatenate(ms)
+    return x.view(ml_dtypes.bfloat16), mean.view(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6, 7, 8, 9, 16, 255, 1000, (1 << 15) - 1, 1 << 15, (1 << 18) + 1])
+def test_bfloat16_float32_fold_gives_the_double_folds_bits(k):
+    """Every k a world of up to 8 ranks uses, and larger ones (from 2^15 the
+    vector level hands the fold to the scalar loop): each vector level against
+    the portable double fold, on the pairs that are hard for float32, and
+    against the double mean rounded once where it is finite."""
+    x, m = bf16_hard_pairs(k)
+    # Shuffled, so one vector block mixes fast lanes with each kind of hard one.
+    mixed = np.random.default_rng(k).permutation(x.size)
+    x, m = np.concatenate([x, x[mixed]]), np.concatenate([m, m[mixed]])
+    portable, vector = both_paths(lambda: mean_fold(x, m, "bfloat16", k))
+    assert same_bits_or_both_nan(portable, vector)
+    finite = np.isfinite(x.astype(np.float32)) & np.isfinite(m.astype(np.float32))
+    y = (m[finite].astype(np.float64) * (k - 1) + x[finite].astype(np.float64)) / k
+    assert portable[finite].tobytes() == nearest16(y, "bfloat16").tobytes()
+    # In place as the ring calls it (dst is the mean), and unaligned odd lengths.
+    for start, stop in ((0, 1), (3, 20), (5, 38), (1, 1001)):
+        p, v = both_paths(lambda: mean_fold(x[start:stop], m[start:stop], "bfloat16", k))
+        assert same_bits_or_both_nan(p, v) and same_bits_or_both_nan(v, vector[start:stop])
+
+
+def test_bfloat16_float32_fold_every_pair_sampled(tmp_path):
+    """tests/bf16_mean_exhaustive.c: every 127th mean bit pattern against all
+    2^16 x patterns, k = 2..8 and three larger k, each vector level against
+    rr_mean16_bf16 (stride 1, every pair: docs/performance.md)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    exe = tmp_path / "bf16_mean_exhaustive"
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run([cc, "-O2", "-std=gnu11", "-Wall", "-Werror", "-I", str(repo / "csrc"), "-o", str(exe),
+                    str(repo / "tests" / "bf16_mean_exhaustive.c")], check=True, timeout=120)
+    out = subprocess.run([str(exe), "127", "2", "3", "4", "5", "6", "7", "8", "9", "1000", str((1 << 15) - 1)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    if "no vector kernels" not in out.stdout:
+        assert out.stdout.count(" wrong 0 ") >= 10, out.stdout
