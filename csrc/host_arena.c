@@ -10,6 +10,8 @@
 #define _GNU_SOURCE
 #include "host_arena.h"
 
+#include "reduce.h"
+
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
@@ -35,6 +37,17 @@ typedef struct {
     char pad[LINE - 8];
 } line;
 
+/* A rank's round line: the last round it published and what it offered with
+ * it, stored before v (release). The offer of round s sits in split[s % 2]
+ * for the reason the blob of round s sits in buffer s % 2: a rank still
+ * reading round s's offers has not published round s + 1, so nobody
+ * publishes round s + 2 before it is done. */
+typedef struct {
+    _Atomic uint64_t v;
+    uint64_t split[2];
+    char pad[LINE - 24];
+} round_line;
+
 typedef struct {
     char magic[8];
     char nonce[32];     /* written and checked by ringreduce/shm.py */
@@ -45,16 +58,17 @@ typedef struct {
 
 struct rr_arena {
     arena_header *hdr;
-    line *round;          /* round[i]: the last round rank i published */
+    round_line *round;    /* round[i]: the last round rank i published */
     unsigned char *bufs;  /* 2 per rank, `stride` bytes apart */
     size_t slot, stride, mapped;
     int rank, size, spin;
     uint64_t current;     /* the round this rank last took part in */
+    int offer;            /* the split offered with the next round */
 };
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 static size_t rounds_offset(void) { return round_up(sizeof(arena_header), LINE); }
-static size_t bufs_offset(int size) { return round_up(rounds_offset() + (size_t)size * LINE, PAGE); }
+static size_t bufs_offset(int size) { return round_up(rounds_offset() + (size_t)size * sizeof(round_line), PAGE); }
 static size_t stride_of(size_t slot_bytes) { return round_up(8 + slot_bytes, LINE); }
 
 size_t rr_arena_file_bytes(int size, size_t slot_bytes)
@@ -86,7 +100,7 @@ rr_arena *rr_arena_map(int fd, int rank, int size, size_t slot_bytes, int spin, 
         return NULL;
     }
     a->hdr = p;
-    a->round = (line *)((char *)p + rounds_offset());
+    a->round = (round_line *)((char *)p + rounds_offset());
     a->bufs = (unsigned char *)p + bufs_offset(size);
     a->slot = slot_bytes;
     a->stride = stride_of(slot_bytes);
@@ -125,6 +139,8 @@ static _Atomic uint32_t *futex_word(rr_arena *a) { return (_Atomic uint32_t *)&a
 
 static void publish(rr_arena *a, uint64_t round)
 {
+    a->round[a->rank].split[round & 1] = (uint64_t)a->offer;
+    a->offer = 0;
     atomic_store_explicit(&a->round[a->rank].v, round, memory_order_release);
     atomic_fetch_add_explicit(futex_word(a), 1, memory_order_seq_cst);
     if (atomic_load_explicit(&a->hdr->sleepers.v, memory_order_seq_cst))
@@ -214,5 +230,72 @@ int rr_arena_round(rr_arena *a, rr_transport *t, const void *head, size_t hlen, 
         rr_arena_blob(a, i, &n);
         if (n > a->slot) *all_fit = 0;
     }
+    return RR_OK;
+}
+
+void rr_arena_offer_split(rr_arena *a, int split) { a->offer = split != 0; }
+
+int rr_arena_all_split(const rr_arena *a)
+{
+    for (int i = 0; i < a->size; i++)
+        if (!a->round[i].split[a->current & 1]) return 0;
+    return 1;
+}
+
+/* The cost model (docs/performance.md): per rank, the whole reduction reads
+ * N-1 other cores' copies of S bytes and folds N-1 times S; the split reads
+ * 2(N-1)/N S of other cores' lines (the slices of the blobs, then the
+ * others' results) and folds (N-1)/N S, for one more round's wait. */
+int rr_arena_wants_split(int mode, int size, size_t bytes)
+{
+    if (mode == RR_ARENA_SPLIT) return size > 1;
+    if (mode != RR_ARENA_AUTO) return 0;
+    return size > 2 && bytes >= ((size_t)16 << 10);
+}
+
+static int overlaps(const void *p, const void *q, size_t n)
+{
+    const char *a = p, *b = q;
+    return n && a < b + n && b < a + n;
+}
+
+int rr_arena_allreduce_split(rr_arena *a, rr_transport *t, size_t hlen, const void *data, size_t dlen, void *out,
+                             rr_dtype dtype, rr_op op, rr_error *err)
+{
+    const int N = a->size, r = a->rank;
+    const size_t esize = rr_dtype_size(dtype), count = dlen / esize;
+    /* Slices of whole cache lines (of the data; the blob's header may skew
+     * them against the mapping's lines), the last one shorter or empty. */
+    const size_t per = round_up((count + (size_t)N - 1) / (size_t)N, LINE / esize);
+#define LO(i) ((size_t)(i) * per < count ? (size_t)(i) * per : count)
+#define HI(i) LO((i) + 1)
+    const void **in = malloc(sizeof *in * (size_t)N);
+    if (!in) { /* nothing published yet: every other rank waits and hears of it */
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    const size_t lo = LO(r), n = HI(r) - lo;
+    for (int i = 0; i < N; i++)
+        in[i] = i == r && !overlaps(data, out, dlen) ? (const void *)((const char *)data + lo * esize)
+                                                      : (const void *)(buffer(a, i, a->current) + 8 + hlen + lo * esize);
+    const uint64_t round = a->current + 1, len = hlen + dlen;
+    unsigned char *next = buffer(a, r, round);
+    memcpy(next, &len, 8);
+    const int bad = n ? rr_reduce_in_order(next + 8 + hlen + lo * esize, in, N, n, dtype, op) : 0;
+    free(in);
+    publish(a, round); /* even after a failed fold, so that nobody waits for us */
+    a->current = round;
+    if (bad) {
+        rr_set_error(err, RR_E_INVALID, -1, "unsupported dtype %d or op %d", (int)dtype, (int)op);
+        return err->code;
+    }
+    for (int k = 1; k <= N; k++) { /* ours last: it is there already */
+        const int i = (r + k) % N;
+        int rc = wait_for(a, t, i, round, err);
+        if (rc != RR_OK) return rc;
+        memcpy((char *)out + LO(i) * esize, buffer(a, i, round) + 8 + hlen + LO(i) * esize, (HI(i) - LO(i)) * esize);
+    }
+#undef LO
+#undef HI
     return RR_OK;
 }
