@@ -242,15 +242,23 @@ int rr_arena_all_split(const rr_arena *a)
     return 1;
 }
 
-/* The cost model (docs/performance.md): per rank, the whole reduction reads
- * N-1 other cores' copies of S bytes and folds N-1 times S; the split reads
- * 2(N-1)/N S of other cores' lines (the slices of the blobs, then the
- * others' results) and folds (N-1)/N S, for one more round's wait. */
+/* The cost model (docs/performance.md, "The host arena, one at a time"):
+ * per rank, DIRECT folds N-1 times S bytes, reading (N-1) S of lines other
+ * cores wrote; SPLIT folds (N-1)/N S and reads 2(N-1)/N S of them (the
+ * slices of the blobs, then the others' results), for one more round: one
+ * more wait, which costs a wake-up whenever ranks share cores. At N = 2 the
+ * reads are the same and the saved fold (S/2) is about what writing and
+ * re-reading the result costs: DIRECT. From N = 3, with a core per rank,
+ * the saved reads outweigh a spinning wait from about 32 KiB. */
+#define SPLIT_MIN_BYTES ((size_t)32 << 10)
+
 int rr_arena_wants_split(int mode, int size, size_t bytes)
 {
     if (mode == RR_ARENA_SPLIT) return size > 1;
-    if (mode != RR_ARENA_AUTO) return 0;
-    return size > 2 && bytes >= ((size_t)16 << 10);
+    if (mode != RR_ARENA_AUTO || size < 3 || bytes < SPLIT_MIN_BYTES) return 0;
+    static long cores; /* a benign race: every thread computes the same */
+    if (!cores) cores = sysconf(_SC_NPROCESSORS_ONLN);
+    return size <= cores;
 }
 
 static int overlaps(const void *p, const void *q, size_t n)
