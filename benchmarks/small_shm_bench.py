@@ -19,9 +19,11 @@ and interleaved round by round so load drifts hit every column alike:
                  the old small limit (RINGREDUCE_SMALL_BYTES / (N-1)), the ring above
   ring           the ring allreduce (header pass, then 2(N-1) steps), forced
 
-Two timings: isolated (benchmarks/harness.py isolated_median_us: a barrier
-before each timed operation, as a training step meets its peers; the
-slowest rank's median) and back-to-back (harness.measure). Rank 0 prints a
+Two timings: isolated (as benchmarks/harness.py isolated_median_us: a
+barrier before each timed operation, as a training step meets its peers;
+the slowest rank's median, and its 25th percentile, which on a loaded
+machine shows the operation when both its ranks had a core) and
+back-to-back (harness.measure). Rank 0 prints a
 table and the ratios to MPI_Allreduce. The arena's slot is sized for the
 largest size measured (RINGREDUCE_ARENA_BYTES), so the arena can be forced there.
 """
@@ -96,6 +98,18 @@ def make_runs(count: int, comm_mpi):
             for name, (setup, fn) in runs.items()}
 
 
+def isolated_us(fn, iters: int) -> list:
+    """Microseconds of each of `iters` calls of fn, each right after a
+    barrier (harness.isolated_median_us, every time kept)."""
+    times = []
+    for _ in range(iters):
+        rr.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
 def _core_sum() -> int:
     return _c._OPS["sum"]
 
@@ -121,6 +135,7 @@ def main():
         count = nbytes // 4
         runs = make_runs(count, comm_mpi)
         iso = {name: [] for name in IMPLS}
+        every = {name: [] for name in IMPLS}  # every isolated time, for the percentile
         sleeps = {name: 0 for name in IMPLS}  # voluntary context switches: waits that went to sleep
         for setup, fn, _ in runs.values():  # warm up every path
             setup()
@@ -131,17 +146,21 @@ def main():
                 setup, fn, _ = runs[name]
                 setup()
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-                iso[name].append(harness.isolated_median_us(fn, args.iters))
+                times = isolated_us(fn, args.iters)
+                iso[name].append(statistics.median(times))
+                every[name] += times
                 sleeps[name] += resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before
         for name in IMPLS:
             setup, fn, wrong = runs[name]
             setup()
             mine = statistics.median(iso[name])
-            isolated = float(rr.allreduce(np.array([mine]), op="max")[0])  # the slowest rank's
+            isolated, p25 = (float(v) for v in rr.allreduce(np.array([mine, np.percentile(every[name], 25)]),
+                                                             op="max"))  # the slowest rank's
             b2b = harness.measure(harness.Impl(name, fn, wrong), "allreduce", nbytes, count, "float32", "sum",
                                   comm_mpi.Barrier if name == "MPI_Allreduce" else rr.barrier)
             per_op = sleeps[name] / (args.rounds * args.iters)
-            rows.append({"impl": name, "bytes": nbytes, "isolated_us": isolated, "b2b_us": b2b.seconds * 1e6,
+            rows.append({"impl": name, "bytes": nbytes, "isolated_us": isolated, "isolated_p25_us": p25,
+                         "b2b_us": b2b.seconds * 1e6,
                          "wrong": b2b.wrong, "sleeps_per_op": float(rr.allreduce(np.array([per_op]), op="avg")[0])})
     _c._state.comm.use_arena(MODES["arena"])
     ring.small_limit = default_limit
@@ -169,6 +188,12 @@ def report(rows, n, sizes, limit):
               f" | {iso['arena']:13.2f} | {arena['b2b_us'] / mpi['b2b_us']:13.2f} | {iso['arena-copy']:12.2f}"
               f" | {iso['arena-direct']:14.2f} | {iso['arena-split']:13.2f}")
     print("cells: isolated us / back-to-back us (slowest rank's median)")
+    print("isolated, 25th percentile (us) and its ratio to MPI_Allreduce's:")
+    for nbytes in sizes:
+        mpi = by[("MPI_Allreduce", nbytes)]["isolated_p25_us"]
+        print(f"{nbytes >> 10:>6}K | " + " | ".join(
+            f"{m} {by[(m, nbytes)]['isolated_p25_us']:.1f} ({by[(m, nbytes)]['isolated_p25_us'] / mpi:.2f})"
+            for m in IMPLS))
     print("sleeps per isolated op and rank (voluntary context switches, the barrier's included): " + ", ".join(
         f"{m} " + "/".join(f"{by[(m, b)]['sleeps_per_op']:.1f}" for b in sizes) for m in IMPLS))
     bad = [r for r in rows if r["wrong"]]
