@@ -246,27 +246,22 @@ int rr_arena_all_split(const rr_arena *a)
  * per rank, DIRECT folds N-1 times S bytes, reading (N-1) S of lines other
  * cores wrote; SPLIT folds (N-1)/N S and reads 2(N-1)/N S of them (the
  * slices of the blobs, then the others' results), for one more round: one
- * more wait, which costs a wake-up whenever ranks share cores. From N = 3,
- * with a core per rank, the saved reads outweigh a spinning wait from about
- * 32 KiB (not measured: no such machine here). At N = 2 the reads are the
- * same and the saved fold (S/2) about pays for writing and re-reading the
- * result: measured with a core per rank, SPLIT was faster only from 48 to
- * 64 KiB (12-18%: where the blobs just outgrow the 48 KiB L1 of this
- * machine's cores, DIRECT's write and fold slow down by half; not
- * understood further), DIRECT everywhere else. */
+ * more wait, which costs a wake-up whenever ranks share cores. At N = 2
+ * the reads are the same and the saved fold (S/2) about pays for writing
+ * and re-reading the result: DIRECT (measured with a core per rank: SPLIT
+ * won isolated only from 48 to 64 KiB, and lost back to back there, 18.5
+ * against 9.5 us at 64 KiB). From N = 3, with a core per rank, the saved
+ * reads outweigh a spinning wait from about 32 KiB (not measured: no such
+ * machine here). */
 #define SPLIT_MIN_BYTES ((size_t)32 << 10)
-#define SPLIT2_MIN_BYTES ((size_t)48 << 10)
-#define SPLIT2_MAX_BYTES ((size_t)64 << 10)
 
 int rr_arena_wants_split(int mode, int size, size_t bytes)
 {
     if (mode == RR_ARENA_SPLIT) return size > 1;
-    if (mode != RR_ARENA_AUTO || size < 2) return 0;
+    if (mode != RR_ARENA_AUTO || size < 3 || bytes < SPLIT_MIN_BYTES) return 0;
     static long cores; /* a benign race: every thread computes the same */
     if (!cores) cores = sysconf(_SC_NPROCESSORS_ONLN);
-    if (size > cores) return 0;
-    if (size == 2) return bytes >= SPLIT2_MIN_BYTES && bytes <= SPLIT2_MAX_BYTES;
-    return bytes >= SPLIT_MIN_BYTES;
+    return size <= cores;
 }
 
 static int overlaps(const void *p, const void *q, size_t n)
