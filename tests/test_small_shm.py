@@ -97,7 +97,7 @@ MODES = """
     for dtype in dtypes:
         size = np.dtype(dtype).itemsize
         for op in ["sum", "prod", "min", "max", "avg"]:
-            for n in [1, N - 1, N + 1, 17, 4099, (57344 // size) - 3, (65536 // size) + 5, limit // size]:
+            for n in [0, 1, N - 1, N + 1, 17, 4099, (57344 // size) - 3, (65536 // size) + 5, limit // size]:
                 x = inputs(r, n, dtype)
                 comm.use_arena(0)
                 want = rr.allreduce(x, op=op).tobytes()
