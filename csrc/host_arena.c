@@ -47,6 +47,7 @@ typedef struct {
     uint64_t split[2];
     char pad[LINE - 24];
 } round_line;
+_Static_assert(sizeof(round_line) == LINE, "a round line is one cache line (the file's layout)");
 
 typedef struct {
     char magic[8];

@@ -12,6 +12,7 @@
 #include "reduce.h"
 
 #include <string.h>
+
 #include "reduce16.h"
 
 #define LOOP(T, EXPR)                                                        \
