@@ -69,6 +69,14 @@ size_t rr_arena_slot_bytes(const rr_arena *a);
 int rr_arena_round(rr_arena *a, rr_transport *t, const void *head, size_t hlen, const void *data, size_t dlen,
                    int *all_fit, rr_error *err);
 
+/* DIRECT's fold: out = in[0] OP ... OP in[n-1] in rank order
+ * (rr_reduce_in_order), where in[own] is this rank's term and the others
+ * are blobs other cores just wrote. Up to 64 KiB it folds 8 KiB at a time
+ * and asks for the next 8 KiB of the others' blobs first: those lines come
+ * slowly out of the other cores' caches, and asking early overlaps them
+ * (docs/performance.md, "The host arena, one at a time"). Same bits. */
+int rr_arena_fold(void *out, const void *const *in, int n, int own, size_t count, rr_dtype dtype, rr_op op);
+
 /* Offers the split (SPLIT above) with the next round only; after it,
  * rr_arena_all_split says whether every rank offered it. Every rank reads
  * the same offers, so all of them take the same way. */

@@ -779,7 +779,8 @@ int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void 
         const char *mine = (const char *)data, *o = out;
         const int apart = !dlen || mine + dlen <= o || o + dlen <= mine;
         for (int i = 0; i < N; i++) blob[i] = i == ring->rank && apart ? mine : blob[i] + hlen;
-        rr_reduce_in_order(out, (const void *const *)blob, N, dlen / esize, dtype, op);
+        if (in_arena) rr_arena_fold(out, (const void *const *)blob, N, apart ? ring->rank : -1, dlen / esize, dtype, op);
+        else rr_reduce_in_order(out, (const void *const *)blob, N, dlen / esize, dtype, op);
     }
     free(blob);
     free(*all);
