@@ -252,9 +252,9 @@ int rr_arena_all_split(const rr_arena *a)
  * and re-reading the result: DIRECT (measured with a core per rank: SPLIT
  * won isolated only from 48 to 64 KiB, and lost back to back there, 18.5
  * against 9.5 us at 64 KiB). From N = 3, with a core per rank, the saved
- * reads outweigh a spinning wait from about 32 KiB (not measured: no such
- * machine here). */
-#define SPLIT_MIN_BYTES ((size_t)32 << 10)
+ * reads ((N-1)(1 - 2/N) S, ~5 ns a line) outweigh that second round's 8-9
+ * us from about 128 KiB (not measured: no such machine here). */
+#define SPLIT_MIN_BYTES ((size_t)128 << 10)
 
 int rr_arena_wants_split(int mode, int size, size_t bytes)
 {
