@@ -286,9 +286,11 @@ def test_ranks_on_different_hosts_keep_the_ring(tmp_path):
         assert r.result == (0, True, [0.0, 6.0, 12.0, 18.0, 24.0])
 
 
-def test_process_sets_get_their_own_arena(tmp_path):
+@pytest.mark.parametrize("reduce", ["auto", "split"])
+def test_process_sets_get_their_own_arena(tmp_path, reduce):
     """A set's ring on one host has its own arena; sets and the world
-    interleave, every result right and bit-identical among members."""
+    interleave, every result right and bit-identical among members (split:
+    each set's arena takes its second round too)."""
     ranks = run_ranks(4, """
         import hashlib
         from ringreduce import collectives as c
@@ -307,7 +309,7 @@ def test_process_sets_get_their_own_arena(tmp_path):
                 assert np.allclose(got, want, rtol=1e-5), (i, members)
                 digests.setdefault(repr(members), hashlib.sha256()).update(got.tobytes())
         result = (arenas, {k: v.hexdigest() for k, v in digests.items()})
-    """, tmp_path, timeout=60)
+    """, tmp_path, timeout=60, env={"RINGREDUCE_ARENA_REDUCE": reduce})
     for r in ranks:
         assert r.result[0] and all(r.result[0]), f"rank {r.rank}: {r.result[0]}"
     for members in ([0, 2, 3], [0, 1, 2, 3], [1, 3]):
