@@ -24,7 +24,10 @@ barrier before each timed operation, as a training step meets its peers;
 the slowest rank's median, and its 25th percentile, which on a loaded
 machine shows the operation when both its ranks had a core) and
 back-to-back (harness.measure). Rank 0 prints a
-table and the ratios to MPI_Allreduce. The arena's slot is sized for the
+table and the ratios to MPI_Allreduce. On a machine loaded by other work,
+pin the ranks (`mpirun -np 2 -bind-to core ...`): unpinned, two ranks often
+share one core and neither column is what an idle machine shows
+(docs/performance.md, "The host arena, one at a time"). The arena's slot is sized for the
 largest size measured (RINGREDUCE_ARENA_BYTES), so the arena can be forced there.
 """
 from __future__ import annotations
