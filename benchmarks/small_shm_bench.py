@@ -8,16 +8,26 @@ MPI_Allreduce of the same MPICH runs beside it. For each size, in one run
 and interleaved round by round so load drifts hit every column alike:
 
   MPI_Allreduce  mpi4py's comm.Allreduce
-  arena          rr.allreduce through the host arena (forced, whatever the size)
-  arena-C        the same pass called straight (Comm.allreduce_small): what Python adds
+  arena          rr.allreduce through the host arena (forced, whatever the size),
+                 reduced as the cost model chooses (RINGREDUCE_ARENA_REDUCE=auto)
+  arena-copy     the same, reduced the first version's way (copy blob 0 out, fold
+                 the others in; RINGREDUCE_ARENA_REDUCE=copy)
+  arena-direct   every rank folds all N blobs straight into its output (=direct)
+  arena-split    every rank folds its 1/N slice, a second round shares it (=split)
+  arena-C        the `arena` pass called straight (Comm.allreduce_small): what Python adds
   old            today's path without the arena: the ring pass of blobs up to
                  the old small limit (RINGREDUCE_SMALL_BYTES / (N-1)), the ring above
   ring           the ring allreduce (header pass, then 2(N-1) steps), forced
 
-Two timings: isolated (benchmarks/harness.py isolated_median_us: a barrier
-before each timed operation, as a training step meets its peers; the
-slowest rank's median) and back-to-back (harness.measure). Rank 0 prints a
-table and the ratios to MPI_Allreduce. The arena's slot is sized for the
+Two timings: isolated (as benchmarks/harness.py isolated_median_us: a
+barrier before each timed operation, as a training step meets its peers;
+the slowest rank's median, and its 25th percentile, which on a loaded
+machine shows the operation when both its ranks had a core) and
+back-to-back (harness.measure). Rank 0 prints a
+table and the ratios to MPI_Allreduce. On a machine loaded by other work,
+pin the ranks (`mpirun -np 2 -bind-to core ...`): unpinned, two ranks often
+share one core and neither column is what an idle machine shows
+(docs/performance.md, "The host arena, one at a time"). The arena's slot is sized for the
 largest size measured (RINGREDUCE_ARENA_BYTES), so the arena can be forced there.
 """
 from __future__ import annotations
@@ -39,7 +49,8 @@ import harness  # noqa: E402
 import ringreduce as rr  # noqa: E402
 from ringreduce import collectives as _c, config as _config  # noqa: E402
 
-IMPLS = ["MPI_Allreduce", "arena", "arena-C", "old", "ring"]
+IMPLS = ["MPI_Allreduce", "arena", "arena-copy", "arena-direct", "arena-split", "arena-C", "old", "ring"]
+MODES = {"arena": 1, "arena-copy": 2, "arena-direct": 3, "arena-split": 4}  # Comm.use_arena's (host_arena.h)
 
 
 def parse_bytes(text: str) -> int:
@@ -62,7 +73,7 @@ def make_runs(count: int, comm_mpi):
     old_limit = _config.Config.from_env().small_limit(n)
     head = _c._header(_c.ALLREDUCE, _core_sum(), _c._DTYPES[np.dtype(np.float32)], x.shape, None, True)  # as rr.allreduce
 
-    def path(arena: bool, limit: int):
+    def path(arena: int, limit: int):
         def setup():
             comm.use_arena(arena)
             ring.small_limit = limit
@@ -82,11 +93,24 @@ def make_runs(count: int, comm_mpi):
         comm_mpi.Allreduce(x, out, op=MPI.SUM)
         results["MPI_Allreduce"] = out
 
-    arena = path(True, 1 << 62)
-    runs = {"MPI_Allreduce": (arena, mpi), "arena": (arena, rr_run("arena")), "arena-C": (arena, arena_c),
-            "old": (path(False, old_limit), rr_run("old")), "ring": (path(False, -1), rr_run("ring"))}
+    arena = path(MODES["arena"], 1 << 62)
+    runs = {"MPI_Allreduce": (arena, mpi), "arena-C": (arena, arena_c),
+            "old": (path(0, old_limit), rr_run("old")), "ring": (path(0, -1), rr_run("ring"))}
+    runs.update({name: (path(mode, 1 << 62), rr_run(name)) for name, mode in MODES.items()})
     return {name: (setup, fn, (lambda name=name: int(np.count_nonzero(results[name] != want))))
             for name, (setup, fn) in runs.items()}
+
+
+def isolated_us(fn, iters: int) -> list:
+    """Microseconds of each of `iters` calls of fn, each right after a
+    barrier (harness.isolated_median_us, every time kept)."""
+    times = []
+    for _ in range(iters):
+        rr.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
 
 
 def _core_sum() -> int:
@@ -114,6 +138,7 @@ def main():
         count = nbytes // 4
         runs = make_runs(count, comm_mpi)
         iso = {name: [] for name in IMPLS}
+        every = {name: [] for name in IMPLS}  # every isolated time, for the percentile
         sleeps = {name: 0 for name in IMPLS}  # voluntary context switches: waits that went to sleep
         for setup, fn, _ in runs.values():  # warm up every path
             setup()
@@ -124,19 +149,23 @@ def main():
                 setup, fn, _ = runs[name]
                 setup()
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-                iso[name].append(harness.isolated_median_us(fn, args.iters))
+                times = isolated_us(fn, args.iters)
+                iso[name].append(statistics.median(times))
+                every[name] += times
                 sleeps[name] += resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before
         for name in IMPLS:
             setup, fn, wrong = runs[name]
             setup()
             mine = statistics.median(iso[name])
-            isolated = float(rr.allreduce(np.array([mine]), op="max")[0])  # the slowest rank's
+            isolated, p25 = (float(v) for v in rr.allreduce(np.array([mine, np.percentile(every[name], 25)]),
+                                                             op="max"))  # the slowest rank's
             b2b = harness.measure(harness.Impl(name, fn, wrong), "allreduce", nbytes, count, "float32", "sum",
                                   comm_mpi.Barrier if name == "MPI_Allreduce" else rr.barrier)
             per_op = sleeps[name] / (args.rounds * args.iters)
-            rows.append({"impl": name, "bytes": nbytes, "isolated_us": isolated, "b2b_us": b2b.seconds * 1e6,
+            rows.append({"impl": name, "bytes": nbytes, "isolated_us": isolated, "isolated_p25_us": p25,
+                         "b2b_us": b2b.seconds * 1e6,
                          "wrong": b2b.wrong, "sleeps_per_op": float(rr.allreduce(np.array([per_op]), op="avg")[0])})
-    _c._state.comm.use_arena(True)
+    _c._state.comm.use_arena(MODES["arena"])
     ring.small_limit = default_limit
     if lead:
         report(rows, n, sizes, default_limit)
@@ -150,15 +179,24 @@ def report(rows, n, sizes, limit):
     load = os.getloadavg()[0]
     print(f"# small allreduce, float32 sum, N={n}, {platform.node()}, {os.cpu_count()} cores, "
           f"load {load:.1f}, {time.strftime('%Y-%m-%d %H:%M')}; arena limit by default {limit} B")
-    print(f"{'size':>7} | " + " | ".join(f"{name:>13}" for name in IMPLS) + " | arena/MPI iso | arena/MPI b2b")
+    print(f"{'size':>7} | " + " | ".join(f"{name:>13}" for name in IMPLS)
+          + " | arena/MPI iso | arena/MPI b2b | copy/MPI iso | direct/MPI iso | split/MPI iso")
     by = {(r["impl"], r["bytes"]): r for r in rows}
     for nbytes in sizes:
         cells = [f"{by[(m, nbytes)]['isolated_us']:6.1f}/{by[(m, nbytes)]['b2b_us']:6.1f}" for m in IMPLS]
         mpi = by[("MPI_Allreduce", nbytes)]
         arena = by[("arena", nbytes)]
+        iso = {m: by[(m, nbytes)]["isolated_us"] / mpi["isolated_us"] for m in MODES}
         print(f"{nbytes >> 10:>6}K | " + " | ".join(f"{c:>13}" for c in cells) +
-              f" | {arena['isolated_us'] / mpi['isolated_us']:13.2f} | {arena['b2b_us'] / mpi['b2b_us']:13.2f}")
+              f" | {iso['arena']:13.2f} | {arena['b2b_us'] / mpi['b2b_us']:13.2f} | {iso['arena-copy']:12.2f}"
+              f" | {iso['arena-direct']:14.2f} | {iso['arena-split']:13.2f}")
     print("cells: isolated us / back-to-back us (slowest rank's median)")
+    print("isolated, 25th percentile (us) and its ratio to MPI_Allreduce's:")
+    for nbytes in sizes:
+        mpi = by[("MPI_Allreduce", nbytes)]["isolated_p25_us"]
+        print(f"{nbytes >> 10:>6}K | " + " | ".join(
+            f"{m} {by[(m, nbytes)]['isolated_p25_us']:.1f} ({by[(m, nbytes)]['isolated_p25_us'] / mpi:.2f})"
+            for m in IMPLS))
     print("sleeps per isolated op and rank (voluntary context switches, the barrier's included): " + ", ".join(
         f"{m} " + "/".join(f"{by[(m, b)]['sleeps_per_op']:.1f}" for b in sizes) for m in IMPLS))
     bad = [r for r in rows if r["wrong"]]

@@ -10,6 +10,8 @@
 #define _GNU_SOURCE
 #include "host_arena.h"
 
+#include "reduce.h"
+
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
@@ -35,6 +37,18 @@ typedef struct {
     char pad[LINE - 8];
 } line;
 
+/* A rank's round line: the last round it published and what it offered with
+ * it, stored before v (release). The offer of round s sits in split[s % 2]
+ * for the reason the blob of round s sits in buffer s % 2: a rank still
+ * reading round s's offers has not published round s + 1, so nobody
+ * publishes round s + 2 before it is done. */
+typedef struct {
+    _Atomic uint64_t v;
+    uint64_t split[2];
+    char pad[LINE - 24];
+} round_line;
+_Static_assert(sizeof(round_line) == LINE, "a round line is one cache line (the file's layout)");
+
 typedef struct {
     char magic[8];
     char nonce[32];     /* written and checked by ringreduce/shm.py */
@@ -45,16 +59,17 @@ typedef struct {
 
 struct rr_arena {
     arena_header *hdr;
-    line *round;          /* round[i]: the last round rank i published */
+    round_line *round;    /* round[i]: the last round rank i published */
     unsigned char *bufs;  /* 2 per rank, `stride` bytes apart */
     size_t slot, stride, mapped;
     int rank, size, spin;
     uint64_t current;     /* the round this rank last took part in */
+    int offer;            /* the split offered with the next round */
 };
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 static size_t rounds_offset(void) { return round_up(sizeof(arena_header), LINE); }
-static size_t bufs_offset(int size) { return round_up(rounds_offset() + (size_t)size * LINE, PAGE); }
+static size_t bufs_offset(int size) { return round_up(rounds_offset() + (size_t)size * sizeof(round_line), PAGE); }
 static size_t stride_of(size_t slot_bytes) { return round_up(8 + slot_bytes, LINE); }
 
 size_t rr_arena_file_bytes(int size, size_t slot_bytes)
@@ -86,7 +101,7 @@ rr_arena *rr_arena_map(int fd, int rank, int size, size_t slot_bytes, int spin, 
         return NULL;
     }
     a->hdr = p;
-    a->round = (line *)((char *)p + rounds_offset());
+    a->round = (round_line *)((char *)p + rounds_offset());
     a->bufs = (unsigned char *)p + bufs_offset(size);
     a->slot = slot_bytes;
     a->stride = stride_of(slot_bytes);
@@ -125,6 +140,8 @@ static _Atomic uint32_t *futex_word(rr_arena *a) { return (_Atomic uint32_t *)&a
 
 static void publish(rr_arena *a, uint64_t round)
 {
+    a->round[a->rank].split[round & 1] = (uint64_t)a->offer;
+    a->offer = 0;
     atomic_store_explicit(&a->round[a->rank].v, round, memory_order_release);
     atomic_fetch_add_explicit(futex_word(a), 1, memory_order_seq_cst);
     if (atomic_load_explicit(&a->hdr->sleepers.v, memory_order_seq_cst))
@@ -214,5 +231,109 @@ int rr_arena_round(rr_arena *a, rr_transport *t, const void *head, size_t hlen, 
         rr_arena_blob(a, i, &n);
         if (n > a->slot) *all_fit = 0;
     }
+    return RR_OK;
+}
+
+void rr_arena_offer_split(rr_arena *a, int split) { a->offer = split != 0; }
+
+int rr_arena_all_split(const rr_arena *a)
+{
+    for (int i = 0; i < a->size; i++)
+        if (!a->round[i].split[a->current & 1]) return 0;
+    return 1;
+}
+
+/* The cost model (docs/performance.md, "The host arena, one at a time"):
+ * per rank, DIRECT folds N-1 times S bytes, reading (N-1) S of lines other
+ * cores wrote; SPLIT folds (N-1)/N S and reads 2(N-1)/N S of them (the
+ * slices of the blobs, then the others' results), for one more round: one
+ * more wait, which costs a wake-up whenever ranks share cores. At N = 2
+ * the reads are the same and the saved fold (S/2) about pays for writing
+ * and re-reading the result: DIRECT (measured with a core per rank: SPLIT
+ * won isolated only from 48 to 64 KiB, and lost back to back there, 18.5
+ * against 9.5 us at 64 KiB). From N = 3, with a core per rank, the saved
+ * reads ((N-1)(1 - 2/N) S, ~5 ns a line) outweigh that second round's 8-9
+ * us from about 128 KiB (not measured: no such machine here). */
+#define SPLIT_MIN_BYTES ((size_t)128 << 10)
+
+int rr_arena_wants_split(int mode, int size, size_t bytes)
+{
+    if (mode == RR_ARENA_SPLIT) return size > 1;
+    if (mode != RR_ARENA_AUTO || size < 3 || bytes < SPLIT_MIN_BYTES) return 0;
+    static long cores; /* a benign race: every thread computes the same */
+    if (!cores) cores = sysconf(_SC_NPROCESSORS_ONLN);
+    return size <= cores;
+}
+
+/* Measured with a core per rank at N = 2 (32-64 KiB: 8-13% faster; from
+ * 96 KiB 5-8% slower: there the hardware's own prefetch does better alone). */
+#define PREFETCH_MAX_BYTES ((size_t)64 << 10)
+#define PREFETCH_CHUNK ((size_t)8 << 10)
+#define MAX_FOLD_TERMS 64
+
+int rr_arena_fold(void *out, const void *const *in, int n, int own, size_t count, rr_dtype dtype, rr_op op)
+{
+    const size_t esize = rr_dtype_size(dtype), bytes = count * esize;
+    if (bytes <= PREFETCH_CHUNK || bytes > PREFETCH_MAX_BYTES || n > MAX_FOLD_TERMS)
+        return rr_reduce_in_order(out, in, n, count, dtype, op);
+    const void *at[MAX_FOLD_TERMS];
+    for (size_t done = 0; done < bytes; done += PREFETCH_CHUNK) { /* esize divides the chunk */
+        const size_t m = bytes - done < PREFETCH_CHUNK ? bytes - done : PREFETCH_CHUNK;
+        const size_t next = bytes - done - m < PREFETCH_CHUNK ? bytes - done - m : PREFETCH_CHUNK;
+        for (int i = 0; i < n; i++) {
+            at[i] = (const char *)in[i] + done;
+            if (i != own)
+                for (size_t b = 0; b < next; b += LINE) __builtin_prefetch((const char *)at[i] + m + b, 0, 3);
+        }
+        int rc = rr_reduce_in_order((char *)out + done, at, n, m / esize, dtype, op);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+static int overlaps(const void *p, const void *q, size_t n)
+{
+    const char *a = p, *b = q;
+    return n && a < b + n && b < a + n;
+}
+
+int rr_arena_allreduce_split(rr_arena *a, rr_transport *t, size_t hlen, const void *data, size_t dlen, void *out,
+                             rr_dtype dtype, rr_op op, rr_error *err)
+{
+    const int N = a->size, r = a->rank;
+    const size_t esize = rr_dtype_size(dtype), count = dlen / esize;
+    /* Slices of whole cache lines (of the data; the blob's header may skew
+     * them against the mapping's lines), the last one shorter or empty. */
+    const size_t per = round_up((count + (size_t)N - 1) / (size_t)N, LINE / esize);
+#define LO(i) ((size_t)(i) * per < count ? (size_t)(i) * per : count)
+#define HI(i) LO((i) + 1)
+    const void **in = malloc(sizeof *in * (size_t)N);
+    if (!in) { /* nothing published yet: every other rank waits and hears of it */
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    const size_t lo = LO(r), n = HI(r) - lo;
+    for (int i = 0; i < N; i++)
+        in[i] = i == r && !overlaps(data, out, dlen) ? (const void *)((const char *)data + lo * esize)
+                                                      : (const void *)(buffer(a, i, a->current) + 8 + hlen + lo * esize);
+    const uint64_t round = a->current + 1, len = hlen + dlen;
+    unsigned char *next = buffer(a, r, round);
+    memcpy(next, &len, 8);
+    const int bad = n ? rr_reduce_in_order(next + 8 + hlen + lo * esize, in, N, n, dtype, op) : 0;
+    free(in);
+    publish(a, round); /* even after a failed fold, so that nobody waits for us */
+    a->current = round;
+    if (bad) {
+        rr_set_error(err, RR_E_INVALID, -1, "unsupported dtype %d or op %d", (int)dtype, (int)op);
+        return err->code;
+    }
+    for (int k = 1; k <= N; k++) { /* ours last: it is there already */
+        const int i = (r + k) % N;
+        int rc = wait_for(a, t, i, round, err);
+        if (rc != RR_OK) return rc;
+        memcpy((char *)out + LO(i) * esize, buffer(a, i, round) + 8 + hlen + LO(i) * esize, (HI(i) - LO(i)) * esize);
+    }
+#undef LO
+#undef HI
     return RR_OK;
 }

@@ -28,11 +28,27 @@
 #include <stddef.h>
 
 #include "error.h"
+#include "reduce_math.h"
 #include "transport.h"
 
 #define RR_ARENA_MAGIC "RRARENA1"
 
 typedef struct rr_arena rr_arena;
+
+/* How a small allreduce is reduced once every blob is in the arena (the
+ * ring's use_arena; 0 there is "no arena"). DIRECT: each rank folds all N
+ * blobs in rank order straight into its output, its own term read from its
+ * input. SPLIT: each rank folds only its 1/N slice of all blobs, in the same
+ * order, into the arena, and after a second round copies every slice out
+ * (less reduction and less reading of other cores' lines per rank, one more
+ * wait). COPY: the first version (copy blob 0 out, then fold the rest in),
+ * kept to compare. AUTO picks DIRECT or SPLIT by rr_arena_wants_split. All
+ * give the same bits. */
+typedef enum { RR_ARENA_AUTO = 1, RR_ARENA_COPY = 2, RR_ARENA_DIRECT = 3, RR_ARENA_SPLIT = 4 } rr_arena_mode;
+
+/* Whether `mode` splits the reduction of a `bytes` tensor among `size`
+ * ranks: the cost model (docs/performance.md, "The host arena, one at a time"). */
+int rr_arena_wants_split(int mode, int size, size_t bytes);
 
 /* Size of the file for `size` ranks whose blobs are up to slot_bytes. */
 size_t rr_arena_file_bytes(int size, size_t slot_bytes);
@@ -52,6 +68,28 @@ size_t rr_arena_slot_bytes(const rr_arena *a);
  * (a lost or silent peer ends the wait with its error). */
 int rr_arena_round(rr_arena *a, rr_transport *t, const void *head, size_t hlen, const void *data, size_t dlen,
                    int *all_fit, rr_error *err);
+
+/* DIRECT's fold: out = in[0] OP ... OP in[n-1] in rank order
+ * (rr_reduce_in_order), where in[own] is this rank's term and the others
+ * are blobs other cores just wrote. Up to 64 KiB it folds 8 KiB at a time
+ * and asks for the next 8 KiB of the others' blobs first: those lines come
+ * slowly out of the other cores' caches, and asking early overlaps them
+ * (docs/performance.md, "The host arena, one at a time"). Same bits. */
+int rr_arena_fold(void *out, const void *const *in, int n, int own, size_t count, rr_dtype dtype, rr_op op);
+
+/* Offers the split (SPLIT above) with the next round only; after it,
+ * rr_arena_all_split says whether every rank offered it. Every rank reads
+ * the same offers, so all of them take the same way. */
+void rr_arena_offer_split(rr_arena *a, int split);
+int rr_arena_all_split(const rr_arena *a);
+
+/* The split reduction, after a round in which every header agreed and
+ * every rank offered it: folds this rank's slice of every blob (past hlen
+ * bytes of header) in rank order into its buffer of a second round,
+ * publishes that, and copies every rank's slice into out. `data` is this
+ * rank's own term (read in place of its blob unless it overlaps out). */
+int rr_arena_allreduce_split(rr_arena *a, rr_transport *t, size_t hlen, const void *data, size_t dlen, void *out,
+                             rr_dtype dtype, rr_op op, rr_error *err);
 
 /* Rank i's blob of the last round (valid until the next round), *len bytes. */
 const void *rr_arena_blob(const rr_arena *a, int i, size_t *len);

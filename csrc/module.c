@@ -690,8 +690,9 @@ static PyObject *Comm_attach_arena(CommObject *self, PyObject *args)
  * between operations): benchmarks compare it with the ring pass. */
 static PyObject *Comm_use_arena(CommObject *self, PyObject *args)
 {
-    int on;
-    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    int on; /* 0 off, else an rr_arena_mode (True: AUTO) */
+    if (!PyArg_ParseTuple(args, "i", &on)) return NULL;
+    if (on < 0 || on > RR_ARENA_SPLIT) return PyErr_Format(PyExc_ValueError, "no arena mode %d", on);
     if (!self->ring || !self->ring->arena) Py_RETURN_FALSE;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
@@ -795,7 +796,8 @@ static PyMethodDef Comm_methods[] = {
     {"attach_arena", (PyCFunction)Comm_attach_arena, METH_VARARGS,
      "attach_arena(fd, slot_bytes, spin) -> whether the ring took the host arena (ringreduce/shm.py)"},
     {"use_arena", (PyCFunction)Comm_use_arena, METH_VARARGS,
-     "use_arena(on): small operations through the attached arena or around the ring (all ranks alike)"},
+     "use_arena(on): small operations through the attached arena or around the ring (all ranks alike); "
+     "on may name how the arena reduces (host_arena.h's rr_arena_mode: 1 auto, 2 copy, 3 direct, 4 split)"},
     {"close", (PyCFunction)Comm_close, METH_NOARGS, "say goodbye to the peers and free everything"},
     {"interrupt", (PyCFunction)Comm_interrupt, METH_NOARGS,
      "from any thread: the running operation (and every later one) fails, and the peers learn this rank left"},

@@ -10,6 +10,9 @@
  * promotes uint16_t to int, and 65535 * 65535 overflows int.
  */
 #include "reduce.h"
+
+#include <string.h>
+
 #include "reduce16.h"
 
 #define LOOP(T, EXPR)                                                        \
@@ -133,4 +136,17 @@ int rr_divide(void *buf, size_t count, rr_dtype dtype, int n)
     case RR_UINT16: FLOOR_DIV(uint16_t); return 0;
     default: return -1;
     }
+}
+
+int rr_reduce_in_order(void *out, const void *const *in, int n, size_t count, rr_dtype dtype, rr_op op)
+{
+    const int mean = op == RR_AVG && rr_avg_is_mean(dtype);
+    if (n < 1) return -1;
+    if (n == 1 && out != in[0]) memmove(out, in[0], count * rr_dtype_size(dtype));
+    for (int i = 1; i < n; i++) {
+        const void *acc = i == 1 ? in[0] : out;
+        int rc = mean ? rr_mean_fold(out, in[i], acc, count, dtype, i + 1) : rr_reduce3(out, acc, in[i], count, dtype, op);
+        if (rc) return rc;
+    }
+    return op == RR_AVG && !mean ? rr_divide(out, count, dtype, n) : 0;
 }

@@ -24,4 +24,13 @@ int rr_mean_fold(void *dst, const void *x, const void *mean, size_t count, rr_dt
  * as numpy's //, so every rank and the reference agree. */
 int rr_divide(void *buf, size_t count, rr_dtype dtype, int n);
 
+/* out = in[0] OP in[1] OP ... OP in[n-1], folded left to right: the small
+ * paths' rank order, so every rank reducing the same inputs gets the same
+ * bits, whichever path (and whichever slice of the buffer) it takes. RR_AVG
+ * divides by n at the end, 16-bit floats fold a running mean
+ * (rr_mean_fold) instead. out may be in[0], never another in[i]: no copy of
+ * in[0] first, the first fold reads it in place. Returns 0, or -1 as the
+ * kernels do. */
+int rr_reduce_in_order(void *out, const void *const *in, int n, size_t count, rr_dtype dtype, rr_op op);
+
 #endif

@@ -719,9 +719,10 @@ int rr_exchange_blobs(rr_ring *ring, const void *head, size_t hlen, const void *
 
 /* Small allreduce: every rank's header and data meet in the host arena, or
  * travel in one ring pass; then each rank reduces all the data itself, in
- * rank order, so every rank gets the same bits (whichever way they met).
- * When some rank's header differs from ours nothing is reduced: *agreed is 0
- * and *all/lens hold every blob for the caller to explain the mismatch. */
+ * rank order, so every rank gets the same bits (whichever way they met, and
+ * whichever way the arena reduces: host_arena.h's modes). When some rank's
+ * header differs from ours nothing is reduced: *agreed is 0 and *all/lens
+ * hold every blob for the caller to explain the mismatch. */
 int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void *data, size_t dlen,
                        void *out, rr_dtype dtype, rr_op op, int *agreed, void **all, size_t *lens,
                        rr_error *err)
@@ -735,11 +736,15 @@ int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void 
         return err->code;
     }
     const int mean = op == RR_AVG && rr_avg_is_mean(dtype);
+    const int mode = ring->arena ? ring->use_arena : 0; /* rr_arena_mode, 0: no arena */
     /* The arena first (every rank on one host); else doubling where the transport reaches any rank. */
-    if (!mean && rr_doubling_usable(ring) && !(ring->arena && ring->use_arena))
+    if (!mean && rr_doubling_usable(ring) && !mode)
         return rr_allreduce_doubling(ring, head, hlen, data, dlen, out, dtype, op, agreed, all, lens, err);
-    int in_arena = 0;
-    int rc = hlen + dlen <= MAX_BLOB ? arena_round(ring, head, hlen, data, dlen, &in_arena, err) : RR_OK;
+    int in_arena = 0, rc = RR_OK;
+    if (hlen + dlen <= MAX_BLOB) {
+        if (mode) rr_arena_offer_split(ring->arena, rr_arena_wants_split(mode, N, dlen));
+        rc = arena_round(ring, head, hlen, data, dlen, &in_arena, err);
+    }
     if (rc == RR_OK && !in_arena) rc = ring_exchange_blobs(ring, head, hlen, data, dlen, all, lens, err);
     if (rc != RR_OK) return rc;
     const char **blob = malloc(sizeof *blob * (size_t)N);
@@ -756,12 +761,27 @@ int rr_allreduce_small(rr_ring *ring, const void *head, size_t hlen, const void 
         return in_arena ? copy_arena_blobs(ring, all, lens, err) : RR_OK;
     }
     *agreed = 1;
-    memcpy(out, blob[0] + hlen, dlen);
-    for (int i = 1; i < N; i++) {
-        if (mean) rr_mean_fold(out, blob[i] + hlen, out, dlen / esize, dtype, i + 1);
-        else rr_reduce(out, blob[i] + hlen, dlen / esize, dtype, op);
+    if (in_arena && rr_arena_all_split(ring->arena)) {
+        free(blob);
+        rc = rr_arena_allreduce_split(ring->arena, ring->transport, hlen, data, dlen, out, dtype, op, err);
+        return rc == RR_OK ? RR_OK : fail(ring, rc, err);
     }
-    if (op == RR_AVG && !mean) rr_divide(out, dlen / esize, dtype, N);
+    if (in_arena && mode == RR_ARENA_COPY) { /* the first version, to compare */
+        memcpy(out, blob[0] + hlen, dlen);
+        for (int i = 1; i < N; i++) {
+            if (mean) rr_mean_fold(out, blob[i] + hlen, out, dlen / esize, dtype, i + 1);
+            else rr_reduce(out, blob[i] + hlen, dlen / esize, dtype, op);
+        }
+        if (op == RR_AVG && !mean) rr_divide(out, dlen / esize, dtype, N);
+    } else {
+        /* Straight into out, no copy first; our own term from our input
+         * (warm in this core's cache) unless it overlaps out. */
+        const char *mine = (const char *)data, *o = out;
+        const int apart = !dlen || mine + dlen <= o || o + dlen <= mine;
+        for (int i = 0; i < N; i++) blob[i] = i == ring->rank && apart ? mine : blob[i] + hlen;
+        if (in_arena) rr_arena_fold(out, (const void *const *)blob, N, apart ? ring->rank : -1, dlen / esize, dtype, op);
+        else rr_reduce_in_order(out, (const void *const *)blob, N, dlen / esize, dtype, op);
+    }
     free(blob);
     free(*all);
     *all = NULL;

@@ -16,6 +16,7 @@ MAX_ARENA_BYTES = 16 << 20  # per rank, twice over (csrc/host_arena.h)
 ARENA_HEADER_ROOM = 4096  # an arena slot holds arena_bytes of data plus the operation's header
 BACKENDS = ("", "socket", "mpi")
 SMALL_ALGORITHMS = ("", "doubling", "ring")
+ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/host_arena.h rr_arena_mode
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 
 
@@ -33,6 +34,10 @@ class Config:
                                     # neighbours on one host (socket backend); 0: sockets only
     arena_bytes: int = 256 << 10    # RINGREDUCE_ARENA_BYTES: largest tensor of the host arena, the small
                                     # path when all ranks share one host (socket backend); 0: none
+    arena_reduce: str = "auto"      # RINGREDUCE_ARENA_REDUCE: how the host arena reduces: "auto" (by size
+                                    # and N, csrc/host_arena.c's cost model), "direct" (each rank folds all
+                                    # N), "split" (each its 1/N, then a second round), "copy" (the first
+                                    # version); the same bits every way
     shm_zerocopy: bool = True       # RINGREDUCE_SHM_ZEROCOPY: 1 (default): where both of a rank's links
                                     # are shared memory, the ring reduces straight in the mappings;
                                     # 0: through its own staging buffer (the path before issue 17)
@@ -55,6 +60,8 @@ class Config:
                f"0 (sockets only) .. {MAX_SHM_BYTES} bytes")
         _check("RINGREDUCE_ARENA_BYTES", self.arena_bytes, 0 <= self.arena_bytes <= MAX_ARENA_BYTES,
                f"0 (no host arena) .. {MAX_ARENA_BYTES} bytes")
+        _check("RINGREDUCE_ARENA_REDUCE", self.arena_reduce, self.arena_reduce in ARENA_REDUCES,
+               "'auto', 'direct', 'split' or 'copy'")
         _check("RINGREDUCE_SHM_ZEROCOPY", self.shm_zerocopy, isinstance(self.shm_zerocopy, bool), "0 or 1")
         _check("RINGREDUCE_FUSION_THRESHOLD", self.fusion_bytes, self.fusion_bytes >= 0, "bytes >= 0")
         _check("RINGREDUCE_SMALL_ALGORITHM", self.small_algorithm, self.small_algorithm in SMALL_ALGORITHMS,
@@ -100,6 +107,7 @@ class Config:
             backend=get("RINGREDUCE_BACKEND", d.backend, str),
             shm_bytes=get("RINGREDUCE_SHM_BYTES", d.shm_bytes, int),
             arena_bytes=get("RINGREDUCE_ARENA_BYTES", d.arena_bytes, int),
+            arena_reduce=get("RINGREDUCE_ARENA_REDUCE", d.arena_reduce, str),
             shm_zerocopy=get("RINGREDUCE_SHM_ZEROCOPY", d.shm_zerocopy, _switch),
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
@@ -112,7 +120,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_TIMEOUT", "RINGREDUCE_START_TIMEOUT", "RINGREDUCE_SEGMENT_BYTES", "RINGREDUCE_SMALL_BYTES",
     "RINGREDUCE_SPIN", "RINGREDUCE_BACKEND", "RINGREDUCE_SHM_BYTES", "RINGREDUCE_FUSION_THRESHOLD",
     "RINGREDUCE_CACHE_CAPACITY", "RINGREDUCE_AUTOTUNE", "RINGREDUCE_SMALL_ALGORITHM", "RINGREDUCE_ARENA_BYTES",
-    "RINGREDUCE_SHM_ZEROCOPY",
+    "RINGREDUCE_SHM_ZEROCOPY", "RINGREDUCE_ARENA_REDUCE",
     "RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_SECRET", "RINGREDUCE_LOCAL_RANK",
     "RINGREDUCE_LOCAL_SIZE", "RINGREDUCE_HOST", "RINGREDUCE_ELASTIC_ADDR", "RINGREDUCE_WORKER_ID",
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",

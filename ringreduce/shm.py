@@ -36,6 +36,8 @@ log = logging.getLogger("ringreduce")
 
 MAGIC = b"RRSHM1\0\0"
 ARENA_MAGIC = b"RRARENA1"  # csrc/host_arena.h
+# RINGREDUCE_ARENA_REDUCE's names for Comm.use_arena's modes (csrc/host_arena.h rr_arena_mode).
+ARENA_MODES = {"auto": 1, "copy": 2, "direct": 3, "split": 4}
 DATA_OFFSET = 4096
 ALIGN = 64  # csrc/shm_link.h RR_SHM_ALIGN
 SHM_DIR = "/dev/shm"
@@ -191,8 +193,10 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
     could. Rank 0 unlinks the file after that pass, whatever happened: the
     mappings keep it alive, and nothing is left in /dev/shm however the job ends.
     Returns whether the arena is in use (False: small operations stay on the ring).
+    It reduces as RINGREDUCE_ARENA_REDUCE says (ranks that differ there still
+    agree: the split happens only where every rank offers it).
     """
-    from . import _core
+    from . import _core, config as _config
 
     if size < 2:
         return False
@@ -223,7 +227,10 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
         if fd >= 0:
             os.close(fd)
         return False
-    return comm.attach_arena(fd, slot_bytes, spin)
+    if not comm.attach_arena(fd, slot_bytes, spin):
+        return False
+    comm.use_arena(ARENA_MODES[_config.Config.from_env().arena_reduce])
+    return True
 def agree_zero_copy(comm, wanted: bool) -> bool:
     """Lets comm's ring reduce straight in the shared-memory mappings
     (csrc/ring.c, ring_steps_zero_copy) if every rank wants it

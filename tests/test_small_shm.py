@@ -69,6 +69,93 @@ def test_arena_matches_numpy_and_the_ring_bit_for_bit(tmp_path, n):
     assert len({r.result[1] for r in ranks}) == 1, "ranks ended with different bits"
 
 
+# The arena's ways of reducing (Comm.use_arena's modes, csrc/host_arena.h):
+# copy (the first version), direct (straight into the output, the rank's own
+# term from its input), split (each rank folds its 1/N slice, a second round
+# shares it), auto. Every dtype and op, odd sizes (slices of uneven length,
+# fewer elements than ranks, a slot filled to its limit), out of place and in
+# place (out=x: the own term then comes from the arena): the same bits in
+# every way, on every rank, and as the ring's small path.
+MODES = """
+    import hashlib, ml_dtypes
+    from ringreduce import collectives as c, shm
+    comm, N, r = c._state.comm, rr.size(), rr.rank()
+    limit = c._state.small_limit
+    dtypes = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int16, np.uint16,
+              np.int32, np.int64]
+    digest, problems = hashlib.sha256(), []
+
+    def inputs(rank, n, dtype):
+        g = np.random.default_rng(7000 * rank + n)
+        if np.dtype(dtype).kind in "iu":
+            return g.integers(-9 if np.dtype(dtype).kind == "i" else 0, 10, n).astype(dtype)
+        x = (g.random(n) * 4 - 2).astype(dtype)
+        if n > 40:  # NaN and infinities where min/max and sums must agree on them
+            x[[3, 17, 29]] = np.array([np.nan, np.inf, -np.inf]).astype(dtype)[[r % 3, (r + 1) % 3, (r + 2) % 3]]
+        return x
+
+    for dtype in dtypes:
+        size = np.dtype(dtype).itemsize
+        for op in ["sum", "prod", "min", "max", "avg"]:
+            for n in [0, 1, N - 1, N + 1, 17, 4099, (57344 // size) - 3, (65536 // size) + 5, limit // size]:
+                x = inputs(r, n, dtype)
+                comm.use_arena(0)
+                want = rr.allreduce(x, op=op).tobytes()
+                for mode in ["copy", "direct", "split", "auto"]:
+                    comm.use_arena(shm.ARENA_MODES[mode])
+                    got = rr.allreduce(x, op=op)
+                    inplace = x.copy()
+                    rr.allreduce(inplace, op=op, out=inplace)
+                    for how, y in (("out of place", got), ("in place", inplace)):
+                        if y.tobytes() != want:
+                            problems.append(f"{dtype.__name__} {op} {n} {mode} {how}: differs from the ring")
+                digest.update(want)
+    comm.use_arena(shm.ARENA_MODES["auto"])
+    result = (problems, digest.hexdigest())
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_way_of_reducing_in_the_arena_gives_the_same_bits(tmp_path, n):
+    ranks = run_ranks(n, MODES, tmp_path, timeout=100)
+    for r in ranks:
+        assert r.result[0] == [], f"rank {r.rank}: {r.result[0][:5]}"
+    assert len({r.result[1] for r in ranks}) == 1, "ranks ended with different bits"
+
+
+def test_ranks_that_differ_in_arena_reduce_still_agree(tmp_path):
+    """RINGREDUCE_ARENA_REDUCE differs by rank: the split happens only
+    where every rank offers it, so nobody waits for a second round that
+    never comes, and the bits are the ring's; mismatches are still named."""
+    ranks = run_ranks(3, """
+        os.environ["RINGREDUCE_ARENA_REDUCE"] = ["split", "direct", "auto"][int(os.environ["RINGREDUCE_RANK"])]
+        rr.init()
+        from ringreduce import collectives as c
+        x = np.random.default_rng(rr.rank()).random(50001).astype(np.float32)
+        got = rr.allreduce(x)
+        c._state.comm.use_arena(0)
+        want = rr.allreduce(x)
+        c._state.comm.use_arena(1)
+        try:
+            rr.allreduce(np.ones(70000 if rr.rank() == 2 else 60000, np.float32))
+            mismatch = "no error"
+        except rr.MismatchError as e:
+            mismatch = str(e)
+        result = (c._state.comm.arena_slot > 0, got.tobytes() == want.tobytes(), mismatch)
+    """, tmp_path, timeout=60, init=False)
+    for r in ranks:
+        in_arena, same, mismatch = r.result
+        assert in_arena and same, r.result
+        assert "rank 2" in mismatch, mismatch
+
+
+def test_a_bad_arena_reduce_is_refused():
+    from ringreduce import config
+    with pytest.raises(ValueError, match="RINGREDUCE_ARENA_REDUCE"):
+        config.Config.from_env({"RINGREDUCE_ARENA_REDUCE": "fast"})
+    assert config.Config.from_env({"RINGREDUCE_ARENA_REDUCE": "split"}).arena_reduce == "split"
+
+
 def test_mismatches_name_the_same_rank_everywhere(tmp_path):
     """Shape, dtype and op mismatches, and a rank whose tensor is too big for
     its slot while the others' fit: MismatchError naming rank 1 on every
@@ -199,9 +286,11 @@ def test_ranks_on_different_hosts_keep_the_ring(tmp_path):
         assert r.result == (0, True, [0.0, 6.0, 12.0, 18.0, 24.0])
 
 
-def test_process_sets_get_their_own_arena(tmp_path):
+@pytest.mark.parametrize("reduce", ["auto", "split"])
+def test_process_sets_get_their_own_arena(tmp_path, reduce):
     """A set's ring on one host has its own arena; sets and the world
-    interleave, every result right and bit-identical among members."""
+    interleave, every result right and bit-identical among members (split:
+    each set's arena takes its second round too)."""
     ranks = run_ranks(4, """
         import hashlib
         from ringreduce import collectives as c
@@ -220,7 +309,7 @@ def test_process_sets_get_their_own_arena(tmp_path):
                 assert np.allclose(got, want, rtol=1e-5), (i, members)
                 digests.setdefault(repr(members), hashlib.sha256()).update(got.tobytes())
         result = (arenas, {k: v.hexdigest() for k, v in digests.items()})
-    """, tmp_path, timeout=60)
+    """, tmp_path, timeout=60, env={"RINGREDUCE_ARENA_REDUCE": reduce})
     for r in ranks:
         assert r.result[0] and all(r.result[0]), f"rank {r.rank}: {r.result[0]}"
     for members in ([0, 2, 3], [0, 1, 2, 3], [1, 3]):
@@ -262,6 +351,9 @@ LEAVING_RIGHT_AFTER_THE_ROUND = """
 """
 
 
-def test_a_rank_leaving_right_after_its_round_is_not_blamed(tmp_path):
-    ranks = run_ranks(4, LEAVING_RIGHT_AFTER_THE_ROUND, tmp_path, timeout=150)
+@pytest.mark.parametrize("reduce", ["auto", "split"])
+def test_a_rank_leaving_right_after_its_round_is_not_blamed(tmp_path, reduce):
+    """split: the round a rank leaves right after is the second one."""
+    ranks = run_ranks(4, LEAVING_RIGHT_AFTER_THE_ROUND, tmp_path, timeout=150,
+                      env={"RINGREDUCE_ARENA_REDUCE": reduce})
     assert [x.result for x in ranks] == [25] * 4
