@@ -538,11 +538,16 @@ done:
     return result;
 }
 
+static int same_shape(const Py_buffer *a, const Py_buffer *b)
+{
+    return a->ndim == b->ndim && (a->ndim == 0 || !memcmp(a->shape, b->shape, sizeof *a->shape * (size_t)a->ndim));
+}
+
 /* allreduce_small(head, src, dst, dtype, op) and try_allreduce_small(...):
  * the small allreduce (rr_allreduce_small) of head + src into dst; None when
  * every header matched ours (dst holds the result), else every rank's blob
  * for Python to explain. The try_ form is rr.allreduce's fast path: buffers
- * it cannot use as given (not C-contiguous, dst read-only, sizes differ, no
+ * it cannot use as given (not C-contiguous, dst read-only, shapes differ, no
  * buffer at all) return NotImplemented before anything is sent, and the
  * caller takes its checked path, which refuses bad input on every rank.
  * METH_FASTCALL: no argument tuple, no format string to parse. */
@@ -558,7 +563,7 @@ static PyObject *small_allreduce(CommObject *self, PyObject *const *args, Py_ssi
     if (PyObject_GetBuffer(args[0], &head, PyBUF_SIMPLE)) return NULL;
     if (PyObject_GetBuffer(args[1], &data, PyBUF_C_CONTIGUOUS)) goto decline_head;
     if (get_writable(args[2], &out)) goto decline_data;
-    if (out.len != data.len) {
+    if (out.len != data.len || (decline && !same_shape(&data, &out))) {
         if (!decline) PyErr_SetString(PyExc_ValueError, "out and data differ in size");
         PyBuffer_Release(&out);
         goto decline_data;
@@ -853,7 +858,7 @@ static PyMethodDef Comm_methods[] = {
      "allreduce_small(head, data, out, dtype, op) -> None, or every rank's blob when headers differ"},
     {"try_allreduce_small", (PyCFunction)(void (*)(void))Comm_try_allreduce_small, METH_FASTCALL,
      "try_allreduce_small(head, data, out, dtype, op): as allreduce_small, but NotImplemented, with nothing "
-     "sent, for buffers it cannot use as given (not C-contiguous, out read-only, sizes differ)"},
+     "sent, for buffers it cannot use as given (not C-contiguous, out read-only, shapes differ)"},
     {"attach_arena", (PyCFunction)Comm_attach_arena, METH_VARARGS,
      "attach_arena(fd, slot_bytes, spin) -> whether the ring took the host arena (ringreduce/shm.py)"},
     {"use_arena", (PyCFunction)Comm_use_arena, METH_VARARGS,

@@ -92,9 +92,11 @@ class _Ring:
 class _Plan(NamedTuple):
     """What a checked small allreduce decided, for the next one of the same
     shape, dtype, op and name on its ring: the header (the path's decision in
-    its inline flag), the codes, and the comm.small_rounds the limit was
-    computed with (Comm.set_small_algorithm may change it between calls)."""
+    its inline flag), the shape (for the output), the codes, and the
+    comm.small_rounds the limit was computed with (Comm.set_small_algorithm
+    may change it between calls)."""
     head: bytes
+    shape: tuple
     code: int
     opc: int
     rounds: int
@@ -584,14 +586,16 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
     # it through Comm.busy). Buffers the C call cannot use as given, or input
     # never planned, take the checked path, which refuses bad input.
     if type(x) is np.ndarray:
+        dtype = x.dtype
         try:
-            ring = _ring(process_set)
-            plan = ring.plans.get((x.shape, x.dtype, op, name))
+            ring = _state.ring if process_set is None else _ring(process_set)
+            plan = ring.plans.get((x.shape, dtype, op, name))
         except Exception:  # not initialized, a bad process set or an unhashable op: the checked path says so
             plan = None
         if plan is not None and plan.rounds == ring.comm.small_rounds:
-            dst = np.empty_like(x) if out is None else \
-                out if type(out) is np.ndarray and out.dtype is x.dtype and out.shape == x.shape else None
+            # out's shape is compared in C (a Python tuple each costs more than the compare)
+            dst = np.empty(plan.shape, dtype) if out is None else \
+                out if type(out) is np.ndarray and out.dtype is dtype else None
             if dst is not None:
                 blobs = ring.comm.try_allreduce_small(plan.head, x, dst, plan.code, plan.opc)
                 if blobs is None:  # every header the same: reduced in that pass
@@ -633,7 +637,7 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
                 if not raw and rounds is not None and type(name) in (str, type(None)):
                     if len(ring.plans) >= _MAX_PLANS:
                         ring.plans.clear()
-                    ring.plans[(x.shape, x.dtype, op, name)] = _Plan(head, code, opc, rounds)
+                    ring.plans[(x.shape, x.dtype, op, name)] = _Plan(head, x.shape, code, opc, rounds)
                 return dst if out is None or dst is out else _deliver(dst, out)
             return _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc)
         blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
