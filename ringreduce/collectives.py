@@ -603,6 +603,12 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
                 if blobs is not NotImplemented:  # headers differ: a mismatch, or a rank that takes the ring
                     with _state.lock:
                         return _allreduce_unlike(blobs, plan.head, ring, x, dst, out, plan.code, plan.opc)
+    return _allreduce_checked(x, op, out, name, process_set)
+
+
+def _allreduce_checked(x, op, out, name, process_set):
+    """allreduce with every check: any input, refused on every rank when bad;
+    a small one that all ranks ran alike leaves its plan for the fast path."""
     if type(x) is not np.ndarray and _cuda.is_device_array(x):
         return _allreduce_device(x, op, out, name, process_set)
     try:
