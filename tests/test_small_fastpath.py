@@ -222,3 +222,57 @@ result = seen
     for seen in ranks:
         assert all(ok for _, ok, _ in seen), seen
         assert [ring for algo, _, ring in seen] == [algo == "ring" for algo, _, _ in seen], seen
+
+
+def test_a_forked_child_cannot_use_the_parents_comm_on_the_fast_path(tmp_path):
+    # The fork check no longer asks the kernel for the pid on every call
+    # (an atfork handler keeps it): a child calling the parent's Comm
+    # straight, the planned header in hand, is still refused.
+    ranks = run_ranks(2, """
+        from ringreduce import collectives as C
+        x = np.ones(8, np.float32)
+        for _ in range(3):
+            rr.allreduce(x)
+        comm, plan = C._state.ring.comm, next(iter(C._state.ring.plans.values()))
+        if rr.rank() == 1:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    comm.try_allreduce_small(plan.head, x, np.empty_like(x), plan.code, plan.opc)
+                    child = "used the parent's ring"
+                except rr.RingReduceError as e:
+                    child = str(e)
+                with open(os.environ["RR_TEST_RESULT"] + ".child", "w") as f:
+                    f.write(child)
+                os._exit(0)
+            os.waitpid(pid, 0)
+        result = rr.allreduce(x).tolist()
+    """, tmp_path, timeout=60)
+    child = next(tmp_path.glob("*rank1.pkl.child")).read_text()
+    assert "forked" in child, child
+    assert [r.result for r in ranks] == [[2.0] * 8] * 2
+
+
+def test_fast_path_in_a_process_set_plans_on_the_sets_ring_and_names_world_ranks(tmp_path):
+    ranks = run_ranks(3, """
+        from ringreduce import collectives as C
+        evens = rr.add_process_set([0, 2])
+        result = None
+        if evens.included():
+            r = rr.rank()
+            ok = all(rr.allreduce(np.full(40, r + 1.0, np.float32), process_set=evens).tolist() == [4.0] * 40
+                     for _ in range(50))
+            planned = len(C._state.sets[evens.process_set_id].plans)
+            try:
+                rr.allreduce(np.ones(41 if r == 2 else 40, np.float32), process_set=evens)
+                mismatch = None
+            except rr.MismatchError as exc:
+                mismatch = str(exc)
+            result = ok, planned, mismatch, len(C._state.ring.plans)
+        rr.barrier()
+    """, tmp_path, timeout=60)
+    for r in (0, 2):
+        ok, planned, mismatch, world_plans = ranks[r].result
+        assert ok and planned == 1 and world_plans == 0, ranks[r].result
+        assert mismatch is not None and "rank 2: (41,)" in mismatch and "rank 0: (40,)" in mismatch, mismatch
+    assert ranks[1].result is None
