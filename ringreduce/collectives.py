@@ -462,13 +462,14 @@ def _refuse(kind: int, problem: Exception, process_set=None) -> None:
 
 def _check_agreement(heads, fields, what: str, ranks=None) -> None:
     """Raises MismatchError on every rank alike: all hold the same headers.
-    ranks: the world rank of each header's sender (a process set's members)."""
-    ranks = range(len(heads)) if ranks is None else ranks
-    refused = [f"rank {r}: {h['name'][len(REFUSED_PREFIX):].strip()}" for r, h in zip(ranks, heads)
+    ranks: how to name each header's sender ("rank 2"; a process set's
+    members as "world rank 5 (rank 1 of set 3)"), default rank i."""
+    ranks = [f"rank {i}" for i in range(len(heads))] if ranks is None else ranks
+    refused = [f"{r}: {h['name'][len(REFUSED_PREFIX):].strip()}" for r, h in zip(ranks, heads)
                if h["name"].startswith(REFUSED_PREFIX)]
     if refused and len(refused) < len(heads):  # a rank met the others only to say why it cannot go on
         raise MismatchError(f"a rank refused this {what}: {'; '.join(refused)}")
-    tuning = [r for r, h in zip(ranks, heads) if h["name"].startswith(_AUTOTUNE_PREFIX)]
+    tuning = [i for i, h in enumerate(heads) if h["name"].startswith(_AUTOTUNE_PREFIX)]  # the world's only
     if tuning and len(tuning) < len(heads):  # before any field: the mismatch is the setting, not a dtype
         raise MismatchError(f"RINGREDUCE_AUTOTUNE=1 on rank(s) {', '.join(map(str, tuning))} only: those ranks "
                             "calibrate at init() while the others run collectives; set RINGREDUCE_AUTOTUNE "
@@ -476,7 +477,7 @@ def _check_agreement(heads, fields, what: str, ranks=None) -> None:
     for f in ["kind", *fields]:
         values = [h[f] if f != "trailing" else h["shape"][1:] for h in heads]
         if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {_describe(f, v)}" for r, v in zip(ranks, values))
+            per_rank = ", ".join(f"{r}: {_describe(f, v)}" for r, v in zip(ranks, values))
             if f == "kind":
                 raise MismatchError(f"ranks disagree on which collective to run ({per_rank})")
             label = "shape[1:]" if f == "trailing" else f
@@ -498,7 +499,16 @@ def _agree(blobs, head: bytes, fields, what, ring: _Ring | None = None) -> None:
     then takes the ring, as every rank does. The communicator stays usable:
     no data has moved."""
     if "trailing" in fields or any(b[:len(head)] != head for b in blobs):
-        _check_agreement([_parse(b) for b in blobs], fields, what, ring.ranks if ring is not None else None)
+        _check_agreement([_parse(b) for b in blobs], fields, what, _rank_names(ring))
+
+
+def _rank_names(ring: _Ring | None) -> list | None:
+    """How errors name a ring's ranks: a process set's by world rank and
+    rank in the set, the world's as they are (None)."""
+    if ring is None or ring is _state.ring or not ring.owners:
+        return None
+    set_id = ring.owners[0].process_set_id
+    return [f"world rank {w} (rank {i} of set {set_id})" for i, w in enumerate(ring.ranks)]
 
 
 def _exchange(head: bytes, data, fields, what, ring: _Ring | None = None):

@@ -218,7 +218,10 @@ class Engine:
         if compression is not None:
             _check_compressible(name, kind, op, family, array)
             # negotiated: every rank must compress alike (and a joined rank's stand-in follows the tag)
-            wire_op = f"{op}|{compression.wire_tag(group, extra.get('compression_key', name), array.shape)}"
+            from .compression import check_rebuildable  # lazily, as _stand_in_compressor's from_tag
+            tag = compression.wire_tag(group, extra.get("compression_key", name), array.shape)
+            check_rebuildable(compression, tag)  # a joined rank must make it from the tag: refused here if not
+            wire_op = f"{op}|{tag}"
             extra["compression"] = compression
         key = (name, kind, array.dtype.name, shape, wire_op, root, process_set)
         ready = family.mark(array)  # the engine's thread reads array after the caller's stream wrote it

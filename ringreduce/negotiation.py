@@ -119,6 +119,13 @@ def describe(key) -> str:
     return text
 
 
+def _whose(process_set: int, ranks) -> str:
+    """Ranks as a message names them: negotiation numbers every rank as the
+    world does, which a process set's request says (its set numbers them otherwise)."""
+    listed = ", ".join(map(str, ranks))
+    return f"world rank(s) {listed} (of process set {process_set})" if process_set else f"rank(s) {listed}"
+
+
 def _shape_text(shape) -> str:
     if shape and shape[0] == -1:
         return "(*, " + ", ".join(map(str, shape[1:])) + ")" if len(shape) > 1 else "(*,)"
@@ -188,8 +195,10 @@ def agree(messages: list[Message], cache: ResponseCache, members=None) -> Agreem
         first_rank, first = next(iter(views.items()))
         differing = [(r, k) for r, k in views.items() if k != first]
         if differing:
-            text = ", ".join(f"rank {r} has {describe(k)}" for r, k in differing)
-            out.failed.append((first, f"tensor {name!r} differs between ranks: rank {first_rank} has "
+            rank = "world rank" if ps else "rank"  # see _whose
+            text = ", ".join(f"{rank} {r} has {describe(k)}" for r, k in differing)
+            where = f" of process set {ps}" if ps else ""
+            out.failed.append((first, f"tensor {name!r}{where} differs between ranks: {rank} {first_rank} has "
                                       f"{describe(first)}, {text}"))
             cache.invalidate(ps, name)  # a changed request under a cached name: its slot goes everywhere
         else:
@@ -201,13 +210,14 @@ def agree(messages: list[Message], cache: ResponseCache, members=None) -> Agreem
             joined_here = [r for r in out.joined if r in members(key[PROCESS_SET])]
             left_here = [r for r in out.left if r in members(key[PROCESS_SET])]
             if left_here:  # a member has shut down: no zeros stand in for a rank that left
-                out.failed.append((key, f"{key[KIND]} {key[NAME]!r} cannot run: rank(s) "
-                                        f"{', '.join(map(str, left_here))} of its process set have shut down"))
+                where = "" if key[PROCESS_SET] else " of its process set"  # a set's: _whose names it
+                out.failed.append((key, f"{key[KIND]} {key[NAME]!r} cannot run: "
+                                        f"{_whose(key[PROCESS_SET], left_here)}{where} have shut down"))
             elif key[KIND] == "allreduce" or not joined_here:
                 kept.append(key)
             else:
-                out.failed.append((key, f"{key[KIND]} {key[NAME]!r} cannot run while rank(s) "
-                                        f"{', '.join(map(str, joined_here))} have joined (rr.join): "
+                out.failed.append((key, f"{key[KIND]} {key[NAME]!r} cannot run while "
+                                        f"{_whose(key[PROCESS_SET], joined_here)} have joined (rr.join): "
                                         "until every rank has joined only allreduce goes on"))
         out.run = kept
 
@@ -265,8 +275,8 @@ class Negotiator:
             if now - since >= self.stall_seconds:
                 have, missing = waiting[(ps, name)]
                 verdict.append([ps, name, (
-                    f"tensor {name!r} was submitted by rank(s) {', '.join(map(str, have))} but not by rank(s) "
-                    f"{', '.join(map(str, missing))} for {now - since:.0f} s (RINGREDUCE_TIMEOUT): do all ranks "
+                    f"tensor {name!r} was submitted by {_whose(ps, have)} but not by {_whose(ps, missing)} "
+                    f"for {now - since:.0f} s (RINGREDUCE_TIMEOUT): do all ranks "
                     "build the same model and run the same collectives?")])
         for ps, name, _ in verdict:
             del self._waiting_since[(ps, name)]

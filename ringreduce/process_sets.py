@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 
 import numpy as np
 
@@ -262,7 +263,10 @@ def _connect(ring, ranks: list, set_id: int, ports: list, listener):
 
 class _SetComm:
     """A set's _core.Comm whose errors name world ranks: the C core knows
-    only the set's ranks, so a lost member is named as both."""
+    only the set's ranks, so every rank its message names (the lost one, the
+    one that waited, the one that reported) is rewritten as "world rank W
+    (rank r of set S)", and .rank is the lost member's world rank
+    (.set_rank: its rank in the set)."""
 
     def __init__(self, comm, set_id: int, ranks: list, links: dict | None):
         self._comm, self._set_id, self._ranks = comm, set_id, ranks
@@ -270,7 +274,9 @@ class _SetComm:
 
     def __getattr__(self, attr):
         fn = getattr(self._comm, attr)
-        if not callable(fn):  # an attribute (small_rounds, broken)
+        if attr == "broken" and fn is not None:  # why the ring is unusable: a C message, in set ranks
+            return f"{self._where()}: {in_world_terms(fn, self._ranks, self._set_id)}"
+        if not callable(fn):  # an attribute (small_rounds)
             return fn
 
         def call(*args, **kwargs):
@@ -280,11 +286,30 @@ class _SetComm:
                 raise self._in_world_terms(exc) from None
         return call
 
+    def _where(self) -> str:
+        return f"process set {self._set_id} (world ranks {self._ranks})"
+
     def _in_world_terms(self, exc: RingReduceError) -> RingReduceError:
-        where = f"process set {self._set_id} (ranks {self._ranks})"
+        message = f"{self._where()}: {in_world_terms(str(exc), self._ranks, self._set_id)}"
         if exc.rank is None or not 0 <= exc.rank < len(self._ranks):
-            return type(exc)(f"{where}: {exc}")
-        world_rank = self._ranks[exc.rank]
-        new = type(exc)(f"{where}: {exc} [rank {exc.rank} of the set is world rank {world_rank}]", world_rank)
+            return type(exc)(message)
+        new = type(exc)(message, self._ranks[exc.rank])
         new.set_rank = exc.rank
         return new
+
+
+# "rank 3" or "this rank (3)" in a message of the C core, whose ranks are the set's.
+_SET_RANK = re.compile(r"(?<!world )\b(?:this rank \((\d+)\)|rank (\d+))")
+
+
+def in_world_terms(message: str, ranks: list, set_id: int) -> str:
+    """message (from a set's ring, which numbers its members 0..k-1) with each
+    rank named as "world rank W (rank r of set S)", where W is ranks[r]."""
+    def rewrite(m: re.Match) -> str:
+        this, r = m.group(1) is not None, int(m.group(1) or m.group(2))
+        if not 0 <= r < len(ranks):
+            return m.group(0)
+        if this:
+            return f"this rank (world rank {ranks[r]}, rank {r} of set {set_id})"
+        return f"world rank {ranks[r]} (rank {r} of set {set_id})"
+    return _SET_RANK.sub(rewrite, message)

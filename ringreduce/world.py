@@ -561,10 +561,12 @@ def connect_subring(world: World, listener, me: int, members: list, ports: list,
                 if hello.get("job") != tag:
                     return f"not from {label} of this job"
                 if hello.get("ring"):
-                    return None if r == prv and from_prev is None else f"claims rank {r}, expected {prv}"
+                    if r == prv and from_prev is None:
+                        return None
+                    return f"claims rank {r!r} of {label}, expected {prv}"  # the set's numbering, as the log says
                 if hello.get("ctrl") and me == 0 and isinstance(r, int) and 0 < r < k and ctrl[r] is None:
                     return None
-                return f"unexpected hello from rank {r!r}"
+                return f"unexpected hello from rank {r!r} of {label}"
             for _ in range(1 + (k - 1 if me == 0 else 0)):  # prev; on the first member, every control link
                 conn, hello = listener.expect(check, deadline, f"the members of {label} to connect", cancelled)
                 opened.append(conn)

@@ -21,3 +21,14 @@ def _no_rank_outlives_its_test():
     yield
     import ranks
     ranks.kill_leftovers()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_mpich_segment_outlives_the_session():
+    """MPI jobs whose ranks were killed leave MPICH's /dev/shm segments behind:
+    those that appeared during the session and no live process holds go at its
+    end (tests/shm_leftovers.py); older ones, and those of jobs still running, stay."""
+    import shm_leftovers
+    before = shm_leftovers.listing()
+    yield
+    shm_leftovers.remove_orphans(before)

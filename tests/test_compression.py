@@ -507,3 +507,101 @@ def test_powersgd_agrees_whatever_signs_a_lapack_gives_its_qr(tmp_path):
     r0, r1 = run_ranks(2, QR_SIGN_JOB, tmp_path, timeout=60)
     assert r0.result["digest"] == r1.result["digest"], (r0.result, r1.result)
     assert r0.result["err"] < 1e-4   # a rank-2 gradient: exact after a step or two
+
+
+def test_topk_indices_are_int64_only_past_what_int32_holds():
+    """Choosing without allocating 8 GiB: the last index of 2**31 elements fits
+    int32; one more element would wrap to a negative index."""
+    import numpy as np
+    from ringreduce.compression import topk
+    assert topk.index_dtype(1) == np.int32 and topk.index_dtype(2**31) == np.int32
+    assert topk.index_dtype(2**31 + 1) == np.int64 and topk.index_dtype(2**40) == np.int64
+    idx = np.array([3, 2**31 - 1, 2**31, 2**33 + 7])   # past int32: exact only as int64
+    values = np.array([1.5, -2.0, 3.25, 4.0], np.float32)
+    idx_back, values_back = topk.unpack(topk.pack(idx, values, 2**34), 4, 2**34, np.float32)
+    assert idx_back.dtype == np.int64 and idx_back.tolist() == idx.tolist()
+    assert values_back.tolist() == values.tolist()
+
+
+# The int64 path end to end on a small tensor: with the int32 limit lowered,
+# ranks send int64 indices; the sums and the error left behind are the same
+# bits as on the int32 path, and the gathered bytes grow by 4 per pair.
+TOPK_WIDE_JOB = """
+from ringreduce.compression import TopK, topk
+xs = [np.random.default_rng(r).standard_normal(1001).astype(np.float32) for r in range(rr.size())]
+out = {}
+for limit in [2**31, 100]:
+    topk.INT32_INDEX_LIMIT = limit
+    c = TopK(ratio=0.1)
+    rr.reset_stats()
+    got = [c.allreduce(xs[rr.rank()] * (s + 1), "w", op="sum") for s in range(3)]
+    out[limit] = (b"".join(g.tobytes() for g in got), c._state[(0, "w")]["error"].tobytes(),
+                  rr.stats()["bytes_sent"])
+result = out
+"""
+
+
+def test_topk_with_int64_indices_gives_the_same_bits(tmp_path):
+    for r in run_ranks(2, TOPK_WIDE_JOB, tmp_path, timeout=60, env=LINKS_ONLY):
+        narrow, wide = r.result[2**31], r.result[100]
+        assert wide[:2] == narrow[:2], f"rank {r.rank}: int64 indices changed the result"
+        assert wide[2] - narrow[2] == 101 * 3 * 4 * (2 - 1), (wide[2], narrow[2])   # (N-1) copies of 101 pairs x 3 steps, 4 bytes more each
+
+
+# A compressor of the user's own, defined on every rank (here: in the job),
+# is registered under its name, so a joined rank's engine makes its stand-in
+# from the tag as for the built-in ones. One without a name of its own (a
+# stand-in would be its parent) is refused at enqueue, on every rank alike.
+CUSTOM_JOB = """
+from ringreduce.compression import Compressor, Int8
+from ringreduce.engine import engine
+
+class Scaled(Compressor):   # exact: scales by a power of two before the sum, back after
+    name = "scaled"
+    def __init__(self, factor=4.0):
+        super().__init__()
+        self.factor = factor
+    def params(self):
+        return {"factor": self.factor}
+    def _reduce(self, items, n, group, label):
+        return [s / self.factor for s in self._plain_sum([a * self.factor for _, a, _ in items], group, label)]
+
+class Renamed(Int8):
+    pass
+
+c, eng = Scaled(factor=8.0), engine()
+steps = 3 if rr.rank() == 0 else 1   # rank 1 runs out of data first
+got = []
+for step in range(steps):
+    got.append(eng.wait(eng.enqueue("w", np.full((8, 8), 1.0 + rr.rank(), np.float32), op="avg",
+                                    compression=c)).tolist())
+last = rr.join()
+try:
+    eng.enqueue("v", np.ones(4, np.float32), compression=Renamed())
+    refused = None
+except ValueError as e:
+    refused = str(e)
+result = dict(got=got, last=last, refused=refused, after=rr.allreduce(np.ones(3)).tolist())
+"""
+
+
+def test_a_compressor_of_the_users_own_runs_on_a_joined_rank_too(tmp_path):
+    r0, r1 = run_ranks(2, CUSTOM_JOB, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"})
+    assert r1.result["got"] == [[[1.5] * 8] * 8]
+    assert r0.result["got"] == [[[1.5] * 8] * 8] + [[[0.5] * 8] * 8] * 2   # (1 + 0) / 2 once rank 1 joined
+    assert r0.result["last"] == r1.result["last"] == 0
+    for r in (r0, r1):
+        assert "Renamed has no name of its own" in r.result["refused"], r.result
+        assert r.result["after"] == [2.0] * 3
+
+
+def test_from_tag_names_the_tag_and_the_fix_for_an_unknown_compressor():
+    from ringreduce.compression import Compressor, TopK, from_tag
+    with pytest.raises(ValueError, match=r"no compressor named 'nosuch' \(tag 'nosuch\(x=1\)'\).*"
+                                         r"subclass with name = 'nosuch' must be defined on every rank"):
+        from_tag("nosuch(x=1)")
+    with pytest.raises(ValueError, match=r"TopK cannot be made again from its tag 'topk\(bogus=1\)'"):
+        from_tag("topk(bogus=1)")
+    with pytest.raises(TypeError, match="compressor name 'topk' is taken by ringreduce.compression.topk.TopK"):
+        type("Clash", (Compressor,), {"name": "topk"})
+    assert repr(from_tag(TopK(ratio=0.25).tag)) == "TopK(ratio=0.25)"

@@ -3,6 +3,7 @@ on the socket backend (shared-memory and TCP links) and under mpirun, every
 result against numpy and bit-identical across a set's members; the errors."""
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -129,6 +130,8 @@ def test_errors_of_sets_on_every_rank(tmp_path):
             out["pair"] = rr.allreduce(np.full(5, r + 1.0), process_set=pair).tolist()
             out["root_outside"] = error(lambda: rr.broadcast(np.ones(2), root=1, process_set=pair))
             out["set_mismatch"] = error(lambda: rr.allreduce(np.ones(3 + r), process_set=pair))
+            out["set_refused"] = error(lambda: rr.allreduce(np.ones(3, np.complex64 if r == 2 else np.float32),
+                                                            process_set=pair))
             out["pair_still"] = rr.allreduce(np.full(2, r + 1.0), process_set=pair).tolist()
         out["unregistered"] = error(lambda: rr.allreduce(np.ones(3), process_set=rr.ProcessSet([0, 2])))
         out["not_a_set"] = error(lambda: rr.allreduce(np.ones(3), process_set=[0, 2]))
@@ -166,8 +169,13 @@ def test_errors_of_sets_on_every_rank(tmp_path):
         if r in (0, 2):
             assert res["pair"] == [4.0] * 5 and res["pair_again"] == [4.0, 4.0]
             assert res["root_outside"][0] == "ValueError" and "not a member" in res["root_outside"][1]
-            kind, message = res["set_mismatch"]  # named by world rank
-            assert kind == "MismatchError" and "rank 0: (3,)" in message and "rank 2: (5,)" in message, message
+            kind, message = res["set_mismatch"]  # named by world rank and rank in the set
+            assert kind == "MismatchError" and "world rank 0 (rank 0 of set 1): (3,)" in message, message
+            assert "world rank 2 (rank 1 of set 1): (5,)" in message and not _bare_ranks(message), message
+            kind, message = res["set_refused"]  # rank 2's own TypeError; rank 0 names it
+            assert kind == ("TypeError" if r == 2 else "MismatchError"), res["set_refused"]
+            if r == 0:
+                assert "world rank 2 (rank 1 of set 1): " in message and not _bare_ranks(message), message
             assert res["pair_still"] == [4.0, 4.0]
         assert res["unregistered"][0] == "ValueError" and "not registered" in res["unregistered"][1]
         assert res["not_a_set"][0] == "TypeError"
@@ -215,7 +223,105 @@ def test_a_killed_member_is_named_on_the_other_members(tmp_path, links):
         assert ranks[r].returncode == 0, ranks[r].stderr
         lost, set_rank, message = ranks[r].result
         assert (lost, set_rank) == (2, 1), (r, ranks[r].result)
-        assert "process set 1" in message and "rank 1 of the set is world rank 2" in message, message
+        assert "process set 1" in message and "lost world rank 2 (rank 1 of set 1)" in message, message
+        assert not _bare_ranks(message), message
+
+
+def _bare_ranks(message: str) -> list:
+    """Every "rank N" of a set's error that leaves open whose numbering N is in."""
+    return [m.group(0) for m in re.finditer(r"(?<!world )\brank \d+(?! of set)", message)]
+
+
+# What the C core says (in the set's numbering) -> what the user reads, for the set [1, 2, 3] (id 4).
+SET_MESSAGES = {
+    "lost rank 1: no progress for 3.0 s (RINGREDUCE_TIMEOUT); rank 2 was waiting on rank 1":
+        "lost world rank 2 (rank 1 of set 4): no progress for 3.0 s (RINGREDUCE_TIMEOUT); "
+        "world rank 3 (rank 2 of set 4) was waiting on world rank 2 (rank 1 of set 4)",
+    "lost rank 1 (reported through rank 0; rank 2 saw: rank 1 closed its connection)":
+        "lost world rank 2 (rank 1 of set 4) (reported through world rank 1 (rank 0 of set 4); "
+        "world rank 3 (rank 2 of set 4) saw: world rank 2 (rank 1 of set 4) closed its connection)",
+    "rank 0 gave up waiting on this rank (1) and left the ring (over MPI)":
+        "world rank 1 (rank 0 of set 4) gave up waiting on this rank (world rank 2, rank 1 of set 4) "
+        "and left the ring (over MPI)",
+    "communicator is unusable after an earlier error: lost rank 1: it failed and left the ring (over MPI)":
+        "communicator is unusable after an earlier error: lost world rank 2 (rank 1 of set 4): "
+        "it failed and left the ring (over MPI)",
+}
+
+
+@pytest.mark.parametrize("said", list(SET_MESSAGES))
+def test_a_sets_errors_name_every_rank_in_world_terms(said):
+    """No process needed: the set's _core.Comm is a stand-in that raises what C would."""
+    from ringreduce.errors import PeerLostError
+    from ringreduce.process_sets import _SetComm
+
+    class Failing:
+        broken = said  # why the ring is unusable, as module.c reads it
+
+        def allreduce(self, *args):
+            raise PeerLostError(said, 1)
+
+    comm = _SetComm(Failing(), 4, [1, 2, 3], None)
+    with pytest.raises(PeerLostError) as caught:
+        comm.allreduce()
+    assert str(caught.value) == "process set 4 (world ranks [1, 2, 3]): " + SET_MESSAGES[said]
+    assert comm.broken == str(caught.value)
+    assert (caught.value.rank, caught.value.set_rank) == (2, 1)
+    assert not _bare_ranks(str(caught.value))
+
+
+def test_the_engines_verdicts_on_a_sets_request_say_they_count_world_ranks():
+    """Negotiation numbers ranks as the world does; on a set's request (set 1:
+    world ranks 1 and 3 of 4) its messages say so. No process needed."""
+    from ringreduce.negotiation import Negotiator, agree, decode, encode
+    from ringreduce.response_cache import ResponseCache
+
+    def key(name, shape=(4,)):
+        return (name, "allreduce", "float32", shape, "avg", 0, 1)
+
+    def members(ps):
+        return [1, 3] if ps == 1 else [0, 1, 2, 3]
+
+    cache = ResponseCache(16)
+    differ = agree([decode(encode(keys, False, cache)) for keys in [[], [key("x")], [], [key("x", (5,))]]],
+                   cache, members)
+    left = agree([decode(encode(keys, False, cache, left=r == 3)) for r, keys in enumerate([[], [key("y")], [], []])],
+                 cache, members)
+    stall = Negotiator(16, stall_seconds=0)._judge_stalls({(1, "z"): ([1], [3])})
+    messages = [differ.failed[0][1], left.failed[0][1], stall[0][2]]
+    assert "tensor 'x' of process set 1 differs between ranks: world rank 1 has" in messages[0], messages
+    assert "world rank 3 has allreduce float32 shape (5,)" in messages[0], messages
+    assert "cannot run: world rank(s) 3 (of process set 1) have shut down" in messages[1], messages
+    assert ("submitted by world rank(s) 1 (of process set 1) but not by world rank(s) 3 (of process set 1)"
+            in messages[2]), messages
+    assert not any(_bare_ranks(m) for m in messages), messages
+
+
+@pytest.mark.parametrize("links", list(LINKS))
+def test_a_silent_member_is_named_in_world_terms_by_every_member(tmp_path, links):
+    """World rank 2 (rank 1 of the set [1, 2, 3]) computes past the timeout:
+    the set's star (world rank 1) judges it; every message names world ranks."""
+    ranks = run_ranks(4, """
+        import time
+        trio = rr.add_process_set([1, 2, 3])
+        if trio.included():
+            rr.allreduce(np.ones(10), process_set=trio)
+            if rr.rank() == 2:
+                time.sleep(7)
+            try:
+                rr.allreduce(np.ones(1 << 18, dtype=np.float32), process_set=trio)
+                result = "no error"
+            except rr.PeerLostError as e:
+                result = (e.rank, getattr(e, "set_rank", None), str(e))
+        else:
+            result = "outside"
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "2", **LINKS[links]})
+    assert ranks[0].result == "outside"
+    for r in (1, 3):
+        lost, set_rank, message = ranks[r].result
+        assert (lost, set_rank) == (2, 1), (r, ranks[r].result)
+        assert "lost world rank 2 (rank 1 of set 1)" in message and not _bare_ranks(message), message
+    assert "world rank 3 (rank 2 of set 1) was waiting on world rank 2 (rank 1 of set 1)" in ranks[3].result[2]
 
 
 # --------------------------------------------------------------------------- under mpirun

@@ -29,12 +29,31 @@ def scope(process_set) -> object:
     return process_set.process_set_id, tuple(process_set.ranks)
 
 
+# name -> the Compressor subclass that set it: how a joined rank's engine
+# rebuilds a compressor from the negotiated tag (from_tag).
+REGISTRY: dict = {}
+
+
 class Compressor:
     """Subclasses set `name` and implement _reduce(items, n, group, label),
     items a list of (key, float array, state), label the prefix of the names
     of the collectives they run; they return the SUM over ranks of each
-    array, as float arrays of the same shapes."""
+    array, as float arrays of the same shapes. params() returns what
+    __init__ takes as keywords (literals), so cls(**params()) is the same
+    compressor. A subclass that sets its own `name` is registered under it
+    when defined, so defining it on every rank (in a module each imports)
+    lets the engine rebuild it from its tag on a joined rank."""
     name = "none"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            return  # inherits its parent's name: enqueue refuses it (its tag would rebuild the parent)
+        known = REGISTRY.get(cls.name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"compressor name {cls.name!r} is taken by {known.__module__}.{known.__qualname__}; "
+                            f"give {cls.__qualname__} a name of its own")
+        REGISTRY[cls.name] = cls  # the same class defined again (a reload) replaces itself
 
     def __init__(self):
         self._state: dict = {}  # (scope(process set), tensor name) -> the compressor's per-tensor state
