@@ -13,6 +13,9 @@ alike, float32 sums with:
   rr-<algorithm>  ringreduce over MPI with its small-message algorithm forced
                   (Comm.set_small_algorithm; "doubling" is what init() chooses,
                   "ring" the ring's passes and their size limit, as before)
+  checked-<alg>   the first algorithm through rr.allreduce's checked path
+                  (collectives._allreduce_checked: every check, the lock, the
+                  header looked up), what every call took before the fast path
   C-<algorithm>   with --c-call: Comm.allreduce_small called directly with a
                   ready header, the first algorithm: the C core without the
                   Python layer of rr.allreduce
@@ -89,6 +92,9 @@ def main():
             def run(algo=algo):
                 rr.allreduce(x, out=out)
             yield f"rr-{algo}", run, lambda: out, algo
+        from ringreduce import collectives
+        yield f"checked-{algorithms[0]}", lambda: collectives._allreduce_checked(x, "sum", out, None, None), \
+            lambda: out, algorithms[0]
         if args.c_call:  # the C core alone: what the Python layer adds is the difference
             from ringreduce import _core, collectives
             head = collectives._header(collectives.ALLREDUCE, _core.SUM, _core.FLOAT32, x.shape, None, True)
@@ -124,12 +130,12 @@ def main():
         print(f"# small allreduce, float32 sum, N={n}, {platform.node()}, {os.cpu_count()} cores, "
               f"load {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M')}")
         print(f"# isolated: median us of one op after MPI_Barrier; b2b: mean us back to back; slowest rank")
-        print(f"{'size':>8} {'impl':>14} {'isolated(us)':>13} {'b2b(us)':>9} {'iso/MPI':>8} {'b2b/MPI':>8}")
+        print(f"{'size':>8} {'impl':>17} {'isolated(us)':>13} {'b2b(us)':>9} {'iso/MPI':>8} {'b2b/MPI':>8}")
         for nbytes in sizes:
             ref = rows[(nbytes, "MPI_Allreduce")]
             for name in names:
                 iso, bb = rows[(nbytes, name)]
-                print(f"{nbytes:>8} {name:>14} {iso:>13.1f} {bb:>9.1f} {iso / ref[0]:>8.2f} {bb / ref[1]:>8.2f}")
+                print(f"{nbytes:>8} {name:>17} {iso:>13.1f} {bb:>9.1f} {iso / ref[0]:>8.2f} {bb / ref[1]:>8.2f}")
     rr.shutdown()
 
 

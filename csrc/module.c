@@ -23,11 +23,13 @@ typedef struct {
     PyObject_HEAD
     rr_ring *ring;
     pthread_mutex_t mu;
+    int mu_ready;        /* mu initialised: destroyed with the object, never while a thread may wait on it */
     int closed;
     rr_error broken; /* the first error; code RR_OK while healthy */
     PyObject *interrupt; /* what a signal handler raised while we waited (see signals_pending) */
     pid_t pid;           /* the process that made the ring: a forked child must not touch it */
     atomic_int busy;     /* an operation runs, on thread `owner` */
+    atomic_int callers;  /* threads inside an operation's call, waiting for the mutex or running: Comm.busy */
     pthread_t owner;
     int close_pending;   /* close() came from a signal handler inside an operation: done after it */
     atomic_int stop_requested; /* interrupt() from any thread: the running operation gives up */
@@ -84,7 +86,12 @@ static int reentered(CommObject *self)
     return atomic_load(&self->busy) && pthread_equal(self->owner, pthread_self());
 }
 
-static int forked_away(CommObject *self) { return self->pid != getpid(); }
+/* This process's id, kept by an atfork handler: asking the kernel (getpid)
+ * on every operation cost ~0.1 us of a 4 KiB allreduce's ~4. */
+static pid_t this_pid;
+static void forked_child(void) { this_pid = getpid(); }
+
+static int forked_away(CommObject *self) { return self->pid != this_pid; }
 
 /* Before each operation: after interrupt() nothing more runs (and the peers
  * are told), and a ring that knows a peer is lost fails at once. */
@@ -163,9 +170,10 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
         /* The Comm owns it from here: make the capsule unusable for a second Comm. */
         if (PyCapsule_SetName(capsule, "ringreduce.transport.taken")) return -1;
         self->ring = rr_ring_create(t, (size_t)segment);
-        self->pid = getpid();
+        self->pid = this_pid;
         if (!self->ring) { t->ops->destroy(t); PyErr_NoMemory(); return -1; }
         pthread_mutex_init(&self->mu, NULL);
+        self->mu_ready = 1;
         return 0;
     }
     /* The shared-memory files are owned from here on: close them on any early return. */
@@ -192,7 +200,7 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
     }
     PyMem_Free(fds);
     self->ring = rr_ring_create(t, (size_t)segment);
-    self->pid = getpid();
+    self->pid = this_pid;
     if (!self->ring) {
         if (t) t->ops->destroy(t);
         PyErr_NoMemory();
@@ -201,6 +209,7 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw)
     self->ring->rank = rank;
     self->ring->size = size;
     pthread_mutex_init(&self->mu, NULL);
+    self->mu_ready = 1;
     return 0;
 fail_shm:
     if (tx_shm >= 0) close(tx_shm);
@@ -211,6 +220,7 @@ fail_shm:
 static void Comm_dealloc(CommObject *self)
 {
     close_ring(self);
+    if (self->mu_ready) pthread_mutex_destroy(&self->mu);
     Py_CLEAR(self->interrupt);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -227,11 +237,14 @@ static void Comm_dealloc(CommObject *self)
                 : "a collective cannot run inside a signal handler that interrupted another one");            \
             break;                                                           \
         }                                                                    \
+        atomic_fetch_add(&(self)->callers, 1);                               \
         Py_BEGIN_ALLOW_THREADS                                               \
         pthread_mutex_lock(&(self)->mu);                                     \
         (self)->owner = pthread_self();                                      \
         atomic_store(&(self)->busy, 1);                                      \
-        if ((self)->broken.code == RR_OK) {                                  \
+        if (!(self)->ring) { /* closed by another thread while we waited */ \
+            rr_set_error(&(err), RR_E_INVALID, -1, "ringreduce is shut down: call ringreduce.init() first"); \
+        } else if ((self)->broken.code == RR_OK) {                           \
             arm_interrupt(self, 1);                                          \
             if (begin_op(self, &(err)) == RR_OK) { CALL; }                   \
             arm_interrupt(self, 0);                                          \
@@ -243,6 +256,7 @@ static void Comm_dealloc(CommObject *self)
         atomic_store(&(self)->busy, 0);                                      \
         pthread_mutex_unlock(&(self)->mu);                                   \
         Py_END_ALLOW_THREADS                                                 \
+        atomic_fetch_sub(&(self)->callers, 1);                               \
         if ((self)->close_pending) close_ring(self);                         \
     } while (0)
 
@@ -524,32 +538,75 @@ done:
     return result;
 }
 
-static PyObject *Comm_allreduce_small(CommObject *self, PyObject *args)
+static int same_shape(const Py_buffer *a, const Py_buffer *b)
 {
-    Py_buffer head, data, out = {0};
-    PyObject *out_obj, *result = NULL;
-    int dtype, op;
-    if (!PyArg_ParseTuple(args, "y*y*Oii", &head, &data, &out_obj, &dtype, &op)) return NULL;
+    return a->ndim == b->ndim && (a->ndim == 0 || !memcmp(a->shape, b->shape, sizeof *a->shape * (size_t)a->ndim));
+}
+
+/* allreduce_small(head, src, dst, dtype, op) and try_allreduce_small(...):
+ * the small allreduce (rr_allreduce_small) of head + src into dst; None when
+ * every header matched ours (dst holds the result), else every rank's blob
+ * for Python to explain. The try_ form is rr.allreduce's fast path: buffers
+ * it cannot use as given (not C-contiguous, dst read-only, shapes differ, no
+ * buffer at all) return NotImplemented before anything is sent, and the
+ * caller takes its checked path, which refuses bad input on every rank.
+ * METH_FASTCALL: no argument tuple, no format string to parse. */
+static PyObject *small_allreduce(CommObject *self, PyObject *const *args, Py_ssize_t nargs, int decline)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "allreduce_small(head, src, dst, dtype, op) takes 5 arguments");
+        return NULL;
+    }
+    int dtype = (int)PyLong_AsLong(args[3]), op = (int)PyLong_AsLong(args[4]);
+    if (PyErr_Occurred() || !valid_dtype_op(dtype, op)) return NULL;
+    Py_buffer head, data, out;
+    if (PyObject_GetBuffer(args[0], &head, PyBUF_SIMPLE)) return NULL;
+    if (PyObject_GetBuffer(args[1], &data, PyBUF_C_CONTIGUOUS)) goto decline_head;
+    if (get_writable(args[2], &out)) goto decline_data;
+    if (out.len != data.len || (decline && !same_shape(&data, &out))) {
+        if (!decline) PyErr_SetString(PyExc_ValueError, "out and data differ in size");
+        PyBuffer_Release(&out);
+        goto decline_data;
+    }
+    PyObject *result = NULL;
     size_t *lens = NULL;
     void *all = NULL;
-    if (!valid_dtype_op(dtype, op) || check_usable(self) || get_writable(out_obj, &out)) goto done;
-    if (out.len != data.len) { PyErr_SetString(PyExc_ValueError, "out and data differ in size"); goto done; }
-    const int N = self->ring->size;
-    if (!(lens = PyMem_Malloc(sizeof(size_t) * (size_t)N))) { PyErr_NoMemory(); goto done; }
+    int agreed = 0, N = 0;
+    if (check_usable(self)) goto done;
     rr_error err = {0};
-    int agreed = 0;
-    RUN_LOCKED(self, err, rr_allreduce_small(self->ring, head.buf, (size_t)head.len, data.buf, (size_t)data.len,
-                                             out.buf, (rr_dtype)dtype, (rr_op)op, &agreed, &all, lens, &err));
+    /* N and lens under the lock: a ring closed meanwhile by another thread is gone (RUN_LOCKED says so) */
+    RUN_LOCKED(self, err,
+               N = self->ring->size;
+               if (!(lens = malloc(sizeof *lens * (size_t)N))) rr_set_error(&err, RR_E_SYSTEM, -1, "out of memory");
+               else rr_allreduce_small(self->ring, head.buf, (size_t)head.len, data.buf, (size_t)data.len, out.buf,
+                                       (rr_dtype)dtype, (rr_op)op, &agreed, &all, lens, &err));
     if (err.code != RR_OK) finish(self, &err);
     else if (agreed) { Py_INCREF(Py_None); result = Py_None; }
     else result = blob_list(all, lens, N);
 done:
     free(all);
-    PyMem_Free(lens);
+    free(lens);
     PyBuffer_Release(&head);
     PyBuffer_Release(&data);
-    if (out.obj) PyBuffer_Release(&out);
+    PyBuffer_Release(&out);
     return result;
+decline_data:
+    PyBuffer_Release(&data);
+decline_head:
+    PyBuffer_Release(&head);
+    if (!decline) return NULL;
+    PyErr_Clear();
+    Py_RETURN_NOTIMPLEMENTED;
+}
+
+static PyObject *Comm_allreduce_small(CommObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return small_allreduce(self, args, nargs, 0);
+}
+
+static PyObject *Comm_try_allreduce_small(CommObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return small_allreduce(self, args, nargs, 1);
 }
 
 /* Says goodbye and frees the ring. In a forked child the ring (sockets,
@@ -571,8 +628,7 @@ static void close_ring(CommObject *self)
         pthread_mutex_unlock(&self->mu);
         Py_END_ALLOW_THREADS
     }
-    pthread_mutex_destroy(&self->mu);
-    self->closed = 1;
+    self->closed = 1; /* mu stays: another thread may be waiting on it, and finds the ring gone */
 }
 
 static PyObject *Comm_close(CommObject *self, PyObject *Py_UNUSED(ignored))
@@ -588,6 +644,14 @@ static PyObject *Comm_interrupt(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     atomic_store(&self->stop_requested, 1);
     Py_RETURN_NONE;
+}
+
+/* Set from the moment a thread enters an operation (the GIL still held)
+ * until it leaves: shutdown() on another thread interrupts such a call,
+ * which may be waiting for the mutex, not yet running. */
+static PyObject *Comm_get_busy(CommObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(atomic_load(&self->callers) > 0);
 }
 
 static PyObject *Comm_get_broken(CommObject *self, void *Py_UNUSED(closure))
@@ -791,8 +855,11 @@ static PyMethodDef Comm_methods[] = {
      "broadcast_device(device, buf, nbytes, root): in place in device memory"},
     {"exchange_blobs", (PyCFunction)Comm_exchange_blobs, METH_VARARGS,
      "exchange_blobs(head, data=b'') -> list of every rank's head+data, in rank order"},
-    {"allreduce_small", (PyCFunction)Comm_allreduce_small, METH_VARARGS,
+    {"allreduce_small", (PyCFunction)(void (*)(void))Comm_allreduce_small, METH_FASTCALL,
      "allreduce_small(head, data, out, dtype, op) -> None, or every rank's blob when headers differ"},
+    {"try_allreduce_small", (PyCFunction)(void (*)(void))Comm_try_allreduce_small, METH_FASTCALL,
+     "try_allreduce_small(head, data, out, dtype, op): as allreduce_small, but NotImplemented, with nothing "
+     "sent, for buffers it cannot use as given (not C-contiguous, out read-only, shapes differ)"},
     {"attach_arena", (PyCFunction)Comm_attach_arena, METH_VARARGS,
      "attach_arena(fd, slot_bytes, spin) -> whether the ring took the host arena (ringreduce/shm.py)"},
     {"use_arena", (PyCFunction)Comm_use_arena, METH_VARARGS,
@@ -806,6 +873,7 @@ static PyMethodDef Comm_methods[] = {
 
 static PyGetSetDef Comm_getset[] = {
     {"broken", (getter)Comm_get_broken, NULL, "why the communicator is unusable, or None", NULL},
+    {"busy", (getter)Comm_get_busy, NULL, "whether a thread is inside an operation on this communicator", NULL},
     {"small_algorithm", (getter)Comm_get_small_algorithm, NULL,
      "the small operations' algorithm in effect: 'doubling' or 'ring'", NULL},
     {"small_rounds", (getter)Comm_get_small_rounds, NULL,
@@ -952,6 +1020,8 @@ static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "_core", "ringre
 PyMODINIT_FUNC PyInit__core(void)
 {
     if (PyType_Ready(&CommType) < 0 || PyType_Ready(&DeviceType) < 0) return NULL;
+    this_pid = getpid();
+    pthread_atfork(NULL, NULL, forked_child);
     PyObject *threading = PyImport_ImportModule("threading");
     PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
     PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
