@@ -591,10 +591,9 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
     # The fast path: small allreduces are all latency (a 4 KiB one takes ~4 us
     # in C), so a call whose shape, dtype, op and name this ring has already
     # seen take the small path reuses that call's plan (ring.plans) and makes
-    # one C call, without the checks below or the lock: the C call is the
-    # whole operation, atomic under the Comm's own mutex (shutdown() interrupts
-    # it through Comm.busy). Buffers the C call cannot use as given, or input
-    # never planned, take the checked path, which refuses bad input.
+    # one C call, without the checks below. Buffers the C call cannot use as
+    # given, or input never planned, take the checked path, which refuses bad
+    # input.
     if type(x) is np.ndarray:
         dtype = x.dtype
         try:
@@ -607,11 +606,13 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
             dst = np.empty(plan.shape, dtype) if out is None else \
                 out if type(out) is np.ndarray and out.dtype is dtype else None
             if dst is not None:
-                blobs = ring.comm.try_allreduce_small(plan.head, x, dst, plan.code, plan.opc)
-                if blobs is None:  # every header the same: reduced in that pass
-                    return dst
-                if blobs is not NotImplemented:  # headers differ: a mismatch, or a rank that takes the ring
-                    with _state.lock:
+                # The lock still: another thread's collective may be between its C calls
+                # (a header pass, then the ring), and ours must not run in there.
+                with _state.lock:
+                    blobs = ring.comm.try_allreduce_small(plan.head, x, dst, plan.code, plan.opc)
+                    if blobs is None:  # every header the same: reduced in that pass
+                        return dst
+                    if blobs is not NotImplemented:  # headers differ: a mismatch, or a rank that takes the ring
                         return _allreduce_unlike(blobs, plan.head, ring, x, dst, out, plan.code, plan.opc)
     return _allreduce_checked(x, op, out, name, process_set)
 
