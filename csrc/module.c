@@ -621,10 +621,19 @@ static void close_ring(CommObject *self)
     if (forked_away(self)) {
         self->ring = NULL; /* leaked on purpose: destroying it would say goodbye for the parent */
     } else {
+        rr_ring *ring = NULL;
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&self->mu);
-        rr_ring_destroy(self->ring);
+        /* Detached with the GIL held as well as the mutex: the getters and
+         * the checks before an operation read self->ring under the GIL
+         * alone, and must never see a ring that is being destroyed. (The
+         * order mutex, then GIL, is the interrupt hook's too.) */
+        Py_BLOCK_THREADS
+        if (!self->closed) ring = self->ring; /* another closer got here first: nothing left */
         self->ring = NULL;
+        self->closed = 1;
+        Py_UNBLOCK_THREADS
+        rr_ring_destroy(ring);
         pthread_mutex_unlock(&self->mu);
         Py_END_ALLOW_THREADS
     }
@@ -760,7 +769,7 @@ static PyObject *Comm_use_arena(CommObject *self, PyObject *args)
     if (!self->ring || !self->ring->arena) Py_RETURN_FALSE;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
-    self->ring->use_arena = on;
+    if (self->ring) self->ring->use_arena = on; /* closed by another thread meanwhile: nothing to switch */
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
     Py_RETURN_TRUE;

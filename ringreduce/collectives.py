@@ -217,7 +217,7 @@ def shutdown() -> None:
         _state.lock.acquire()
     try:
         for comm in [_state.comm, *(ring.comm for ring in _state.sets.values())]:
-            if comm is not None and comm.busy:  # allreduce's fast path runs without the lock
+            if comm is not None and comm.busy:  # a Comm call on a thread that took no lock (or took it first)
                 comm.interrupt()
         for ring in _state.sets.values():
             if ring.comm is not None:
