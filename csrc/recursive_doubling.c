@@ -233,7 +233,7 @@ static void combine(doubling *d, partial *p, incoming in, int mine_first)
         return;
     }
     if (mine_first) {
-        if (p->acc != (const char *)p->dst) memcpy(p->dst, p->acc, p->len);
+        if (p->acc != (const char *)p->dst) memmove(p->dst, p->acc, p->len); /* out may overlap x: numpy views */
         rr_reduce(p->dst, in.part, p->count, p->dtype, p->op);
         free(in.msg);
         free(p->owned);
