@@ -609,7 +609,9 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
                 # The lock still: another thread's collective may be between its C calls
                 # (a header pass, then the ring), and ours must not run in there.
                 with _state.lock:
-                    blobs = ring.comm.try_allreduce_small(plan.head, x, dst, plan.code, plan.opc)
+                    # another thread may have run shutdown() and init() since ring was read: then the checked path
+                    blobs = ring.comm.try_allreduce_small(plan.head, x, dst, plan.code, plan.opc) \
+                        if process_set is not None or ring is _state.ring else NotImplemented
                     if blobs is None:  # every header the same: reduced in that pass
                         return dst
                     if blobs is not NotImplemented:  # headers differ: a mismatch, or a rank that takes the ring
