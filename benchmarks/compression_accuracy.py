@@ -172,18 +172,19 @@ def plot(results: dict, path: Path) -> None:
 
 def table(results: dict) -> list[str]:
     """Per task and compressor, over its seeds: test accuracy's mean, range
-    and standard deviation; against none, the mean and range of the
-    difference paired by seed (the same start and data order)."""
+    and standard deviation; against none, the mean, its standard error and
+    the range of the difference paired by seed (the same start and data order)."""
     import numpy as np
     out = ["| task | compression | seeds | test accuracy, mean | min .. max | std (points) | vs none, paired by seed "
-           "(points): mean (min .. max) | MB sent per step, rank 0 | weights agree |",
+           "(points): mean +- standard error (min .. max) | MB sent per step, rank 0 | weights agree |",
            "|---|---|---|---|---|---|---|---|---|"]
     for task, rows in results.items():
         base = rows.get("none", {})
         for spec, runs in rows.items():
             acc = 100 * np.array([r["test_acc"] for r in runs.values()])
             paired = [100 * (r["test_acc"] - base[s]["test_acc"]) for s, r in runs.items() if s in base]
-            diff = (f"{np.mean(paired):+.2f} ({min(paired):+.2f} .. {max(paired):+.2f})"
+            sem = f" +- {np.std(paired, ddof=1) / np.sqrt(len(paired)):.2f}" if len(paired) > 1 else ""
+            diff = (f"{np.mean(paired):+.2f}{sem} ({min(paired):+.2f} .. {max(paired):+.2f})"
                     if paired and spec != "none" else "")
             out.append(f"| {task} | {spec} | {','.join(runs)} | {acc.mean():.2f}% | "
                        f"{acc.min():.2f} .. {acc.max():.2f} | "
