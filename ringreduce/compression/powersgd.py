@@ -14,7 +14,9 @@ All P's of a bucket travel in one allreduce, then all Q's in one. A tensor
 is compressed only when r (n + m) is at most half of n m (a 2x saving);
 1-D tensors (biases), tensors under min_size elements and every tensor
 during the first warmup_steps steps go uncompressed. Q starts from a seed
-derived from the tensor's name, so it is the same on every rank.
+derived from the tensor's name, so it is the same on every rank; during the
+warm-up it follows the exact sums by a power-iteration step each (locally,
+no bytes), so compression starts from a warm Q.
 """
 from __future__ import annotations
 
@@ -82,6 +84,9 @@ class PowerSGD(Compressor):
         if plain:
             for i, s in zip(plain, self._plain_sum([items[i][1] for i in plain], group, f"{label}/powersgd.plain")):
                 out[i] = s
+                key, a, state = items[i]
+                if self.compresses(a.shape):  # a warm-up step of a tensor that will travel as factors
+                    state["q"] = self._warm_q(key, s.reshape(as_matrix(a.shape)), state.get("q"))
         if not low:
             return out
         mats, qs = [], []
@@ -91,9 +96,8 @@ class PowerSGD(Compressor):
             err = state.get("error")  # m our own copy: it becomes the error in place
             m = a.reshape(rows, cols) + err if err is not None else a.reshape(rows, cols).copy()
             q = state.get("q")
-            if q is None:  # the same start on every rank: seeded by the name
-                rng = np.random.default_rng(zlib.crc32(key[1].encode()))
-                q = rng.standard_normal((cols, min(self.rank, rows, cols))).astype(a.dtype)
+            if q is None:
+                q = self._first_q(key, rows, cols, a.dtype)
             mats.append(m)
             qs.append(q)
         ps = [m @ q for m, q in zip(mats, qs)]
@@ -114,6 +118,21 @@ class PowerSGD(Compressor):
             state["error"] = m
             out[i] = total
         return out
+
+    def _first_q(self, key, rows, cols, dtype):
+        """A random start, the same on every rank: seeded by the tensor's name."""
+        rng = np.random.default_rng(zlib.crc32(key[1].encode()))
+        return rng.standard_normal((cols, min(self.rank, rows, cols))).astype(dtype)
+
+    def _warm_q(self, key, total, q):
+        """One power-iteration step on a warm-up step's exact sum (the same on
+        every rank, so no bytes travel): Q is warm when compression starts,
+        its first factors already near the gradient's leading subspace, rather
+        than a random projection that loses most of the first steps' gradient
+        to the error (the loss jumped at the switch from a random Q)."""
+        if q is None:
+            q = self._first_q(key, *total.shape, total.dtype)
+        return total.T @ _orthonormal(total @ q)
 
     @staticmethod
     def _split(flat, shapes):
