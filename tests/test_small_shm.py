@@ -61,12 +61,17 @@ CORRECTNESS = """
 """
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_arena_matches_numpy_and_the_ring_bit_for_bit(tmp_path, n):
-    ranks = run_ranks(n, CORRECTNESS, tmp_path, timeout=80)
+def _assert_no_problems_and_the_same_bits(ranks):
+    """Each rank's job returns (problems it found, a digest of every result)."""
     for r in ranks:
         assert r.result[0] == [], f"rank {r.rank}: {r.result[0][:5]}"
     assert len({r.result[1] for r in ranks}) == 1, "ranks ended with different bits"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_arena_matches_numpy_and_the_ring_bit_for_bit(tmp_path, n):
+    ranks = run_ranks(n, CORRECTNESS, tmp_path, timeout=80)
+    _assert_no_problems_and_the_same_bits(ranks)
 
 
 # The arena's ways of reducing (Comm.use_arena's modes, csrc/host_arena.h):
@@ -118,9 +123,7 @@ MODES = """
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_way_of_reducing_in_the_arena_gives_the_same_bits(tmp_path, n):
     ranks = run_ranks(n, MODES, tmp_path, timeout=100)
-    for r in ranks:
-        assert r.result[0] == [], f"rank {r.rank}: {r.result[0][:5]}"
-    assert len({r.result[1] for r in ranks}) == 1, "ranks ended with different bits"
+    _assert_no_problems_and_the_same_bits(ranks)
 
 
 def test_ranks_that_differ_in_arena_reduce_still_agree(tmp_path):
