@@ -58,6 +58,7 @@ from ringreduce import collectives  # noqa: E402
 
 MIB = 1 << 20
 PATHS = (("zero-copy", True), ("copying", False))
+CMA = "cma"  # a third column where RINGREDUCE_SHM_CMA=1 was agreed at init (csrc/cma.h)
 
 
 def rate(fn, nbytes: int, seconds: float = 0.2) -> float:
@@ -85,11 +86,14 @@ def table(mibs: list[int], repeats: int) -> str:
         raise SystemExit("this rank's links are not both shared memory: run all ranks on one host, "
                          "RINGREDUCE_SHM_BYTES > 0 and a multiple of 64")
     factor = harness.BUSBW_FACTOR["allreduce"](n)
+    cma_pid = comm.cma_pid
+    paths = PATHS + ((CMA, True),) if cma_pid else PATHS
     lines = [f"N = {n} on {cores} cores, float32 sum, out of place; busbw GB/s; "
              f"roofline = busbw / zero-copy bound",
              f"{'MiB':>4} {'memcpy':>7} {'add':>6} {'bound':>6} {'zero-copy':>10} {'copying':>8} "
              f"{'ratio':>6} {'zc roof':>8} {'copy roof':>9} {'zc cpu ms':>9} {'copy cpu ms':>11} "
-             f"{'cpu ratio':>9} {'zc waits':>8} {'copy waits':>10} {'#wrong':>6}"]
+             f"{'cpu ratio':>9} {'zc waits':>8} {'copy waits':>10} {'#wrong':>6}"
+             + (f" {'cma':>7} {'cma/copy':>8} {'cma/zc':>6} {'cma cpu ms':>10} {'cma waits':>9}" if cma_pid else "")]
     for mib in mibs:
         count = mib * MIB // 4
         nbytes = count * 4
@@ -97,13 +101,14 @@ def table(mibs: list[int], repeats: int) -> str:
         x = np.full(count, r + 1, np.float32)
         out = np.empty_like(x)
         want = np.float32(n * (n + 1) // 2)
-        samples = {label: [] for label, _ in PATHS}
-        cpu = {label: [] for label, _ in PATHS}
-        waits = {label: [] for label, _ in PATHS}
+        samples = {label: [] for label, _ in paths}
+        cpu = {label: [] for label, _ in paths}
+        waits = {label: [] for label, _ in paths}
         wrong = 0
         for rep in range(repeats + 1):  # the first round warms up
-            for label, on in PATHS:
+            for label, on in paths:
                 comm.set_zero_copy(on)
+                comm.set_cma(cma_pid if label == CMA else 0)
                 out.fill(0)
                 rr.barrier()
                 t, c = time.perf_counter(), time.process_time()
@@ -119,6 +124,7 @@ def table(mibs: list[int], repeats: int) -> str:
                     waits[label].append(float(total[1]))
                 wrong += int(np.count_nonzero(out != want))
         comm.set_zero_copy(True)
+        comm.set_cma(cma_pid)
         cpy, add = machine_rates(nbytes // n)
         chunk = nbytes / n
         bound_s = n / min(n, cores) * chunk * ((n - 1) / (add * 1e9) + (2 * n - 1) / (cpy * 1e9))
@@ -130,7 +136,10 @@ def table(mibs: list[int], repeats: int) -> str:
                      f"{bw['copying']:>8.2f} {bw['zero-copy'] / bw['copying']:>6.2f} "
                      f"{bw['zero-copy'] / bound:>8.2f} {bw['copying'] / bound:>9.2f} {zc_cpu * 1e3:>9.1f} "
                      f"{copy_cpu * 1e3:>11.1f} {copy_cpu / zc_cpu:>9.2f} {statistics.median(waits['zero-copy']):>8.0f} "
-                     f"{statistics.median(waits['copying']):>10.0f} {wrong:>6}")
+                     f"{statistics.median(waits['copying']):>10.0f} {wrong:>6}"
+                     + (f" {bw[CMA]:>7.2f} {bw[CMA] / bw['copying']:>8.2f} {bw[CMA] / bw['zero-copy']:>6.2f} "
+                        f"{statistics.median(cpu[CMA]) * 1e3:>10.1f} {statistics.median(waits[CMA]):>9.0f}"
+                        if cma_pid else ""))
     return "\n".join(lines)
 
 

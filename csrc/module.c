@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cma.h"
 #include "device_binding.h"
 #include "reduce.h"
 #include "recursive_doubling.h"
@@ -809,6 +810,51 @@ static PyObject *Comm_get_zero_copy(CommObject *self, void *Py_UNUSED(closure))
                            self->ring->transport->ops->rx_window);
 }
 
+/* Takes the lock, as set_zero_copy. pid: prev's process, agreed by every
+ * rank (ringreduce/shm.py agree_cma), or 0 to stop. Returns whether host
+ * ring operations from 1 MiB a chunk now take the CMA path (cma.h). */
+static PyObject *Comm_set_cma(CommObject *self, PyObject *args)
+{
+    int pid;
+    if (!PyArg_ParseTuple(args, "i", &pid)) return NULL;
+    if (!self->ring || forked_away(self)) {
+        PyErr_SetString(PyExc_ValueError, "the communicator is closed");
+        return NULL;
+    }
+    int used;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    used = pid > 0 && self->ring->transport && self->ring->transport->ops->wait_drained;
+    self->ring->cma_pid = used ? pid : 0;
+    used = used && self->ring->zero_copy;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(used);
+}
+
+/* cma_probe(pid, address, expected bytes): whether this process may read
+ * that process's memory (process_vm_readv) and finds the bytes there. */
+static PyObject *Comm_cma_probe(PyObject *Py_UNUSED(cls), PyObject *args)
+{
+    int pid;
+    unsigned long long addr;
+    Py_buffer want;
+    if (!PyArg_ParseTuple(args, "iKy*", &pid, &addr, &want)) return NULL;
+    int ok = rr_cma_probe(pid, addr, want.buf, (size_t)want.len);
+    PyBuffer_Release(&want);
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *Comm_get_cma_pid(CommObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(self->ring ? self->ring->cma_pid : 0);
+}
+
+static PyObject *Comm_cma_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLongLong(self->ring ? self->ring->cma_ops : 0);
+}
+
 static PyObject *Comm_zero_copy_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     return PyLong_FromUnsignedLongLong(self->ring ? self->ring->zero_copy_ops : 0);
@@ -841,6 +887,13 @@ static PyMethodDef Comm_methods[] = {
     {"set_zero_copy", (PyCFunction)Comm_set_zero_copy, METH_VARARGS,
      "set_zero_copy(on): reduce straight in shared-memory links from the next operation on; "
      "returns whether that path is now taken (both links shared memory); every rank must agree"},
+    {"set_cma", (PyCFunction)Comm_set_cma, METH_VARARGS,
+     "set_cma(prev_pid): read the previous rank's buffers by Cross Memory Attach from the next operation "
+     "on (0: stop); returns whether that path is now taken; every rank must agree (shm.agree_cma)"},
+    {"cma_probe", (PyCFunction)Comm_cma_probe, METH_VARARGS | METH_STATIC,
+     "cma_probe(pid, address, expected): whether process_vm_readv reads those bytes there"},
+    {"cma_ops", (PyCFunction)Comm_cma_ops, METH_NOARGS,
+     "how many ring operations so far took the Cross Memory Attach path"},
     {"zero_copy_ops", (PyCFunction)Comm_zero_copy_ops, METH_NOARGS,
      "how many ring operations so far reduced straight in the shared-memory mappings"},
     {"last_phases", (PyCFunction)Comm_last_phases, METH_NOARGS,
@@ -889,6 +942,8 @@ static PyGetSetDef Comm_getset[] = {
      "tensors the busiest rank of a small allreduce sends (doubling: log2 N, +1 off powers of two; ring: N-1)",
      NULL},
     {"arena_slot", (getter)Comm_get_arena_slot, NULL, "blob bytes per rank of the host arena in use, 0: none", NULL},
+    {"cma_pid", (getter)Comm_get_cma_pid, NULL,
+     "the previous rank's pid where the ranks agreed on Cross Memory Attach (set_cma), else 0", NULL},
     {"zero_copy", (getter)Comm_get_zero_copy, NULL,
      "whether host ring operations take the zero-copy path now (set_zero_copy's last answer)", NULL},
     {NULL, NULL, NULL, NULL, NULL},

@@ -39,6 +39,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cma.h"
 #include "device.h"
 #include "recursive_doubling.h"
 #include "host_arena.h"
@@ -386,6 +387,8 @@ static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf,
     size_t roff = 0, rdone = 0;  /* bytes of step rg's chunk received; of those, ready to forward */
     int rc_ = RR_OK;
     if (t->ops->align) t->ops->align(t);
+    if (!dev && rr_cma_wanted(ring, len) && ++ring->cma_ops)
+        return rr_cma_steps(ring, src, buf, off, len, g0, g1, reduce_until, dtype, op, err);
     if (!dev && ring->zero_copy && t->ops->rx_window && zero_copy_pays(len, N) && ++ring->zero_copy_ops)
         return ring_steps_zero_copy(ring, src, buf, off, len, g0, g1, reduce_until, dtype, op, err);
 #define DEV(CALL) do { if ((rc_ = (CALL)) != RR_OK) return fail(ring, rc_, err); } while (0)

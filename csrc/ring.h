@@ -28,6 +28,9 @@ typedef struct rr_ring {
                                 order differs, so every rank must set it alike: 0 until
                                 ringreduce/shm.py's agree_zero_copy (RINGREDUCE_SHM_ZEROCOPY) */
     unsigned long long zero_copy_ops; /* ring operations that took that path (tests, benchmarks) */
+    int cma_pid;             /* prev's pid where every rank agreed on Cross Memory Attach (cma.h), else 0;
+                                taken only with zero_copy on, so switching that off stops it too */
+    unsigned long long cma_ops; /* ring operations that took the CMA path */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */

@@ -218,11 +218,13 @@ int rr_shm_link_writer_waits(rr_shm_link *link)
     return atomic_load_explicit(&link->hdr->writer_waits.v, memory_order_relaxed) != 0;
 }
 
-int rr_shm_link_writer_sleeps(rr_shm_link *link)
+int rr_shm_link_writer_sleeps(rr_shm_link *link) { return rr_shm_link_writer_sleeps_until(link, link->capacity - 1); }
+
+int rr_shm_link_writer_sleeps_until(rr_shm_link *link, size_t most)
 {
     atomic_store_explicit(&link->hdr->writer_waits.v, 1, memory_order_relaxed);
     atomic_thread_fence(memory_order_seq_cst);
-    if (rr_shm_link_pending(link) < link->capacity) {
+    if (rr_shm_link_pending(link) <= most) {
         rr_shm_link_writer_done(link);
         return 1;
     }

@@ -43,6 +43,9 @@ int rr_shm_link_writer_waits(rr_shm_link *link);
  * when there is room (data) after all: the flag is lowered again and the
  * caller must not sleep. After the sleep, lower the flag with *_done. */
 int rr_shm_link_writer_sleeps(rr_shm_link *link);
+/* The same for a writer waiting until at most `most` bytes are unread (the
+ * reader kicks after every consume while the flag is up). */
+int rr_shm_link_writer_sleeps_until(rr_shm_link *link, size_t most);
 int rr_shm_link_reader_sleeps(rr_shm_link *link);
 void rr_shm_link_writer_done(rr_shm_link *link);
 void rr_shm_link_reader_done(rr_shm_link *link);

@@ -58,6 +58,8 @@ typedef struct {
     int aborted;
     rr_shm_link *tx_shm, *rx_shm; /* data through shared memory, or NULL: the socket */
     int next_closed, prev_closed; /* EOF seen on a shared-memory link's socket */
+    size_t tx_most;   /* a writer asleep waits for room (SIZE_MAX), or until at most this is unread */
+    int ignore_star;  /* tcp_wait_drained's final wait: only next itself can end it */
 } tcp_transport;
 
 static int64_t now_ms(void)
@@ -200,7 +202,9 @@ static int try_move(tcp_transport *t, const void *sbuf, size_t slen, size_t *sen
  * one of them can move after all (no flag is left raised then). */
 static int ready_to_sleep(tcp_transport *t, int tx, int rx)
 {
-    if (tx && rr_shm_link_writer_sleeps(t->tx_shm)) return 0;
+    if (tx && (t->tx_most == SIZE_MAX ? rr_shm_link_writer_sleeps(t->tx_shm)
+                                      : rr_shm_link_writer_sleeps_until(t->tx_shm, t->tx_most)))
+        return 0;
     if (rx && rr_shm_link_reader_sleeps(t->rx_shm)) {
         if (tx) rr_shm_link_writer_done(t->tx_shm);
         return 0;
@@ -236,7 +240,7 @@ static int wait_turn(tcp_transport *t, int tx, int rx, int *spins, int64_t deadl
      * in Python) or waiting was noted by the star: that verdict decides
      * now. Only now: bytes a lost rank sent before it went are taken
      * first, so an operation it had finished its part of still completes. */
-    if ((rc = star_verdict(t, err)) != RR_OK) return rc;
+    if (!t->ignore_star && (rc = star_verdict(t, err)) != RR_OK) return rc;
     int tx_sleeps = tx && t->tx_shm, rx_sleeps = rx && t->rx_shm;
     if (!ready_to_sleep(t, tx_sleeps, rx_sleeps)) return RR_OK;
 
@@ -248,7 +252,7 @@ static int wait_turn(tcp_transport *t, int tx, int rx, int *spins, int64_t deadl
     int watch_next = t->tx_shm ? !t->next_closed : tx;
     pfd[0] = (struct pollfd){.fd = watch_next ? t->next_fd : -1, .events = t->tx_shm ? POLLIN : POLLOUT};
     pfd[1] = (struct pollfd){.fd = rx ? t->prev_fd : -1, .events = POLLIN};
-    pfd[2] = (struct pollfd){.fd = rr_star_wake_fd(t->star), .events = POLLIN};
+    pfd[2] = (struct pollfd){.fd = t->ignore_star ? -1 : rr_star_wake_fd(t->star), .events = POLLIN};
     int64_t left = deadline - now_ms();
     int r = left > 0 ? poll(pfd, 3, (int)(left < RR_INTERRUPT_CHECK_MS ? left : RR_INTERRUPT_CHECK_MS)) : 0;
     int poll_errno = errno;
@@ -349,6 +353,33 @@ static int tcp_wait(rr_transport *base, int tx, int rx, rr_error *err)
     }
 }
 
+/* The Cross Memory Attach path (csrc/cma.c): next reads this rank's
+ * buffers and hands back the token that allowed it; wait for that. */
+static int tcp_wait_drained(rr_transport *base, size_t most, int heed_star, rr_error *err)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    if (t->aborted) {
+        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
+        return err->code;
+    }
+    int64_t deadline = t->timeout_ms >= 0 ? now_ms() + t->timeout_ms : INT64_MAX;
+    long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
+    int spins = 0, rc = RR_OK;
+    t->tx_most = most;
+    t->ignore_star = !heed_star;
+    while (rr_shm_link_pending(t->tx_shm) > most) {
+        if (!t->next_closed && drain(t->next_fd)) t->next_closed = 1;
+        if (t->next_closed) {
+            if (rr_shm_link_pending(t->tx_shm) > most) rc = closed_error(t, next_rank(t), err);
+            break;
+        }
+        if ((rc = wait_turn(t, 1, 0, &spins, deadline, &next_check, err)) != RR_OK) break;
+    }
+    t->tx_most = SIZE_MAX;
+    t->ignore_star = 0;
+    return rc;
+}
+
 /* Both ends of a shared-memory link call this at the start of each ring
  * operation (see rr_shm_link_align_tx). */
 static void tcp_align(rr_transport *base)
@@ -434,7 +465,7 @@ static const rr_transport_ops tcp_shm_ops = {
     .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align,
     .stalled = tcp_stalled,
     .rx_window = tcp_rx_window, .rx_consume = tcp_rx_consume, .tx_window = tcp_tx_window,
-    .tx_commit = tcp_tx_commit, .wait = tcp_wait,
+    .tx_commit = tcp_tx_commit, .wait = tcp_wait, .wait_drained = tcp_wait_drained,
 };
 
 rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
@@ -463,6 +494,7 @@ rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
     if (!(timeout_s <= MAX_TIMEOUT_S)) t->timeout_ms = -1;
     else t->timeout_ms = timeout_s * 1000.0 < 1.0 ? 1 : (int64_t)(timeout_s * 1000.0);
     t->spin_limit = spin_rounds > 0 ? spin_rounds : 0;
+    t->tx_most = SIZE_MAX;
     int ok = 1;
     if (tx_shm_fd >= 0) ok = (t->tx_shm = rr_shm_link_map(tx_shm_fd, err)) != NULL;
     if (rx_shm_fd >= 0) {

@@ -75,6 +75,14 @@ typedef struct rr_transport_ops {
     size_t (*tx_window)(rr_transport *t, void **p);
     void (*tx_commit)(rr_transport *t, size_t n);
     int (*wait)(rr_transport *t, int tx, int rx, rr_error *err);
+
+    /* Optional (with the five above; NULL: no Cross Memory Attach path,
+     * csrc/cma.c). Blocks until at most `most` of the bytes committed towards
+     * next are still unread, or returns an error as wait() does. With
+     * heed_star 0 it fails only for next itself (its link closed, silent,
+     * Ctrl-C), not for a rank lost elsewhere: next may still be reading this
+     * rank's memory, which must not be handed back to the caller before. */
+    int (*wait_drained)(rr_transport *t, size_t most, int heed_star, rr_error *err);
 } rr_transport_ops;
 
 #define RR_PEER_MSGS 2

@@ -170,6 +170,7 @@ def init(backend: str | None = None, comm=None) -> None:
             _state.world = w
             try:
                 _shm.agree_zero_copy(_state.comm, config.shm_zerocopy)
+                _shm.agree_cma(_state.comm, w.rank, w.size, config.shm_cma)
                 w.extra["arena"] = attach_arena(_state.comm, w.rank, w.size, "world", config)
             except BaseException:
                 shutdown()  # a peer lost while agreeing: leave, so init() may be called again

@@ -17,6 +17,7 @@ ARENA_HEADER_ROOM = 4096  # an arena slot holds arena_bytes of data plus the ope
 BACKENDS = ("", "socket", "mpi")
 SMALL_ALGORITHMS = ("", "doubling", "ring")
 ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/host_arena.h rr_arena_mode
+SHM_CMA_MODES = ("0", "1", "refused")  # csrc/cma.h
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 
 
@@ -41,6 +42,11 @@ class Config:
     shm_zerocopy: bool = True       # RINGREDUCE_SHM_ZEROCOPY: 1 (default): where both of a rank's links
                                     # are shared memory, the ring reduces straight in the mappings;
                                     # 0: through its own staging buffer (the path before issue 17)
+    shm_cma: str = "0"              # RINGREDUCE_SHM_CMA (experimental): "1": with zero copy on, a rank reads
+                                    # its previous neighbour's chunks straight out of that process's buffers
+                                    # (process_vm_readv) from 1 MiB a chunk, where every rank's probe at init
+                                    # passes; "0" (default): not; "refused": as "1" with this rank's probe
+                                    # failing (tests of the fallback)
     fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
     cache_capacity: int = 1024      # RINGREDUCE_CACHE_CAPACITY: requests the engine's response cache
                                     # holds (ringreduce/response_cache.py); 0: no cache
@@ -63,6 +69,7 @@ class Config:
         _check("RINGREDUCE_ARENA_REDUCE", self.arena_reduce, self.arena_reduce in ARENA_REDUCES,
                "'auto', 'direct', 'split' or 'copy'")
         _check("RINGREDUCE_SHM_ZEROCOPY", self.shm_zerocopy, isinstance(self.shm_zerocopy, bool), "0 or 1")
+        _check("RINGREDUCE_SHM_CMA", self.shm_cma, self.shm_cma in SHM_CMA_MODES, "0, 1 or refused")
         _check("RINGREDUCE_FUSION_THRESHOLD", self.fusion_bytes, self.fusion_bytes >= 0, "bytes >= 0")
         _check("RINGREDUCE_SMALL_ALGORITHM", self.small_algorithm, self.small_algorithm in SMALL_ALGORITHMS,
                "'doubling', 'ring' or empty")
@@ -109,6 +116,7 @@ class Config:
             arena_bytes=get("RINGREDUCE_ARENA_BYTES", d.arena_bytes, int),
             arena_reduce=get("RINGREDUCE_ARENA_REDUCE", d.arena_reduce, str),
             shm_zerocopy=get("RINGREDUCE_SHM_ZEROCOPY", d.shm_zerocopy, _switch),
+            shm_cma=get("RINGREDUCE_SHM_CMA", d.shm_cma, str),
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
             small_algorithm=get("RINGREDUCE_SMALL_ALGORITHM", d.small_algorithm, str),
@@ -120,7 +128,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_TIMEOUT", "RINGREDUCE_START_TIMEOUT", "RINGREDUCE_SEGMENT_BYTES", "RINGREDUCE_SMALL_BYTES",
     "RINGREDUCE_SPIN", "RINGREDUCE_BACKEND", "RINGREDUCE_SHM_BYTES", "RINGREDUCE_FUSION_THRESHOLD",
     "RINGREDUCE_CACHE_CAPACITY", "RINGREDUCE_AUTOTUNE", "RINGREDUCE_SMALL_ALGORITHM", "RINGREDUCE_ARENA_BYTES",
-    "RINGREDUCE_SHM_ZEROCOPY", "RINGREDUCE_ARENA_REDUCE",
+    "RINGREDUCE_SHM_ZEROCOPY", "RINGREDUCE_ARENA_REDUCE", "RINGREDUCE_SHM_CMA",
     "RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_SECRET", "RINGREDUCE_LOCAL_RANK",
     "RINGREDUCE_LOCAL_SIZE", "RINGREDUCE_HOST", "RINGREDUCE_ELASTIC_ADDR", "RINGREDUCE_WORKER_ID",
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",

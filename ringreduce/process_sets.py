@@ -255,6 +255,7 @@ def _connect(ring, ranks: list, set_id: int, ports: list, listener):
     try:
         _c.attach_arena(comm, me, len(ranks), f"set{set_id}", cfg)
         _shm.agree_zero_copy(comm, cfg.shm_zerocopy)
+        _shm.agree_cma(comm, me, len(ranks), cfg.shm_cma)
     except BaseException:
         comm.close()
         raise

@@ -244,3 +244,30 @@ def agree_zero_copy(comm, wanted: bool) -> bool:
     everyone = np.zeros_like(able)
     comm.allreduce(able, everyone, _core.INT32, _core.MIN)
     return comm.set_zero_copy(bool(everyone[0]))
+
+
+def agree_cma(comm, me: int, n: int, mode: str) -> bool:
+    """Lets comm's ring read each previous neighbour's buffers by Cross
+    Memory Attach (csrc/cma.h) if every rank wants it (RINGREDUCE_SHM_CMA=1),
+    zero copy is on (agree_zero_copy first) and every rank's probe passes:
+    process_vm_readv of a random canary in its previous neighbour, refused
+    under Yama's ptrace_scope, a seccomp filter or across pid namespaces.
+    Otherwise (a fallback agreed by all) the ring keeps zero copy through
+    the mappings. Collective over the copying path. Returns whether the ring
+    now takes it. me, n: this rank's number in comm and comm's size."""
+    canary = np.frombuffer(os.urandom(8), np.int64).copy()
+    table = np.zeros((n, 3), np.int64)
+    table[me] = (os.getpid(), canary.ctypes.data, canary[0])
+    comm.set_cma(0)
+    zero_copy = comm.zero_copy
+    comm.set_zero_copy(False)
+    every = np.zeros_like(table)
+    comm.allreduce(table, every, _core.INT64, _core.SUM)
+    pid, addr, value = (int(v) for v in every[(me - 1) % n])
+    able = mode == "1" and zero_copy and n > 1 and _core.Comm.cma_probe(pid, addr, np.int64(value).tobytes())
+    vote = np.array([int(able)], np.int32)
+    everyone = np.zeros_like(vote)
+    comm.allreduce(vote, everyone, _core.INT32, _core.MIN)
+    del canary  # read by next during the probe, which the vote has ended
+    comm.set_zero_copy(zero_copy)
+    return comm.set_cma(pid if everyone[0] else 0)

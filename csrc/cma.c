@@ -1,0 +1,146 @@
+/* The ring by Cross Memory Attach: see cma.h. */
+#define _GNU_SOURCE
+#include "cma.h"
+
+#include <errno.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include "reduce.h"
+
+/* One token on a link: aligned like every element in the mapping. */
+#define TOKEN 64
+#define TOKEN_MAGIC 0x52524d4143000000ull /* "RRCMA" and the step below it */
+
+typedef struct {
+    uint64_t tag;      /* TOKEN_MAGIC | step */
+    uint64_t src, buf; /* the sender's buffers (first token of an operation) */
+    char pad[TOKEN - 24];
+} token;
+
+static int mod(int a, int n) { return ((a % n) + n) % n; }
+
+int rr_cma_wanted(const rr_ring *ring, const size_t *len)
+{
+    if (!ring->zero_copy || ring->cma_pid <= 0 || !ring->transport->ops->wait_drained) return 0;
+    for (int c = 0; c < ring->size; c++) if (len[c] >= RR_CMA_MIN_CHUNK) return 1;
+    return 0;
+}
+
+int rr_cma_probe(int pid, uint64_t addr, const void *expect, size_t n)
+{
+    char got[64];
+    if (pid <= 0 || n > sizeof got) return 0;
+    struct iovec l = {got, n}, r = {(void *)(uintptr_t)addr, n};
+    return process_vm_readv(pid, &l, 1, &r, 1, 0) == (ssize_t)n && memcmp(got, expect, n) == 0;
+}
+
+static int fail(rr_ring *ring, int code, rr_error *err)
+{
+    ring->transport->ops->abort(ring->transport, err);
+    return code;
+}
+
+static int put_token(rr_transport *t, int step, const void *src, const void *buf, rr_error *err)
+{
+    token tok = {.tag = TOKEN_MAGIC | (uint64_t)step, .src = (uintptr_t)src, .buf = (uintptr_t)buf};
+    for (;;) {
+        void *w;
+        if (t->ops->tx_window(t, &w) >= TOKEN) {
+            memcpy(w, &tok, TOKEN);
+            t->ops->tx_commit(t, TOKEN);
+            return RR_OK;
+        }
+        int rc = t->ops->wait(t, 1, 0, err);
+        if (rc != RR_OK) return rc;
+    }
+}
+
+/* Waits for prev's token of `step`, without handing it back. */
+static int get_token(rr_transport *t, int prev, int step, token *tok, rr_error *err)
+{
+    for (;;) {
+        const void *p;
+        if (t->ops->rx_window(t, &p) >= TOKEN) {
+            memcpy(tok, p, TOKEN);
+            if (tok->tag == (TOKEN_MAGIC | (uint64_t)step)) return RR_OK;
+            rr_set_error(err, RR_E_PROTOCOL, prev, "rank %d sent something else than the Cross Memory Attach "
+                         "token of step %d (the ranks disagree on the path?)", prev, step);
+            return err->code;
+        }
+        int rc = t->ops->wait(t, 0, 1, err);
+        if (rc != RR_OK) return rc;
+    }
+}
+
+/* n bytes at `from` in prev's memory into dst. */
+static int pull(int pid, int prev, void *dst, uintptr_t from, size_t n, rr_error *err)
+{
+    while (n) {
+        struct iovec l = {dst, n}, r = {(void *)from, n};
+        ssize_t k = process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            rr_set_error(err, k < 0 && errno == ESRCH ? RR_E_PEER_LOST : RR_E_SYSTEM, prev,
+                         "reading rank %d's buffer by Cross Memory Attach failed: %s", prev,
+                         k < 0 ? strerror(errno) : "nothing read");
+            return err->code;
+        }
+        dst = (char *)dst + k;
+        from += (size_t)k;
+        n -= (size_t)k;
+    }
+    return RR_OK;
+}
+
+/* Step g: this rank reads chunk (r - g - 2) mod N from prev (its input at
+ * the first step, its output after), reduces it with its own input (steps
+ * below reduce_until, through the staging segment, which stays in cache and
+ * leaves an in-place input intact) or copies it into place. Before step g
+ * writes its output, next must have read what step g - 1 allowed (lockstep
+ * by one token): at N = 2 that is the very chunk step g rewrites. */
+int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len, int g0,
+                 int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank, prev = mod(r - 1, N), pid = ring->cma_pid;
+    const int mean = op == RR_AVG && rr_avg_is_mean(dtype);
+    const size_t esize = rr_dtype_size(dtype), slice = ring->segment;
+    rr_transport *t = ring->transport;
+    char *staging = ring->staging;
+    int rc = put_token(t, g0, src, buf, err);
+    if (rc != RR_OK) return fail(ring, rc, err);
+    t->sent[RR_SENT_RING] += len[mod(r - g0 - 1, N)]; /* what next reads from us, as the other paths count */
+    uintptr_t peer_src = 0, peer_buf = 0;
+    for (int g = g0; g < g1; g++) {
+        if (g > g0 && (rc = t->ops->wait_drained(t, TOKEN, 1, err)) != RR_OK) return fail(ring, rc, err);
+        token tok;
+        if ((rc = get_token(t, prev, g, &tok, err)) != RR_OK) return fail(ring, rc, err);
+        if (g == g0) { peer_src = (uintptr_t)tok.src; peer_buf = (uintptr_t)tok.buf; }
+        const int c = mod(r - g - 2, N);
+        const uintptr_t from = (g == g0 ? peer_src : peer_buf) + off[c];
+        const int final = g == reduce_until - 1;
+        for (size_t at = 0; at < len[c]; at += slice) {
+            const size_t n = len[c] - at < slice ? len[c] - at : slice, count = n / esize;
+            char *dst = buf + off[c] + at;
+            if (g >= reduce_until) {
+                if ((rc = pull(pid, prev, dst, from + at, n, err)) != RR_OK) return fail(ring, rc, err);
+                continue;
+            }
+            if ((rc = pull(pid, prev, staging, from + at, n, err)) != RR_OK) return fail(ring, rc, err);
+            /* The received partial holds g + 1 contributions; ours makes g + 2. */
+            if (mean) rr_mean_fold(dst, src + off[c] + at, staging, count, dtype, g + 2);
+            else rr_reduce3(dst, src + off[c] + at, staging, count, dtype, op);
+            if (op == RR_AVG && !mean && final) rr_divide(dst, count, dtype, N);
+        }
+        t->ops->rx_consume(t, TOKEN);
+        if (g + 1 < g1) {
+            if ((rc = put_token(t, g + 1, NULL, NULL, err)) != RR_OK) return fail(ring, rc, err);
+            t->sent[RR_SENT_RING] += len[c];
+        }
+    }
+    /* next may still be reading our buffers: they go back to the caller
+     * only after it handed back every token, whatever else failed meanwhile. */
+    if ((rc = t->ops->wait_drained(t, 0, 0, err)) != RR_OK) return fail(ring, rc, err);
+    return RR_OK;
+}
