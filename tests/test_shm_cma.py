@@ -1,0 +1,240 @@
+"""The ring by Cross Memory Attach (csrc/cma.c; RINGREDUCE_SHM_CMA): each
+rank reads its previous neighbour's chunk straight out of that process's
+buffers. It must give numpy's results, bit for bit those of the copying path
+and of zero copy through the mappings, on every rank alike; fall back (all
+ranks alike) where a probe is refused; and name a rank that dies mid-op.
+
+Each job runs the same operations with the three paths switched on every
+rank between operations (Comm.set_zero_copy / set_cma) and checks cma_ops,
+so the CMA path really ran: it runs from 1 MiB a chunk (RR_CMA_MIN_CHUNK).
+"""
+import pytest
+
+from ranks import run_ranks
+
+PRELUDE = """
+from cases import DTYPES, OPS, close_enough, digest, make_input, mean_error_bound, np_dtype, reference
+from ringreduce import collectives as C
+
+def three(fn, comm=None):
+    # fn's result by CMA, by zero copy through the mappings, by the copying
+    # path; and how many operations took the CMA path
+    comm = comm or C._state.comm
+    pid = comm.cma_pid
+    assert pid, "every rank should have agreed on CMA"
+    got = {}
+    for path, zc, cma in (("cma", True, pid), ("zc", True, 0), ("copy", False, 0)):
+        comm.set_zero_copy(zc)
+        assert comm.set_cma(cma) == (path == "cma")
+        before = comm.cma_ops()
+        got[path] = fn()
+        got[path, "ops"] = comm.cma_ops() - before
+    comm.set_zero_copy(True)
+    comm.set_cma(pid)
+    return got
+
+def same(got):
+    return got["cma"].tobytes() == got["zc"].tobytes() == got["copy"].tobytes()
+
+PERIOD = 65537
+
+def case(dtype, op, count):
+    bases = [make_input(k, (PERIOD,), dtype, op) for k in range(rr.size())]
+    return np.resize(bases[rr.rank()], count), np.resize(reference(bases, dtype, op), count)
+
+def matches(got, want, dtype, op):
+    if op == "avg" and dtype in ("float16", "bfloat16"):
+        bases = [make_input(k, (PERIOD,), dtype, op).astype(np.float64) for k in range(rr.size())]
+        exact = np.resize(np.mean(np.stack(bases), axis=0), got.size)
+        bound = np.resize(mean_error_bound(bases, dtype), got.size)
+        return bool(np.all(np.abs(got.astype(np.float64) - exact) <= bound))
+    return close_enough(got, want, dtype, op)
+"""
+
+CMA_ON = {"RINGREDUCE_SHM_CMA": "1"}
+
+
+def run(n, body, tmp_path, env=None, timeout=90):
+    return run_ranks(n, PRELUDE + body, tmp_path, timeout=timeout, env={**CMA_ON, **(env or {})})
+
+
+def check_cases(ranks):
+    first = ranks[0].result
+    for r in ranks:
+        for case, (ok, alike, ops, dig) in r.result.items():
+            assert ok, (r.rank, case, "differs from numpy")
+            assert alike, (r.rank, case, "the three paths differ")
+            assert ops >= 1, (r.rank, case, "the CMA path did not run")
+            assert dig == first[case][3], (r.rank, case, "ranks differ")
+
+
+# Every dtype and op, out of place and in place, chunks just over 1 MiB and odd.
+ALLREDUCE = """
+result = {}
+dtypes = DTYPES if rr.size() == 2 else ["float16", "bfloat16", "float32", "int8", "int64"]
+for dtype in dtypes:
+    esize = np_dtype(dtype).itemsize
+    for i, op in enumerate(OPS):
+        count = rr.size() * ((1 << 20) // esize) + 2 * i + 1
+        mine, want = case(dtype, op, count)
+        in_place = i % 2 == 1
+        def once():
+            if in_place:
+                x = mine.copy()
+                return rr.allreduce(x, op=op, out=x)
+            return rr.allreduce(mine, op=op)
+        got = three(once)
+        result[dtype, op, in_place] = (matches(got["cma"], want, dtype, op), same(got), got["cma", "ops"],
+                                       digest(got["cma"]))
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_dtype_and_op_matches_numpy_and_the_other_paths(tmp_path, n):
+    check_cases(run(n, ALLREDUCE, tmp_path, timeout=150))
+
+
+# Chunks exactly on the 1 MiB threshold, just over it and odd, and of
+# 1.5 MiB: sizes that are no multiple of the segment (the slice each pull takes).
+SIZES = """
+result = {}
+n = rr.size()
+for dtype in ("float32", "float64", "uint8", "float16"):
+    esize = np_dtype(dtype).itemsize
+    for count in (n * ((1 << 20) // esize), n * ((1 << 20) // esize) + n - 1, n * ((3 << 19) // esize) + 7):
+        mine, want = case(dtype, "sum", count)
+        got = three(lambda: rr.allreduce(mine, op="sum"))
+        result[dtype, count] = (close_enough(got["cma"], want, dtype, "sum"), same(got), got["cma", "ops"],
+                                digest(got["cma"]))
+"""
+
+
+@pytest.mark.parametrize("n, segment", [(2, 1 << 20), (3, 64 * 1001), (4, 1 << 18)])
+def test_odd_sizes_and_segments(tmp_path, n, segment):
+    check_cases(run(n, SIZES, tmp_path, env={"RINGREDUCE_SEGMENT_BYTES": str(segment)}))
+
+
+SCATTER_GATHER = """
+result = {}
+n, r = rr.size(), rr.rank()
+count = n * (1 << 18) + 5
+mine, want = case("float32", "sum", count)
+lo = sum(count // n + (1 if k < count % n else 0) for k in range(r))
+hi = lo + count // n + (1 if r < count % n else 0)
+got = three(lambda: rr.reduce_scatter(mine))
+result["reduce_scatter"] = (close_enough(got["cma"], want[lo:hi], "float32", "sum"), same(got),
+                            got["cma", "ops"], None)
+rows = [(1 << 20) + 7 * k + 1 for k in range(n)]  # bytes, different per rank
+blocks = [np.frombuffer(np.random.default_rng(k).bytes(rows[k]), np.uint8) for k in range(n)]
+got = three(lambda: rr.allgather(blocks[r]))
+result["allgather"] = (got["cma"].tobytes() == np.concatenate(blocks).tobytes(), same(got),
+                       got["cma", "ops"], digest(got["cma"]))
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_reduce_scatter_and_allgather_take_the_path(tmp_path, n):
+    check_cases(run(n, SCATTER_GATHER, tmp_path))
+
+
+PROCESS_SET = """
+result = {}
+ps = rr.add_process_set([0, 2, 3])
+if rr.rank() in (0, 2, 3):
+    comm = C._ring(ps).comm
+    me = [0, 2, 3].index(rr.rank())
+    bases = [make_input(k, (PERIOD,), "float32", "avg") for k in range(3)]
+    count = 3 * (1 << 18) + 11
+    want = np.resize(reference(bases, "float32", "avg"), count)
+    got = three(lambda: rr.allreduce(np.resize(bases[me], count), op="avg", process_set=ps), comm)
+    result["set"] = (close_enough(got["cma"], want, "float32", "avg"), same(got), got["cma", "ops"],
+                     digest(got["cma"]))
+rr.barrier()
+"""
+
+
+def test_a_process_set_takes_the_path(tmp_path):
+    ranks = run(4, PROCESS_SET, tmp_path)
+    assert ranks[1].result == {} and all("set" in ranks[k].result for k in (0, 2, 3))
+    check_cases([ranks[k] for k in (0, 2, 3)])
+
+
+# The switch at init, and the fallback when a probe is refused: all ranks
+# then keep zero copy through the mappings, and the results are right.
+SWITCH = """
+import os
+if os.environ["RINGREDUCE_RANK"] == "1" and os.environ.get("REFUSE_ON_ONE"):
+    os.environ["RINGREDUCE_SHM_CMA"] = "refused"
+rr.init()
+comm = C._state.comm
+mine, want = case("float32", "sum", rr.size() * (1 << 19) + 3)
+got = rr.allreduce(mine)
+result = (comm.cma_pid != 0, comm.cma_ops(), comm.zero_copy_ops(), close_enough(got, want, "float32", "sum"))
+"""
+
+
+@pytest.mark.parametrize("n, env, cma", [
+    (2, {}, True),
+    (2, {"RINGREDUCE_SHM_CMA": "0"}, False),
+    (2, {"RINGREDUCE_SHM_CMA": "refused"}, False),
+    (3, {"REFUSE_ON_ONE": "1"}, False),                # one rank refused: none takes it
+    (2, {"RINGREDUCE_SHM_ZEROCOPY": "0"}, False),      # CMA rides on zero copy
+])
+def test_the_switch_and_the_fallback_when_refused(tmp_path, n, env, cma):
+    ranks = run_ranks(n, PRELUDE + SWITCH, tmp_path, timeout=60, init=False, env={**CMA_ON, **env})
+    zero_copy = env.get("RINGREDUCE_SHM_ZEROCOPY") != "0"
+    for r in ranks:
+        agreed, cma_ops, zc_ops, ok = r.result
+        assert ok, r.rank
+        assert agreed == cma and (cma_ops > 0) == cma, (r.rank, r.result)
+        assert (zc_ops > 0) == (zero_copy and not cma), (r.rank, r.result)
+
+
+def test_a_bad_setting_is_refused_by_name():
+    from ringreduce.config import Config
+    with pytest.raises(ValueError, match="RINGREDUCE_SHM_CMA"):
+        Config.from_env({"RINGREDUCE_SHM_CMA": "yes"})
+
+
+def test_the_probe_reads_this_process_and_refuses_a_wrong_canary():
+    import os
+
+    import numpy as np
+
+    from ringreduce import _core
+    canary = np.frombuffer(os.urandom(8), np.int64).copy()
+    assert _core.Comm.cma_probe(os.getpid(), canary.ctypes.data, canary.tobytes())
+    assert not _core.Comm.cma_probe(os.getpid(), canary.ctypes.data, (canary + 1).tobytes())
+    assert not _core.Comm.cma_probe(0, canary.ctypes.data, canary.tobytes())
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_killed_mid_op_is_named_without_a_hang(tmp_path, n):
+    # Waits for tokens are tcp.c's wait(); a read of a dead rank's memory
+    # fails with ESRCH: either way PeerLostError naming rank 1.
+    import signal
+    ranks = run_ranks(n, """
+import os, signal, threading, time
+from ringreduce import collectives as C
+x = np.ones(16 << 20, np.float32)
+rr.allreduce(x)
+before = C._state.comm.cma_ops()
+if rr.rank() == 1:  # dies in the middle of a later allreduce
+    threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+t0 = time.time()
+try:
+    for i in range(50):
+        rr.allreduce(x)
+    result = "no error"
+except rr.PeerLostError as e:
+    result = (e.rank, str(e), time.time() - t0, before)
+""", tmp_path, timeout=60, env={**CMA_ON, "RINGREDUCE_TIMEOUT": "20"}, check=False)
+    assert ranks[1].returncode == -signal.SIGKILL
+    for r in ranks:
+        if r.rank == 1:
+            continue
+        assert r.returncode == 0, r.stderr
+        lost, message, elapsed, before = r.result
+        assert before >= 1, "the CMA path did not run"
+        assert lost == 1 and "rank 1" in message, (r.rank, message)
+        assert elapsed < 10, f"rank {r.rank} took {elapsed:.1f} s to notice"
