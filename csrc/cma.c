@@ -3,6 +3,7 @@
 #include "cma.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -23,7 +24,7 @@ static int mod(int a, int n) { return ((a % n) + n) % n; }
 
 int rr_cma_wanted(const rr_ring *ring, const size_t *len)
 {
-    if (!ring->zero_copy || ring->cma_pid <= 0 || !ring->transport->ops->wait_drained) return 0;
+    if (!ring->zero_copy || ring->cma_pid <= 0 || !ring->transport->ops->prev_alive) return 0;
     for (int c = 0; c < ring->size; c++) if (len[c] >= RR_CMA_MIN_CHUNK) return 1;
     return 0;
 }
@@ -74,18 +75,20 @@ static int get_token(rr_transport *t, int prev, int step, token *tok, rr_error *
     }
 }
 
-/* n bytes at `from` in prev's memory into dst. */
-static int pull(int pid, int prev, void *dst, uintptr_t from, size_t n, rr_error *err)
+/* n bytes at `from` in prev's memory into dst. A failed read (prev gone:
+ * ESRCH, or its buffers already handed back after it gave up: EFAULT) is
+ * judged as prev's link closing would be, naming the rank really at fault. */
+static int pull(rr_transport *t, int pid, int prev, void *dst, uintptr_t from, size_t n, rr_error *err)
 {
     while (n) {
         struct iovec l = {dst, n}, r = {(void *)from, n};
         ssize_t k = process_vm_readv(pid, &l, 1, &r, 1, 0);
         if (k < 0 && errno == EINTR) continue;
         if (k <= 0) {
-            rr_set_error(err, k < 0 && errno == ESRCH ? RR_E_PEER_LOST : RR_E_SYSTEM, prev,
-                         "reading rank %d's buffer by Cross Memory Attach failed: %s", prev,
-                         k < 0 ? strerror(errno) : "nothing read");
-            return err->code;
+            char what[128];
+            snprintf(what, sizeof what, "reading rank %d's buffer by Cross Memory Attach failed: %s", prev,
+                     k < 0 ? strerror(errno) : "nothing read");
+            return t->ops->prev_alive(t, what, err);
         }
         dst = (char *)dst + k;
         from += (size_t)k;
@@ -124,15 +127,18 @@ int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, c
             const size_t n = len[c] - at < slice ? len[c] - at : slice, count = n / esize;
             char *dst = buf + off[c] + at;
             if (g >= reduce_until) {
-                if ((rc = pull(pid, prev, dst, from + at, n, err)) != RR_OK) return fail(ring, rc, err);
+                if ((rc = pull(t, pid, prev, dst, from + at, n, err)) != RR_OK) return fail(ring, rc, err);
                 continue;
             }
-            if ((rc = pull(pid, prev, staging, from + at, n, err)) != RR_OK) return fail(ring, rc, err);
+            if ((rc = pull(t, pid, prev, staging, from + at, n, err)) != RR_OK) return fail(ring, rc, err);
             /* The received partial holds g + 1 contributions; ours makes g + 2. */
             if (mean) rr_mean_fold(dst, src + off[c] + at, staging, count, dtype, g + 2);
             else rr_reduce3(dst, src + off[c] + at, staging, count, dtype, op);
             if (op == RR_AVG && !mean && final) rr_divide(dst, count, dtype, N);
         }
+        /* Prev gives up (closing its link) before it returns: open now, it
+         * was in the operation while we read, so the bytes were its data. */
+        if ((rc = t->ops->prev_alive(t, NULL, err)) != RR_OK) return fail(ring, rc, err);
         t->ops->rx_consume(t, TOKEN);
         if (g + 1 < g1) {
             if ((rc = put_token(t, g + 1, NULL, NULL, err)) != RR_OK) return fail(ring, rc, err);

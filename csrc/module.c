@@ -824,7 +824,7 @@ static PyObject *Comm_set_cma(CommObject *self, PyObject *args)
     int used;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
-    used = pid > 0 && self->ring->transport && self->ring->transport->ops->wait_drained;
+    used = pid > 0 && self->ring->transport && self->ring->transport->ops->prev_alive;
     self->ring->cma_pid = used ? pid : 0;
     used = used && self->ring->zero_copy;
     pthread_mutex_unlock(&self->mu);

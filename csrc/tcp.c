@@ -380,6 +380,14 @@ static int tcp_wait_drained(rr_transport *base, size_t most, int heed_star, rr_e
     return rc;
 }
 
+static int tcp_prev_alive(rr_transport *base, const char *failed, rr_error *err)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    if (!t->prev_closed && drain(t->prev_fd)) t->prev_closed = 1;
+    if (failed) return peer_failed(t, prev_rank(t), failed, err);
+    return t->prev_closed ? closed_error(t, prev_rank(t), err) : RR_OK;
+}
+
 /* Both ends of a shared-memory link call this at the start of each ring
  * operation (see rr_shm_link_align_tx). */
 static void tcp_align(rr_transport *base)
@@ -466,6 +474,7 @@ static const rr_transport_ops tcp_shm_ops = {
     .stalled = tcp_stalled,
     .rx_window = tcp_rx_window, .rx_consume = tcp_rx_consume, .tx_window = tcp_tx_window,
     .tx_commit = tcp_tx_commit, .wait = tcp_wait, .wait_drained = tcp_wait_drained,
+    .prev_alive = tcp_prev_alive,
 };
 
 rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,

@@ -83,6 +83,12 @@ typedef struct rr_transport_ops {
      * Ctrl-C), not for a rank lost elsewhere: next may still be reading this
      * rank's memory, which must not be handed back to the caller before. */
     int (*wait_drained)(rr_transport *t, size_t most, int heed_star, rr_error *err);
+    /* With wait_drained. After reading prev's memory: RR_OK while prev is
+     * still in the operation (its link open: a rank that gives up closes it
+     * before it returns, so what was read before this check was its data);
+     * else, or when the read itself failed (`failed` says how), the error
+     * naming the rank really at fault, as a closed link is judged. */
+    int (*prev_alive)(rr_transport *t, const char *failed, rr_error *err);
 } rr_transport_ops;
 
 #define RR_PEER_MSGS 2

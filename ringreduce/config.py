@@ -42,11 +42,11 @@ class Config:
     shm_zerocopy: bool = True       # RINGREDUCE_SHM_ZEROCOPY: 1 (default): where both of a rank's links
                                     # are shared memory, the ring reduces straight in the mappings;
                                     # 0: through its own staging buffer (the path before issue 17)
-    shm_cma: str = "0"              # RINGREDUCE_SHM_CMA (experimental): "1": with zero copy on, a rank reads
-                                    # its previous neighbour's chunks straight out of that process's buffers
+    shm_cma: str = "1"              # RINGREDUCE_SHM_CMA: "1" (default): with zero copy on, a rank reads its
+                                    # previous neighbour's chunks straight out of that process's buffers
                                     # (process_vm_readv) from 1 MiB a chunk, where every rank's probe at init
-                                    # passes; "0" (default): not; "refused": as "1" with this rank's probe
-                                    # failing (tests of the fallback)
+                                    # passes (else zero copy through the mappings); "0": not; "refused": as
+                                    # "1" with this rank's probe failing (tests of the fallback)
     fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
     cache_capacity: int = 1024      # RINGREDUCE_CACHE_CAPACITY: requests the engine's response cache
                                     # holds (ringreduce/response_cache.py); 0: no cache

@@ -194,6 +194,7 @@ def test_a_bad_setting_is_refused_by_name():
     from ringreduce.config import Config
     with pytest.raises(ValueError, match="RINGREDUCE_SHM_CMA"):
         Config.from_env({"RINGREDUCE_SHM_CMA": "yes"})
+    assert Config.from_env({}).shm_cma == "1"  # on by default, where the probe passes
 
 
 def test_the_probe_reads_this_process_and_refuses_a_wrong_canary():

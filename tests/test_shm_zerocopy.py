@@ -52,8 +52,13 @@ def matches(got, want, dtype, op):
 """
 
 
+# These test the path through the mappings: Cross Memory Attach, which takes
+# precedence where agreed (tests/test_shm_cma.py), stays off.
+NO_CMA = {"RINGREDUCE_SHM_CMA": "0"}
+
+
 def run(n, body, tmp_path, env=None, timeout=80):
-    return run_ranks(n, PRELUDE + body, tmp_path, timeout=timeout, env=env)
+    return run_ranks(n, PRELUDE + body, tmp_path, timeout=timeout, env={**NO_CMA, **(env or {})})
 
 
 def check_cases(ranks):
@@ -228,7 +233,7 @@ if os.environ["RINGREDUCE_RANK"] == "1":
     os.environ["RINGREDUCE_SHM_ZEROCOPY"] = "0"
 rr.init()
 """ + PRELUDE + SWITCH
-    for r in run_ranks(3, body, tmp_path, timeout=60, init=False):
+    for r in run_ranks(3, body, tmp_path, timeout=60, init=False, env=NO_CMA):
         assert r.result == (0, True), (r.rank, r.result)
 
 
@@ -259,7 +264,7 @@ try:
     result = "no error"
 except rr.PeerLostError as e:
     result = (e.rank, str(e), time.time() - t0, before)
-""", tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"}, check=False)
+""", tmp_path, timeout=60, env={**NO_CMA, "RINGREDUCE_TIMEOUT": "20"}, check=False)
     assert ranks[1].returncode == -signal.SIGKILL
     for r in ranks:
         if r.rank == 1:
