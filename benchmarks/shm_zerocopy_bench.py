@@ -34,6 +34,11 @@ rank (RINGREDUCE_SPIN); with RINGREDUCE_SPIN=0 a waiting rank sleeps in poll
 and costs nothing, so that run shows the work alone. cpu ratio = copying /
 zero-copy (above 1: zero copy costs less).
 
+CMA columns (where the ranks agreed on Cross Memory Attach at init,
+RINGREDUCE_SHM_CMA=1, the default): the same operations with each rank
+reading its neighbour's chunks by process_vm_readv (csrc/cma.c), a third
+path interleaved with the other two; cma/copy and cma/zc are busbw ratios.
+
 Waits columns: voluntary context switches (getrusage ru_nvcsw: a rank
 slept in poll for a peer) per operation, summed over the ranks, median over
 repeats: how often the ring stalled on a neighbour, the thing running ahead
