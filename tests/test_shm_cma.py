@@ -239,3 +239,22 @@ except rr.PeerLostError as e:
         assert before >= 1, "the CMA path did not run"
         assert lost == 1 and "rank 1" in message, (r.rank, message)
         assert elapsed < 10, f"rank {r.rank} took {elapsed:.1f} s to notice"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_no_rank_returns_while_its_neighbour_still_reads_its_buffer(tmp_path, n):
+    # Each rank refills its one buffer with the next iteration's input the
+    # moment allreduce returns: had it returned while next was still reading
+    # it (the final wait for the tokens), next would sum the new values.
+    ranks = run(n, """
+from ringreduce import collectives as C
+buf = np.empty(n_el := rr.size() * (3 << 18) + 5, np.int64)
+bad, before = 0, C._state.comm.cma_ops()
+for i in range(30):
+    buf[:] = (rr.rank() + 1) * (i + 1)
+    rr.allreduce(buf, op="sum", out=buf)
+    bad += int(np.count_nonzero(buf != (i + 1) * rr.size() * (rr.size() + 1) // 2))
+result = (bad, C._state.comm.cma_ops() - before)
+""", tmp_path)
+    for r in ranks:
+        assert r.result == (0, 30), (r.rank, r.result)
