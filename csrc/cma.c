@@ -117,7 +117,7 @@ int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, c
     t->sent[RR_SENT_RING] += len[mod(r - g0 - 1, N)]; /* what next reads from us, as the other paths count */
     uintptr_t peer_src = 0, peer_buf = 0;
     for (int g = g0; g < g1; g++) {
-        if (g > g0 && (rc = t->ops->wait_drained(t, TOKEN, 1, err)) != RR_OK) return fail(ring, rc, err);
+        if (g > g0 && (rc = t->ops->wait_drained(t, TOKEN, err)) != RR_OK) return fail(ring, rc, err);
         token tok;
         if ((rc = get_token(t, prev, g, &tok, err)) != RR_OK) return fail(ring, rc, err);
         if (g == g0) { peer_src = (uintptr_t)tok.src; peer_buf = (uintptr_t)tok.buf; }
@@ -152,7 +152,8 @@ int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, c
         }
     }
     /* next may still be reading our buffers: they go back to the caller
-     * only after it handed back every token, whatever else failed meanwhile. */
-    if ((rc = t->ops->wait_drained(t, 0, 0, err)) != RR_OK) return fail(ring, rc, err);
+     * once it handed back every token. (Giving up instead aborts, which
+     * closes our links first: next's prev_alive then refuses what it read.) */
+    if ((rc = t->ops->wait_drained(t, 0, err)) != RR_OK) return fail(ring, rc, err);
     return RR_OK;
 }

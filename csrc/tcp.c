@@ -59,7 +59,6 @@ typedef struct {
     rr_shm_link *tx_shm, *rx_shm; /* data through shared memory, or NULL: the socket */
     int next_closed, prev_closed; /* EOF seen on a shared-memory link's socket */
     size_t tx_most;   /* a writer asleep waits for room (SIZE_MAX), or until at most this is unread */
-    int ignore_star;  /* tcp_wait_drained's final wait: only next itself can end it */
 } tcp_transport;
 
 static int64_t now_ms(void)
@@ -240,7 +239,7 @@ static int wait_turn(tcp_transport *t, int tx, int rx, int *spins, int64_t deadl
      * in Python) or waiting was noted by the star: that verdict decides
      * now. Only now: bytes a lost rank sent before it went are taken
      * first, so an operation it had finished its part of still completes. */
-    if (!t->ignore_star && (rc = star_verdict(t, err)) != RR_OK) return rc;
+    if ((rc = star_verdict(t, err)) != RR_OK) return rc;
     int tx_sleeps = tx && t->tx_shm, rx_sleeps = rx && t->rx_shm;
     if (!ready_to_sleep(t, tx_sleeps, rx_sleeps)) return RR_OK;
 
@@ -252,7 +251,7 @@ static int wait_turn(tcp_transport *t, int tx, int rx, int *spins, int64_t deadl
     int watch_next = t->tx_shm ? !t->next_closed : tx;
     pfd[0] = (struct pollfd){.fd = watch_next ? t->next_fd : -1, .events = t->tx_shm ? POLLIN : POLLOUT};
     pfd[1] = (struct pollfd){.fd = rx ? t->prev_fd : -1, .events = POLLIN};
-    pfd[2] = (struct pollfd){.fd = t->ignore_star ? -1 : rr_star_wake_fd(t->star), .events = POLLIN};
+    pfd[2] = (struct pollfd){.fd = rr_star_wake_fd(t->star), .events = POLLIN};
     int64_t left = deadline - now_ms();
     int r = left > 0 ? poll(pfd, 3, (int)(left < RR_INTERRUPT_CHECK_MS ? left : RR_INTERRUPT_CHECK_MS)) : 0;
     int poll_errno = errno;
@@ -355,7 +354,7 @@ static int tcp_wait(rr_transport *base, int tx, int rx, rr_error *err)
 
 /* The Cross Memory Attach path (csrc/cma.c): next reads this rank's
  * buffers and hands back the token that allowed it; wait for that. */
-static int tcp_wait_drained(rr_transport *base, size_t most, int heed_star, rr_error *err)
+static int tcp_wait_drained(rr_transport *base, size_t most, rr_error *err)
 {
     tcp_transport *t = (tcp_transport *)base;
     if (t->aborted) {
@@ -366,7 +365,6 @@ static int tcp_wait_drained(rr_transport *base, size_t most, int heed_star, rr_e
     long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
     int spins = 0, rc = RR_OK;
     t->tx_most = most;
-    t->ignore_star = !heed_star;
     while (rr_shm_link_pending(t->tx_shm) > most) {
         if (!t->next_closed && drain(t->next_fd)) t->next_closed = 1;
         if (t->next_closed) {
@@ -376,7 +374,6 @@ static int tcp_wait_drained(rr_transport *base, size_t most, int heed_star, rr_e
         if ((rc = wait_turn(t, 1, 0, &spins, deadline, &next_check, err)) != RR_OK) break;
     }
     t->tx_most = SIZE_MAX;
-    t->ignore_star = 0;
     return rc;
 }
 

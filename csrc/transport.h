@@ -78,11 +78,8 @@ typedef struct rr_transport_ops {
 
     /* Optional (with the five above; NULL: no Cross Memory Attach path,
      * csrc/cma.c). Blocks until at most `most` of the bytes committed towards
-     * next are still unread, or returns an error as wait() does. With
-     * heed_star 0 it fails only for next itself (its link closed, silent,
-     * Ctrl-C), not for a rank lost elsewhere: next may still be reading this
-     * rank's memory, which must not be handed back to the caller before. */
-    int (*wait_drained)(rr_transport *t, size_t most, int heed_star, rr_error *err);
+     * next are still unread, or returns an error as wait() does. */
+    int (*wait_drained)(rr_transport *t, size_t most, rr_error *err);
     /* With wait_drained. After reading prev's memory: RR_OK while prev is
      * still in the operation (its link open: a rank that gives up closes it
      * before it returns, so what was read before this check was its data);

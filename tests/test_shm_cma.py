@@ -209,7 +209,7 @@ def test_the_probe_reads_this_process_and_refuses_a_wrong_canary():
     assert not _core.Comm.cma_probe(0, canary.ctypes.data, canary.tobytes())
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_a_rank_killed_mid_op_is_named_without_a_hang(tmp_path, n):
     # Waits for tokens are tcp.c's wait(); a read of a dead rank's memory
     # fails with ESRCH: either way PeerLostError naming rank 1.
