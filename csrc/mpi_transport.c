@@ -19,6 +19,10 @@
  * probes for each message's size, allocates it, and receives it in place.
  * The wait is the ring's: yield, then nap, asking for notices.
  *
+ * The host arena (all ranks on one host, csrc/host_arena.h) waits outside
+ * MPI: it asks stalled() between its sleeps, which looks for notices and
+ * applies the timeout.
+ *
  * Failure: a rank that gives up (an error, a timeout, an interrupt) sends a
  * notice, {rank to blame, error code}, to every rank (a doubling partner
  * waiting on it need not be a neighbour), and those that hear it give up in
@@ -434,8 +438,33 @@ static void mpi_destroy(rr_transport *base)
     free(t);
 }
 
+/* A wait in the host arena (csrc/host_arena.h), judged as exchange() judges
+ * its own: a failure notice names whom to blame, and the rank waited on is
+ * lost once silent past the timeout, unless its part came meanwhile (it may
+ * publish, finish and leave between two looks). A dead rank needs no look of
+ * ours: the MPI runtime ends the whole job when one of its processes dies
+ * (Hydra's "BAD TERMINATION ... RANK r"), as it does around the ring. */
+static int mpi_stalled(rr_transport *base, int waited_on, long long waited_ms, int (*arrived)(void *), void *arg,
+                       rr_error *err)
+{
+    mpi_transport *t = (mpi_transport *)base;
+    if (t->aborted) {
+        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
+        return err->code;
+    }
+    int rc = notice_received(t, err);
+    if (rc != RR_OK) return rc;
+    if ((double)waited_ms >= t->timeout_s * 1000.0 && !arrived(arg)) {
+        rr_set_error(err, RR_E_PEER_LOST, waited_on, "lost rank %d: no progress for %.1f s (RINGREDUCE_TIMEOUT) in "
+                     "the host arena (over MPI)", waited_on, t->timeout_s);
+        return err->code;
+    }
+    return RR_OK;
+}
+
 static const rr_transport_ops mpi_ops = {
-    .exchange = mpi_exchange, .abort = mpi_abort, .destroy = mpi_destroy, .sendrecv = mpi_sendrecv};
+    .exchange = mpi_exchange, .abort = mpi_abort, .destroy = mpi_destroy, .sendrecv = mpi_sendrecv,
+    .stalled = mpi_stalled};
 
 rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s)
 {
