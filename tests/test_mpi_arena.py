@@ -1,0 +1,315 @@
+"""The host arena over MPI (ringreduce/mpi_backend.py attach_arena): ranks of
+an MPI ring on one host meet in one shared mapping for small operations, as
+the socket backend's do (tests/test_small_shm.py), instead of recursive
+doubling. Under mpirun -np 2, 3, 4: results against numpy for every dtype
+and op, at and past the arena's limit; the same bits on every rank;
+mismatches named on every rank; process sets with arenas of their own; a
+silent rank named after the timeout (the MPI transport's stalled()); a
+killed rank ending the job (MPI's own failure handling); no arena with
+RINGREDUCE_ARENA_BYTES=0 or ranks on different hosts; the file gone.
+
+This file is also the job each test starts: `mpirun -np N python
+tests/test_mpi_arena.py MODE OUT` writes each rank's findings to
+OUT.rank<r>.pkl.
+"""
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cases import DTYPES, OPS, close_enough, digest, make_input, reference  # noqa: E402
+
+# --------------------------------------------------------------------------- the job, on every rank
+
+
+def _init():
+    import ringreduce as rr
+    from ringreduce import collectives as c
+    rr.init(backend="mpi")
+    return rr, c
+
+
+def _sent(comm) -> int:
+    return sum(comm.bytes())
+
+
+def job_correctness():
+    """Every dtype and op; sizes 0, 1, < N, odd, a 3-d shape, the arena's
+    limit and one element past it (the ring); whether any byte left the rank."""
+    rr, c = _init()
+    n, r, ring = rr.size(), rr.rank(), c._state.ring
+    out = {"arena": ring.comm.arena_slot, "limit": ring.allreduce_limit, "cases": {}}
+    for dtype in DTYPES:
+        for op in OPS:
+            itemsize = np.dtype(make_input(0, 1, dtype, op).dtype).itemsize
+            at = ring.allreduce_limit // itemsize
+            for shape in (0, 1, max(n - 1, 1), 2 * n + 1, 1001, (3, 5, 7), at, at + 1):
+                shape = shape if isinstance(shape, tuple) else (shape,)
+                inputs = [make_input(i, shape, dtype, op) for i in range(n)]
+                before = _sent(ring.comm)
+                got = rr.allreduce(inputs[r], op=op)
+                out["cases"][(dtype, op, shape)] = (close_enough(got, reference(inputs, dtype, op), dtype, op, inputs),
+                                                    digest(got), _sent(ring.comm) > before)
+    # Sums whose value depends on the order of reduction: the same bits on every rank.
+    rng = np.random.default_rng(r)
+    for dtype in ("float32", "float16", "float64"):
+        x = (rng.standard_normal(4099) * 10 ** rng.uniform(-3, 3, 4099)).astype(dtype)
+        out["cases"][("random", dtype)] = (True, digest(rr.allreduce(x)), False)
+    inplace = np.full(513, r + 1.0, dtype=np.float32)
+    rr.allreduce(inplace, out=inplace)
+    out["inplace"] = bool((inplace == n * (n + 1) / 2).all())
+    rr.barrier()
+    return out
+
+
+def job_mismatch():
+    """The last rank disagrees on shape, dtype, op; on a shape on the small
+    path for it alone (5000 floats), and one too big for its arena slot
+    (its header alone comes to the arena); then everyone agrees again."""
+    from ringreduce.errors import MismatchError
+    rr, c = _init()
+    n, r = rr.size(), rr.rank()
+    odd = r == n - 1
+    out = {"arena": c._state.comm.arena_slot}
+    for what, call in (("shape", lambda: rr.allreduce(np.ones(7 if odd else 5, np.float32))),
+                       ("dtype", lambda: rr.allreduce(np.ones(5, np.float64 if odd else np.float32))),
+                       ("op", lambda: rr.allreduce(np.ones(5, np.float32), op="max" if odd else "sum")),
+                       ("apart", lambda: rr.allreduce(np.ones(5000 if odd else 5, np.float32))),
+                       ("long", lambda: rr.allreduce(np.ones(1 << 20 if odd else 5, np.float32)))):
+        try:
+            call()
+            out[what] = None
+        except MismatchError as exc:
+            out[what] = str(exc)
+    out["after"] = rr.allreduce(np.full(5, r + 1.0)).tolist()
+    return out
+
+
+def job_sets():
+    """Two process sets and the world, interleaved: each set's ring has an
+    arena of its own; results right and the same bits among members."""
+    import hashlib
+    rr, c = _init()
+    sets = [(rr.add_process_set([0, 2, 3]), [0, 2, 3]), (None, [0, 1, 2, 3]), (rr.add_process_set([1, 3]), [1, 3])]
+    arenas, digests, wrong = {}, {}, []
+    for ps, members in sets:
+        if rr.rank() in members:
+            ring = c._ring(ps)
+            arenas[repr(members)] = getattr(ring.comm, "_comm", ring.comm).arena_slot
+    for i in range(20):
+        for ps, members in sets:
+            if rr.rank() not in members:
+                continue
+            x = np.random.default_rng(i * 10 + rr.rank()).random(1000 + i).astype(np.float32)
+            got = rr.allreduce(x, process_set=ps)
+            want = sum(np.random.default_rng(i * 10 + k).random(1000 + i).astype(np.float32) for k in members)
+            if not np.allclose(got, want, rtol=1e-5):
+                wrong.append((i, members))
+            digests.setdefault(repr(members), hashlib.sha256()).update(got.tobytes())
+    return {"arenas": arenas, "wrong": wrong, "digests": {k: v.hexdigest() for k, v in digests.items()}}
+
+
+def job_silent():
+    """The last rank stops (SIGSTOP) before a small allreduce; with
+    RINGREDUCE_TIMEOUT=1 every other rank, waiting in the arena, raises
+    PeerLostError naming it (rank 0 wakes it after 3 s)."""
+    import signal
+    import threading
+    from mpi4py import MPI
+    from ringreduce.errors import RingReduceError
+    rr, c = _init()
+    world = MPI.COMM_WORLD
+    n, r = rr.size(), rr.rank()
+    pids = world.allgather(os.getpid())
+    rr.allreduce(np.ones(4))
+    world.Barrier()
+
+    def wake():
+        time.sleep(3.0)
+        os.kill(pids[n - 1], signal.SIGCONT)
+    waker = threading.Thread(target=wake, daemon=True)
+    if r == 0:
+        waker.start()
+    if r == n - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start, sent = time.monotonic(), _sent(c._state.comm)
+    try:
+        rr.allreduce(np.ones(1000, np.float32))
+        error = None
+    except RingReduceError as exc:
+        error = (type(exc).__name__, exc.rank, str(exc))
+    seconds = time.monotonic() - start
+    if r == 0:
+        waker.join()  # the sleeper must wake before this rank leaves
+    return {"arena": c._state.comm.arena_slot, "error": error, "seconds": seconds,
+            "sent": _sent(c._state.comm) - sent}
+
+
+def job_killed():
+    """Rank 1 dies (SIGKILL) while the others wait for it in the arena.
+    Each rank leaves its pid in OUT.pid<r> first (mpirun names the pid)."""
+    import signal
+    rr, c = _init()
+    assert c._state.comm.arena_slot > 0
+    Path(f"{sys.argv[2]}.pid{rr.rank()}").write_text(str(os.getpid()))
+    rr.allreduce(np.ones(4))
+    if rr.rank() == 1:
+        time.sleep(0.5)  # the others are waiting in the arena by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    rr.allreduce(np.ones(1000, np.float32))
+    return "no error"
+
+
+def job_off():
+    """RINGREDUCE_ARENA_BYTES=0 (set by the test): no arena, the small path
+    by recursive doubling, its bytes counted."""
+    rr, c = _init()
+    before = _sent(c._state.comm)
+    got = rr.allreduce(np.full(1000, rr.rank() + 1.0, np.float32))
+    return {"arena": c._state.comm.arena_slot, "extra": c._state.world.extra.get("arena"),
+            "algorithm": c._state.comm.small_algorithm, "sent": _sent(c._state.comm) - before,
+            "sum": float(got[0])}
+
+
+def job_elsewhere():
+    """Rank 1 claims another host: nobody takes the arena; the small path
+    still works (by doubling)."""
+    from ringreduce import shm
+    if int(os.environ.get("PMI_RANK", "0")) == 1:
+        shm.host_identity = lambda: "elsewhere/0"
+    rr, c = _init()
+    before = _sent(c._state.comm)
+    got = rr.allreduce(np.arange(5.0) * (rr.rank() + 1))
+    return {"arena": c._state.comm.arena_slot, "sent": _sent(c._state.comm) > before, "got": got.tolist()}
+
+
+def job_file_gone():
+    """Rank 0 makes the arena's file; it is gone once every rank agreed."""
+    from ringreduce import shm
+    made = []
+    make = shm._make_file
+    shm._make_file = lambda tag, *a, **k: made.append(make(tag, *a, **k)) or made[-1]
+    rr, c = _init()
+    paths = [m[1] for m in made if "arena" in m[1]]
+    return {"arena": c._state.comm.arena_slot, "paths": paths, "exist": [os.path.exists(p) for p in paths],
+            "sum": rr.allreduce(np.ones(8))[0]}
+
+
+# --------------------------------------------------------------------------- the tests
+
+if __name__ != "__main__":
+    from test_mpi import MPIRUN, _missing
+    from ranks import REPO
+    pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+
+def _mpirun(n, mode, tmp_path, env=None, timeout=120, check=True):
+    out = tmp_path / mode
+    proc = subprocess.run([MPIRUN, "-np", str(n), sys.executable, __file__, mode, str(out)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    report = proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = []
+    for r in range(n):
+        path = Path(f"{out}.rank{r}.pkl")
+        ranks.append(pickle.loads(path.read_bytes()) if path.exists() else None)
+    if check:
+        assert proc.returncode == 0 and None not in ranks, report
+    return proc, ranks
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_arena_over_mpi_matches_numpy_bit_identical_on_every_rank(tmp_path, n):
+    _, ranks = _mpirun(n, "correctness", tmp_path, timeout=240)
+    for r, res in enumerate(ranks):
+        assert res["arena"] > 0 and res["limit"] == 256 << 10, (res["arena"], res["limit"])
+        bad = [case for case, (ok, _, _) in res["cases"].items() if not ok]
+        assert not bad, f"rank {r}: {bad[:5]} differ from numpy"
+        differ = [c for c, (_, d, _) in res["cases"].items() if d != ranks[0]["cases"][c][1]]
+        assert not differ, f"rank {r}: {differ[:5]} not bit-identical to rank 0"
+        # Up to the limit nothing leaves the rank (the arena); one element past it, the ring sends.
+        small = [c for c, (_, _, sent) in res["cases"].items() if c[0] != "random" and sent != (
+            int(np.prod(c[2])) * np.dtype(make_input(0, 1, c[0], c[1]).dtype).itemsize > res["limit"])]
+        assert not small, f"rank {r}: {small[:5]} took the wrong path"
+        assert res["inplace"]
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_mismatch_in_the_arena_names_the_rank_on_every_rank(tmp_path, n):
+    _, ranks = _mpirun(n, "mismatch", tmp_path)
+    for res in ranks:
+        assert res["arena"] > 0
+        assert res == ranks[0]  # the same message everywhere
+        assert f"rank {n - 1}: (7,)" in res["shape"] and "rank 0: (5,)" in res["shape"], res["shape"]
+        assert f"rank {n - 1}: float64" in res["dtype"] and "rank 0: float32" in res["dtype"], res["dtype"]
+        assert f"rank {n - 1}" in res["op"] and "max" in res["op"], res["op"]
+        assert f"rank {n - 1}: (5000,)" in res["apart"], res["apart"]
+        assert f"rank {n - 1}: (1048576,)" in res["long"], res["long"]
+        assert res["after"] == [n * (n + 1) / 2] * 5
+
+
+def test_process_sets_over_mpi_get_their_own_arena(tmp_path):
+    _, ranks = _mpirun(4, "sets", tmp_path)
+    for r, res in enumerate(ranks):
+        assert res["arenas"] and all(slot > 0 for slot in res["arenas"].values()), (r, res["arenas"])
+        assert not res["wrong"], (r, res["wrong"])
+    for members in ([0, 2, 3], [0, 1, 2, 3], [1, 3]):
+        assert len({ranks[k]["digests"][repr(members)] for k in members}) == 1, f"set {members} differs"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_silent_rank_is_named_from_the_arena(tmp_path, n):
+    _, ranks = _mpirun(n, "silent", tmp_path, env={"RINGREDUCE_TIMEOUT": "1"})
+    for r, res in enumerate(ranks[:-1]):
+        assert res["arena"] > 0 and res["sent"] == 0, (r, res)  # it waited in the arena, not on MPI
+        assert res["error"] is not None and res["error"][:2] == ("PeerLostError", n - 1), (r, res)
+        assert "RINGREDUCE_TIMEOUT" in res["error"][2] or "left the ring" in res["error"][2], (r, res)
+        assert res["seconds"] < 2.9, (r, res)  # the timeout, not the sleeper's return
+
+
+def test_a_rank_killed_in_the_arena_ends_the_job_naming_it(tmp_path):
+    """Nothing in the arena looks for a dead rank: MPI's runtime (Hydra) ends
+    the whole job at once when a process dies, as it does when the rank dies
+    anywhere else, and names the process (its pid: rank 1's here). With
+    RINGREDUCE_TIMEOUT=60 the others would otherwise wait past the test's
+    timeout."""
+    proc, ranks = _mpirun(4, "killed", tmp_path, env={"RINGREDUCE_TIMEOUT": "60"}, timeout=50, check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and ranks == [None] * 4, (proc.returncode, ranks, said[-2000:])
+    victim = (tmp_path / "killed.pid1").read_text()
+    assert f"PID {victim} " in said and "signal 9" in said, said[-2000:]
+
+
+def test_arena_bytes_0_keeps_doubling(tmp_path):
+    _, ranks = _mpirun(3, "off", tmp_path, env={"RINGREDUCE_ARENA_BYTES": "0"})
+    for res in ranks:
+        assert res["arena"] == 0 and res["extra"] is False and res["algorithm"] == "doubling", res
+        assert res["sent"] > 0 and res["sum"] == 6.0, res
+
+
+def test_ranks_on_different_hosts_keep_doubling(tmp_path):
+    _, ranks = _mpirun(3, "elsewhere", tmp_path)
+    for res in ranks:
+        assert res == {"arena": 0, "sent": True, "got": [0.0, 6.0, 12.0, 18.0, 24.0]}, res
+
+
+def test_the_arena_file_is_gone_once_agreed(tmp_path):
+    _, ranks = _mpirun(3, "file_gone", tmp_path)
+    assert len(ranks[0]["paths"]) == 1 and ranks[0]["exist"] == [False], ranks[0]
+    assert not os.path.exists(ranks[0]["paths"][0])
+    for res in ranks:
+        assert res["arena"] > 0 and res["sum"] == 3.0, res
+    assert ranks[1]["paths"] == ranks[2]["paths"] == []
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], sys.argv[2]
+    result = globals()[f"job_{mode}"]()
+    from mpi4py import MPI
+    with open(f"{out}.rank{MPI.COMM_WORLD.Get_rank()}.pkl", "wb") as f:
+        pickle.dump(result, f)
