@@ -5,6 +5,7 @@ when the MPI transport is built (see setup.py) and mpi4py imports.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -51,7 +52,7 @@ def connect(config: Config, comm=None, tag: str = "world"):
     local.Free()
     _check_alike(comm, "RINGREDUCE_SMALL_ALGORITHM", config.small_algorithm or "doubling")
     abort_on_uncaught_exception()
-    transport = _mpi.create(comm.py2f(), config.ring_timeout)
+    transport = _mpi.create(comm.py2f(), config.ring_timeout, _pids_on_one_host(comm))
     ring = _core.Comm(world.rank, world.size, -1, -1, (), config.ring_timeout, config.segment_bytes, config.spin,
                       transport)
     if config.small_algorithm:  # small operations by recursive doubling unless "ring" (docs/architecture.md)
@@ -75,6 +76,15 @@ def attach_arena(ring, comm, tag: str, config: Config) -> bool:
     from . import shm
     return shm.attach_arena(ring, comm.Get_rank(), comm.Get_size(), tag, config.arena_slot, config.spin,
                             allgather=lambda data: comm.allgather(bytes(data)))
+
+
+def _pids_on_one_host(comm):
+    """Every rank's pid, in rank order, where all ranks share this host and
+    pid namespace (the transport then sees a peer that died while the others
+    wait for it in the host arena); else None."""
+    from . import shm
+    ids = comm.allgather((shm.host_identity(), shm.pid_namespace(), os.getpid()))
+    return [pid for _, _, pid in ids] if all(i[:2] == ids[0][:2] for i in ids) else None
 
 
 def _check_alike(comm, name: str, value: str) -> None:

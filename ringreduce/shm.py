@@ -61,7 +61,8 @@ def host_identity() -> str:
 _STALE = re.compile(r"^ringreduce-.*-n(\d+)p(\d+)-[0-9a-f]{12}$")
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
+    """Ranks with equal host identities and pid namespaces see each other's pids."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -70,7 +71,7 @@ def _pid_namespace() -> int:
 
 def _sweep_stale() -> None:
     """Unlinks our files in SHM_DIR whose maker (in our pid namespace) is dead."""
-    ns = _pid_namespace()
+    ns = pid_namespace()
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
@@ -96,7 +97,7 @@ def _sweep_stale() -> None:
 def _make_file(tag: str, capacity: int, magic: bytes = MAGIC, header: int = DATA_OFFSET) -> tuple[int, str, bytes]:
     _sweep_stale()
     nonce = secrets.token_bytes(32)
-    owner = f"n{_pid_namespace()}p{os.getpid()}"
+    owner = f"n{pid_namespace()}p{os.getpid()}"
     path = os.path.join(SHM_DIR, f"ringreduce-{tag}-{owner}-{secrets.token_hex(6)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:

@@ -4,8 +4,8 @@ the socket backend's do (tests/test_small_shm.py), instead of recursive
 doubling. Under mpirun -np 2, 3, 4: results against numpy for every dtype
 and op, at and past the arena's limit; the same bits on every rank;
 mismatches named on every rank; process sets with arenas of their own; a
-silent rank named after the timeout (the MPI transport's stalled()); a
-killed rank ending the job (MPI's own failure handling); no arena with
+silent rank named after the timeout and a killed one at once (the MPI
+transport's stalled()), or the job ended by the launcher; no arena with
 RINGREDUCE_ARENA_BYTES=0 or ranks on different hosts; the file gone.
 
 This file is also the job each test starts: `mpirun -np N python
@@ -152,18 +152,48 @@ def job_silent():
 
 
 def job_killed():
-    """Rank 1 dies (SIGKILL) while the others wait for it in the arena.
-    Each rank leaves its pid in OUT.pid<r> first (mpirun names the pid)."""
+    """Rank 1 dies (SIGKILL) while the others wait for it in the arena."""
     import signal
     rr, c = _init()
     assert c._state.comm.arena_slot > 0
-    Path(f"{sys.argv[2]}.pid{rr.rank()}").write_text(str(os.getpid()))
     rr.allreduce(np.ones(4))
     if rr.rank() == 1:
         time.sleep(0.5)  # the others are waiting in the arena by now
         os.kill(os.getpid(), signal.SIGKILL)
     rr.allreduce(np.ones(1000, np.float32))
     return "no error"
+
+
+def job_dead_pid():
+    """The transport is told rank 1's process is one that has exited (a
+    child's, reaped), and rank 1 comes 3 s late: the others, waiting for it
+    in the arena, see that pid gone and name rank 1 at once, long before
+    RINGREDUCE_TIMEOUT=60 and before rank 1 comes (which would end the wait)."""
+    from ringreduce import mpi_backend
+    real = mpi_backend._pids_on_one_host
+
+    def with_a_dead_rank_1(comm):
+        pids = real(comm)
+        pids[1] = _exited_pid()
+        return pids
+    mpi_backend._pids_on_one_host = with_a_dead_rank_1
+    rr, c = _init()
+    rr.allreduce(np.ones(4))
+    if rr.rank() == 1:
+        time.sleep(3)
+    try:
+        rr.allreduce(np.ones(1000, np.float32))
+        found = "no error"
+    except rr.PeerLostError as exc:
+        found = (exc.rank, str(exc))
+    return {"arena": c._state.comm.arena_slot, "found": found}
+
+
+def _exited_pid() -> int:
+    import subprocess
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: no such process any more
+    return child.pid
 
 
 def job_off():
@@ -272,17 +302,27 @@ def test_a_silent_rank_is_named_from_the_arena(tmp_path, n):
         assert res["seconds"] < 2.9, (r, res)  # the timeout, not the sleeper's return
 
 
-def test_a_rank_killed_in_the_arena_ends_the_job_naming_it(tmp_path):
-    """Nothing in the arena looks for a dead rank: MPI's runtime (Hydra) ends
-    the whole job at once when a process dies, as it does when the rank dies
-    anywhere else, and names the process (its pid: rank 1's here). With
-    RINGREDUCE_TIMEOUT=60 the others would otherwise wait past the test's
-    timeout."""
+def test_a_dead_rank_is_named_from_the_arena_through_its_pid(tmp_path):
+    """The MPI transport's stalled() looks at the pid of the rank waited on
+    (ranks on one host): the waiters name rank 1 as dead, or as told by the
+    one that saw it, instead of waiting for it (it comes after 3 s)."""
+    _, ranks = _mpirun(4, "dead_pid", tmp_path, env={"RINGREDUCE_TIMEOUT": "60"}, timeout=60)
+    for r in (0, 2, 3):
+        res = ranks[r]
+        assert res["arena"] > 0 and res["found"] != "no error", (r, res)
+        assert res["found"][0] == 1 and "lost rank 1" in res["found"][1], (r, res)
+    assert any("died" in ranks[r]["found"][1] for r in (0, 2, 3)), ranks
+
+
+def test_a_rank_killed_in_the_arena_ends_the_job(tmp_path):
+    """A rank really killed: by default Hydra ends the whole job as soon as a
+    process dies, the others included, wherever they wait, usually before
+    they notice (its report names a pid, not always the dead one's): no rank
+    hangs in the arena (it would for RINGREDUCE_TIMEOUT=60, past the test's
+    timeout of 50 s)."""
     proc, ranks = _mpirun(4, "killed", tmp_path, env={"RINGREDUCE_TIMEOUT": "60"}, timeout=50, check=False)
     said = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and ranks == [None] * 4, (proc.returncode, ranks, said[-2000:])
-    victim = (tmp_path / "killed.pid1").read_text()
-    assert f"PID {victim} " in said and "signal 9" in said, said[-2000:]
+    assert proc.returncode != 0 and ranks[1] is None and "signal 9" in said, said[-2000:]
 
 
 def test_arena_bytes_0_keeps_doubling(tmp_path):
