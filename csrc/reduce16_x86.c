@@ -229,7 +229,11 @@ AVX2 static void f16_mean(uint16_t *d, const uint16_t *x, const uint16_t *m, siz
  *      midpoint lies between q and Y', and q rounds as Y' does: the fast
  *      path, nearly every element. (k a power of 2: q = hi / k exactly and
  *      Y' - q = lo / k, at most half an ulp; only q on a midpoint with
- *      lo != 0 is in doubt.)
+ *      lo != 0 is in doubt. k = 2, unscaled, has none: lo != 0 only where
+ *      x and m are 2^16 or more apart, and then q lies within a float32 ulp
+ *      of half the larger, a bfloat16 value (normal: the refold threshold
+ *      keeps q above 2^-124) 2^15 ulps from any midpoint, where Y rounds
+ *      too.)
  *   4. Near a midpoint M, Y''s side of it is the sign of r = (hi - k M) + lo:
  *      k M is exact (9 + 15 bits), hi - k M is exact (Sterbenz), and so is r
  *      wherever it is small. One catch: the double fold rounds the sum
@@ -355,7 +359,9 @@ AVX2 static inline int bf16_mean_block(uint16_t *d, const uint16_t *x, const uin
     const __m256i low = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0xffff));
     const __m256i half = _mm256_set1_epi32(0x8000);
     __m256i near;
-    if (c->pow2) {
+    if (c->k == 2.0f) {
+        near = _mm256_setzero_si256(); /* step 3: q = RN(m + x) / 2 rounds as Y does */
+    } else if (c->pow2) {
         const __m256 lo = sum_error(p, xv, hi);
         const __m256i inexact = _mm256_castps_si256(_mm256_cmp_ps(lo, _mm256_setzero_ps(), _CMP_NEQ_OQ));
         near = _mm256_and_si256(_mm256_cmpeq_epi32(low, half), inexact);
@@ -693,7 +699,9 @@ AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, cons
                                                    _mm512_set1_epi32(c->tiny - 1));
     const __m512i low = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0xffff));
     __mmask16 near;
-    if (c->pow2) {
+    if (c->k == 2.0f) {
+        near = 0; /* step 3 */
+    } else if (c->pow2) {
         const __mmask16 inexact = _mm512_cmp_ps_mask(sum_error512(p, xv, hi), _mm512_setzero_ps(), _CMP_NEQ_OQ);
         near = _mm512_mask_cmpeq_epi32_mask(inexact, low, _mm512_set1_epi32(0x8000));
     } else {
