@@ -10,9 +10,10 @@
  *   - round once to nearest even: vcvtps2ph with an explicit rounding
  *     immediate (MXCSR is not consulted), or bfloat16's u + 0x7fff + lsb,
  *     with NaNs kept quiet as rr_f32_to_bf16 keeps them.
- * The float16 running-mean fold computes in double like rr_mean_step, then
- * rounds double -> float32 *to odd* and float32 -> 16 bits to nearest even:
- * with 24 bits against 11, at least two more, the two roundings give the one
+ * The float16 running-mean fold computes in float32 for k < 2^13 ("float16
+ * mean fold in float32" below), else in double like rr_mean_step; either
+ * rounds the mean *to odd* in float32, then to 16 bits to nearest even: with
+ * 24 bits against 11, at least two more, the two roundings give the one
  * rounding rr_f64_to_16 computes (Boldo & Melquiond, "Emulation of FMA and
  * correctly rounded sums: proved algorithms using rounding to odd").
  * The bfloat16 fold gets the same bits from float32 arithmetic alone, with
