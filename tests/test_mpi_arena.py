@@ -231,6 +231,39 @@ def job_file_gone():
             "sum": rr.allreduce(np.ones(8))[0]}
 
 
+def job_one_cannot_open():
+    """Rank 1 cannot open (or see) the arena's file: nobody uses the arena;
+    the small path goes on by doubling, right, on every rank."""
+    from ringreduce import shm
+    if int(os.environ.get("PMI_RANK", "0")) == 1:
+        shm._open_offer = lambda *a, **k: -1
+    return _no_arena_job()
+
+
+def job_one_cannot_map():
+    """Rank 1 opens a file that its mapping refuses (the wrong size: as if
+    mmap failed there): it votes no, the others unmap theirs unused."""
+    import tempfile
+    from ringreduce import shm
+    if int(os.environ.get("PMI_RANK", "0")) == 1:
+        def wrong_file(*a, **k):
+            fd, path = tempfile.mkstemp()
+            os.unlink(path)
+            os.ftruncate(fd, 4096)
+            return fd
+        shm._open_offer = wrong_file
+    return _no_arena_job()
+
+
+def _no_arena_job():
+    rr, c = _init()
+    before = _sent(c._state.comm)
+    got = rr.allreduce(np.full(1000, rr.rank() + 1.0, np.float32))
+    return {"arena": c._state.comm.arena_slot, "extra": c._state.world.extra.get("arena"),
+            "sent": _sent(c._state.comm) - before, "sum": float(got[0]), "limit": c._state.ring.allreduce_limit,
+            "rounds": c._state.comm.small_rounds}
+
+
 # --------------------------------------------------------------------------- the tests
 
 if __name__ != "__main__":
@@ -348,6 +381,33 @@ def test_the_arena_file_is_gone_once_agreed(tmp_path):
     for res in ranks:
         assert res["arena"] > 0 and res["sum"] == 3.0, res
     assert ranks[1]["paths"] == ranks[2]["paths"] == []
+
+
+@pytest.mark.parametrize("mode", ["one_cannot_open", "one_cannot_map"])
+def test_one_rank_without_the_arena_keeps_every_rank_off_it(tmp_path, mode):
+    _, ranks = _mpirun(3, mode, tmp_path, timeout=90)
+    for res in ranks:
+        assert res["arena"] == 0 and res["extra"] is False, res
+        assert res["sent"] > 0 and res["sum"] == 6.0, res  # by doubling, not the arena
+    assert len({(res["limit"], res["rounds"]) for res in ranks}) == 1, ranks
+
+
+def test_pids_are_not_given_where_a_rank_cannot_tell_its_pid_namespace():
+    """A rank whose /proc/self/ns/pid cannot be read has namespace 0 (shm.py):
+    ranks in different pid namespaces would then look alike, and a live peer
+    whose pid is not ours to see would look dead (kill: ESRCH)."""
+    from ringreduce import mpi_backend
+
+    class Comm:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def allgather(self, mine):
+            return self.rows
+
+    assert mpi_backend._pids_on_one_host(Comm([("h/1", 7, 100), ("h/1", 7, 101)])) == [100, 101]
+    assert mpi_backend._pids_on_one_host(Comm([("h/1", 7, 100), ("h/1", 8, 101)])) is None
+    assert mpi_backend._pids_on_one_host(Comm([("h/1", 0, 100), ("h/1", 0, 101)])) is None
 
 
 if __name__ == "__main__":
