@@ -231,6 +231,26 @@ def job_file_gone():
             "sum": rr.allreduce(np.ones(8))[0]}
 
 
+def job_bits():
+    """Sums whose bits depend on the order: the arena's result against the
+    rank-order left fold (the ring pass's order, not doubling's tree), for a
+    size that splits and one in place."""
+    rr, c = _init()
+    n, r = rr.size(), rr.rank()
+    out = {"arena": c._state.comm.arena_slot}
+    for dtype, count in (("float32", 4099), ("float64", 30000), ("float16", 999)):
+        xs = [(np.random.default_rng(k).standard_normal(count) * 10 ** np.random.default_rng(k + 99).uniform(
+            -2, 2, count)).astype(dtype) for k in range(n)]
+        left = xs[0].copy()
+        for k in range(1, n):
+            left = left + xs[k]
+        got = rr.allreduce(xs[r])
+        inplace = xs[r].copy()
+        rr.allreduce(inplace, out=inplace)
+        out[dtype] = (got.tobytes() == left.tobytes(), inplace.tobytes() == left.tobytes())
+    return out
+
+
 def job_one_cannot_open():
     """Rank 1 cannot open (or see) the arena's file: nobody uses the arena;
     the small path goes on by doubling, right, on every rank."""
@@ -381,6 +401,16 @@ def test_the_arena_file_is_gone_once_agreed(tmp_path):
     for res in ranks:
         assert res["arena"] > 0 and res["sum"] == 3.0, res
     assert ranks[1]["paths"] == ranks[2]["paths"] == []
+
+
+@pytest.mark.parametrize("n,reduce", [(3, "auto"), (4, "split")])
+def test_the_arena_over_mpi_gives_the_ring_passs_bits(tmp_path, n, reduce):
+    """Rank order, as the ring's small path (docs/architecture.md): not
+    recursive doubling's tree, which the ring takes without the arena."""
+    _, ranks = _mpirun(n, "bits", tmp_path, env={"RINGREDUCE_ARENA_REDUCE": reduce})
+    for r, res in enumerate(ranks):
+        assert res.pop("arena") > 0, (r, res)
+        assert all(a and b for a, b in res.values()), (r, res)
 
 
 @pytest.mark.parametrize("mode", ["one_cannot_open", "one_cannot_map"])
