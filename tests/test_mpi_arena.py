@@ -251,6 +251,22 @@ def job_bits():
     return out
 
 
+def job_other_pid_namespace():
+    """The last rank runs in a pid namespace of its own (the test's
+    wrapper): no rank is given pids (a live peer's pid is not ours to see),
+    the arena is still used, and a late rank is waited for, not named dead."""
+    from ringreduce import mpi_backend
+    given = []
+    real = mpi_backend._pids_on_one_host
+    mpi_backend._pids_on_one_host = lambda comm: given.append(real(comm)) or given[-1]
+    rr, c = _init()
+    rr.allreduce(np.ones(4))
+    if rr.rank() == rr.size() - 1:
+        time.sleep(1.5)  # the others wait for it in the arena, asking stalled() all along
+    got = rr.allreduce(np.full(1000, rr.rank() + 1.0, np.float32))
+    return {"arena": c._state.comm.arena_slot, "given": given, "sum": float(got[0]), "pid": os.getpid()}
+
+
 def job_one_cannot_open():
     """Rank 1 cannot open (or see) the arena's file: nobody uses the arena;
     the small path goes on by doubling, right, on every rank."""
@@ -292,9 +308,9 @@ if __name__ != "__main__":
     pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 
-def _mpirun(n, mode, tmp_path, env=None, timeout=120, check=True):
+def _mpirun(n, mode, tmp_path, env=None, timeout=120, check=True, wrap=()):
     out = tmp_path / mode
-    proc = subprocess.run([MPIRUN, "-np", str(n), sys.executable, __file__, mode, str(out)], capture_output=True,
+    proc = subprocess.run([MPIRUN, "-np", str(n), *wrap, sys.executable, __file__, mode, str(out)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
     report = proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = []
@@ -411,6 +427,23 @@ def test_the_arena_over_mpi_gives_the_ring_passs_bits(tmp_path, n, reduce):
     for r, res in enumerate(ranks):
         assert res.pop("arena") > 0, (r, res)
         assert all(a and b for a, b in res.values()), (r, res)
+
+
+UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+
+
+def test_a_rank_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path):
+    if subprocess.run([*UNSHARE, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --user --pid is not allowed here")
+    wrap = tmp_path / "wrap.sh"
+    wrap.write_text('#!/bin/sh\n[ "$PMI_RANK" = 2 ] && exec ' + " ".join(UNSHARE) + ' "$@"\nexec "$@"\n')
+    wrap.chmod(0o755)
+    # UCX's shared-memory transports need one pid namespace; TCP does not.
+    _, ranks = _mpirun(3, "other_pid_namespace", tmp_path, env={"RINGREDUCE_TIMEOUT": "30", "UCX_TLS": "tcp,self"},
+                       wrap=[str(wrap)])
+    assert ranks[2]["pid"] == 1, ranks  # the wrapper did put it in a namespace of its own
+    for res in ranks:
+        assert res["arena"] > 0 and res["given"] == [None] and res["sum"] == 6.0, res
 
 
 @pytest.mark.parametrize("mode", ["one_cannot_open", "one_cannot_map"])
