@@ -75,7 +75,7 @@ def attach_arena(ring, comm, tag: str, config: Config) -> bool:
     Every rank of comm calls it at the same point."""
     from . import shm
     return shm.attach_arena(ring, comm.Get_rank(), comm.Get_size(), tag, config.arena_slot, config.spin,
-                            allgather=lambda data: comm.allgather(bytes(data)))
+                            allgather=lambda data: comm.allgather(bytes(data)), reduce=config.arena_reduce)
 
 
 def _pids_on_one_host(comm):

@@ -267,6 +267,21 @@ def job_other_pid_namespace():
     return {"arena": c._state.comm.arena_slot, "given": given, "sum": float(got[0]), "pid": os.getpid()}
 
 
+def job_env_after_init():
+    """A setting changed in os.environ after init() (here to something
+    init() would refuse): a process set's arena is set up from the config
+    init() read, as the set's ring is, not from the environment of now."""
+    rr, c = _init()
+    os.environ["RINGREDUCE_ARENA_REDUCE"] = "no such mode"
+    try:
+        ps = rr.add_process_set([0, 1])
+    except rr.RingReduceError as exc:
+        return {"error": str(exc)}
+    got = rr.allreduce(np.full(100, 1.0, np.float32), process_set=ps) if rr.rank() < 2 else None
+    return {"error": None, "arena": c._ring(ps).comm.arena_slot if rr.rank() < 2 else None,
+            "sum": None if got is None else float(got[0])}
+
+
 def job_one_cannot_open():
     """Rank 1 cannot open (or see) the arena's file: nobody uses the arena;
     the small path goes on by doubling, right, on every rank."""
@@ -444,6 +459,14 @@ def test_a_rank_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path):
     assert ranks[2]["pid"] == 1, ranks  # the wrapper did put it in a namespace of its own
     for res in ranks:
         assert res["arena"] > 0 and res["given"] == [None] and res["sum"] == 6.0, res
+
+
+def test_a_process_sets_arena_follows_the_config_init_read(tmp_path):
+    _, ranks = _mpirun(3, "env_after_init", tmp_path)
+    for r, res in enumerate(ranks):
+        assert res["error"] is None, (r, res)
+    for res in ranks[:2]:
+        assert res["arena"] > 0 and res["sum"] == 2.0, res
 
 
 @pytest.mark.parametrize("mode", ["one_cannot_open", "one_cannot_map"])
