@@ -282,6 +282,34 @@ def job_env_after_init():
             "sum": None if got is None else float(got[0])}
 
 
+def job_shutdown_while_waiting():
+    """Rank 0 waits in the arena for rank 1 (3 s late) on a thread and shuts
+    down meanwhile: its wait is interrupted after it published. Rank 1 then
+    finds rank 0's blob there and may finish that operation (right), but its
+    next one names rank 0 as interrupted: from the notice, not the timeout."""
+    import threading
+    rr, c = _init()
+    rr.allreduce(np.ones(4))
+    found = []
+
+    def op():
+        try:
+            found.append(float(rr.allreduce(np.ones(1000, np.float32))[0]))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the test
+            found.append((type(exc).__name__, getattr(exc, "rank", None), str(exc)))
+    if rr.rank() == 0:
+        waiter = threading.Thread(target=op)
+        waiter.start()
+        time.sleep(0.5)
+        rr.shutdown()
+        waiter.join()
+    else:
+        time.sleep(3)
+        op()
+        op()
+    return {"found": found}
+
+
 def job_one_cannot_open():
     """Rank 1 cannot open (or see) the arena's file: nobody uses the arena;
     the small path goes on by doubling, right, on every rank."""
@@ -467,6 +495,15 @@ def test_a_process_sets_arena_follows_the_config_init_read(tmp_path):
         assert res["error"] is None, (r, res)
     for res in ranks[:2]:
         assert res["arena"] > 0 and res["sum"] == 2.0, res
+
+
+def test_a_rank_that_shuts_down_mid_wait_is_named_by_the_next_operation(tmp_path):
+    _, ranks = _mpirun(2, "shutdown_while_waiting", tmp_path, env={"RINGREDUCE_TIMEOUT": "60"}, timeout=50)
+    (interrupted,) = ranks[0]["found"]
+    assert interrupted[0] == "RingReduceError" and "interrupted" in interrupted[2], ranks[0]
+    first, second = ranks[1]["found"]
+    assert first == 2.0 or first[:2] == ("PeerLostError", 0), ranks[1]
+    assert second[:2] == ("PeerLostError", 0) and "interrupted and left the ring" in second[2], ranks[1]
 
 
 @pytest.mark.parametrize("mode", ["one_cannot_open", "one_cannot_map"])
