@@ -75,7 +75,7 @@ def attach_arena(ring, comm, tag: str, config: Config) -> bool:
     Every rank of comm calls it at the same point."""
     from . import shm
     return shm.attach_arena(ring, comm.Get_rank(), comm.Get_size(), tag, config.arena_slot, config.spin,
-                            allgather=lambda data: comm.allgather(bytes(data)))
+                            allgather=lambda data: comm.allgather(bytes(data)), reduce=config.arena_reduce)
 
 
 def _pids_on_one_host(comm):
@@ -84,7 +84,10 @@ def _pids_on_one_host(comm):
     wait for it in the host arena); else None."""
     from . import shm
     ids = comm.allgather((shm.host_identity(), shm.pid_namespace(), os.getpid()))
-    return [pid for _, _, pid in ids] if all(i[:2] == ids[0][:2] for i in ids) else None
+    # Namespace 0: unknown (no /proc), so ranks in different ones would look
+    # alike, and a live peer's pid, not ours to see, dead.
+    alike = ids[0][1] != 0 and all(i[:2] == ids[0][:2] for i in ids)
+    return [pid for _, _, pid in ids] if alike else None
 
 
 def _check_alike(comm, name: str, value: str) -> None:

@@ -183,7 +183,8 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
     return tx_fd, rx_fd
 
 
-def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: int, allgather=None) -> bool:
+def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: int, allgather=None,
+                 reduce: str = "auto") -> bool:
     """Gives comm (every rank of its ring calls this at the same point) a
     host arena with slot_bytes per rank, when all ranks share this host and
     want the same slot size (slot_bytes 0: this rank wants none, and so
@@ -200,10 +201,11 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
     the mappings keep it alive, and nothing is left in /dev/shm however the
     job ends. Returns whether the arena is in use on every rank (False: small
     operations stay on the ring, or by doubling over MPI, on every rank).
-    It reduces as RINGREDUCE_ARENA_REDUCE says (ranks that differ there still
-    agree: the split happens only where every rank offers it).
+    It reduces as `reduce` says (Config.arena_reduce, RINGREDUCE_ARENA_REDUCE
+    as init() read it; ranks that differ there still agree: the split
+    happens only where every rank offers it).
     """
-    from . import _core, config as _config
+    from . import _core
 
     if size < 2:
         return False
@@ -247,7 +249,7 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
         os.close(fd)
     if not all(bytes(b) == b"1" for b in opened):
         return False  # mapped here perhaps, but unused: every rank stays on the other path
-    comm.use_arena(ARENA_MODES[_config.Config.from_env().arena_reduce])
+    comm.use_arena(ARENA_MODES[reduce])
     return True
 
 

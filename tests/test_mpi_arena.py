@@ -231,6 +231,118 @@ def job_file_gone():
             "sum": rr.allreduce(np.ones(8))[0]}
 
 
+def job_bits():
+    """Sums whose bits depend on the order: the arena's result against the
+    rank-order left fold (the ring pass's order, not doubling's tree), for a
+    size that splits and one in place."""
+    rr, c = _init()
+    n, r = rr.size(), rr.rank()
+    out = {"arena": c._state.comm.arena_slot}
+    for dtype, count in (("float32", 4099), ("float64", 30000), ("float16", 999)):
+        xs = [(np.random.default_rng(k).standard_normal(count) * 10 ** np.random.default_rng(k + 99).uniform(
+            -2, 2, count)).astype(dtype) for k in range(n)]
+        left = xs[0].copy()
+        for k in range(1, n):
+            left = left + xs[k]
+        got = rr.allreduce(xs[r])
+        inplace = xs[r].copy()
+        rr.allreduce(inplace, out=inplace)
+        out[dtype] = (got.tobytes() == left.tobytes(), inplace.tobytes() == left.tobytes())
+    return out
+
+
+def job_other_pid_namespace():
+    """The last rank runs in a pid namespace of its own (the test's
+    wrapper): no rank is given pids (a live peer's pid is not ours to see),
+    the arena is still used, and a late rank is waited for, not named dead."""
+    from ringreduce import mpi_backend
+    given = []
+    real = mpi_backend._pids_on_one_host
+    mpi_backend._pids_on_one_host = lambda comm: given.append(real(comm)) or given[-1]
+    rr, c = _init()
+    rr.allreduce(np.ones(4))
+    if rr.rank() == rr.size() - 1:
+        time.sleep(1.5)  # the others wait for it in the arena, asking stalled() all along
+    got = rr.allreduce(np.full(1000, rr.rank() + 1.0, np.float32))
+    return {"arena": c._state.comm.arena_slot, "given": given, "sum": float(got[0]), "pid": os.getpid()}
+
+
+def job_env_after_init():
+    """A setting changed in os.environ after init() (here to something
+    init() would refuse): a process set's arena is set up from the config
+    init() read, as the set's ring is, not from the environment of now."""
+    rr, c = _init()
+    os.environ["RINGREDUCE_ARENA_REDUCE"] = "no such mode"
+    try:
+        ps = rr.add_process_set([0, 1])
+    except rr.RingReduceError as exc:
+        return {"error": str(exc)}
+    got = rr.allreduce(np.full(100, 1.0, np.float32), process_set=ps) if rr.rank() < 2 else None
+    return {"error": None, "arena": c._ring(ps).comm.arena_slot if rr.rank() < 2 else None,
+            "sum": None if got is None else float(got[0])}
+
+
+def job_shutdown_while_waiting():
+    """Rank 0 waits in the arena for rank 1 (3 s late) on a thread and shuts
+    down meanwhile: its wait is interrupted after it published. Rank 1 then
+    finds rank 0's blob there and may finish that operation (right), but its
+    next one names rank 0 as interrupted: from the notice, not the timeout."""
+    import threading
+    rr, c = _init()
+    rr.allreduce(np.ones(4))
+    found = []
+
+    def op():
+        try:
+            found.append(float(rr.allreduce(np.ones(1000, np.float32))[0]))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the test
+            found.append((type(exc).__name__, getattr(exc, "rank", None), str(exc)))
+    if rr.rank() == 0:
+        waiter = threading.Thread(target=op)
+        waiter.start()
+        time.sleep(0.5)
+        rr.shutdown()
+        waiter.join()
+    else:
+        time.sleep(3)
+        op()
+        op()
+    return {"found": found}
+
+
+def job_one_cannot_open():
+    """Rank 1 cannot open (or see) the arena's file: nobody uses the arena;
+    the small path goes on by doubling, right, on every rank."""
+    from ringreduce import shm
+    if int(os.environ.get("PMI_RANK", "0")) == 1:
+        shm._open_offer = lambda *a, **k: -1
+    return _no_arena_job()
+
+
+def job_one_cannot_map():
+    """Rank 1 opens a file that its mapping refuses (the wrong size: as if
+    mmap failed there): it votes no, the others unmap theirs unused."""
+    import tempfile
+    from ringreduce import shm
+    if int(os.environ.get("PMI_RANK", "0")) == 1:
+        def wrong_file(*a, **k):
+            fd, path = tempfile.mkstemp()
+            os.unlink(path)
+            os.ftruncate(fd, 4096)
+            return fd
+        shm._open_offer = wrong_file
+    return _no_arena_job()
+
+
+def _no_arena_job():
+    rr, c = _init()
+    before = _sent(c._state.comm)
+    got = rr.allreduce(np.full(1000, rr.rank() + 1.0, np.float32))
+    return {"arena": c._state.comm.arena_slot, "extra": c._state.world.extra.get("arena"),
+            "sent": _sent(c._state.comm) - before, "sum": float(got[0]), "limit": c._state.ring.allreduce_limit,
+            "rounds": c._state.comm.small_rounds}
+
+
 # --------------------------------------------------------------------------- the tests
 
 if __name__ != "__main__":
@@ -239,9 +351,9 @@ if __name__ != "__main__":
     pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 
-def _mpirun(n, mode, tmp_path, env=None, timeout=120, check=True):
+def _mpirun(n, mode, tmp_path, env=None, timeout=120, check=True, wrap=()):
     out = tmp_path / mode
-    proc = subprocess.run([MPIRUN, "-np", str(n), sys.executable, __file__, mode, str(out)], capture_output=True,
+    proc = subprocess.run([MPIRUN, "-np", str(n), *wrap, sys.executable, __file__, mode, str(out)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
     report = proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = []
@@ -348,6 +460,77 @@ def test_the_arena_file_is_gone_once_agreed(tmp_path):
     for res in ranks:
         assert res["arena"] > 0 and res["sum"] == 3.0, res
     assert ranks[1]["paths"] == ranks[2]["paths"] == []
+
+
+@pytest.mark.parametrize("n,reduce", [(3, "auto"), (4, "split")])
+def test_the_arena_over_mpi_gives_the_ring_passs_bits(tmp_path, n, reduce):
+    """Rank order, as the ring's small path (docs/architecture.md): not
+    recursive doubling's tree, which the ring takes without the arena."""
+    _, ranks = _mpirun(n, "bits", tmp_path, env={"RINGREDUCE_ARENA_REDUCE": reduce})
+    for r, res in enumerate(ranks):
+        assert res.pop("arena") > 0, (r, res)
+        assert all(a and b for a, b in res.values()), (r, res)
+
+
+UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+
+
+def test_a_rank_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path):
+    if subprocess.run([*UNSHARE, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --user --pid is not allowed here")
+    wrap = tmp_path / "wrap.sh"
+    wrap.write_text('#!/bin/sh\n[ "$PMI_RANK" = 2 ] && exec ' + " ".join(UNSHARE) + ' "$@"\nexec "$@"\n')
+    wrap.chmod(0o755)
+    # UCX's shared-memory transports need one pid namespace; TCP does not.
+    _, ranks = _mpirun(3, "other_pid_namespace", tmp_path, env={"RINGREDUCE_TIMEOUT": "30", "UCX_TLS": "tcp,self"},
+                       wrap=[str(wrap)])
+    assert ranks[2]["pid"] == 1, ranks  # the wrapper did put it in a namespace of its own
+    for res in ranks:
+        assert res["arena"] > 0 and res["given"] == [None] and res["sum"] == 6.0, res
+
+
+def test_a_process_sets_arena_follows_the_config_init_read(tmp_path):
+    _, ranks = _mpirun(3, "env_after_init", tmp_path)
+    for r, res in enumerate(ranks):
+        assert res["error"] is None, (r, res)
+    for res in ranks[:2]:
+        assert res["arena"] > 0 and res["sum"] == 2.0, res
+
+
+def test_a_rank_that_shuts_down_mid_wait_is_named_by_the_next_operation(tmp_path):
+    _, ranks = _mpirun(2, "shutdown_while_waiting", tmp_path, env={"RINGREDUCE_TIMEOUT": "60"}, timeout=50)
+    (interrupted,) = ranks[0]["found"]
+    assert interrupted[0] == "RingReduceError" and "interrupted" in interrupted[2], ranks[0]
+    first, second = ranks[1]["found"]
+    assert first == 2.0 or first[:2] == ("PeerLostError", 0), ranks[1]
+    assert second[:2] == ("PeerLostError", 0) and "interrupted and left the ring" in second[2], ranks[1]
+
+
+@pytest.mark.parametrize("mode", ["one_cannot_open", "one_cannot_map"])
+def test_one_rank_without_the_arena_keeps_every_rank_off_it(tmp_path, mode):
+    _, ranks = _mpirun(3, mode, tmp_path, timeout=90)
+    for res in ranks:
+        assert res["arena"] == 0 and res["extra"] is False, res
+        assert res["sent"] > 0 and res["sum"] == 6.0, res  # by doubling, not the arena
+    assert len({(res["limit"], res["rounds"]) for res in ranks}) == 1, ranks
+
+
+def test_pids_are_not_given_where_a_rank_cannot_tell_its_pid_namespace():
+    """A rank whose /proc/self/ns/pid cannot be read has namespace 0 (shm.py):
+    ranks in different pid namespaces would then look alike, and a live peer
+    whose pid is not ours to see would look dead (kill: ESRCH)."""
+    from ringreduce import mpi_backend
+
+    class Comm:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def allgather(self, mine):
+            return self.rows
+
+    assert mpi_backend._pids_on_one_host(Comm([("h/1", 7, 100), ("h/1", 7, 101)])) == [100, 101]
+    assert mpi_backend._pids_on_one_host(Comm([("h/1", 7, 100), ("h/1", 8, 101)])) is None
+    assert mpi_backend._pids_on_one_host(Comm([("h/1", 0, 100), ("h/1", 0, 101)])) is None
 
 
 if __name__ == "__main__":
