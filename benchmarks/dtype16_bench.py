@@ -3,6 +3,7 @@ kernels alone.
 
     ringrun -np 2 python benchmarks/dtype16_bench.py
     ringrun -np 4 python benchmarks/dtype16_bench.py --ops sum,avg
+    ringrun -np 4 python benchmarks/dtype16_bench.py --ops avg --no-portable   # two builds, PYTHONPATH=...
     python benchmarks/dtype16_bench.py --kernels        # one process: G elements/s
     python benchmarks/dtype16_bench.py --kernels --level avx2
 
@@ -36,15 +37,15 @@ DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bf
 CODES = {"float32": _core.FLOAT32, "float16": _core.FLOAT16, "bfloat16": _core.BFLOAT16}
 
 
-def variants(best: str) -> list[tuple[str, str, str]]:
+def variants(best: str, portable: bool = True) -> list[tuple[str, str, str]]:
     """(label, dtype, 16-bit kernels) in the order they run."""
     out = [("float32", "float32", best), ("float16", "float16", best), ("bfloat16", "bfloat16", best)]
-    if best != "portable":
+    if best != "portable" and portable:
         out += [("float16 portable", "float16", "portable"), ("bfloat16 portable", "bfloat16", "portable")]
     return out
 
 
-def allreduce_table(mibs: list[int], ops: list[str], repeats: int) -> str:
+def allreduce_table(mibs: list[int], ops: list[str], repeats: int, portable: bool = True) -> str:
     n, r = rr.size(), rr.rank()
     best = _core.kernels16()
     lines = [f"N = {n}, 16-bit kernels: {best}; sizes in MiB of float32; time in ms; ratio to float32",
@@ -54,7 +55,7 @@ def allreduce_table(mibs: list[int], ops: list[str], repeats: int) -> str:
             count = mib * MIB // 4
             iters = max(2, min(20, 256 // mib))
             runs, checks = {}, {}
-            for label, name, kernels in variants(best):
+            for label, name, kernels in variants(best, portable):
                 dtype = DTYPES[name]
                 x = np.full(count, r + 1, dtype=dtype)
                 out = np.empty_like(x)
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="time the kernels alone, in this one process")
     ap.add_argument("--counts", default="65536,4194304", help="elements per kernel call, with --kernels")
     ap.add_argument("--level", help="16-bit vector kernels to compare with the portable ones (default: the best)")
+    ap.add_argument("--no-portable", action="store_true",
+                    help="leave out the portable rows (half the run; for comparing two builds' vector kernels)")
     args = ap.parse_args()
     if args.level and _core.kernels16(args.level) != args.level:
         sys.exit(f"this CPU runs no {args.level} kernels")
@@ -131,7 +134,8 @@ def main() -> None:
         print(kernels_table([int(c) for c in args.counts.split(",")]))
         return
     rr.init()
-    table = allreduce_table([int(m) for m in args.mib.split(",")], args.ops.split(","), args.repeats)
+    table = allreduce_table([int(m) for m in args.mib.split(",")], args.ops.split(","), args.repeats,
+                            not args.no_portable)
     if rr.rank() == 0:
         print(table, flush=True)
     rr.shutdown()

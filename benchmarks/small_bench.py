@@ -10,9 +10,12 @@ size this times, interleaved in one run so load on the machine hits all
 alike, float32 sums with:
 
   MPI_Allreduce   mpi4py's comm.Allreduce (MPICH)
-  rr-<algorithm>  ringreduce over MPI with its small-message algorithm forced
-                  (Comm.set_small_algorithm; "doubling" is what init() chooses,
-                  "ring" the ring's passes and their size limit, as before)
+  rr-<algorithm>  ringreduce over MPI with its small-message algorithm forced:
+                  "arena" the host arena (what init() chooses when every rank
+                  is on this host; its size limit), "doubling" recursive
+                  doubling with the arena off (Comm.use_arena(0); what init()
+                  chose before, with its limit), "ring" the ring's passes
+                  (Comm.set_small_algorithm) and their limit
   checked-<alg>   the first algorithm through rr.allreduce's checked path
                   (collectives._allreduce_checked: every check, the lock, the
                   header looked up), what every call took before the fast path
@@ -78,10 +81,26 @@ def main():
     comm = MPI.COMM_WORLD
     rr.init(backend="mpi")
     n, rank = rr.size(), rr.rank()
-    ring = rr.collectives._state.ring.comm
+    state = rr.collectives._state
+    ring = state.ring.comm
+    config = state.world.config
+    has_arena = ring.arena_slot > 0
     algorithms = args.algorithms.split(",") if args.algorithms else \
-        (["doubling", "ring"] if ring.small_algorithm == "doubling" else ["ring"])
+        (["arena"] * has_arena + (["doubling", "ring"] if ring.small_algorithm == "doubling" else ["ring"]))
+    if "arena" in algorithms and not has_arena:
+        raise SystemExit("no host arena: run every rank on this host, RINGREDUCE_ARENA_BYTES > 0")
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
+
+    def choose(algo):
+        """The small path and its size limit, as init() would set them."""
+        from ringreduce import shm
+        if algo == "arena":
+            ring.use_arena(shm.ARENA_MODES[config.arena_reduce])
+            ring.set_small_algorithm("auto")
+        else:
+            ring.use_arena(0)
+            ring.set_small_algorithm(algo)
+        state.ring.small_limit = config.small_limit(n, algo == "arena")
 
     def impls(nbytes):
         x = np.full(nbytes // 4, rank + 1, dtype=np.float32)
@@ -111,14 +130,14 @@ def main():
             for e in entries:
                 name, fn = e[0], e[1]
                 if len(e) > 3:
-                    ring.set_small_algorithm(e[3])
+                    choose(e[3])
                 for _ in range(3):
                     fn()
                 if not np.all(e[2]() == np.float32(n * (n + 1) // 2)):
                     raise SystemExit(f"rank {rank}: {name} gave a wrong result at {nbytes} bytes")
                 iso[name].append(isolated_us(fn, comm, max(args.iters // args.rounds, 1)))
                 b2b[name].append(b2b_us(fn, comm, max(args.b2b // args.rounds, 1)))
-        ring.set_small_algorithm("auto")
+        choose(algorithms[0])
         for e in entries:
             name = e[0]
             mine = np.array([np.median(iso[name]), np.median(b2b[name])])

@@ -726,12 +726,15 @@ static PyObject *Comm_get_small_algorithm(CommObject *self, void *Py_UNUSED(clos
 }
 
 /* What the busiest rank of a small allreduce sends, in tensors: the cost
- * model of Python's small-path limit (ringreduce/collectives.py). */
+ * model of Python's small-path limit (ringreduce/collectives.py). Through
+ * the host arena (taken before doubling, ring.c) it is the ring pass's N - 1,
+ * so the limit is Config.small_limit's, which the arena's slot is sized for. */
 static PyObject *Comm_get_small_rounds(CommObject *self, void *Py_UNUSED(closure))
 {
     if (!self->ring) return PyLong_FromLong(0);
     const int N = self->ring->size;
-    return PyLong_FromLong(rr_doubling_usable(self->ring) ? rr_doubling_rounds(N) : N - 1);
+    const int arena = self->ring->arena && self->ring->use_arena;
+    return PyLong_FromLong(!arena && rr_doubling_usable(self->ring) ? rr_doubling_rounds(N) : N - 1);
 }
 
 /* attach_arena(fd, slot_bytes, spin): maps the host arena (ringreduce/shm.py

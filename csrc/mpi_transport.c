@@ -19,6 +19,10 @@
  * probes for each message's size, allocates it, and receives it in place.
  * The wait is the ring's: yield, then nap, asking for notices.
  *
+ * The host arena (all ranks on one host, csrc/host_arena.h) waits outside
+ * MPI: it asks stalled() between its sleeps, which looks for notices and
+ * applies the timeout.
+ *
  * Failure: a rank that gives up (an error, a timeout, an interrupt) sends a
  * notice, {rank to blame, error code}, to every rank (a doubling partner
  * waiting on it need not be a neighbour), and those that hear it give up in
@@ -32,11 +36,16 @@
 #define _GNU_SOURCE
 #include "mpi_transport.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define RING_TAG 0x5252   /* "RR" */
 #define NOTICE_TAG 0x5253 /* a failure notice: int[2] = {rank to blame, RR_E_* code} */
@@ -70,6 +79,7 @@ typedef struct {
     char *drop;           /* where abort drains messages nobody will read */
     size_t drop_cap;
     int aborted;
+    int *pids;            /* every rank's process, NULL unless all share our pid namespace */
 } mpi_transport;
 
 static double now_s(void)
@@ -431,13 +441,62 @@ static void mpi_destroy(rr_transport *base)
     free(t->drop);
     free(t->stale_rbuf);
     free(t->notice_sreq);
+    free(t->pids);
     free(t);
 }
 
-static const rr_transport_ops mpi_ops = {
-    .exchange = mpi_exchange, .abort = mpi_abort, .destroy = mpi_destroy, .sendrecv = mpi_sendrecv};
+/* Whether process pid has died: gone, or a zombie its parent (the MPI
+ * launcher's proxy) has not reaped yet. */
+static int process_dead(int pid)
+{
+    if (kill(pid, 0) != 0) return errno == ESRCH; /* EPERM: someone's, alive */
+    char path[48], text[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT;
+    const ssize_t n = read(fd, text, sizeof text - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    text[n] = 0;
+    const char *state = strrchr(text, ')'); /* "pid (comm) S ...": comm may hold anything but the last ')' */
+    return state && (state[2] == 'Z' || state[2] == 'X');
+}
 
-rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s)
+/* A wait in the host arena (csrc/host_arena.h), judged as exchange() judges
+ * its own: a failure notice names whom to blame, and the rank waited on is
+ * lost once its process has died (seen through its pid: the ranks share a
+ * host) or once silent past the timeout, unless its part came meanwhile (it
+ * may publish, finish and leave between two looks). The MPI launcher may
+ * end the whole job first when a process dies (Hydra does by default): then
+ * it is the launcher's report that names the dead process. */
+static int mpi_stalled(rr_transport *base, int waited_on, long long waited_ms, int (*arrived)(void *), void *arg,
+                       rr_error *err)
+{
+    mpi_transport *t = (mpi_transport *)base;
+    if (t->aborted) {
+        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
+        return err->code;
+    }
+    int rc = notice_received(t, err);
+    if (rc != RR_OK) return rc;
+    if (t->pids && waited_on >= 0 && waited_on < base->size && process_dead(t->pids[waited_on]) && !arrived(arg)) {
+        rr_set_error(err, RR_E_PEER_LOST, waited_on, "lost rank %d: its process (pid %d) died (over MPI, in the "
+                     "host arena)", waited_on, t->pids[waited_on]);
+        return err->code;
+    }
+    if ((double)waited_ms >= t->timeout_s * 1000.0 && !arrived(arg)) {
+        rr_set_error(err, RR_E_PEER_LOST, waited_on, "lost rank %d: no progress for %.1f s (RINGREDUCE_TIMEOUT) in "
+                     "the host arena (over MPI)", waited_on, t->timeout_s);
+        return err->code;
+    }
+    return RR_OK;
+}
+
+static const rr_transport_ops mpi_ops = {
+    .exchange = mpi_exchange, .abort = mpi_abort, .destroy = mpi_destroy, .sendrecv = mpi_sendrecv,
+    .stalled = mpi_stalled};
+
+rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s, const int *pids)
 {
     mpi_transport *t = calloc(1, sizeof *t);
     if (!t) return NULL;
@@ -457,6 +516,8 @@ rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s)
         free(t);
         return NULL;
     }
+    if (pids && (t->pids = malloc(sizeof *t->pids * (size_t)t->base.size)))
+        memcpy(t->pids, pids, sizeof *t->pids * (size_t)t->base.size); /* none: the timeout still holds */
     for (int i = 0; i < t->base.size; i++) t->notice_sreq[i] = MPI_REQUEST_NULL;
     for (int i = 0; i < 3; i++) t->notice_rreq[i] = MPI_REQUEST_NULL;
     for (int i = 0; i < RR_PEER_MSGS; i++) t->peer_sreq[i] = MPI_REQUEST_NULL;

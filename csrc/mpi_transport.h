@@ -8,7 +8,9 @@
 #include "transport.h"
 
 /* Duplicates comm, so the ring's messages never meet the caller's. NULL on
- * failure. timeout_s: how long a peer may stay silent. */
-rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s);
+ * failure. timeout_s: how long a peer may stay silent. pids: every rank's
+ * process id (copied), where all ranks share this host's pid namespace, so
+ * that a wait in the host arena sees a dead peer at once; else NULL. */
+rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s, const int *pids);
 
 #endif

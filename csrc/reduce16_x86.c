@@ -10,9 +10,10 @@
  *   - round once to nearest even: vcvtps2ph with an explicit rounding
  *     immediate (MXCSR is not consulted), or bfloat16's u + 0x7fff + lsb,
  *     with NaNs kept quiet as rr_f32_to_bf16 keeps them.
- * The float16 running-mean fold computes in double like rr_mean_step, then
- * rounds double -> float32 *to odd* and float32 -> 16 bits to nearest even:
- * with 24 bits against 11, at least two more, the two roundings give the one
+ * The float16 running-mean fold computes in float32 for k < 2^13 ("float16
+ * mean fold in float32" below), else in double like rr_mean_step; either
+ * rounds the mean *to odd* in float32, then to 16 bits to nearest even: with
+ * 24 bits against 11, at least two more, the two roundings give the one
  * rounding rr_f64_to_16 computes (Boldo & Melquiond, "Emulation of FMA and
  * correctly rounded sums: proved algorithms using rounding to odd").
  * The bfloat16 fold gets the same bits from float32 arithmetic alone, with
@@ -229,7 +230,11 @@ AVX2 static void f16_mean(uint16_t *d, const uint16_t *x, const uint16_t *m, siz
  *      midpoint lies between q and Y', and q rounds as Y' does: the fast
  *      path, nearly every element. (k a power of 2: q = hi / k exactly and
  *      Y' - q = lo / k, at most half an ulp; only q on a midpoint with
- *      lo != 0 is in doubt.)
+ *      lo != 0 is in doubt. k = 2, unscaled, has none: lo != 0 only where
+ *      x and m are 2^16 or more apart, and then q lies within a float32 ulp
+ *      of half the larger, a bfloat16 value (normal: the refold threshold
+ *      keeps q above 2^-124) 2^15 ulps from any midpoint, where Y rounds
+ *      too.)
  *   4. Near a midpoint M, Y''s side of it is the sign of r = (hi - k M) + lo:
  *      k M is exact (9 + 15 bits), hi - k M is exact (Sterbenz), and so is r
  *      wherever it is small. One catch: the double fold rounds the sum
@@ -355,7 +360,9 @@ AVX2 static inline int bf16_mean_block(uint16_t *d, const uint16_t *x, const uin
     const __m256i low = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0xffff));
     const __m256i half = _mm256_set1_epi32(0x8000);
     __m256i near;
-    if (c->pow2) {
+    if (c->k == 2.0f) {
+        near = _mm256_setzero_si256(); /* step 3: q = RN(m + x) / 2 rounds as Y does */
+    } else if (c->pow2) {
         const __m256 lo = sum_error(p, xv, hi);
         const __m256i inexact = _mm256_castps_si256(_mm256_cmp_ps(lo, _mm256_setzero_ps(), _CMP_NEQ_OQ));
         near = _mm256_and_si256(_mm256_cmpeq_epi32(low, half), inexact);
@@ -400,6 +407,124 @@ AVX2 static inline int bf16_mean_block(uint16_t *d, const uint16_t *x, const uin
     }
 
 BF16_MEAN_KERNEL(bf16_mean, AVX2, 8, bf16_mean_block)
+
+/* ------------------------------------------------------------ float16 mean fold in float32
+ *
+ * f16_mean above computes Y = (m (k-1) + x) / k in double and rounds it to
+ * float16. For k < 2^13 that is RN16(Y), Y rounded once: the double sum is
+ * exact (11 + 13 significant bits, between 2^28 and 2^-24), and Y, a multiple
+ * of 2^-24 / k, is over a double ulp away from every float16 midpoint it is
+ * not on, so the double quotient rounds as Y does. The same bits come from
+ * float32 arithmetic, without the four conversions to and from double per
+ * element that bound the double fold (tests/f16_mean_exhaustive.c checks
+ * every pair of bit patterns for k = 2..8):
+ *   1. P = m (k-1) is exact (11 + 13 bits); hi = RN(P + x), and TwoSum gives
+ *      its error lo exactly: P + x = hi + lo.
+ *   2. RO(Y), Y rounded to odd in float32, rounds to float16 as Y does
+ *      (24 bits against 11, at least two more: Boldo & Melquiond, as for the
+ *      double fold). RO(Y) is Y where exact, else whichever of Y's two
+ *      float32 neighbours has last bit 1: from a neighbour q and the sign of
+ *      Y - q, a q with last bit 0 moves one ulp (its bits +-1) towards Y.
+ *   3. k a power of 2: q = hi / k is exact and Y - q = lo / k, at most half
+ *      an ulp of q: q is a neighbour and lo gives the side. k = 2 needs not
+ *      even that: lo != 0 only where x and m are 2^13 or more apart, and then
+ *      q = RN(P + x) / 2 lies within a float32 ulp of half the larger, a
+ *      float16 value 2^12 ulps from any midpoint, where Y rounds too.
+ *   4. Other k (AVX-512 only: it needs FMA): q0 = RN(hi RN(1/k)) is within 3
+ *      ulps of Y, r0 = RN(RN(hi - k q0) + lo) is k (Y - q0) to 2^-23
+ *      relative, so q = RN(q0 + r0 RN(1/k)), Y to 2^-21 ulps, is a
+ *      neighbour of Y (Markstein's correction step). hi - k q is exact (a
+ *      multiple of ulp(q), below 4k of them), so the side of Y is the sign
+ *      of RN(RN(hi - k q) + lo). A zero q takes hi's sign (q0 + 0 would
+ *      lose a -0); a nonzero one has it already.
+ *   5. A block with an inf or NaN (hi not finite) goes through the double
+ *      fold again, which keeps its NaN payloads; so does every k >= 2^13.
+ * Every element takes its k's steps, branch-free: a test like the bfloat16
+ * fold's (q far from a midpoint needs no care) lost on random data, where
+ * means fall exactly on midpoints often (a fourth of them at k = 4), and
+ * skipping TwoSum where the sum is exact gained nothing measurable.
+ * Every value here is 0 or between 2^-37 and 2^29 in magnitude: no
+ * subnormal or overflow in float32. The products are exact or explicit FMAs,
+ * so a compiler that fuses them changes no bit. */
+#define F16_MEAN_F32_MAX_K (1 << 13)
+
+typedef struct {
+    float k, one_over_k, km1;
+} f16_mean_consts;
+
+/* Which steps a k takes: fixed per call, a constant in each kernel loop. */
+enum { F16_K2, F16_POW2, F16_OTHER };
+
+static f16_mean_consts f16_mean_consts_for(int k)
+{
+    return (f16_mean_consts){(float)k, 1.0f / (float)k, (float)(k - 1)};
+}
+
+static int f16_mean_kind(int k) { return k == 2 ? F16_K2 : (k & (k - 1)) == 0 ? F16_POW2 : F16_OTHER; }
+
+/* Step 2: q's bits one step towards Y where its last bit is 0 and `side`,
+ * the sign of Y - q (0 where exact), says Y is not q. */
+AVX2 static inline __m256 to_odd(__m256 q, __m256 side)
+{
+    const __m256i qi = _mm256_castps_si256(q), one = _mm256_set1_epi32(1);
+    const __m256i inexact = _mm256_castps_si256(_mm256_cmp_ps(side, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+    const __m256i even = _mm256_cmpeq_epi32(_mm256_and_si256(qi, one), _mm256_setzero_si256());
+    /* +1 (away from zero) where side has q's sign, else -1 */
+    const __m256i step = _mm256_or_si256(_mm256_srai_epi32(_mm256_xor_si256(_mm256_castps_si256(side), qi), 31), one);
+    return _mm256_castsi256_ps(_mm256_add_epi32(qi, _mm256_and_si256(_mm256_and_si256(inexact, even), step)));
+}
+
+/* Steps 1 and 3 on eight elements, k a power of 2 (`kind` F16_K2 or
+ * F16_POW2); returns nonzero, storing nothing, where one is inf or NaN. */
+AVX2 static inline int f16_mean_block(uint16_t *d, const uint16_t *x, const uint16_t *m, const f16_mean_consts *c,
+                                      const int kind)
+{
+    const __m256 xv = load_f16(x), mv = load_f16(m);
+    const __m256 p = kind == F16_K2 ? mv : _mm256_mul_ps(mv, _mm256_set1_ps(c->km1));
+    const __m256 hi = _mm256_add_ps(p, xv);
+    const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(hi), _mm256_set1_epi32(0x7fffffff));
+    const __m256i special = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f7fffff));
+    if (!_mm256_testz_si256(special, special)) return 1;
+    __m256 q = _mm256_mul_ps(hi, _mm256_set1_ps(c->one_over_k));
+    if (kind != F16_K2) q = to_odd(q, sum_error(p, xv, hi)); /* step 3 */
+    store_f16(d, q);
+    return 0;
+}
+
+/* Step 5: eight elements with an inf or NaN, by the double arithmetic. */
+AVX2 __attribute__((noinline)) static void f16_mean_refold(uint16_t *d, const uint16_t *x, const uint16_t *m, int k)
+{
+    const __m256d km1 = _mm256_set1_pd((double)(k - 1)), kd = _mm256_set1_pd((double)k);
+    const __m256d inv = _mm256_set1_pd(1.0 / (double)k);
+    store_f16(d, mean_step(load_f16(x), load_f16(m), km1, kd, inv, (k & (k - 1)) == 0));
+}
+
+/* The tail (< LANES elements) through a zero-padded block. */
+#define F16_MEAN_LOOP(NAME, TARGET, LANES, BLOCK, REFOLD)                             \
+    TARGET static inline void NAME(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k, \
+                                   const int kind)                                    \
+    {                                                                                 \
+        const f16_mean_consts c = f16_mean_consts_for(k);                             \
+        size_t i = 0;                                                                 \
+        for (; i + LANES <= count; i += LANES)                                        \
+            if (BLOCK(d + i, x + i, m + i, &c, kind)) REFOLD(d + i, x + i, m + i, k); \
+        if (i < count) {                                                              \
+            uint16_t bx[LANES] = {0}, bm[LANES] = {0}, bd[LANES];                     \
+            memcpy(bx, x + i, (count - i) * 2);                                       \
+            memcpy(bm, m + i, (count - i) * 2);                                       \
+            if (BLOCK(bd, bx, bm, &c, kind)) REFOLD(bd, bx, bm, k);                   \
+            memcpy(d + i, bd, (count - i) * 2);                                       \
+        }                                                                             \
+    }
+
+F16_MEAN_LOOP(f16_mean_loop, AVX2, 8, f16_mean_block, f16_mean_refold)
+
+/* k a power of 2 below 2^13 (the rest takes FMA: AVX-512 only). */
+AVX2 static void f16_mean_f32(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k)
+{
+    if (k == 2) f16_mean_loop(d, x, m, count, k, F16_K2);
+    else f16_mean_loop(d, x, m, count, k, F16_POW2);
+}
 
 /* ------------------------------------------------------------ AVX-512: sixteen a step
  *
@@ -575,7 +700,9 @@ AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, cons
                                                    _mm512_set1_epi32(c->tiny - 1));
     const __m512i low = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0xffff));
     __mmask16 near;
-    if (c->pow2) {
+    if (c->k == 2.0f) {
+        near = 0; /* step 3 */
+    } else if (c->pow2) {
         const __mmask16 inexact = _mm512_cmp_ps_mask(sum_error512(p, xv, hi), _mm512_setzero_ps(), _CMP_NEQ_OQ);
         near = _mm512_mask_cmpeq_epi32_mask(inexact, low, _mm512_set1_epi32(0x8000));
     } else {
@@ -640,6 +767,66 @@ BINARY_KERNEL512(bf16_max512, load16_bf16, store16_bf16, v_max512)
 
 BF16_MEAN_KERNEL(bf16_mean512, AVX512, 16, bf16_mean_block512)
 
+/* The float16 fold in float32 ("float16 mean fold in float32" above), every
+ * k < 2^13. */
+AVX512 static inline __m512 to_odd512(__m512 q, __m512 side)
+{
+    const __m512i qi = _mm512_castps_si512(q), one = _mm512_set1_epi32(1);
+    const __mmask16 inexact = _mm512_cmp_ps_mask(side, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    const __mmask16 even = _mm512_mask_testn_epi32_mask(inexact, qi, one);
+    const __m512i step = _mm512_or_si512(_mm512_srai_epi32(_mm512_xor_si512(_mm512_castps_si512(side), qi), 31), one);
+    return _mm512_castsi512_ps(_mm512_mask_add_epi32(qi, even, qi, step));
+}
+
+/* Steps 2 and 4 from q = RN(hi RN(1/k)). */
+AVX512 static inline __m512 f16_mean_steps512(__m512 q, __m512 hi, __m512 lo, const f16_mean_consts *c)
+{
+    const __m512 k = _mm512_set1_ps(c->k), inv = _mm512_set1_ps(c->one_over_k);
+    const __m512 r0 = _mm512_add_ps(_mm512_fnmadd_ps(q, k, hi), lo);
+    /* q | (hi & sign): hi's sign, which q + r0 / k loses where it is -0 */
+    q = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_fmadd_ps(r0, inv, q)),
+                                                      _mm512_castps_si512(hi), _mm512_set1_epi32((int)0x80000000u),
+                                                      0xf8));
+    return to_odd512(q, _mm512_add_ps(_mm512_fnmadd_ps(q, k, hi), lo));
+}
+
+AVX512 static inline int f16_mean_block512(uint16_t *d, const uint16_t *x, const uint16_t *m, const f16_mean_consts *c,
+                                           const int kind)
+{
+    const __m512 xv = load16_f16(x), mv = load16_f16(m);
+    const __m512 p = kind == F16_K2 ? mv : _mm512_mul_ps(mv, _mm512_set1_ps(c->km1));
+    const __m512 hi = _mm512_add_ps(p, xv);
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(0x7fffffff));
+    if (_mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f7fffff))) return 1;
+    __m512 q = _mm512_mul_ps(hi, _mm512_set1_ps(c->one_over_k));
+    if (kind != F16_K2) {
+        const __m512 lo = sum_error512(p, xv, hi);
+        q = kind == F16_POW2 ? to_odd512(q, lo) : f16_mean_steps512(q, hi, lo, c); /* step 3 or 4 */
+    }
+    store16_f16(d, q);
+    return 0;
+}
+
+AVX512 __attribute__((noinline)) static void f16_mean_refold512(uint16_t *d, const uint16_t *x, const uint16_t *m,
+                                                                int k)
+{
+    const __m512d km1 = _mm512_set1_pd((double)(k - 1)), kd = _mm512_set1_pd((double)k);
+    const __m512d inv = _mm512_set1_pd(1.0 / (double)k);
+    store16_f16(d, mean_step512(load16_f16(x), load16_f16(m), km1, kd, inv, (k & (k - 1)) == 0));
+}
+
+F16_MEAN_LOOP(f16_mean_loop512, AVX512, 16, f16_mean_block512, f16_mean_refold512)
+
+/* Every k below 2^13. */
+AVX512 static void f16_mean512_f32(uint16_t *d, const uint16_t *x, const uint16_t *m, size_t count, int k)
+{
+    switch (f16_mean_kind(k)) {
+    case F16_K2: f16_mean_loop512(d, x, m, count, k, F16_K2); break;
+    case F16_POW2: f16_mean_loop512(d, x, m, count, k, F16_POW2); break;
+    default: f16_mean_loop512(d, x, m, count, k, F16_OTHER); break;
+    }
+}
+
 typedef void binary_kernel(uint16_t *, const uint16_t *, const uint16_t *, size_t);
 static binary_kernel *const binary_kernels[2][2][4] = {
     /* [AVX2, AVX-512][RR_FLOAT16, RR_BFLOAT16][RR_SUM, RR_PROD, RR_MIN, RR_MAX] */
@@ -670,8 +857,11 @@ int rr_mean_fold16_vec(void *dst, const void *x, const void *mean, size_t count,
     const rr_kernels16 level = rr_kernels16_current();
     if (!rr_avg_is_mean(dtype) || k < 2 || level < RR_KERNELS16_AVX2) return -1;
     if (dtype == RR_BFLOAT16 && k >= BF16_MEAN_MAX_K) return -1; /* the scalar loop: see "bfloat16 mean fold" */
-    if (level == RR_KERNELS16_AVX512) (dtype == RR_FLOAT16 ? f16_mean512 : bf16_mean512)(dst, x, mean, count, k);
-    else (dtype == RR_FLOAT16 ? f16_mean : bf16_mean)(dst, x, mean, count, k);
+    const int avx512 = level == RR_KERNELS16_AVX512;
+    if (dtype == RR_BFLOAT16) (avx512 ? bf16_mean512 : bf16_mean)(dst, x, mean, count, k);
+    else if (k < F16_MEAN_F32_MAX_K && avx512) f16_mean512_f32(dst, x, mean, count, k);
+    else if (k < F16_MEAN_F32_MAX_K && (k & (k - 1)) == 0) f16_mean_f32(dst, x, mean, count, k); /* AVX2: no FMA */
+    else (avx512 ? f16_mean512 : f16_mean)(dst, x, mean, count, k);
     return 0;
 #else
     (void)dst, (void)x, (void)mean, (void)count, (void)dtype, (void)k;

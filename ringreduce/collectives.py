@@ -192,8 +192,7 @@ def init(backend: str | None = None, comm=None) -> None:
 
 def attach_arena(comm, rank: int, size: int, tag: str, config: _config.Config) -> bool:
     """The host arena for a socket ring whose ranks share one host (ringreduce/shm.py)."""
-    slot = config.arena_bytes + _config.ARENA_HEADER_ROOM if config.arena_bytes else 0  # 0: wants none
-    return _shm.attach_arena(comm, rank, size, tag, slot, config.spin)
+    return _shm.attach_arena(comm, rank, size, tag, config.arena_slot, config.spin, reduce=config.arena_reduce)
 
 
 def _check_same_init(backend, comm) -> None:

@@ -34,7 +34,7 @@ class Config:
     shm_bytes: int = 1 << 20        # RINGREDUCE_SHM_BYTES: buffer of a shared-memory link between
                                     # neighbours on one host (socket backend); 0: sockets only
     arena_bytes: int = 256 << 10    # RINGREDUCE_ARENA_BYTES: largest tensor of the host arena, the small
-                                    # path when all ranks share one host (socket backend); 0: none
+                                    # path when all ranks share one host (either backend); 0: none
     arena_reduce: str = "auto"      # RINGREDUCE_ARENA_REDUCE: how the host arena reduces: "auto" (by size
                                     # and N, csrc/host_arena.c's cost model), "direct" (each rank folds all
                                     # N), "split" (each its 1/N, then a second round), "copy" (the first
@@ -89,6 +89,12 @@ class Config:
         reads N: it beats the ring up to arena_bytes (docs/performance.md)."""
         ring_pass = self.small_bytes // max(size - 1, 1)
         return max(ring_pass, self.arena_bytes) if arena and self.small_bytes > 0 else ring_pass
+
+    @property
+    def arena_slot(self) -> int:
+        """Bytes of a rank's host-arena slot: arena_bytes of data plus the
+        operation's header; 0: this rank wants no arena."""
+        return self.arena_bytes + ARENA_HEADER_ROOM if self.arena_bytes else 0
 
     @classmethod
     def from_env(cls, env=None) -> "Config":

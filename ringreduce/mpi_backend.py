@@ -5,6 +5,7 @@ when the MPI transport is built (see setup.py) and mpi4py imports.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -32,8 +33,10 @@ def available() -> str | None:
     return None
 
 
-def connect(config: Config, comm=None):
-    """Returns (World, _core.Comm) for the ring over `comm` (default COMM_WORLD)."""
+def connect(config: Config, comm=None, tag: str = "world"):
+    """Returns (World, _core.Comm) for the ring over `comm` (default COMM_WORLD).
+    When all its ranks share one host they also share a host arena for small
+    operations (world.extra["arena"]; tag names its file, see attach_arena)."""
     problem = available()
     if problem:
         raise RingReduceError(problem)
@@ -49,12 +52,42 @@ def connect(config: Config, comm=None):
     local.Free()
     _check_alike(comm, "RINGREDUCE_SMALL_ALGORITHM", config.small_algorithm or "doubling")
     abort_on_uncaught_exception()
-    transport = _mpi.create(comm.py2f(), config.ring_timeout)
+    transport = _mpi.create(comm.py2f(), config.ring_timeout, _pids_on_one_host(comm))
     ring = _core.Comm(world.rank, world.size, -1, -1, (), config.ring_timeout, config.segment_bytes, config.spin,
                       transport)
     if config.small_algorithm:  # small operations by recursive doubling unless "ring" (docs/architecture.md)
         ring.set_small_algorithm(config.small_algorithm)
+    try:
+        world.extra["arena"] = attach_arena(ring, comm, tag, config)
+    except BaseException:
+        ring.close()
+        raise
     return world, ring
+
+
+def attach_arena(ring, comm, tag: str, config: Config) -> bool:
+    """The host arena (csrc/host_arena.h) for a ring over MPI whose ranks
+    all share one host, as the socket backend's (ringreduce/shm.py): agreed
+    with an allgather over `comm`, the communicator the ring was made from
+    (its transport runs on a duplicate, so these never meet its messages).
+    Small operations then take the arena before recursive doubling, and the
+    transport's stalled() judges the arena's waits (csrc/mpi_transport.c).
+    Every rank of comm calls it at the same point."""
+    from . import shm
+    return shm.attach_arena(ring, comm.Get_rank(), comm.Get_size(), tag, config.arena_slot, config.spin,
+                            allgather=lambda data: comm.allgather(bytes(data)), reduce=config.arena_reduce)
+
+
+def _pids_on_one_host(comm):
+    """Every rank's pid, in rank order, where all ranks share this host and
+    pid namespace (the transport then sees a peer that died while the others
+    wait for it in the host arena); else None."""
+    from . import shm
+    ids = comm.allgather((shm.host_identity(), shm.pid_namespace(), os.getpid()))
+    # Namespace 0: unknown (no /proc), so ranks in different ones would look
+    # alike, and a live peer's pid, not ours to see, dead.
+    alike = ids[0][1] != 0 and all(i[:2] == ids[0][:2] for i in ids)
+    return [pid for _, _, pid in ids] if alike else None
 
 
 def _check_alike(comm, name: str, value: str) -> None:
@@ -102,7 +135,7 @@ def process_set_ring(config: Config, comm, members: list, rank: int):
     if not member:
         return None
     try:
-        _, ring = connect(config, sub)
+        _, ring = connect(config, sub, tag="set")
     finally:
         sub.Free()  # the transport runs on its own duplicate
     return ring

@@ -15,7 +15,8 @@ through the mapping and uses the socket only to wake a sleeping side.
 
 When every rank of a ring is on one host, they also share one arena
 (csrc/host_arena.h) for small operations: attach_arena() below, agreed the
-same way (the offer travels in a ring pass of blobs) and unlinked at once.
+same way (the offer travels in a ring pass of blobs, or in an MPI allgather
+over MPI) and unlinked at once.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def host_identity() -> str:
 _STALE = re.compile(r"^ringreduce-.*-n(\d+)p(\d+)-[0-9a-f]{12}$")
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
+    """Ranks with equal host identities and pid namespaces see each other's pids."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -69,7 +71,7 @@ def _pid_namespace() -> int:
 
 def _sweep_stale() -> None:
     """Unlinks our files in SHM_DIR whose maker (in our pid namespace) is dead."""
-    ns = _pid_namespace()
+    ns = pid_namespace()
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
@@ -95,7 +97,7 @@ def _sweep_stale() -> None:
 def _make_file(tag: str, capacity: int, magic: bytes = MAGIC, header: int = DATA_OFFSET) -> tuple[int, str, bytes]:
     _sweep_stale()
     nonce = secrets.token_bytes(32)
-    owner = f"n{_pid_namespace()}p{os.getpid()}"
+    owner = f"n{pid_namespace()}p{os.getpid()}"
     path = os.path.join(SHM_DIR, f"ringreduce-{tag}-{owner}-{secrets.token_hex(6)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -181,27 +183,37 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
     return tx_fd, rx_fd
 
 
-def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: int) -> bool:
+def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: int, allgather=None,
+                 reduce: str = "auto") -> bool:
     """Gives comm (every rank of its ring calls this at the same point) a
     host arena with slot_bytes per rank, when all ranks share this host and
     want the same slot size (slot_bytes 0: this rank wants none, and so
     nobody gets one; it still takes part, so no rank waits for it).
 
-    Ring rank 0 makes the file and offers it in a ring pass of blobs that
-    also carries every rank's host identity and slot size; the others open it
-    only when all of those are the same, and a second pass says whether all
-    could. Rank 0 unlinks the file after that pass, whatever happened: the
-    mappings keep it alive, and nothing is left in /dev/shm however the job ends.
-    Returns whether the arena is in use (False: small operations stay on the ring).
-    It reduces as RINGREDUCE_ARENA_REDUCE says (ranks that differ there still
-    agree: the split happens only where every rank offers it).
+    allgather(bytes) -> every rank's bytes, in ring rank order: how the ranks
+    agree. Default: the ring's own pass of blobs (comm.exchange_blobs); the
+    MPI backend passes its communicator's allgather (ringreduce/mpi_backend.py).
+
+    Ring rank 0 makes the file and offers it in an allgather that also
+    carries every rank's host identity and slot size; the others open it only
+    when all of those are the same and map it, and a second allgather says
+    whether all could. Rank 0 unlinks the file after that, whatever happened:
+    the mappings keep it alive, and nothing is left in /dev/shm however the
+    job ends. Returns whether the arena is in use on every rank (False: small
+    operations stay on the ring, or by doubling over MPI, on every rank).
+    It reduces as `reduce` says (Config.arena_reduce, RINGREDUCE_ARENA_REDUCE
+    as init() read it; ranks that differ there still agree: the split
+    happens only where every rank offers it).
     """
-    from . import _core, config as _config
+    from . import _core
 
     if size < 2:
         return False
+    if allgather is None:
+        def allgather(data: bytes) -> list:
+            return [bytes(b) for b in comm.exchange_blobs(data)]
     nbytes = _core.arena_file_bytes(size, slot_bytes) if slot_bytes > 0 else 0
-    fd, path = -1, None
+    fd, path, attached = -1, None, False
     offer: dict = {"host": host_identity(), "slot": slot_bytes}
     try:
         if rank == 0 and slot_bytes > 0:
@@ -210,11 +222,21 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
                 offer.update(path=path, nonce=nonce.hex())
             except OSError as exc:
                 log.info("ringreduce: no host arena: %s", exc)
-        offers = [json.loads(bytes(b)) for b in comm.exchange_blobs(json.dumps(offer).encode())]
+        offers = [json.loads(bytes(b)) for b in allgather(json.dumps(offer).encode())]
         alike = all(o.get("host") == offer["host"] and o.get("slot") == slot_bytes for o in offers)
         if alike and slot_bytes > 0 and rank != 0 and offers[0].get("path"):
             fd = _open_offer(offers[0], ARENA_MAGIC, lambda n: n == nbytes)
-        opened = comm.exchange_blobs(b"1" if fd >= 0 and alike else b"0")
+        if fd >= 0 and alike:
+            # Mapped before the vote: a rank whose mapping fails says so
+            # there, instead of leaving the others waiting for it in the arena.
+            try:
+                attached = comm.attach_arena(fd, slot_bytes, spin)
+            except Exception as exc:  # noqa: BLE001 - reported in the vote below, which every rank takes part in
+                log.info("ringreduce: no host arena: %s", exc)
+            fd = -1  # attach_arena took it, whatever came of it
+            if attached:
+                comm.use_arena(0)  # the vote goes the way every rank can go, the ring's
+        opened = allgather(b"1" if attached else b"0")
     except BaseException:
         if fd >= 0:
             os.close(fd)
@@ -223,14 +245,14 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
         if path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+    if fd >= 0:
+        os.close(fd)
     if not all(bytes(b) == b"1" for b in opened):
-        if fd >= 0:
-            os.close(fd)
-        return False
-    if not comm.attach_arena(fd, slot_bytes, spin):
-        return False
-    comm.use_arena(ARENA_MODES[_config.Config.from_env().arena_reduce])
+        return False  # mapped here perhaps, but unused: every rank stays on the other path
+    comm.use_arena(ARENA_MODES[reduce])
     return True
+
+
 def agree_zero_copy(comm, wanted: bool) -> bool:
     """Lets comm's ring reduce straight in the shared-memory mappings
     (csrc/ring.c, ring_steps_zero_copy) if every rank wants it

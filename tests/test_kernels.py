@@ -395,3 +395,23 @@ def test_bfloat16_float32_fold_every_pair_sampled(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     if "no vector kernels" not in out.stdout:
         assert out.stdout.count(" wrong 0 ") >= 10, out.stdout
+
+
+def test_float16_float32_fold_every_pair_sampled(tmp_path):
+    """tests/f16_mean_exhaustive.c: every 127th mean bit pattern against all
+    2^16 x patterns, through rr_mean_fold16_vec at each vector level, against
+    rr_mean16_f16: k = 2..9 and 16 (the float32 fold: k = 2, powers of 2,
+    Markstein's step at AVX-512), 1000 and 2^13 - 1 (its last k), and 2^13
+    (the double fold again). Stride 1, every pair: docs/performance.md."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    exe = tmp_path / "f16_mean_exhaustive"
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run([cc, "-O2", "-std=gnu11", "-Wall", "-Werror", "-I", str(repo / "csrc"), "-o", str(exe),
+                    str(repo / "tests" / "f16_mean_exhaustive.c")], check=True, timeout=120)
+    ks = ["2", "3", "4", "5", "6", "7", "8", "9", "16", "1000", str((1 << 13) - 1), str(1 << 13)]
+    out = subprocess.run([str(exe), "127", *ks], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    if "no vector kernels" not in out.stdout:
+        assert out.stdout.count(" wrong 0 ") >= len(ks), out.stdout

@@ -180,7 +180,7 @@ def test_shutdown_interrupts_a_fast_path_call_waiting_for_a_late_peer(tmp_path):
 
 # --------------------------------------------------------------------------- over MPI
 
-def _mpirun(n, body, tmp_path, timeout=80):
+def _mpirun(n, body, tmp_path, timeout=80, env=None):
     from test_mpi import MPIRUN, _missing
     if _missing() is not None:
         pytest.skip(str(_missing()))
@@ -193,7 +193,7 @@ def _mpirun(n, body, tmp_path, timeout=80):
     out = tmp_path / "out"
     proc = subprocess.run([MPIRUN, "-np", str(n), sys.executable, str(script)], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
-                                                "OUT": str(out)})
+                                                "OUT": str(out), **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [pickle.loads((tmp_path / f"out.rank{r}").read_bytes()) for r in range(n)]
 
@@ -206,7 +206,8 @@ def test_fast_path_plans_per_call_and_keeps_every_check_mpi(tmp_path, n):
 def test_a_changed_small_algorithm_moves_a_planned_call_mpi(tmp_path):
     # N = 4: 48 KiB is small by recursive doubling (limit 64 KiB) but not
     # around the ring (128 KiB / 3): a plan made under one must not outlive
-    # Comm.set_small_algorithm.
+    # Comm.set_small_algorithm. Without the host arena, which would take
+    # both (tests/test_mpi_arena.py).
     ranks = _mpirun(4, """
 comm = rr.collectives._state.ring.comm
 x = np.ones(12288, np.float32)
@@ -218,7 +219,7 @@ for algo in ("doubling", "ring", "doubling"):
         ok = rr.allreduce(x).tolist() == [4.0] * 12288
         seen.append((algo, ok, rr.stats()["ring"] - before > 0))
 result = seen
-""", tmp_path)
+""", tmp_path, env={"RINGREDUCE_ARENA_BYTES": "0"})
     for seen in ranks:
         assert all(ok for _, ok, _ in seen), seen
         assert [ring for algo, _, ring in seen] == [algo == "ring" for algo, _, _ in seen], seen

@@ -1,5 +1,6 @@
 """Small allreduces over MPI by recursive doubling (csrc/recursive_doubling.c),
-under mpirun -np 2, 3, 4, 5 (3 and 5: the fold of the extra ranks).
+under mpirun -np 2, 3, 4, 5 (3 and 5: the fold of the extra ranks), with the
+host arena off (RINGREDUCE_ARENA_BYTES=0; the arena: tests/test_mpi_arena.py).
 
 This file is also the job each test starts: `mpirun -np N python
 tests/test_small_mpi.py MODE OUT` writes each rank's findings to
@@ -149,10 +150,16 @@ if __name__ != "__main__":
     pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 
+# Recursive doubling itself: without the host arena, which every rank of
+# these one-host jobs would otherwise take first (tests/test_mpi_arena.py).
+NO_ARENA = {"RINGREDUCE_ARENA_BYTES": "0"}
+
+
 def _mpirun(n, mode, tmp_path, env=None, timeout=60):
     out = tmp_path / mode
     proc = subprocess.run([MPIRUN, "-np", str(n), sys.executable, __file__, mode, str(out)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+                          text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **NO_ARENA, **(env or {})})
     report = proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = []
     for r in range(n):
@@ -207,7 +214,7 @@ def test_ranks_with_different_small_limits_agree_over_mpi(tmp_path, n):
     out = tmp_path / "mixed_limits"
     proc = subprocess.run([MPIRUN, "-np", str(n), sys.executable, str(script), "mixed_limits", str(out)],
                           capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **env})
+                          env={**os.environ, "PYTHONPATH": str(REPO), **NO_ARENA, **env})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [pickle.loads(Path(f"{out}.rank{r}.pkl").read_bytes()) for r in range(n)]
     for res in ranks:
