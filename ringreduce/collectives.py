@@ -293,6 +293,27 @@ def _check_movable(dtype: np.dtype) -> None:
         raise TypeError(f"ringreduce cannot move dtype {dtype}: only fixed-size dtypes without Python objects")
 
 
+# A name longer than this is refused before it is sent (the header pass's blob cap is 64 MiB).
+MAX_NAME_BYTES = 1 << 20
+
+
+def _check_name(name) -> None:
+    """A collective's name is None or a str that UTF-8 can carry: anything
+    else is refused on this rank before data moves (and so on every rank),
+    never found while the header is built, after this rank stopped pairing."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise TypeError(f"a collective's name must be a str or None, not {type(name).__name__}")
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"a collective's name must be encodable as UTF-8: {exc.reason} at position {exc.start}") \
+            from None
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"a collective's name is {size} bytes; at most {MAX_NAME_BYTES}")
+
+
 def _op_code(op: str) -> int:
     if op not in _OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {', '.join(_OPS)}")
@@ -454,7 +475,8 @@ def _refuse(kind: int, problem: Exception, process_set=None) -> None:
     try:
         with _state.lock:
             ring = _ring(process_set)
-            head = _header(kind, 0, 0, (), f"{REFUSED_PREFIX} {problem}"[:400])
+            why = f"{REFUSED_PREFIX} {problem}"[:400].encode(errors="replace").decode()  # sendable whatever it holds
+            head = _header(kind, 0, 0, (), why)
             _agree(ring.comm.exchange_blobs(head, b""), head, (), _KIND_NAMES[kind], ring)
     except (RingReduceError, TypeError, ValueError):
         pass  # not initialized, or the others refused too, or a peer is lost: this rank's own error says most
@@ -634,6 +656,7 @@ def _allreduce_checked(x, op, out, name, process_set):
         opc = _OPS.get(op)
         if opc is None:
             _op_code(op)  # raises the ValueError
+        _check_name(name)
         if out is not None and (type(out) is not np.ndarray or out.shape != x.shape
                                 or out.dtype.newbyteorder("=") != x.dtype or not out.flags.writeable):
             raise ValueError(f"out must be a writeable numpy array of shape {x.shape} and dtype {x.dtype}")
@@ -685,6 +708,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
     try:
         g, x = _arrays_for(x)
         code, opc = _dtype_code(x.dtype), _op_code(op)
+        _check_name(name)
         if out is not None and (not _cuda.is_device_array(out) or out.shape != x.shape or out.dtype != x.dtype):
             raise ValueError(f"out must be a GPU array of shape {x.shape} and dtype {x.dtype}")
     except (TypeError, ValueError) as exc:
@@ -720,6 +744,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
     try:
         g, x = _arrays_for(x)
         code, opc = _dtype_code(x.dtype), _op_code(op)
+        _check_name(name)
     except (TypeError, ValueError) as exc:
         _refuse(REDUCE_SCATTER, exc, process_set)
         raise
@@ -743,6 +768,7 @@ def allgather(x, name: str | None = None, process_set=None):
     """Concatenates every rank's x along axis 0 (ranks may differ in dim 0 only)."""
     try:
         g, x = _arrays_for(x, reduces=False)
+        _check_name(name)
     except (TypeError, ValueError) as exc:
         _refuse(ALLGATHER, exc, process_set)
         raise
@@ -776,6 +802,7 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
     root is a world rank; with a process set, one of its members (as Horovod's)."""
     try:
         g, x = _arrays_for(x, reduces=False)
+        _check_name(name)
     except (TypeError, ValueError) as exc:
         _refuse(BROADCAST, exc, process_set)
         raise
@@ -857,6 +884,7 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
         if x.ndim == 0:
             raise ValueError("alltoall needs a tensor of at least one dimension (its rows are split)")
         given = None if splits is None else _read_splits(splits)
+        _check_name(name)
     except (TypeError, ValueError) as exc:
         _refuse(ALLTOALL, exc, process_set)
         raise
@@ -888,6 +916,11 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
 
 def barrier(name: str | None = None, process_set=None) -> None:
     """Returns once every rank (of process_set) has entered the barrier."""
+    try:
+        _check_name(name)
+    except (TypeError, ValueError) as exc:
+        _refuse(BARRIER, exc, process_set)
+        raise
     with _state.lock:
         w = _ring(process_set)
         head = _header(BARRIER, 0, 0, (), name)

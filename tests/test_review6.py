@@ -1,0 +1,51 @@
+"""Review 6 (hostile review, a new user's first hour): each test here failed
+on the merged code it names, and passes with its fix.
+"""
+from __future__ import annotations
+
+import pytest
+
+from ranks import run_ranks
+
+# One rank passes a name that is not a str (or cannot be sent): it used to
+# raise AttributeError / UnicodeEncodeError on that rank alone, after its
+# checks and before sending anything, so the others paired this collective
+# with its next one (by arrival, not by name): every later collective was
+# one off. Now the rank refuses it, and every rank raises naming it; the
+# collective after that pairs as written.
+BAD_NAMES = """
+r = rr.rank()
+good = np.ones(4, np.float32)
+bad = {"int": 5, "bytes": b"x", "surrogate": "\\udc80"}[os.environ["BAD"]]
+calls = {
+    "allreduce": lambda n: rr.allreduce(good, name=n),
+    "reduce_scatter": lambda n: rr.reduce_scatter(good, name=n),
+    "allgather": lambda n: rr.allgather(good, name=n),
+    "broadcast": lambda n: rr.broadcast(good, name=n),
+    "alltoall": lambda n: rr.alltoall(np.arange(3.0 * rr.size()), name=n),
+    "barrier": lambda n: rr.barrier(name=n),
+}
+result = {}
+for kind, call in calls.items():
+    try:
+        call(bad if r == 1 else "x")
+        got = "returned"
+    except (TypeError, ValueError) as e:  # the rank at fault: its own error
+        got = ("own", type(e).__name__)
+    except rr.MismatchError as e:
+        got = ("mismatch", "rank 1" in str(e) and "name" in str(e))
+    except Exception as e:
+        got = ("other", type(e).__name__, str(e)[:200])
+    after = rr.allreduce(np.full(3, r + 1.0, np.float32), name="after " + kind).tolist()
+    result[kind] = (got, after)
+"""
+
+
+@pytest.mark.parametrize("bad", ["int", "bytes", "surrogate"])
+def test_a_bad_name_on_one_rank_is_refused_on_every_rank(tmp_path, bad):
+    ranks = run_ranks(3, BAD_NAMES, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "10", "BAD": bad})
+    for x in ranks:
+        for kind, (got, after) in x.result.items():
+            want = ("own", "TypeError" if bad != "surrogate" else "ValueError") if x.rank == 1 else ("mismatch", True)
+            assert got == want, (x.rank, kind, got)
+            assert after == [6.0] * 3, (x.rank, kind, after)
