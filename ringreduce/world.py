@@ -8,7 +8,8 @@ discover() reads the world from the environment, in this order:
      backend, rank 0's address and the job secret then travel over MPI)
   3. TensorFlow's TF_CONFIG (the ring is the chief, then the workers in order)
   4. none of these: a world of one rank (but RINGREDUCE_SIZE/ADDR without
-     RINGREDUCE_RANK, or srun's tasks without PMI, raise: N ranks were meant)
+     RINGREDUCE_RANK, srun's tasks without PMI, or horovodrun's (gloo) or
+     torchrun's world of N, raise: N ranks were meant)
 
 rendezvous() then connects the ring: every rank dials rank 0 at
 RINGREDUCE_ADDR and gets everyone's listening address back, connects to its
@@ -65,8 +66,17 @@ class World:
 def _env_int(env, *names):
     for name in names:
         if env.get(name, "") != "":
-            return int(env[name])
+            try:
+                return int(env[name])
+            except ValueError:
+                raise RingReduceError(f"{name}={env[name]!r} is not an integer") from None
     return None
+
+
+# Other launchers' worlds, which ringreduce does not join: (what started this
+# process, its size variable, a variable only that launcher sets).
+_FOREIGN_LAUNCHERS = (("horovodrun", "HOROVOD_SIZE", "HOROVOD_RANK"),
+                      ("torchrun", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def _parse_addr(text: str) -> tuple[str, int]:
@@ -115,6 +125,12 @@ def discover(env=None) -> World:
     if half:  # a world of N was meant: each process training alone would be silently wrong
         raise RingReduceError(f"{', '.join(f'{n}={env[n]}' for n in half)} is set but RINGREDUCE_RANK is not: "
                               "set RINGREDUCE_RANK on every rank too, or launch with ringrun -np N")
+    for launcher, size_name, marker in _FOREIGN_LAUNCHERS:  # each process training alone would be silently wrong
+        size = _env_int(env, size_name) if env.get(marker, "") != "" else None
+        if size is not None and size > 1:
+            raise RingReduceError(f"{launcher} started {size} processes ({size_name}={size}) but none of them has a "
+                                  f"ringreduce world: launch with ringrun -np {size} instead (or set "
+                                  "RINGREDUCE_RANK, RINGREDUCE_SIZE and RINGREDUCE_ADDR on every rank)")
     tasks = _env_int(env, "SLURM_STEP_NUM_TASKS")
     if env.get("SLURM_PROCID", "") != "" and tasks is not None and tasks > 1:  # so too under srun without PMI
         raise RingReduceError(f"srun started {tasks} tasks but none of them has a ringreduce world (no PMI_RANK or "

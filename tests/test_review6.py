@@ -49,3 +49,31 @@ def test_a_bad_name_on_one_rank_is_refused_on_every_rank(tmp_path, bad):
             want = ("own", "TypeError" if bad != "surrogate" else "ValueError") if x.rank == 1 else ("mismatch", True)
             assert got == want, (x.rank, kind, got)
             assert after == [6.0] * 3, (x.rank, kind, after)
+
+
+# Launched the Horovod or torch way (horovodrun's gloo mode, torchrun), each
+# process found no ringreduce world and trained alone as a world of one:
+# N ranks were meant, so it raises, naming the launcher and what to use.
+@pytest.mark.parametrize("env", [
+    {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "4",
+     "HOROVOD_CONTROLLER": "gloo", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"},
+    {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+     "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"},
+])
+def test_another_launchers_world_of_n_is_not_a_silent_world_of_one(env):
+    from ringreduce.errors import RingReduceError
+    from ringreduce.world import discover
+    with pytest.raises(RingReduceError, match="ringrun -np 4"):
+        discover(env)
+    one = {k: "1" if k in ("HOROVOD_SIZE", "WORLD_SIZE") else "0" if "RANK" in k else v for k, v in env.items()}
+    assert discover(one).size == 1  # a launcher's world of one is one
+
+
+@pytest.mark.parametrize("name", ["RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_LOCAL_RANK", "PMI_RANK"])
+def test_a_launcher_variable_that_is_not_an_integer_is_named(name):
+    from ringreduce.errors import RingReduceError
+    from ringreduce.world import discover
+    env = {"RINGREDUCE_RANK": "0", "RINGREDUCE_SIZE": "1"} if name.startswith("RINGREDUCE") else {}
+    env[name] = "one"
+    with pytest.raises(RingReduceError, match=f"{name}='one' is not an integer"):
+        discover(env)
