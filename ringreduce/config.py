@@ -17,7 +17,11 @@ ARENA_HEADER_ROOM = 4096  # an arena slot holds arena_bytes of data plus the ope
 BACKENDS = ("", "socket", "mpi")
 SMALL_ALGORITHMS = ("", "doubling", "ring")
 ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/host_arena.h rr_arena_mode
-MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
+MAX_CACHE_CAPACITY = 1 << 20
+# init's deadlines are socket timeouts, which overflow long before inf: a
+# week stands for "wait as long as it takes" (inf died of an OverflowError
+# on one rank while rank 0 waited for it forever)
+MAX_START_TIMEOUT = 7 * 24 * 3600  # a ready vector of this many bits is 128 KiB a cycle
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,8 @@ class Config:
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
-        _check("RINGREDUCE_START_TIMEOUT", self.start_timeout, self.start_timeout > 0, "a number of seconds > 0")
+        _check("RINGREDUCE_START_TIMEOUT", self.start_timeout, 0 < self.start_timeout <= MAX_START_TIMEOUT,
+               f"a number of seconds > 0, at most {MAX_START_TIMEOUT} (a week)")
         _check("RINGREDUCE_SEGMENT_BYTES", self.segment_bytes, 0 < self.segment_bytes <= MAX_SEGMENT_BYTES,
                f"1 .. {MAX_SEGMENT_BYTES} bytes")
         _check("RINGREDUCE_SMALL_BYTES", self.small_bytes, 0 <= self.small_bytes <= MAX_SMALL_BYTES,

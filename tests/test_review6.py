@@ -3,6 +3,8 @@ on the merged code it names, and passes with its fix.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ranks import run_ranks
@@ -121,3 +123,21 @@ def test_a_world_collective_and_a_set_collective_on_two_threads_run_at_once(tmp_
         assert x.result["world"] == sorted(sums(6.0) + [(0, 1, 2)]), (x.rank, x.result["world"])
         if x.rank < 2:
             assert x.result["set"] == sorted(sums(3.0) + [(0, 1)]), (x.rank, x.result["set"])
+
+
+# RINGREDUCE_START_TIMEOUT=inf (or 1e300) passed the config's check; at
+# init() the rank that dialled rank 0 died of an OverflowError naming no
+# setting, and rank 0 then waited for it forever. Refused at init() now,
+# naming the variable, on every rank alike (all read the same setting).
+@pytest.mark.parametrize("value", ["inf", "1e300", "604801"])
+def test_an_endless_start_timeout_is_refused_naming_it(value):
+    from ringreduce.config import Config
+    with pytest.raises(ValueError, match=re.escape(f"RINGREDUCE_START_TIMEOUT={float(value)!r} makes no sense")):
+        Config.from_env({"RINGREDUCE_START_TIMEOUT": value})
+    assert Config.from_env({"RINGREDUCE_START_TIMEOUT": "604800"}).start_timeout == 604800
+
+
+def test_a_long_start_timeout_still_joins(tmp_path):
+    ranks = run_ranks(2, "result = rr.allreduce(np.ones(2)).tolist()", tmp_path, timeout=60,
+                      env={"RINGREDUCE_START_TIMEOUT": "604800"})
+    assert [x.result for x in ranks] == [[2.0, 2.0]] * 2
