@@ -79,10 +79,12 @@ _FOREIGN_LAUNCHERS = (("horovodrun", "HOROVOD_SIZE", "HOROVOD_RANK"),
                       ("torchrun", "WORLD_SIZE", "MASTER_ADDR"))
 
 
-def _parse_addr(text: str) -> tuple[str, int]:
+def _parse_addr(text: str, name: str = "RINGREDUCE_ADDR") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
-        raise RingReduceError(f"RINGREDUCE_ADDR must be host:port, got {text!r}")
+        raise RingReduceError(f"{name} must be host:port, got {text!r}")
+    if not 0 < int(port) < 65536:  # 0 would have rank 0 listen where no rank looks
+        raise RingReduceError(f"{name} must be host:port with a port of 1 .. 65535, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -93,7 +95,8 @@ def discover(env=None) -> World:
     secret_bytes = secret.encode() if secret else None
 
     if env.get("RINGREDUCE_ELASTIC_ADDR"):  # ringrun --elastic: rank and size come from its rendezvous
-        return World(0, 1, 0, 1, _parse_addr(env["RINGREDUCE_ELASTIC_ADDR"]), secret_bytes, config, "elastic",
+        return World(0, 1, 0, 1, _parse_addr(env["RINGREDUCE_ELASTIC_ADDR"], "RINGREDUCE_ELASTIC_ADDR"), secret_bytes,
+                     config, "elastic",
                      {"worker": env.get("RINGREDUCE_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"})
 
     rank = _env_int(env, "RINGREDUCE_RANK")
@@ -106,8 +109,12 @@ def discover(env=None) -> World:
             raise RingReduceError("RINGREDUCE_SIZE > 1 needs RINGREDUCE_ADDR=host:port of rank 0")
         local_rank = _env_int(env, "RINGREDUCE_LOCAL_RANK")
         local_size = _env_int(env, "RINGREDUCE_LOCAL_SIZE")
-        return World(rank, size, rank if local_rank is None else local_rank,
-                     size if local_size is None else local_size,
+        given = local_rank is not None
+        local_rank, local_size = rank if local_rank is None else local_rank, size if local_size is None else local_size
+        if given and not 0 <= local_rank < local_size:  # a GPU is picked by it (ringreduce/tensorflow)
+            raise RingReduceError(f"RINGREDUCE_LOCAL_RANK={local_rank} needs 0 <= RINGREDUCE_LOCAL_RANK < "
+                                  f"RINGREDUCE_LOCAL_SIZE={local_size}")
+        return World(rank, size, local_rank, local_size,
                      _parse_addr(addr) if addr else None, secret_bytes, config, "RINGREDUCE_* environment")
 
     mpi_rank = _env_int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")

@@ -141,3 +141,20 @@ def test_a_long_start_timeout_still_joins(tmp_path):
     ranks = run_ranks(2, "result = rr.allreduce(np.ones(2)).tolist()", tmp_path, timeout=60,
                       env={"RINGREDUCE_START_TIMEOUT": "604800"})
     assert [x.result for x in ranks] == [[2.0, 2.0]] * 2
+
+
+# RINGREDUCE_ADDR with port 99999 died of an OverflowError naming no setting
+# ("bind(): port must be 0-65535"); port 0 had rank 0 listen on a random
+# port no rank knew, so every rank waited out RINGREDUCE_START_TIMEOUT; a
+# local rank past the local size was taken as it came (GPU picking uses it).
+@pytest.mark.parametrize("env, says", [
+    ({"RINGREDUCE_ADDR": "127.0.0.1:99999"}, "RINGREDUCE_ADDR must be host:port with a port of 1 .. 65535"),
+    ({"RINGREDUCE_ADDR": "127.0.0.1:0"}, "RINGREDUCE_ADDR must be host:port with a port of 1 .. 65535"),
+    ({"RINGREDUCE_LOCAL_RANK": "5", "RINGREDUCE_LOCAL_SIZE": "2"}, "RINGREDUCE_LOCAL_RANK=5 needs"),
+    ({"RINGREDUCE_LOCAL_RANK": "-1"}, "RINGREDUCE_LOCAL_RANK=-1 needs"),
+])
+def test_a_nonsensical_address_or_local_rank_is_named(env, says):
+    from ringreduce.errors import RingReduceError
+    from ringreduce.world import discover
+    with pytest.raises(RingReduceError, match=re.escape(says)):
+        discover({"RINGREDUCE_RANK": "1", "RINGREDUCE_SIZE": "2", "RINGREDUCE_ADDR": "127.0.0.1:1234", **env})
