@@ -71,7 +71,7 @@ class _Ring:
     ranks: list
     owners: list = field(default_factory=list)  # the ProcessSet objects naming it, invalidated at its end
     # held through each collective on this ring (its C calls must not interleave with another thread's);
-    # taken after _state.lock, never before it (see _locked)
+    # taken after _state.lock, never before it (see _lookup)
     lock: object = field(default_factory=threading.RLock, repr=False, compare=False)
     # allreduce's fast path: (shape, dtype, op, name) -> _Plan of a small allreduce this ring already ran
     plans: dict = field(default_factory=dict, repr=False)
@@ -476,7 +476,8 @@ def _refuse(kind: int, problem: Exception, process_set=None) -> None:
     pairing their collective with this rank's next one (silently wrong data)
     or waiting for it (a hang). The caller then raises its own error."""
     try:
-        with _locked(process_set) as ring:
+        ring = _lookup(process_set)
+        with ring.lock:
             why = f"{REFUSED_PREFIX} {problem}"[:400].encode(errors="replace").decode()  # sendable whatever it holds
             head = _header(kind, 0, 0, (), why)
             _agree(ring.comm.exchange_blobs(head, b""), head, (), _KIND_NAMES[kind], ring)
@@ -560,21 +561,19 @@ def _ring(process_set) -> _Ring:
     return ring_of(process_set)
 
 
-@contextlib.contextmanager
-def _locked(process_set):
-    """The ring a collective runs over, held by its own lock: collectives on
-    one ring run one at a time (a header pass and the ring steps of one must
-    not interleave with another thread's), those on different rings (the
-    world's, a process set's) at once, as on other ranks. The ring is looked
-    up under _state.lock, released before the ring's lock is taken: a thread
-    holding a ring's lock never waits for _state.lock (held by init,
+def _lookup(process_set) -> _Ring:
+    """The ring a collective runs over, looked up under _state.lock; the
+    collective then holds the ring's own lock (`with ring.lock:`).
+    Collectives on one ring run one at a time (a header pass and the ring
+    steps of one must not interleave with another thread's); those on
+    different rings (the world's, a process set's) run at once, as on other
+    ranks. _state.lock is released before the ring's lock is taken: a
+    thread holding a ring's lock never waits for _state.lock (held by init,
     shutdown, add_process_set and the engine's negotiation, which take ring
     locks inside it). A ring closed by shutdown() in between fails its next
-    C call ("shut down")."""
+    C call ("shut down"). (Not a context manager: one cost ~1.5 us more.)"""
     with _state.lock:
-        ring = _ring(process_set)
-    with ring.lock:
-        yield ring
+        return _ring(process_set)
 
 
 def _all_inline(blobs) -> bool:
@@ -686,7 +685,8 @@ def _allreduce_checked(x, op, out, name, process_set):
     except (TypeError, ValueError) as exc:
         _refuse(ALLREDUCE, exc, process_set)
         raise
-    with _locked(process_set) as ring:
+    ring = _lookup(process_set)
+    with ring.lock:
         rounds = ring.comm.small_rounds if ring.size > 1 else None
         small = x.nbytes <= ring.allreduce_limit
         head = _header(ALLREDUCE, opc, code, x.shape, name, small)
@@ -736,15 +736,14 @@ def _allreduce_device(x, op, out, name, process_set=None):
     except (TypeError, ValueError) as exc:
         _refuse(ALLREDUCE, exc, process_set)
         raise
-    with _state.lock:
-        small = x.nbytes <= _ring(process_set).allreduce_limit
-    if small:  # outside the ring's lock, which allreduce() takes after _state.lock
+    ring = _lookup(process_set)
+    if x.nbytes <= ring.allreduce_limit:  # outside the ring's lock, which allreduce() takes after _state.lock
         # Latency-bound: one copy each way and the host path, whose
         # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
         with g.on(x):
             return _deliver(g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x),
                             out, g.xp)
-    with _locked(process_set) as ring, g.on(x):
+    with ring.lock, g.on(x):
         head = _header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
         blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
         src = g.xp.ascontiguousarray(x)
@@ -772,7 +771,8 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
     except (TypeError, ValueError) as exc:
         _refuse(REDUCE_SCATTER, exc, process_set)
         raise
-    with _locked(process_set) as w, g.on(x):
+    w = _lookup(process_set)
+    with w.lock, g.on(x):
         small = x.nbytes <= w.small_limit
         head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small, device=g is not _HostArrays)
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
@@ -797,7 +797,8 @@ def allgather(x, name: str | None = None, process_set=None):
         raise
     if x.ndim == 0:
         x = x.reshape(1)
-    with _locked(process_set) as w, g.on(x):
+    w = _lookup(process_set)
+    with w.lock, g.on(x):
         small = x.nbytes <= w.small_limit
         head = _header(ALLGATHER, 0, 0, x.shape, name, inline=small, descr=x.dtype, device=g is not _HostArrays)
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
@@ -828,15 +829,14 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
     except (TypeError, ValueError) as exc:
         _refuse(BROADCAST, exc, process_set)
         raise
-    with _state.lock:
-        w = _ring(process_set)
+    w = _lookup(process_set)
     if root not in w.ranks:  # refused outside the ring's lock, which _refuse takes after _state.lock
         problem = ValueError(f"root {root} is not a rank of this world of {w.size}" if w is _state.ring
                              else f"root {root} is not a member of process set {process_set.process_set_id} "
                                   f"(ranks {w.ranks})")
         _refuse(BROADCAST, problem, process_set)
         raise problem
-    with _locked(process_set) as w, g.on(x):
+    with w.lock, g.on(x):
         root = w.ranks.index(root) if w is not _state.ring else root
         small = x.nbytes <= w.small_limit
         head = _header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype)
@@ -912,7 +912,8 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
         _refuse(ALLTOALL, exc, process_set)
         raise
     host = np.ascontiguousarray(g.to_host(x))
-    with _locked(process_set) as w, g.on(x):
+    w = _lookup(process_set)
+    with w.lock, g.on(x):
         n, me = w.size, w.rank
         small = host.nbytes <= w.small_limit
         head = _header(ALLTOALL, _SPLITS_EQUAL if given is None else _SPLITS_GIVEN, 0, host.shape, name,
@@ -943,6 +944,7 @@ def barrier(name: str | None = None, process_set=None) -> None:
     except (TypeError, ValueError) as exc:
         _refuse(BARRIER, exc, process_set)
         raise
-    with _locked(process_set) as w:
+    w = _lookup(process_set)
+    with w.lock:
         head = _header(BARRIER, 0, 0, (), name)
         _exchange(head, b"", ("name",), "barrier", w)
