@@ -11,17 +11,17 @@ from dataclasses import dataclass
 # path sends header + tensor in one blob, so its limit stays well below.
 MAX_SMALL_BYTES = 32 << 20
 MAX_SEGMENT_BYTES = 64 << 20
+# init's deadlines are socket timeouts, which overflow long before inf: a
+# week stands for "wait as long as it takes" (inf died of an OverflowError
+# on one rank while rank 0 waited for it forever)
+MAX_START_TIMEOUT = 7 * 24 * 3600
 MAX_SHM_BYTES = 1 << 30  # what a taker accepts (ringreduce/shm.py)
 MAX_ARENA_BYTES = 16 << 20  # per rank, twice over (csrc/host_arena.h)
 ARENA_HEADER_ROOM = 4096  # an arena slot holds arena_bytes of data plus the operation's header
 BACKENDS = ("", "socket", "mpi")
 SMALL_ALGORITHMS = ("", "doubling", "ring")
 ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/host_arena.h rr_arena_mode
-MAX_CACHE_CAPACITY = 1 << 20
-# init's deadlines are socket timeouts, which overflow long before inf: a
-# week stands for "wait as long as it takes" (inf died of an OverflowError
-# on one rank while rank 0 waited for it forever)
-MAX_START_TIMEOUT = 7 * 24 * 3600  # a ready vector of this many bits is 128 KiB a cycle
+MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 
 
 @dataclass(frozen=True)
