@@ -70,6 +70,9 @@ class _Ring:
     small_limit: int
     ranks: list
     owners: list = field(default_factory=list)  # the ProcessSet objects naming it, invalidated at its end
+    # held through each collective on this ring (its C calls must not interleave with another thread's);
+    # taken after _state.lock, never before it (see _lookup)
+    lock: object = field(default_factory=threading.RLock, repr=False, compare=False)
     # allreduce's fast path: (shape, dtype, op, name) -> _Plan of a small allreduce this ring already ran
     plans: dict = field(default_factory=dict, repr=False)
 
@@ -107,7 +110,7 @@ _MAX_PLANS = 4096  # a ring whose callers make up a new name for every call star
 
 class _State:
     def __init__(self):
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # init, shutdown, the registry of sets; each ring has its own (_Ring.lock)
         self.world: _world.World | None = None
         self.comm = None
         self.ring: _Ring | None = None  # the world's
@@ -293,6 +296,27 @@ def _check_movable(dtype: np.dtype) -> None:
         raise TypeError(f"ringreduce cannot move dtype {dtype}: only fixed-size dtypes without Python objects")
 
 
+# A name longer than this is refused before it is sent (the header pass's blob cap is 64 MiB).
+MAX_NAME_BYTES = 1 << 20
+
+
+def _check_name(name) -> None:
+    """A collective's name is None or a str that UTF-8 can carry: anything
+    else is refused on this rank before data moves (and so on every rank),
+    never found while the header is built, after this rank stopped pairing."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise TypeError(f"a collective's name must be a str or None, not {type(name).__name__}")
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"a collective's name must be encodable as UTF-8: {exc.reason} at position {exc.start}") \
+            from None
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"a collective's name is {size} bytes; at most {MAX_NAME_BYTES}")
+
+
 def _op_code(op: str) -> int:
     if op not in _OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {', '.join(_OPS)}")
@@ -452,9 +476,10 @@ def _refuse(kind: int, problem: Exception, process_set=None) -> None:
     pairing their collective with this rank's next one (silently wrong data)
     or waiting for it (a hang). The caller then raises its own error."""
     try:
-        with _state.lock:
-            ring = _ring(process_set)
-            head = _header(kind, 0, 0, (), f"{REFUSED_PREFIX} {problem}"[:400])
+        ring = _lookup(process_set)
+        with ring.lock:
+            why = f"{REFUSED_PREFIX} {problem}"[:400].encode(errors="replace").decode()  # sendable whatever it holds
+            head = _header(kind, 0, 0, (), why)
             _agree(ring.comm.exchange_blobs(head, b""), head, (), _KIND_NAMES[kind], ring)
     except (RingReduceError, TypeError, ValueError):
         pass  # not initialized, or the others refused too, or a peer is lost: this rank's own error says most
@@ -513,8 +538,12 @@ def _rank_names(ring: _Ring | None) -> list | None:
 
 def _exchange(head: bytes, data, fields, what, ring: _Ring | None = None):
     """The header pass that starts every operation (data rides along when
-    small): returns every rank's blob (of ring's members; default the world)."""
-    blobs = (_usable_comm() if ring is None or ring is _state.ring else ring.comm).exchange_blobs(head, data)
+    small): returns every rank's blob (of ring's members; default the world).
+    Under the ring's lock: the collectives hold it already; the engine's
+    negotiation and process_sets' passes, which hold _state.lock, take it here."""
+    held = ring if ring is not None else _state.ring
+    with held.lock if held is not None else contextlib.nullcontext():
+        blobs = (_usable_comm() if ring is None or ring is _state.ring else ring.comm).exchange_blobs(head, data)
     _agree(blobs, head, fields, what, ring)
     return blobs
 
@@ -530,6 +559,21 @@ def _ring(process_set) -> _Ring:
         return _state.ring
     from .process_sets import ring_of  # process_sets imports this module
     return ring_of(process_set)
+
+
+def _lookup(process_set) -> _Ring:
+    """The ring a collective runs over, looked up under _state.lock; the
+    collective then holds the ring's own lock (`with ring.lock:`).
+    Collectives on one ring run one at a time (a header pass and the ring
+    steps of one must not interleave with another thread's); those on
+    different rings (the world's, a process set's) run at once, as on other
+    ranks. _state.lock is released before the ring's lock is taken: a
+    thread holding a ring's lock never waits for _state.lock (held by init,
+    shutdown, add_process_set and the engine's negotiation, which take ring
+    locks inside it). A ring closed by shutdown() in between fails its next
+    C call ("shut down"). (Not a context manager: one cost ~1.5 us more.)"""
+    with _state.lock:
+        return _ring(process_set)
 
 
 def _all_inline(blobs) -> bool:
@@ -606,9 +650,9 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
             dst = np.empty(plan.shape, dtype) if out is None else \
                 out if type(out) is np.ndarray and out.dtype is dtype else None
             if dst is not None:
-                # The lock still: another thread's collective may be between its C calls
+                # The ring's lock still: another thread's collective may be between its C calls
                 # (a header pass, then the ring), and ours must not run in there.
-                with _state.lock:
+                with ring.lock:
                     # another thread may have run shutdown() and init() since ring was read: then the checked path
                     blobs = ring.comm.try_allreduce_small(plan.head, x, dst, plan.code, plan.opc) \
                         if process_set is not None or ring is _state.ring else NotImplemented
@@ -634,14 +678,15 @@ def _allreduce_checked(x, op, out, name, process_set):
         opc = _OPS.get(op)
         if opc is None:
             _op_code(op)  # raises the ValueError
+        _check_name(name)
         if out is not None and (type(out) is not np.ndarray or out.shape != x.shape
                                 or out.dtype.newbyteorder("=") != x.dtype or not out.flags.writeable):
             raise ValueError(f"out must be a writeable numpy array of shape {x.shape} and dtype {x.dtype}")
     except (TypeError, ValueError) as exc:
         _refuse(ALLREDUCE, exc, process_set)
         raise
-    with _state.lock:
-        ring = _ring(process_set)
+    ring = _lookup(process_set)
+    with ring.lock:
         rounds = ring.comm.small_rounds if ring.size > 1 else None
         small = x.nbytes <= ring.allreduce_limit
         head = _header(ALLREDUCE, opc, code, x.shape, name, small)
@@ -685,18 +730,20 @@ def _allreduce_device(x, op, out, name, process_set=None):
     try:
         g, x = _arrays_for(x)
         code, opc = _dtype_code(x.dtype), _op_code(op)
+        _check_name(name)
         if out is not None and (not _cuda.is_device_array(out) or out.shape != x.shape or out.dtype != x.dtype):
             raise ValueError(f"out must be a GPU array of shape {x.shape} and dtype {x.dtype}")
     except (TypeError, ValueError) as exc:
         _refuse(ALLREDUCE, exc, process_set)
         raise
-    with _state.lock, g.on(x):
-        ring = _ring(process_set)
-        if x.nbytes <= ring.allreduce_limit:
-            # Latency-bound: one copy each way and the host path, whose
-            # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
+    ring = _lookup(process_set)
+    if x.nbytes <= ring.allreduce_limit:  # outside the ring's lock, which allreduce() takes after _state.lock
+        # Latency-bound: one copy each way and the host path, whose
+        # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
+        with g.on(x):
             return _deliver(g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x),
                             out, g.xp)
+    with ring.lock, g.on(x):
         head = _header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
         blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
         src = g.xp.ascontiguousarray(x)
@@ -720,11 +767,12 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
     try:
         g, x = _arrays_for(x)
         code, opc = _dtype_code(x.dtype), _op_code(op)
+        _check_name(name)
     except (TypeError, ValueError) as exc:
         _refuse(REDUCE_SCATTER, exc, process_set)
         raise
-    with _state.lock, g.on(x):
-        w = _ring(process_set)
+    w = _lookup(process_set)
+    with w.lock, g.on(x):
         small = x.nbytes <= w.small_limit
         head = _header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small, device=g is not _HostArrays)
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
@@ -743,13 +791,14 @@ def allgather(x, name: str | None = None, process_set=None):
     """Concatenates every rank's x along axis 0 (ranks may differ in dim 0 only)."""
     try:
         g, x = _arrays_for(x, reduces=False)
+        _check_name(name)
     except (TypeError, ValueError) as exc:
         _refuse(ALLGATHER, exc, process_set)
         raise
     if x.ndim == 0:
         x = x.reshape(1)
-    with _state.lock, g.on(x):
-        w = _ring(process_set)
+    w = _lookup(process_set)
+    with w.lock, g.on(x):
         small = x.nbytes <= w.small_limit
         head = _header(ALLGATHER, 0, 0, x.shape, name, inline=small, descr=x.dtype, device=g is not _HostArrays)
         blobs = _exchange(head, g.to_host(x).tobytes() if small else b"",
@@ -776,17 +825,18 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
     root is a world rank; with a process set, one of its members (as Horovod's)."""
     try:
         g, x = _arrays_for(x, reduces=False)
+        _check_name(name)
     except (TypeError, ValueError) as exc:
         _refuse(BROADCAST, exc, process_set)
         raise
-    with _state.lock, g.on(x):
-        w = _ring(process_set)
-        if root not in w.ranks:
-            problem = ValueError(f"root {root} is not a rank of this world of {w.size}" if w is _state.ring
-                                 else f"root {root} is not a member of process set {process_set.process_set_id} "
-                                      f"(ranks {w.ranks})")
-            _refuse(BROADCAST, problem, process_set)
-            raise problem
+    w = _lookup(process_set)
+    if root not in w.ranks:  # refused outside the ring's lock, which _refuse takes after _state.lock
+        problem = ValueError(f"root {root} is not a rank of this world of {w.size}" if w is _state.ring
+                             else f"root {root} is not a member of process set {process_set.process_set_id} "
+                                  f"(ranks {w.ranks})")
+        _refuse(BROADCAST, problem, process_set)
+        raise problem
+    with w.lock, g.on(x):
         root = w.ranks.index(root) if w is not _state.ring else root
         small = x.nbytes <= w.small_limit
         head = _header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype)
@@ -857,12 +907,13 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
         if x.ndim == 0:
             raise ValueError("alltoall needs a tensor of at least one dimension (its rows are split)")
         given = None if splits is None else _read_splits(splits)
+        _check_name(name)
     except (TypeError, ValueError) as exc:
         _refuse(ALLTOALL, exc, process_set)
         raise
     host = np.ascontiguousarray(g.to_host(x))
-    with _state.lock, g.on(x):
-        w = _ring(process_set)
+    w = _lookup(process_set)
+    with w.lock, g.on(x):
         n, me = w.size, w.rank
         small = host.nbytes <= w.small_limit
         head = _header(ALLTOALL, _SPLITS_EQUAL if given is None else _SPLITS_GIVEN, 0, host.shape, name,
@@ -888,7 +939,12 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
 
 def barrier(name: str | None = None, process_set=None) -> None:
     """Returns once every rank (of process_set) has entered the barrier."""
-    with _state.lock:
-        w = _ring(process_set)
+    try:
+        _check_name(name)
+    except (TypeError, ValueError) as exc:
+        _refuse(BARRIER, exc, process_set)
+        raise
+    w = _lookup(process_set)
+    with w.lock:
         head = _header(BARRIER, 0, 0, (), name)
         _exchange(head, b"", ("name",), "barrier", w)

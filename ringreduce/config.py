@@ -11,6 +11,10 @@ from dataclasses import dataclass
 # path sends header + tensor in one blob, so its limit stays well below.
 MAX_SMALL_BYTES = 32 << 20
 MAX_SEGMENT_BYTES = 64 << 20
+# init's deadlines are socket timeouts, which overflow long before inf: a
+# week stands for "wait as long as it takes" (inf died of an OverflowError
+# on one rank while rank 0 waited for it forever)
+MAX_START_TIMEOUT = 7 * 24 * 3600
 MAX_SHM_BYTES = 1 << 30  # what a taker accepts (ringreduce/shm.py)
 MAX_ARENA_BYTES = 16 << 20  # per rank, twice over (csrc/host_arena.h)
 ARENA_HEADER_ROOM = 4096  # an arena slot holds arena_bytes of data plus the operation's header
@@ -55,7 +59,8 @@ class Config:
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
-        _check("RINGREDUCE_START_TIMEOUT", self.start_timeout, self.start_timeout > 0, "a number of seconds > 0")
+        _check("RINGREDUCE_START_TIMEOUT", self.start_timeout, 0 < self.start_timeout <= MAX_START_TIMEOUT,
+               f"a number of seconds > 0, at most {MAX_START_TIMEOUT} (a week)")
         _check("RINGREDUCE_SEGMENT_BYTES", self.segment_bytes, 0 < self.segment_bytes <= MAX_SEGMENT_BYTES,
                f"1 .. {MAX_SEGMENT_BYTES} bytes")
         _check("RINGREDUCE_SMALL_BYTES", self.small_bytes, 0 <= self.small_bytes <= MAX_SMALL_BYTES,

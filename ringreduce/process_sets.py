@@ -162,8 +162,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         _check_offers(offers, "remove_process_set")
         ring = _c._state.sets.pop(set_id)
         if ring.comm is not None:
-            _traffic.retire(ring.comm)  # its bytes sent still count in rr.stats()
-            ring.comm.close()
+            with ring.lock:  # a collective on the set from another thread ends first, as it did under _state.lock
+                _traffic.retire(ring.comm)  # its bytes sent still count in rr.stats()
+                ring.comm.close()
         for ps in ring.owners:
             ps.invalidate()
         return True

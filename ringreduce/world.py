@@ -8,7 +8,8 @@ discover() reads the world from the environment, in this order:
      backend, rank 0's address and the job secret then travel over MPI)
   3. TensorFlow's TF_CONFIG (the ring is the chief, then the workers in order)
   4. none of these: a world of one rank (but RINGREDUCE_SIZE/ADDR without
-     RINGREDUCE_RANK, or srun's tasks without PMI, raise: N ranks were meant)
+     RINGREDUCE_RANK, srun's tasks without PMI, or horovodrun's (gloo) or
+     torchrun's world of N, raise: N ranks were meant)
 
 rendezvous() then connects the ring: every rank dials rank 0 at
 RINGREDUCE_ADDR and gets everyone's listening address back, connects to its
@@ -65,14 +66,25 @@ class World:
 def _env_int(env, *names):
     for name in names:
         if env.get(name, "") != "":
-            return int(env[name])
+            try:
+                return int(env[name])
+            except ValueError:
+                raise RingReduceError(f"{name}={env[name]!r} is not an integer") from None
     return None
 
 
-def _parse_addr(text: str) -> tuple[str, int]:
+# Other launchers' worlds, which ringreduce does not join: (what started this
+# process, its size variable, a variable only that launcher sets).
+_FOREIGN_LAUNCHERS = (("horovodrun", "HOROVOD_SIZE", "HOROVOD_RANK"),
+                      ("torchrun", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _parse_addr(text: str, name: str = "RINGREDUCE_ADDR") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
-        raise RingReduceError(f"RINGREDUCE_ADDR must be host:port, got {text!r}")
+        raise RingReduceError(f"{name} must be host:port, got {text!r}")
+    if not 0 < int(port) < 65536:  # 0 would have rank 0 listen where no rank looks
+        raise RingReduceError(f"{name} must be host:port with a port of 1 .. 65535, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -83,7 +95,8 @@ def discover(env=None) -> World:
     secret_bytes = secret.encode() if secret else None
 
     if env.get("RINGREDUCE_ELASTIC_ADDR"):  # ringrun --elastic: rank and size come from its rendezvous
-        return World(0, 1, 0, 1, _parse_addr(env["RINGREDUCE_ELASTIC_ADDR"]), secret_bytes, config, "elastic",
+        return World(0, 1, 0, 1, _parse_addr(env["RINGREDUCE_ELASTIC_ADDR"], "RINGREDUCE_ELASTIC_ADDR"), secret_bytes,
+                     config, "elastic",
                      {"worker": env.get("RINGREDUCE_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"})
 
     rank = _env_int(env, "RINGREDUCE_RANK")
@@ -96,8 +109,12 @@ def discover(env=None) -> World:
             raise RingReduceError("RINGREDUCE_SIZE > 1 needs RINGREDUCE_ADDR=host:port of rank 0")
         local_rank = _env_int(env, "RINGREDUCE_LOCAL_RANK")
         local_size = _env_int(env, "RINGREDUCE_LOCAL_SIZE")
-        return World(rank, size, rank if local_rank is None else local_rank,
-                     size if local_size is None else local_size,
+        given = local_rank is not None
+        local_rank, local_size = rank if local_rank is None else local_rank, size if local_size is None else local_size
+        if given and not 0 <= local_rank < local_size:  # a GPU is picked by it (ringreduce/tensorflow)
+            raise RingReduceError(f"RINGREDUCE_LOCAL_RANK={local_rank} needs 0 <= RINGREDUCE_LOCAL_RANK < "
+                                  f"RINGREDUCE_LOCAL_SIZE={local_size}")
+        return World(rank, size, local_rank, local_size,
                      _parse_addr(addr) if addr else None, secret_bytes, config, "RINGREDUCE_* environment")
 
     mpi_rank = _env_int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -115,6 +132,12 @@ def discover(env=None) -> World:
     if half:  # a world of N was meant: each process training alone would be silently wrong
         raise RingReduceError(f"{', '.join(f'{n}={env[n]}' for n in half)} is set but RINGREDUCE_RANK is not: "
                               "set RINGREDUCE_RANK on every rank too, or launch with ringrun -np N")
+    for launcher, size_name, marker in _FOREIGN_LAUNCHERS:  # each process training alone would be silently wrong
+        size = _env_int(env, size_name) if env.get(marker, "") != "" else None
+        if size is not None and size > 1:
+            raise RingReduceError(f"{launcher} started {size} processes ({size_name}={size}) but none of them has a "
+                                  f"ringreduce world: launch with ringrun -np {size} instead (or set "
+                                  "RINGREDUCE_RANK, RINGREDUCE_SIZE and RINGREDUCE_ADDR on every rank)")
     tasks = _env_int(env, "SLURM_STEP_NUM_TASKS")
     if env.get("SLURM_PROCID", "") != "" and tasks is not None and tasks > 1:  # so too under srun without PMI
         raise RingReduceError(f"srun started {tasks} tasks but none of them has a ringreduce world (no PMI_RANK or "
