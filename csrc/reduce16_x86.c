@@ -752,7 +752,8 @@ AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, cons
         doubt = on_mid & ~sum_is_exact512(p, xv, hi);
     } else {
         /* fast step 4: (q & 0x7fff0000) | 0x8000 */
-        const __m512i mid = _mm512_ternarylogic_epi32(qi, _mm512_set1_epi32(0x7fff0000), _mm512_set1_epi32(0x8000), 0xea);
+        const __m512i mid =
+            _mm512_ternarylogic_epi32(qi, _mm512_set1_epi32(0x7fff0000), _mm512_set1_epi32(0x8000), 0xea);
         const __m512 kmid = _mm512_castsi512_ps(_mm512_max_epu32(mid, _mm512_set1_epi32(MID_FLOOR)));
         const __m512 r = _mm512_fnmadd_ps(kmid, _mm512_set1_ps(c->k), _mm512_castsi512_ps(magnitude));
         const __mmask16 off = _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_NEQ_OQ);
