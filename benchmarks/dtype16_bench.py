@@ -4,6 +4,7 @@ kernels alone.
     ringrun -np 2 python benchmarks/dtype16_bench.py
     ringrun -np 4 python benchmarks/dtype16_bench.py --ops sum,avg
     ringrun -np 4 python benchmarks/dtype16_bench.py --ops avg --no-portable   # two builds, PYTHONPATH=...
+    ringrun -np 4 python benchmarks/dtype16_bench.py --ops avg,sum --data random
     python benchmarks/dtype16_bench.py --kernels        # one process: G elements/s
     python benchmarks/dtype16_bench.py --kernels --level avx2
 
@@ -14,6 +15,14 @@ over repeats of the slowest rank's mean over back-to-back operations. Ratios
 are to float32. "portable" rows force reduce.c's scalar 16-bit loops
 (`_core.kernels16("portable")`) on every rank: the path before the vector
 kernels, and the one a CPU without AVX2/F16C runs.
+
+--data: "ranks" (the default) has rank r send r + 1 everywhere, so every
+mean is 1, 1.5, 2, ... and #wrong counts elements off that exact value;
+"random" sends normally distributed values (seeded by rank), as gradients
+are, where 16-bit means often land exactly on rounding midpoints (the mean
+folds' careful cases). #wrong then counts elements whose bits differ between
+ranks plus those further from the float64 reduction of the 16-bit inputs
+than N roundings of the type could put them.
 """
 from __future__ import annotations
 
@@ -45,10 +54,36 @@ def variants(best: str, portable: bool = True) -> list[tuple[str, str, str]]:
     return out
 
 
-def allreduce_table(mibs: list[int], ops: list[str], repeats: int, portable: bool = True) -> str:
+HALF_ULP = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+BITS = {"float32": np.int32, "float16": np.int16, "bfloat16": np.int16}
+
+
+def random_inputs(rank: int, count: int) -> np.ndarray:
+    return np.random.default_rng(1000 + rank).standard_normal(count, dtype=np.float32)
+
+
+def random_wrong(out: np.ndarray, name: str, op: str, n: int) -> int:
+    """Elements whose bits differ between ranks, or off the float64 result by
+    more than n roundings of the type (each at most half an ulp of a partial
+    result, which is at most the sum of magnitudes)."""
+    bits = out.view(BITS[name])
+    differ = rr.allreduce(bits, op="max") != rr.allreduce(bits, op="min")
+    ref, mag = np.zeros(out.size), np.zeros(out.size)
+    for q in range(n):
+        x = random_inputs(q, out.size).astype(DTYPES[name]).astype(np.float64)
+        ref += x
+        mag += np.abs(x)
+    if op == "avg":
+        ref /= n  # a partial mean is at most the sum of magnitudes too
+    off = np.abs(out.astype(np.float64) - ref) > n * HALF_ULP[name] * 2 * mag
+    return int(np.count_nonzero(differ | off))
+
+
+def allreduce_table(mibs: list[int], ops: list[str], repeats: int, portable: bool = True,
+                    data: str = "ranks") -> str:
     n, r = rr.size(), rr.rank()
     best = _core.kernels16()
-    lines = [f"N = {n}, 16-bit kernels: {best}; sizes in MiB of float32; time in ms; ratio to float32",
+    lines = [f"N = {n}, 16-bit kernels: {best}; data: {data}; sizes in MiB of float32; time in ms; ratio to float32",
              f"{'op':>4} {'MiB':>4} {'variant':>18} {'time(ms)':>9} {'x float32':>9} {'#wrong':>6}"]
     for op in ops:
         for mib in mibs:
@@ -57,11 +92,15 @@ def allreduce_table(mibs: list[int], ops: list[str], repeats: int, portable: boo
             runs, checks = {}, {}
             for label, name, kernels in variants(best, portable):
                 dtype = DTYPES[name]
-                x = np.full(count, r + 1, dtype=dtype)
-                out = np.empty_like(x)
-                want = dtype({"sum": n * (n + 1) // 2, "avg": (n + 1) / 2, "max": n, "min": 1}[op])
+                out = np.empty(count, dtype=dtype)
+                if data == "random":
+                    x = random_inputs(r, count).astype(dtype)
+                    checks[label] = lambda out=out, name=name: random_wrong(out, name, op, n)
+                else:
+                    x = np.full(count, r + 1, dtype=dtype)
+                    want = dtype({"sum": n * (n + 1) // 2, "avg": (n + 1) / 2, "max": n, "min": 1}[op])
+                    checks[label] = lambda out=out, want=want: int(np.count_nonzero(out != want))
                 runs[label] = (kernels, lambda x=x, out=out: rr.allreduce(x, op=op, out=out))
-                checks[label] = lambda out=out, want=want: int(np.count_nonzero(out != want))
             samples = {label: [] for label in runs}
             for rep in range(repeats + 1):  # the first round warms up
                 for label, (kernels, run) in runs.items():
@@ -127,6 +166,8 @@ def main() -> None:
     ap.add_argument("--level", help="16-bit vector kernels to compare with the portable ones (default: the best)")
     ap.add_argument("--no-portable", action="store_true",
                     help="leave out the portable rows (half the run; for comparing two builds' vector kernels)")
+    ap.add_argument("--data", choices=("ranks", "random"), default="ranks",
+                    help="ranks: rank r sends r + 1; random: normally distributed, as gradients (see above)")
     args = ap.parse_args()
     if args.level and _core.kernels16(args.level) != args.level:
         sys.exit(f"this CPU runs no {args.level} kernels")
@@ -135,7 +176,7 @@ def main() -> None:
         return
     rr.init()
     table = allreduce_table([int(m) for m in args.mib.split(",")], args.ops.split(","), args.repeats,
-                            not args.no_portable)
+                            not args.no_portable, args.data)
     if rr.rank() == 0:
         print(table, flush=True)
     rr.shutdown()

@@ -227,8 +227,9 @@ AVX2 static void f16_mean(uint16_t *d, const uint16_t *x, const uint16_t *m, siz
  *      which TwoSum gives exactly).
  *   3. Rounding to bfloat16 turns only at midpoints: floats whose low 16 bits
  *      are 0x8000. If q's low 16 bits are more than 8 from 0x8000, no
- *      midpoint lies between q and Y', and q rounds as Y' does: the fast
- *      path, nearly every element. (k a power of 2: q = hi / k exactly and
+ *      midpoint lies between q and Y', and q rounds as Y' does (the
+ *      careful path's test; for k not a power of 2 the fast path takes
+ *      "fast step 4" below instead). (k a power of 2: q = hi / k exactly and
  *      Y' - q = lo / k, at most half an ulp; only q on a midpoint with
  *      lo != 0 is in doubt. k = 2, unscaled, has none: lo != 0 only where
  *      x and m are 2^16 or more apart, and then q lies within a float32 ulp
@@ -246,12 +247,27 @@ AVX2 static void f16_mean(uint16_t *d, const uint16_t *x, const uint16_t *m, siz
  *   5. Scale back by 2^s if scaled (exact) and round to nearest even; NaNs,
  *      which got here from bfloat16 NaNs or inf - inf, have their low 16
  *      bits clear and keep their payload, quiet, like rr_f32_to_bf16's.
+ * Fast step 4, every k not a power of 2, branch-free: on real data means
+ * land exactly on midpoints often (k = 3: 4% of normally distributed pairs,
+ * a block of 16 in two), so step 3's window took the careful path in most
+ * blocks. With M = (|q| & 0xffff0000) | 0x8000, the midpoint above |q|'s
+ * bfloat16 truncation, r = |hi| - k M is exact (k M has 9 + 15 bits; |hi|
+ * is within a factor 1 + 2^-7 of k M: Sterbenz), and Y' rounds up from M where r > 0,
+ * down where r < 0: rounding is monotonic and k M a float32, so |hi| and
+ * |P + X| lie on the same side of it, and |Y'| lies within 3 ulps of |q|,
+ * between the midpoints below and above M's neighbours. The 53-bit sum of
+ * step 4 moves no side there either (|P + X| is at least half a float32
+ * ulp from k M). So |q| becomes M + 1 ulp, M - 1 ulp, or, where r = 0 and
+ * the sum is exact (Y' = M, a tie), M. Only r = 0 with an inexact sum (lo
+ * needed) takes the careful path. A zero q uses M = MID_FLOOR for k M (r <
+ * 0: M - 1 ulp rounds to zero, signed) so no subnormal is computed.
  * Steps 2-4 need q in float32's normal range: a block with a nonzero |hi|
  * below 2^(s-124) (means below about 2^-124, near 1e-37) is folded again by
  * the scalar rr_mean16_bf16. The products here are exact, so a compiler that
  * fuses them with the adds (FMA) changes no bit. */
 #define BF16_MEAN_MAX_K (1 << 15)
 #define MIDPOINT_WINDOW 8 /* float32 ulps either side of a bfloat16 midpoint, > step 2's 3 */
+#define MID_FLOOR 0x00808000 /* fast step 4's M for q = 0: normal, so k M is no subnormal (slow on x86) */
 
 typedef struct {
     float k, one_over_k, km1, km1_down, down, up; /* down = 2^-s, up = 2^s */
@@ -344,32 +360,54 @@ AVX2 static inline int bf16_mean_lanes(__m256 x, __m256 m, const bf16_mean_const
     return BLOCK_DONE;
 }
 
+/* The fast path's exactness test of hi = RN(p + x): p + x = hi exactly iff
+ * hi - p == x and hi - x == p (of |p|, |x| the larger one's difference is
+ * exact, so an inexact sum fails one of the two). Four instructions, where
+ * TwoSum's error takes six. */
+AVX2 static inline __m256i sum_is_exact(__m256 p, __m256 x, __m256 hi)
+{
+    return _mm256_castps_si256(_mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(hi, p), x, _CMP_EQ_OQ),
+                                             _mm256_cmp_ps(_mm256_sub_ps(hi, x), p, _CMP_EQ_OQ)));
+}
+
 /* Steps 1-5 on eight elements at x and m into d (d may be either); returns
  * nonzero, storing nothing, where the block is tiny. The fast path is the
- * unscaled step 1 and step 3's "no midpoint near"; one branch leaves it. */
+ * unscaled step 1, step 3, and step 4 without lo ("fast step 4" above); one
+ * branch leaves it, for a sum at 2^127 or past it, a tiny mean, or a q on a
+ * midpoint (k M = hi) with an inexact sum. */
 AVX2 static inline int bf16_mean_block(uint16_t *d, const uint16_t *x, const uint16_t *m, const bf16_mean_consts *c)
 {
     const __m256 xv = load_bf16(x), mv = load_bf16(m);
     const __m256 p = _mm256_mul_ps(mv, _mm256_set1_ps(c->km1));
     const __m256 hi = _mm256_add_ps(p, xv);
-    const __m256 q = _mm256_mul_ps(hi, _mm256_set1_ps(c->one_over_k));
+    __m256 q = _mm256_mul_ps(hi, _mm256_set1_ps(c->one_over_k));
     const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(hi), _mm256_set1_epi32(0x7fffffff));
     const __m256i huge = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(HUGE_BITS - 1));
     const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(c->tiny), magnitude);
     const __m256i tiny = _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256()), small);
-    const __m256i low = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0xffff));
+    const __m256i qi = _mm256_castps_si256(q);
+    const __m256i low = _mm256_and_si256(qi, _mm256_set1_epi32(0xffff));
     const __m256i half = _mm256_set1_epi32(0x8000);
-    __m256i near;
+    __m256i doubt;
     if (c->k == 2.0f) {
-        near = _mm256_setzero_si256(); /* step 3: q = RN(m + x) / 2 rounds as Y does */
+        doubt = _mm256_setzero_si256(); /* step 3: q = RN(m + x) / 2 rounds as Y does */
     } else if (c->pow2) {
-        const __m256 lo = sum_error(p, xv, hi);
-        const __m256i inexact = _mm256_castps_si256(_mm256_cmp_ps(lo, _mm256_setzero_ps(), _CMP_NEQ_OQ));
-        near = _mm256_and_si256(_mm256_cmpeq_epi32(low, half), inexact);
+        /* q = hi / k exactly: on a midpoint it is Y, a tie, where the sum is exact */
+        doubt = _mm256_andnot_si256(sum_is_exact(p, xv, hi), _mm256_cmpeq_epi32(low, half));
     } else {
-        near = _mm256_cmpgt_epi32(_mm256_set1_epi32(MIDPOINT_WINDOW + 1), _mm256_abs_epi32(_mm256_sub_epi32(low, half)));
+        /* Fast step 4: M the midpoint above |q|'s bfloat16 truncation */
+        const __m256i mid = _mm256_or_si256(_mm256_and_si256(qi, _mm256_set1_epi32(0x7fff0000)), half);
+        const __m256 kmid = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_max_epu32(mid, _mm256_set1_epi32(MID_FLOOR))),
+                                          _mm256_set1_ps(c->k));
+        const __m256 r = _mm256_sub_ps(_mm256_castsi256_ps(magnitude), kmid);
+        const __m256i off = _mm256_castps_si256(_mm256_cmp_ps(r, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+        const __m256i step = _mm256_and_si256(off, _mm256_or_si256(_mm256_srai_epi32(_mm256_castps_si256(r), 31),
+                                                                    _mm256_set1_epi32(1)));
+        const __m256i sign = _mm256_and_si256(qi, _mm256_set1_epi32((int)0x80000000u));
+        q = _mm256_castsi256_ps(_mm256_or_si256(_mm256_add_epi32(mid, step), sign));
+        doubt = _mm256_andnot_si256(_mm256_or_si256(off, sum_is_exact(p, xv, hi)), _mm256_cmpeq_epi32(off, off));
     }
-    const __m256i odd = _mm256_or_si256(_mm256_or_si256(huge, tiny), near);
+    const __m256i odd = _mm256_or_si256(_mm256_or_si256(huge, tiny), doubt);
     if (_mm256_testz_si256(odd, odd)) {
         store_bf16_plain(d, q);
         return 0;
@@ -687,29 +725,45 @@ AVX512 static inline int bf16_mean_lanes512(__m512 x, __m512 m, const bf16_mean_
     return BLOCK_DONE;
 }
 
+AVX512 static inline __mmask16 sum_is_exact512(__m512 p, __m512 x, __m512 hi)
+{
+    return _mm512_cmp_ps_mask(_mm512_sub_ps(hi, p), x, _CMP_EQ_OQ) &
+           _mm512_cmp_ps_mask(_mm512_sub_ps(hi, x), p, _CMP_EQ_OQ);
+}
+
 AVX512 static inline int bf16_mean_block512(uint16_t *d, const uint16_t *x, const uint16_t *m,
                                             const bf16_mean_consts *c)
 {
     const __m512 xv = load16_bf16(x), mv = load16_bf16(m);
     const __m512 p = _mm512_mul_ps(mv, _mm512_set1_ps(c->km1));
     const __m512 hi = _mm512_add_ps(p, xv);
-    const __m512 q = _mm512_mul_ps(hi, _mm512_set1_ps(c->one_over_k));
+    __m512 q = _mm512_mul_ps(hi, _mm512_set1_ps(c->one_over_k));
     const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(0x7fffffff));
     const __mmask16 huge = _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(HUGE_BITS));
     const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)),
                                                    _mm512_set1_epi32(c->tiny - 1));
-    const __m512i low = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0xffff));
-    __mmask16 near;
+    const __m512i qi = _mm512_castps_si512(q);
+    const __m512i low = _mm512_and_si512(qi, _mm512_set1_epi32(0xffff));
+    __mmask16 doubt;
     if (c->k == 2.0f) {
-        near = 0; /* step 3 */
+        doubt = 0; /* step 3 */
     } else if (c->pow2) {
-        const __mmask16 inexact = _mm512_cmp_ps_mask(sum_error512(p, xv, hi), _mm512_setzero_ps(), _CMP_NEQ_OQ);
-        near = _mm512_mask_cmpeq_epi32_mask(inexact, low, _mm512_set1_epi32(0x8000));
+        const __mmask16 on_mid = _mm512_cmpeq_epi32_mask(low, _mm512_set1_epi32(0x8000));
+        doubt = on_mid & ~sum_is_exact512(p, xv, hi);
     } else {
-        const __m512i off = _mm512_sub_epi32(low, _mm512_set1_epi32(0x8000 - MIDPOINT_WINDOW));
-        near = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(2 * MIDPOINT_WINDOW + 1));
+        /* fast step 4: (q & 0x7fff0000) | 0x8000 */
+        const __m512i mid =
+            _mm512_ternarylogic_epi32(qi, _mm512_set1_epi32(0x7fff0000), _mm512_set1_epi32(0x8000), 0xea);
+        const __m512 kmid = _mm512_castsi512_ps(_mm512_max_epu32(mid, _mm512_set1_epi32(MID_FLOOR)));
+        const __m512 r = _mm512_fnmadd_ps(kmid, _mm512_set1_ps(c->k), _mm512_castsi512_ps(magnitude));
+        const __mmask16 off = _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+        const __m512i step = _mm512_or_si512(_mm512_srai_epi32(_mm512_castps_si512(r), 31), _mm512_set1_epi32(1));
+        const __m512i z = _mm512_mask_add_epi32(mid, off, mid, step);
+        /* z | (q & sign) */
+        q = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(z, qi, _mm512_set1_epi32((int)0x80000000u), 0xf8));
+        doubt = (__mmask16)~(off | sum_is_exact512(p, xv, hi));
     }
-    if (!(huge | tiny | near)) {
+    if (!(huge | tiny | doubt)) {
         store16_bf16_plain(d, q);
         return 0;
     }

@@ -379,6 +379,24 @@ def test_bfloat16_float32_fold_gives_the_double_folds_bits(k):
         assert same_bits_or_both_nan(p, v) and same_bits_or_both_nan(v, vector[start:stop])
 
 
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6, 7, 8])
+def test_bfloat16_float32_fold_on_gradient_like_data(k):
+    """Normally distributed values, as gradients are: many means land exactly
+    on bfloat16 midpoints (ties; the fast path's r = 0 with an exact sum),
+    and +-0 means (zero gradients) go through the fast path's floor for M.
+    Each vector level against the portable double fold, bit for bit."""
+    rng = np.random.default_rng(100 + k)
+    x = rng.standard_normal(50_000).astype(ml_dtypes.bfloat16)
+    m = rng.standard_normal(50_000).astype(ml_dtypes.bfloat16)
+    zeros = rng.random(50_000) < 0.05
+    x[zeros], m[zeros] = ml_dtypes.bfloat16(0), ml_dtypes.bfloat16(-0.0)
+    m[rng.random(50_000) < 0.05] = ml_dtypes.bfloat16(-0.0)
+    portable, vector = both_paths(lambda: mean_fold(x, m, "bfloat16", k))
+    assert portable.tobytes() == vector.tobytes()
+    y = (m.astype(np.float64) * (k - 1) + x.astype(np.float64)) / k
+    assert portable.tobytes() == nearest16(y, "bfloat16").tobytes()
+
+
 def test_bfloat16_float32_fold_every_pair_sampled(tmp_path):
     """tests/bf16_mean_exhaustive.c: every 127th mean bit pattern against all
     2^16 x patterns, k = 2..8 and three larger k, each vector level against
