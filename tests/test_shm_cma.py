@@ -258,3 +258,83 @@ result = (bad, C._state.comm.cma_ops() - before)
 """, tmp_path)
     for r in ranks:
         assert r.result == (0, 30), (r.rank, r.result)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ctrl_c_then_reuse_of_the_buffer_never_gives_a_neighbour_wrong_data(tmp_path, n):
+    # Rank 1 is interrupted mid-loop and its handler overwrites the buffer at
+    # once (as a caller's cleanup might): its neighbour, which may still be
+    # reading that buffer, must raise, never return a sum with the new bytes.
+    ranks = run(n, """
+import os, signal, threading
+from ringreduce import collectives as C
+buf = np.empty(rr.size() * (3 << 18) + 5, np.int64)
+rr.allreduce(buf)
+before, wrong, outcome = C._state.comm.cma_ops(), 0, "done"
+if rr.rank() == 1:
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    for i in range(200):
+        buf[:] = (rr.rank() + 1) * (i + 1)
+        rr.allreduce(buf, op="sum", out=buf)
+        wrong += int(np.count_nonzero(buf != (i + 1) * rr.size() * (rr.size() + 1) // 2))
+except KeyboardInterrupt:
+    buf[:] = -(1 << 40)
+    outcome = "interrupted"
+except rr.RingReduceError as e:
+    outcome = type(e).__name__
+result = (wrong, outcome, C._state.comm.cma_ops() - before)
+""", tmp_path, env={"RINGREDUCE_TIMEOUT": "20"})
+    for r in ranks:
+        wrong, outcome, ops = r.result
+        assert wrong == 0, (r.rank, r.result)
+        assert ops >= 1, (r.rank, "the CMA path did not run")
+        assert outcome == ("interrupted" if r.rank == 1 else "PeerLostError"), (r.rank, r.result)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_size_mismatch_is_refused_before_any_read(tmp_path, n):
+    # Both sizes take the CMA path; rank 1's is larger: a read past the
+    # smaller buffers would fault or be wrong. MismatchError on every rank,
+    # and the ring still works after it.
+    ranks = run(n, """
+count = rr.size() * (1 << 19) + (4096 if rr.rank() == 1 else 0)
+try:
+    rr.allreduce(np.ones(count, np.float32))
+    first = "no error"
+except rr.MismatchError as e:
+    first = "mismatch"
+got = rr.allreduce(np.full(rr.size() * (1 << 19), rr.rank() + 1, np.float32))
+result = (first, bool(np.all(got == rr.size() * (rr.size() + 1) // 2)))
+""", tmp_path, env={"RINGREDUCE_TIMEOUT": "20"})
+    for r in ranks:
+        assert r.result == ("mismatch", True), (r.rank, r.result)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_back_to_back_ops_of_every_kind_and_size_leave_no_stale_token(tmp_path, n):
+    # CMA operations between others (small, mappings-sized, reduce_scatter,
+    # uneven allgather with an empty block): each op's tokens are its own.
+    ranks = run(n, """
+from ringreduce import collectives as C
+n, r = rr.size(), rr.rank()
+bad, before = [], C._state.comm.cma_ops()
+for i in range(6):
+    for count in (7, n * (1 << 18) + 3, n * (1 << 16), n * (3 << 18) + 1):
+        x = np.arange(count, dtype=np.int64) * (r + 1) + i
+        want = np.arange(count, dtype=np.int64) * (n * (n + 1) // 2) + i * n
+        if not np.array_equal(rr.allreduce(x), want):
+            bad.append(("allreduce", i, count))
+        lo = sum(count // n + (1 if k < count % n else 0) for k in range(r))
+        hi = lo + count // n + (1 if r < count % n else 0)
+        if not np.array_equal(rr.reduce_scatter(x), want[lo:hi]):
+            bad.append(("reduce_scatter", i, count))
+    rows = [0 if k == 0 else (1 << 21) + 17 * k + i for k in range(n)]
+    blocks = [np.full(rows[k], (k + 3 * i) % 251, np.uint8) for k in range(n)]
+    if rr.allgather(blocks[r]).tobytes() != np.concatenate(blocks).tobytes():
+        bad.append(("allgather", i))
+result = (bad, C._state.comm.cma_ops() - before)
+""", tmp_path, timeout=150)
+    for r in ranks:
+        bad, ops = r.result
+        assert bad == [] and ops >= 6 * 3, (r.rank, r.result)
