@@ -338,3 +338,29 @@ result = (bad, C._state.comm.cma_ops() - before)
     for r in ranks:
         bad, ops = r.result
         assert bad == [] and ops >= 6 * 3, (r.rank, r.result)
+
+
+def test_a_rank_in_another_pid_namespace_fails_the_probe_and_all_fall_back(tmp_path):
+    # Rank 1 re-runs itself under unshare: its pid means another process (or
+    # none) to its neighbours, and theirs none to it. The probe (a random
+    # canary) must fail, every rank keep zero copy through the mappings.
+    import shutil
+    import subprocess
+    unshare = shutil.which("unshare")
+    if not unshare or subprocess.run([unshare, "--user", "--pid", "--fork", "--map-current-user", "true"]).returncode:
+        pytest.skip("no unprivileged pid namespaces here")
+    ranks = run_ranks(3, PRELUDE + f"""
+import os, sys
+if os.environ["RINGREDUCE_RANK"] == "1" and not os.environ.get("IN_NS"):
+    os.environ["IN_NS"] = "1"
+    os.execv({unshare!r}, [{unshare!r}, "--user", "--pid", "--fork", "--map-current-user", sys.executable] + sys.argv)
+rr.init()
+comm = C._state.comm
+mine, want = case("float32", "sum", rr.size() * (1 << 19) + 3)
+got = rr.allreduce(mine)
+result = (os.getpid(), comm.cma_pid, comm.cma_ops(), comm.zero_copy_ops(), close_enough(got, want, "float32", "sum"))
+""", tmp_path, timeout=60, init=False, env=CMA_ON)
+    assert ranks[1].result[0] == 1, "rank 1 should run as pid 1 of its own namespace"
+    for r in ranks:
+        _, pid, cma_ops, zc_ops, ok = r.result
+        assert ok and pid == 0 and cma_ops == 0 and zc_ops > 0, (r.rank, r.result)
