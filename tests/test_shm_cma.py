@@ -364,3 +364,19 @@ result = (os.getpid(), comm.cma_pid, comm.cma_ops(), comm.zero_copy_ops(), close
     for r in ranks:
         _, pid, cma_ops, zc_ops, ok = r.result
         assert ok and pid == 0 and cma_ops == 0 and zc_ops > 0, (r.rank, r.result)
+
+
+@pytest.mark.parametrize("shm_bytes", ["1", "64", "128"])
+def test_the_smallest_links_still_carry_the_tokens(tmp_path, shm_bytes):
+    # A link of one token (RINGREDUCE_SHM_BYTES=64, or less rounded up) left
+    # no room for an operation's first token after the alignment gap the
+    # header pass leaves: every rank spun in put_token, past the timeout.
+    ranks = run(3, """
+from ringreduce import collectives as C
+x = np.arange(3 * (1 << 19) + 7, dtype=np.float64) * (rr.rank() + 1)
+want = np.arange(x.size, dtype=np.float64) * 6
+ok = all(np.array_equal(rr.allreduce(x), want) for _ in range(3))
+result = (ok, C._state.comm.cma_ops())
+""", tmp_path, env={"RINGREDUCE_SHM_BYTES": shm_bytes, "RINGREDUCE_TIMEOUT": "10"}, timeout=60)
+    for r in ranks:
+        assert r.result == (True, 3), (r.rank, r.result)
