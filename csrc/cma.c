@@ -54,7 +54,10 @@ static int put_token(rr_transport *t, int step, const void *src, const void *buf
             t->ops->tx_commit(t, TOKEN);
             return RR_OK;
         }
-        int rc = t->ops->wait(t, 1, 0, err);
+        /* Not wait(): it returns at a byte of room, and a token needs 64
+         * (and the alignment gap before an operation's first one): that
+         * spun without ever sleeping, timing out or seeing Ctrl-C. */
+        int rc = t->ops->wait_drained(t, 0, err);
         if (rc != RR_OK) return rc;
     }
 }

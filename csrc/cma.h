@@ -7,7 +7,8 @@
  * these addresses", then "step g's chunk is ready"; the reader hands each
  * token back (rx_consume) once it has read what it allowed, and a rank
  * rewrites its output, or returns, only after its tokens came back
- * (wait_drained). Experimental: RINGREDUCE_SHM_CMA (docs/architecture.md,
+ * (wait_drained). On by default where the probe at init passes:
+ * RINGREDUCE_SHM_CMA (docs/architecture.md,
  * "Cross Memory Attach").
  */
 #ifndef RINGREDUCE_CMA_H

@@ -149,7 +149,9 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
     offer: dict = {"path": None}
     # A whole number of RR_SHM_ALIGN (64) bytes: the zero-copy windows need it (csrc/tcp.c), and a
     # RINGREDUCE_SHM_BYTES of, say, 1000 would otherwise turn that path off for the whole ring.
-    capacity = min(-(-capacity // ALIGN) * ALIGN, MAX_BYTES)
+    # And at least two: a Cross Memory Attach token (csrc/cma.c) must fit after the alignment gap
+    # the operation before leaves; one alone deadlocked every rank in put_token.
+    capacity = min(max(-(-capacity // ALIGN) * ALIGN, 2 * ALIGN), MAX_BYTES) if capacity > 0 else 0
     if capacity > 0:
         try:
             rx_fd, path, nonce = _make_file(tag, capacity)

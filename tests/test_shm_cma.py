@@ -258,3 +258,125 @@ result = (bad, C._state.comm.cma_ops() - before)
 """, tmp_path)
     for r in ranks:
         assert r.result == (0, 30), (r.rank, r.result)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ctrl_c_then_reuse_of_the_buffer_never_gives_a_neighbour_wrong_data(tmp_path, n):
+    # Rank 1 is interrupted mid-loop and its handler overwrites the buffer at
+    # once (as a caller's cleanup might): its neighbour, which may still be
+    # reading that buffer, must raise, never return a sum with the new bytes.
+    ranks = run(n, """
+import os, signal, threading
+from ringreduce import collectives as C
+buf = np.empty(rr.size() * (3 << 18) + 5, np.int64)
+rr.allreduce(buf)
+before, wrong, outcome = C._state.comm.cma_ops(), 0, "done"
+if rr.rank() == 1:
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    for i in range(200):
+        buf[:] = (rr.rank() + 1) * (i + 1)
+        rr.allreduce(buf, op="sum", out=buf)
+        wrong += int(np.count_nonzero(buf != (i + 1) * rr.size() * (rr.size() + 1) // 2))
+except KeyboardInterrupt:
+    buf[:] = -(1 << 40)
+    outcome = "interrupted"
+except rr.RingReduceError as e:
+    outcome = type(e).__name__
+result = (wrong, outcome, C._state.comm.cma_ops() - before)
+""", tmp_path, env={"RINGREDUCE_TIMEOUT": "20"})
+    for r in ranks:
+        wrong, outcome, ops = r.result
+        assert wrong == 0, (r.rank, r.result)
+        assert ops >= 1, (r.rank, "the CMA path did not run")
+        assert outcome == ("interrupted" if r.rank == 1 else "PeerLostError"), (r.rank, r.result)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_size_mismatch_is_refused_before_any_read(tmp_path, n):
+    # Both sizes take the CMA path; rank 1's is larger: a read past the
+    # smaller buffers would fault or be wrong. MismatchError on every rank,
+    # and the ring still works after it.
+    ranks = run(n, """
+count = rr.size() * (1 << 19) + (4096 if rr.rank() == 1 else 0)
+try:
+    rr.allreduce(np.ones(count, np.float32))
+    first = "no error"
+except rr.MismatchError as e:
+    first = "mismatch"
+got = rr.allreduce(np.full(rr.size() * (1 << 19), rr.rank() + 1, np.float32))
+result = (first, bool(np.all(got == rr.size() * (rr.size() + 1) // 2)))
+""", tmp_path, env={"RINGREDUCE_TIMEOUT": "20"})
+    for r in ranks:
+        assert r.result == ("mismatch", True), (r.rank, r.result)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_back_to_back_ops_of_every_kind_and_size_leave_no_stale_token(tmp_path, n):
+    # CMA operations between others (small, mappings-sized, reduce_scatter,
+    # uneven allgather with an empty block): each op's tokens are its own.
+    ranks = run(n, """
+from ringreduce import collectives as C
+n, r = rr.size(), rr.rank()
+bad, before = [], C._state.comm.cma_ops()
+for i in range(6):
+    for count in (7, n * (1 << 18) + 3, n * (1 << 16), n * (3 << 18) + 1):
+        x = np.arange(count, dtype=np.int64) * (r + 1) + i
+        want = np.arange(count, dtype=np.int64) * (n * (n + 1) // 2) + i * n
+        if not np.array_equal(rr.allreduce(x), want):
+            bad.append(("allreduce", i, count))
+        lo = sum(count // n + (1 if k < count % n else 0) for k in range(r))
+        hi = lo + count // n + (1 if r < count % n else 0)
+        if not np.array_equal(rr.reduce_scatter(x), want[lo:hi]):
+            bad.append(("reduce_scatter", i, count))
+    rows = [0 if k == 0 else (1 << 21) + 17 * k + i for k in range(n)]
+    blocks = [np.full(rows[k], (k + 3 * i) % 251, np.uint8) for k in range(n)]
+    if rr.allgather(blocks[r]).tobytes() != np.concatenate(blocks).tobytes():
+        bad.append(("allgather", i))
+result = (bad, C._state.comm.cma_ops() - before)
+""", tmp_path, timeout=150)
+    for r in ranks:
+        bad, ops = r.result
+        assert bad == [] and ops >= 6 * 3, (r.rank, r.result)
+
+
+def test_a_rank_in_another_pid_namespace_fails_the_probe_and_all_fall_back(tmp_path):
+    # Rank 1 re-runs itself under unshare: its pid means another process (or
+    # none) to its neighbours, and theirs none to it. The probe (a random
+    # canary) must fail, every rank keep zero copy through the mappings.
+    import shutil
+    import subprocess
+    unshare = shutil.which("unshare")
+    if not unshare or subprocess.run([unshare, "--user", "--pid", "--fork", "--map-current-user", "true"]).returncode:
+        pytest.skip("no unprivileged pid namespaces here")
+    ranks = run_ranks(3, PRELUDE + f"""
+import os, sys
+if os.environ["RINGREDUCE_RANK"] == "1" and not os.environ.get("IN_NS"):
+    os.environ["IN_NS"] = "1"
+    os.execv({unshare!r}, [{unshare!r}, "--user", "--pid", "--fork", "--map-current-user", sys.executable] + sys.argv)
+rr.init()
+comm = C._state.comm
+mine, want = case("float32", "sum", rr.size() * (1 << 19) + 3)
+got = rr.allreduce(mine)
+result = (os.getpid(), comm.cma_pid, comm.cma_ops(), comm.zero_copy_ops(), close_enough(got, want, "float32", "sum"))
+""", tmp_path, timeout=60, init=False, env=CMA_ON)
+    assert ranks[1].result[0] == 1, "rank 1 should run as pid 1 of its own namespace"
+    for r in ranks:
+        _, pid, cma_ops, zc_ops, ok = r.result
+        assert ok and pid == 0 and cma_ops == 0 and zc_ops > 0, (r.rank, r.result)
+
+
+@pytest.mark.parametrize("shm_bytes", ["1", "64", "128"])
+def test_the_smallest_links_still_carry_the_tokens(tmp_path, shm_bytes):
+    # A link of one token (RINGREDUCE_SHM_BYTES=64, or less rounded up) left
+    # no room for an operation's first token after the alignment gap the
+    # header pass leaves: every rank spun in put_token, past the timeout.
+    ranks = run(3, """
+from ringreduce import collectives as C
+x = np.arange(3 * (1 << 19) + 7, dtype=np.float64) * (rr.rank() + 1)
+want = np.arange(x.size, dtype=np.float64) * 6
+ok = all(np.array_equal(rr.allreduce(x), want) for _ in range(3))
+result = (ok, C._state.comm.cma_ops())
+""", tmp_path, env={"RINGREDUCE_SHM_BYTES": shm_bytes, "RINGREDUCE_TIMEOUT": "10"}, timeout=60)
+    for r in ranks:
+        assert r.result == (True, 3), (r.rank, r.result)
