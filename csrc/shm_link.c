@@ -36,6 +36,7 @@ typedef struct {
     line reader_waits;  /* reader */
     line tail;          /* reader */
     line writer_waits;  /* writer */
+    line gave_up;       /* writer: set before it closes its sockets and returns on an error */
 } shm_header;
 
 _Static_assert(sizeof(shm_header) <= RR_SHM_DATA_OFFSET, "header must fit before the data");
@@ -250,4 +251,20 @@ void rr_shm_link_writer_done(rr_shm_link *link)
 void rr_shm_link_reader_done(rr_shm_link *link)
 {
     atomic_store_explicit(&link->hdr->reader_waits.v, 0, memory_order_relaxed);
+}
+
+/* A seq_cst store, made before the writer's process closes its sockets and
+ * hands its buffers back to its caller: a reader that loads it after reading
+ * those buffers (process_vm_readv, csrc/cma.c) sees it set whenever the
+ * buffers may have been rewritten, which a socket's close, delivered by the
+ * kernel in its own time, does not promise. */
+void rr_shm_link_mark_gave_up(rr_shm_link *link)
+{
+    if (link) atomic_store(&link->hdr->gave_up.v, 1);
+}
+
+int rr_shm_link_gave_up(rr_shm_link *link)
+{
+    atomic_thread_fence(memory_order_seq_cst); /* after the reads it vouches for */
+    return link && atomic_load(&link->hdr->gave_up.v) != 0;
 }

@@ -75,4 +75,10 @@ void rr_shm_link_commit(rr_shm_link *link, size_t n);
 void rr_shm_link_align_tx(rr_shm_link *link);
 void rr_shm_link_align_rx(rr_shm_link *link);
 
+/* The writer's side gave up (an error, Ctrl-C): set before it closes its
+ * sockets and returns, so a reader of its buffers (csrc/cma.c) can tell the
+ * bytes it just read may not be the operation's. */
+void rr_shm_link_mark_gave_up(rr_shm_link *link);
+int rr_shm_link_gave_up(rr_shm_link *link);
+
 #endif

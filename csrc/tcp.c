@@ -380,7 +380,7 @@ static int tcp_wait_drained(rr_transport *base, size_t most, rr_error *err)
 static int tcp_prev_alive(rr_transport *base, const char *failed, rr_error *err)
 {
     tcp_transport *t = (tcp_transport *)base;
-    if (!t->prev_closed && drain(t->prev_fd)) t->prev_closed = 1;
+    if (!t->prev_closed && (rr_shm_link_gave_up(t->rx_shm) || drain(t->prev_fd))) t->prev_closed = 1;
     if (failed) return peer_failed(t, prev_rank(t), failed, err);
     return t->prev_closed ? closed_error(t, prev_rank(t), err) : RR_OK;
 }
@@ -403,6 +403,9 @@ static void tcp_abort(rr_transport *base, const rr_error *why)
      * own), so no rank waits for a timeout or blames a live neighbour. */
     int silent, at_fault = why && why->rank >= 0 ? why->rank : t->base.rank;
     rr_star_report_lost(t->star, at_fault, &silent);
+    /* Before anything else is closed: next may be reading our buffers (Cross
+     * Memory Attach) and must not trust them once we may return. */
+    rr_shm_link_mark_gave_up(t->tx_shm);
     /* Waking the neighbours beats letting them time out; they will look on
      * the control star for the culprit's name. */
     if (t->next_fd >= 0) shutdown(t->next_fd, SHUT_RDWR);
