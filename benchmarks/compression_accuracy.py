@@ -37,6 +37,7 @@ PY = sys.executable
 
 COMPRESSIONS = ("none", "powersgd:rank=4", "int8", "topk:ratio=0.01")
 DIGITS_EPOCHS, SYNTHETIC_EPOCHS = 30, 1
+DIGITS_LR, SYNTHETIC_LR = 0.05, 0.01
 # synthetic's test set: 16384 rows, so that one run's accuracy is good to ~0.3 points (binomial, at 82%),
 # not ~0.85; the first 2048 are the test set of the results measured before it grew (kept apart, see label)
 FIRST_TEST, SYNTHETIC_TEST = 2048, 16384
@@ -93,8 +94,10 @@ def worker(args) -> None:
     rrtf.init()
     n, r = rrtf.size(), rrtf.rank()
     (x, y), (xt, yt) = data(args.task, args.quick, args.seed)
-    comp = make_compressor(args.compression)
-    compression = rrtf.Compression.none if comp is None else rrtf.compression.EngineCompression(comp)
+    # fp16: a cast (2^-11 relative rounding each step), the noise-floor control for the compressors' gaps
+    comp = None if args.compression == "fp16" else make_compressor(args.compression)
+    compression = (rrtf.Compression.fp16 if args.compression == "fp16" else
+                   rrtf.Compression.none if comp is None else rrtf.compression.EngineCompression(comp))
     net = model(args.task, args.seed)
     net.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(args.lr, momentum=0.9),
                                                     compression=compression),
@@ -197,14 +200,14 @@ def table(results: dict) -> list[str]:
 def label(args, task: str) -> str:
     """The key a task's runs are saved under: its name, plus the epochs when
     they are not the default, so that runs of another length sit beside the
-    default ones (as 'synthetic:epochs=2') rather than overwrite them."""
+    default ones (as 'synthetic:epochs=2') rather than overwrite them; the
+    same for the learning rate ('synthetic:lr=0.0100001')."""
     if args.quick:
         return task
-    if task == "synthetic" and args.synthetic_epochs != SYNTHETIC_EPOCHS:
-        return f"{task}:epochs={args.synthetic_epochs}"
-    if task == "digits" and args.epochs != DIGITS_EPOCHS:
-        return f"{task}:epochs={args.epochs}"
-    return task
+    epochs, lr = (args.synthetic_epochs, args.synthetic_lr) if task == "synthetic" else (args.epochs, args.lr)
+    default_epochs, default_lr = (SYNTHETIC_EPOCHS, SYNTHETIC_LR) if task == "synthetic" else (DIGITS_EPOCHS, DIGITS_LR)
+    parts = ([f"epochs={epochs}"] if epochs != default_epochs else []) + ([f"lr={lr!r}"] if lr != default_lr else [])
+    return f"{task}:{','.join(parts)}" if parts else task
 
 
 def _by_seed(results: dict) -> dict:
@@ -216,15 +219,18 @@ def _by_seed(results: dict) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default="digits,synthetic")
-    p.add_argument("--compressions", default=";".join(COMPRESSIONS), help="';'-separated")
+    p.add_argument("--compressions", default=";".join(COMPRESSIONS),
+                   help="';'-separated; also 'fp16' (the cast, Compression.fp16: a control)")
     p.add_argument("-n", type=int, default=2, help="ranks")
     p.add_argument("--epochs", type=int, default=DIGITS_EPOCHS,
                    help="digits (another number is saved as its own task, 'digits:epochs=E')")
     p.add_argument("--synthetic-epochs", type=int, default=SYNTHETIC_EPOCHS,
                    help="synthetic (another number is saved as its own task, 'synthetic:epochs=E')")
     p.add_argument("--batch", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05, help="digits")
-    p.add_argument("--synthetic-lr", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=DIGITS_LR,
+                   help="digits (another value is saved as its own task, 'digits:lr=L')")
+    p.add_argument("--synthetic-lr", type=float, default=SYNTHETIC_LR,
+                   help="synthetic (another value is saved as its own task, 'synthetic:lr=L')")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--seeds", default="0", help="','-separated; each sets the initial weights and the data order")
     p.add_argument("--quick", action="store_true")

@@ -648,3 +648,20 @@ def test_powersgd_starts_compressing_from_a_q_warmed_up_on_the_exact_steps(tmp_p
     assert cold["err"] > 1.3 * cold["best"], cold
     # after 5 warm-up steps, the first compressed step is the best rank-2 approximation, nearly
     assert warm["err"] < 1.02 * warm["best"], warm
+
+
+def test_accuracy_benchmark_saves_another_length_or_learning_rate_under_its_own_task():
+    # runs of another epoch count or learning rate must sit beside the stored default runs, never overwrite them
+    import argparse
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from compression_accuracy import label
+    def args(**kw):
+        return argparse.Namespace(**{"quick": False, "epochs": 30, "lr": 0.05, "synthetic_epochs": 1,
+                                     "synthetic_lr": 0.01, **kw})
+    assert label(args(), "synthetic") == "synthetic" and label(args(), "digits") == "digits"
+    assert label(args(synthetic_epochs=2), "synthetic") == "synthetic:epochs=2"
+    assert label(args(synthetic_lr=0.0100001), "synthetic") == "synthetic:lr=0.0100001"
+    assert label(args(synthetic_epochs=2, synthetic_lr=0.02), "synthetic") == "synthetic:epochs=2,lr=0.02"
+    assert label(args(lr=0.1), "digits") == "digits:lr=0.1" and label(args(lr=0.1), "synthetic") == "synthetic"
