@@ -175,23 +175,32 @@ def plot(results: dict, path: Path) -> None:
 
 def table(results: dict) -> list[str]:
     """Per task and compressor, over its seeds: test accuracy's mean, range
-    and standard deviation; against none, the mean, its standard error and
-    the range of the difference paired by seed (the same start and data order)."""
+    and standard deviation; against none, the mean, its standard error, the
+    range and the standard deviation of the difference paired by seed (the
+    same start and data order). A task that differs from another only in its
+    learning rate ('synthetic:lr=0.0100001') pairs with that task's none: a
+    nudge to the learning rate is the control for how far any harmless
+    change moves a seed's result."""
     import numpy as np
     out = ["| task | compression | seeds | test accuracy, mean | min .. max | std (points) | vs none, paired by seed "
-           "(points): mean +- standard error (min .. max) | MB sent per step, rank 0 | weights agree |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "(points): mean +- standard error (min .. max) | std of the paired differences | MB sent per step, rank 0 "
+           "| weights agree |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for task, rows in results.items():
-        base = rows.get("none", {})
+        head, _, extra = task.partition(":")
+        lr_only = extra and all(p.startswith("lr=") for p in extra.split(",")) and head in results
+        base = results[head].get("none", {}) if lr_only else rows.get("none", {})
         for spec, runs in rows.items():
             acc = 100 * np.array([r["test_acc"] for r in runs.values()])
             paired = [100 * (r["test_acc"] - base[s]["test_acc"]) for s, r in runs.items() if s in base]
             sem = f" +- {np.std(paired, ddof=1) / np.sqrt(len(paired)):.2f}" if len(paired) > 1 else ""
+            own = spec == "none" and not lr_only
             diff = (f"{np.mean(paired):+.2f}{sem} ({min(paired):+.2f} .. {max(paired):+.2f})"
-                    if paired and spec != "none" else "")
+                    if paired and not own else "")
+            spread = f"{np.std(paired, ddof=1):.2f}" if len(paired) > 1 and not own else ""
             out.append(f"| {task} | {spec} | {','.join(runs)} | {acc.mean():.2f}% | "
                        f"{acc.min():.2f} .. {acc.max():.2f} | "
-                       f"{acc.std(ddof=1) if len(acc) > 1 else 0:.2f} | {diff} | "
+                       f"{acc.std(ddof=1) if len(acc) > 1 else 0:.2f} | {diff} | {spread} | "
                        f"{np.mean([r['bytes_per_step'] for r in runs.values()]) / 1e6:.3f} | "
                        f"{all(r['weights_agree'] for r in runs.values())} |")
     return out
@@ -234,6 +243,7 @@ def main():
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--seeds", default="0", help="','-separated; each sets the initial weights and the data order")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--table", action="store_true", help="print the saved results' table (and plot them); run nothing")
     p.add_argument("--out", default=str(REPO / "docs"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--task", help=argparse.SUPPRESS)
@@ -245,6 +255,12 @@ def main():
     if args.quick:
         args.epochs, args.out = 2, "/tmp"
     out = Path(args.out)
+    if args.table:  # the saved results' table and plot, nothing run
+        results = _by_seed(json.loads((out / "compression_accuracy.json").read_text())["results"])
+        plot({task: rows for task, rows in results.items() if "test=2048" not in task and ":lr=" not in task},
+             out / "compression_accuracy.png")
+        print("\n".join(table(results)))
+        return
     saved = out / "compression_accuracy.json"
     # Runs not made now keep their saved results: tasks, compressions and seeds can be run a few at a time.
     results: dict = _by_seed(json.loads(saved.read_text())["results"]) if saved.exists() and not args.quick else {}
@@ -260,8 +276,9 @@ def main():
                 part = saved.with_name(f"{saved.name}.{os.getpid()}")  # whole or not at all, for a reader
                 part.write_text(json.dumps({"argv": sys.argv[1:], "results": results}))
                 os.replace(part, saved)
-    plot({task: rows for task, rows in results.items() if "test=2048" not in task},  # not the earlier runs:
-         out / "compression_accuracy.png")  # the same training as today's rows of their seed and compressor
+    # not the earlier runs (the same training as today's rows of their seed) nor the learning-rate controls
+    plot({task: rows for task, rows in results.items() if "test=2048" not in task and ":lr=" not in task},
+         out / "compression_accuracy.png")
     print("\n".join(table(results)))
 
 
