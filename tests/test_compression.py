@@ -170,8 +170,10 @@ for label, comp in [("none", rrtf.Compression.none), ("powersgd", rrtf.Compressi
     hist = model.fit(xs, ys, batch_size=32, epochs=3, shuffle=False, verbose=0)
     sent = rr.stats()["bytes_sent"]
     w = model.get_weights()
+    state = getattr(comp, "engine", None)._state if hasattr(comp, "engine") else {}
     out[label] = dict(acc=hist.history["accuracy"][-1], loss=hist.history["loss"], sent=sent,
-                      same=all(np.array_equal(a, rr.broadcast(a, root=0)) for a in w))
+                      same=all(np.array_equal(a, rr.broadcast(a, root=0)) for a in w),
+                      keys=len(state), errors=sum(s.get("error") is not None for s in state.values()))
 
 # DistributedGradientTape, eagerly: names count up every step, the compressor's state stays the variable's
 comp = rrtf.Compression.powersgd(rank=2)
@@ -202,6 +204,9 @@ def test_keras_fit_and_the_tape_train_with_each_compressor(tmp_path):
         assert res["int8"]["sent"] < res["none"]["sent"] / 2.5
         assert res["tape"]["same"] and res["tape"]["last"] < 0.85 * res["tape"]["first"], res["tape"]
         assert res["tape"]["keys"] == 4, "one state per variable, not one per step"
+        # under fit (a tf.function, fused buckets) too: error feedback is kept per variable across steps
+        for label in ("int8", "topk"):
+            assert res[label]["keys"] == 4 and res[label]["errors"] == 4, (label, res[label]["keys"])
 
 
 # Int8's scales are per block: one rank's outlier coarsens only its own
