@@ -240,7 +240,8 @@ def main():
                    help="digits (another value is saved as its own task, 'digits:lr=L')")
     p.add_argument("--synthetic-lr", type=float, default=SYNTHETIC_LR,
                    help="synthetic (another value is saved as its own task, 'synthetic:lr=L')")
-    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="per run, s (one synthetic run took 11 min at load 10 and over 20 at load 19 on 2 cores)")
     p.add_argument("--seeds", default="0", help="','-separated; each sets the initial weights and the data order")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--table", action="store_true", help="print the saved results' table (and plot them); run nothing")
