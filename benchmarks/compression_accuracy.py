@@ -206,6 +206,27 @@ def table(results: dict) -> list[str]:
     return out
 
 
+def against_two_baselines(results: dict) -> list[str]:
+    """Each row of a task against the mean, per seed, of its none and the
+    none of its learning-rate controls ('synthetic:lr=...'): two equally
+    good uncompressed runs, so the baseline's own luck at a seed counts half."""
+    import numpy as np
+    out = []
+    for task, rows in results.items():
+        nudged = [results[t]["none"] for t in results if t.startswith(f"{task}:lr=") and "none" in results[t]]
+        if ":" in task or "none" not in rows or not nudged:
+            continue
+        seeds = [s for s in rows["none"] if all(s in n for n in nudged)]
+        base = {s: np.mean([rows["none"][s]["test_acc"]] + [n[s]["test_acc"] for n in nudged]) for s in seeds}
+        out.append(f"{task}: against the mean of none and its learning-rate nudge, seeds {','.join(seeds)}:")
+        for spec, runs in rows.items():
+            d = [100 * (runs[s]["test_acc"] - base[s]) for s in seeds if s in runs]
+            if len(d) > 1:
+                out.append(f"  {spec}: {np.mean(d):+.2f} +- {np.std(d, ddof=1) / np.sqrt(len(d)):.2f} "
+                           f"({' '.join(f'{x:+.2f}' for x in d)}; seeds {','.join(s for s in seeds if s in runs)})")
+    return out
+
+
 def label(args, task: str) -> str:
     """The key a task's runs are saved under: its name, plus the epochs when
     they are not the default, so that runs of another length sit beside the
@@ -260,7 +281,7 @@ def main():
         results = _by_seed(json.loads((out / "compression_accuracy.json").read_text())["results"])
         plot({task: rows for task, rows in results.items() if "test=2048" not in task and ":lr=" not in task},
              out / "compression_accuracy.png")
-        print("\n".join(table(results)))
+        print("\n".join(table(results) + against_two_baselines(results)))
         return
     saved = out / "compression_accuracy.json"
     # Runs not made now keep their saved results: tasks, compressions and seeds can be run a few at a time.
