@@ -37,6 +37,7 @@ PY = sys.executable
 
 COMPRESSIONS = ("none", "powersgd:rank=4", "int8", "topk:ratio=0.01")
 DIGITS_EPOCHS, SYNTHETIC_EPOCHS = 30, 1
+DIGITS_LR, SYNTHETIC_LR = 0.05, 0.01
 # synthetic's test set: 16384 rows, so that one run's accuracy is good to ~0.3 points (binomial, at 82%),
 # not ~0.85; the first 2048 are the test set of the results measured before it grew (kept apart, see label)
 FIRST_TEST, SYNTHETIC_TEST = 2048, 16384
@@ -93,8 +94,10 @@ def worker(args) -> None:
     rrtf.init()
     n, r = rrtf.size(), rrtf.rank()
     (x, y), (xt, yt) = data(args.task, args.quick, args.seed)
-    comp = make_compressor(args.compression)
-    compression = rrtf.Compression.none if comp is None else rrtf.compression.EngineCompression(comp)
+    # fp16: a cast (2^-11 relative rounding each step), the noise-floor control for the compressors' gaps
+    comp = None if args.compression == "fp16" else make_compressor(args.compression)
+    compression = (rrtf.Compression.fp16 if args.compression == "fp16" else
+                   rrtf.Compression.none if comp is None else rrtf.compression.EngineCompression(comp))
     net = model(args.task, args.seed)
     net.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(args.lr, momentum=0.9),
                                                     compression=compression),
@@ -172,39 +175,69 @@ def plot(results: dict, path: Path) -> None:
 
 def table(results: dict) -> list[str]:
     """Per task and compressor, over its seeds: test accuracy's mean, range
-    and standard deviation; against none, the mean, its standard error and
-    the range of the difference paired by seed (the same start and data order)."""
+    and standard deviation; against none, the mean, its standard error, the
+    range and the standard deviation of the difference paired by seed (the
+    same start and data order). A task that differs from another only in its
+    learning rate ('synthetic:lr=0.0100001') pairs with that task's none: a
+    nudge to the learning rate is the control for how far any harmless
+    change moves a seed's result."""
     import numpy as np
     out = ["| task | compression | seeds | test accuracy, mean | min .. max | std (points) | vs none, paired by seed "
-           "(points): mean +- standard error (min .. max) | MB sent per step, rank 0 | weights agree |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "(points): mean +- standard error (min .. max) | std of the paired differences | MB sent per step, rank 0 "
+           "| weights agree |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for task, rows in results.items():
-        base = rows.get("none", {})
+        head, _, extra = task.partition(":")
+        lr_only = extra and all(p.startswith("lr=") for p in extra.split(",")) and head in results
+        base = results[head].get("none", {}) if lr_only else rows.get("none", {})
         for spec, runs in rows.items():
             acc = 100 * np.array([r["test_acc"] for r in runs.values()])
             paired = [100 * (r["test_acc"] - base[s]["test_acc"]) for s, r in runs.items() if s in base]
             sem = f" +- {np.std(paired, ddof=1) / np.sqrt(len(paired)):.2f}" if len(paired) > 1 else ""
+            own = spec == "none" and not lr_only
             diff = (f"{np.mean(paired):+.2f}{sem} ({min(paired):+.2f} .. {max(paired):+.2f})"
-                    if paired and spec != "none" else "")
+                    if paired and not own else "")
+            spread = f"{np.std(paired, ddof=1):.2f}" if len(paired) > 1 and not own else ""
             out.append(f"| {task} | {spec} | {','.join(runs)} | {acc.mean():.2f}% | "
                        f"{acc.min():.2f} .. {acc.max():.2f} | "
-                       f"{acc.std(ddof=1) if len(acc) > 1 else 0:.2f} | {diff} | "
+                       f"{acc.std(ddof=1) if len(acc) > 1 else 0:.2f} | {diff} | {spread} | "
                        f"{np.mean([r['bytes_per_step'] for r in runs.values()]) / 1e6:.3f} | "
                        f"{all(r['weights_agree'] for r in runs.values())} |")
+    return out
+
+
+def against_two_baselines(results: dict) -> list[str]:
+    """Each row of a task against the mean, per seed, of its none and the
+    none of its learning-rate controls ('synthetic:lr=...'): two equally
+    good uncompressed runs, so the baseline's own luck at a seed counts half."""
+    import numpy as np
+    out = []
+    for task, rows in results.items():
+        nudged = [results[t]["none"] for t in results if t.startswith(f"{task}:lr=") and "none" in results[t]]
+        if ":" in task or "none" not in rows or not nudged:
+            continue
+        seeds = [s for s in rows["none"] if all(s in n for n in nudged)]
+        base = {s: np.mean([rows["none"][s]["test_acc"]] + [n[s]["test_acc"] for n in nudged]) for s in seeds}
+        out.append(f"{task}: against the mean of none and its learning-rate nudge, seeds {','.join(seeds)}:")
+        for spec, runs in rows.items():
+            d = [100 * (runs[s]["test_acc"] - base[s]) for s in seeds if s in runs]
+            if len(d) > 1:
+                out.append(f"  {spec}: {np.mean(d):+.2f} +- {np.std(d, ddof=1) / np.sqrt(len(d)):.2f} "
+                           f"({' '.join(f'{x:+.2f}' for x in d)}; seeds {','.join(s for s in seeds if s in runs)})")
     return out
 
 
 def label(args, task: str) -> str:
     """The key a task's runs are saved under: its name, plus the epochs when
     they are not the default, so that runs of another length sit beside the
-    default ones (as 'synthetic:epochs=2') rather than overwrite them."""
+    default ones (as 'synthetic:epochs=2') rather than overwrite them; the
+    same for the learning rate ('synthetic:lr=0.0100001')."""
     if args.quick:
         return task
-    if task == "synthetic" and args.synthetic_epochs != SYNTHETIC_EPOCHS:
-        return f"{task}:epochs={args.synthetic_epochs}"
-    if task == "digits" and args.epochs != DIGITS_EPOCHS:
-        return f"{task}:epochs={args.epochs}"
-    return task
+    epochs, lr = (args.synthetic_epochs, args.synthetic_lr) if task == "synthetic" else (args.epochs, args.lr)
+    default_epochs, default_lr = (SYNTHETIC_EPOCHS, SYNTHETIC_LR) if task == "synthetic" else (DIGITS_EPOCHS, DIGITS_LR)
+    parts = ([f"epochs={epochs}"] if epochs != default_epochs else []) + ([f"lr={lr!r}"] if lr != default_lr else [])
+    return f"{task}:{','.join(parts)}" if parts else task
 
 
 def _by_seed(results: dict) -> dict:
@@ -216,18 +249,23 @@ def _by_seed(results: dict) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default="digits,synthetic")
-    p.add_argument("--compressions", default=";".join(COMPRESSIONS), help="';'-separated")
+    p.add_argument("--compressions", default=";".join(COMPRESSIONS),
+                   help="';'-separated; also 'fp16' (the cast, Compression.fp16: a control)")
     p.add_argument("-n", type=int, default=2, help="ranks")
     p.add_argument("--epochs", type=int, default=DIGITS_EPOCHS,
                    help="digits (another number is saved as its own task, 'digits:epochs=E')")
     p.add_argument("--synthetic-epochs", type=int, default=SYNTHETIC_EPOCHS,
                    help="synthetic (another number is saved as its own task, 'synthetic:epochs=E')")
     p.add_argument("--batch", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05, help="digits")
-    p.add_argument("--synthetic-lr", type=float, default=0.01)
-    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--lr", type=float, default=DIGITS_LR,
+                   help="digits (another value is saved as its own task, 'digits:lr=L')")
+    p.add_argument("--synthetic-lr", type=float, default=SYNTHETIC_LR,
+                   help="synthetic (another value is saved as its own task, 'synthetic:lr=L')")
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="per run, s (one synthetic run took 11 min at load 10 and over 20 at load 19 on 2 cores)")
     p.add_argument("--seeds", default="0", help="','-separated; each sets the initial weights and the data order")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--table", action="store_true", help="print the saved results' table (and plot them); run nothing")
     p.add_argument("--out", default=str(REPO / "docs"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--task", help=argparse.SUPPRESS)
@@ -239,6 +277,12 @@ def main():
     if args.quick:
         args.epochs, args.out = 2, "/tmp"
     out = Path(args.out)
+    if args.table:  # the saved results' table and plot, nothing run
+        results = _by_seed(json.loads((out / "compression_accuracy.json").read_text())["results"])
+        plot({task: rows for task, rows in results.items() if "test=2048" not in task and ":lr=" not in task},
+             out / "compression_accuracy.png")
+        print("\n".join(table(results) + against_two_baselines(results)))
+        return
     saved = out / "compression_accuracy.json"
     # Runs not made now keep their saved results: tasks, compressions and seeds can be run a few at a time.
     results: dict = _by_seed(json.loads(saved.read_text())["results"]) if saved.exists() and not args.quick else {}
@@ -254,8 +298,9 @@ def main():
                 part = saved.with_name(f"{saved.name}.{os.getpid()}")  # whole or not at all, for a reader
                 part.write_text(json.dumps({"argv": sys.argv[1:], "results": results}))
                 os.replace(part, saved)
-    plot({task: rows for task, rows in results.items() if "test=2048" not in task},  # not the earlier runs:
-         out / "compression_accuracy.png")  # the same training as today's rows of their seed and compressor
+    # not the earlier runs (the same training as today's rows of their seed) nor the learning-rate controls
+    plot({task: rows for task, rows in results.items() if "test=2048" not in task and ":lr=" not in task},
+         out / "compression_accuracy.png")
     print("\n".join(table(results)))
 
 

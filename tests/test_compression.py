@@ -170,8 +170,10 @@ for label, comp in [("none", rrtf.Compression.none), ("powersgd", rrtf.Compressi
     hist = model.fit(xs, ys, batch_size=32, epochs=3, shuffle=False, verbose=0)
     sent = rr.stats()["bytes_sent"]
     w = model.get_weights()
+    state = comp.engine._state if hasattr(comp, "engine") else {}  # the lossy ones: state per tensor key
     out[label] = dict(acc=hist.history["accuracy"][-1], loss=hist.history["loss"], sent=sent,
-                      same=all(np.array_equal(a, rr.broadcast(a, root=0)) for a in w))
+                      same=all(np.array_equal(a, rr.broadcast(a, root=0)) for a in w),
+                      keys=len(state), errors=sum(s.get("error") is not None for s in state.values()))
 
 # DistributedGradientTape, eagerly: names count up every step, the compressor's state stays the variable's
 comp = rrtf.Compression.powersgd(rank=2)
@@ -202,6 +204,9 @@ def test_keras_fit_and_the_tape_train_with_each_compressor(tmp_path):
         assert res["int8"]["sent"] < res["none"]["sent"] / 2.5
         assert res["tape"]["same"] and res["tape"]["last"] < 0.85 * res["tape"]["first"], res["tape"]
         assert res["tape"]["keys"] == 4, "one state per variable, not one per step"
+        # under fit (a tf.function, fused buckets) too: error feedback is kept per variable across steps
+        for label in ("int8", "topk"):
+            assert res[label]["keys"] == 4 and res[label]["errors"] == 4, (label, res[label]["keys"])
 
 
 # Int8's scales are per block: one rank's outlier coarsens only its own
@@ -648,3 +653,20 @@ def test_powersgd_starts_compressing_from_a_q_warmed_up_on_the_exact_steps(tmp_p
     assert cold["err"] > 1.3 * cold["best"], cold
     # after 5 warm-up steps, the first compressed step is the best rank-2 approximation, nearly
     assert warm["err"] < 1.02 * warm["best"], warm
+
+
+def test_accuracy_benchmark_saves_another_length_or_learning_rate_under_its_own_task():
+    # runs of another epoch count or learning rate must sit beside the stored default runs, never overwrite them
+    import argparse
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from compression_accuracy import label
+    def args(**kw):
+        return argparse.Namespace(**{"quick": False, "epochs": 30, "lr": 0.05, "synthetic_epochs": 1,
+                                     "synthetic_lr": 0.01, **kw})
+    assert label(args(), "synthetic") == "synthetic" and label(args(), "digits") == "digits"
+    assert label(args(synthetic_epochs=2), "synthetic") == "synthetic:epochs=2"
+    assert label(args(synthetic_lr=0.0100001), "synthetic") == "synthetic:lr=0.0100001"
+    assert label(args(synthetic_epochs=2, synthetic_lr=0.02), "synthetic") == "synthetic:epochs=2,lr=0.02"
+    assert label(args(lr=0.1), "digits") == "digits:lr=0.1" and label(args(lr=0.1), "synthetic") == "synthetic"
