@@ -21,7 +21,7 @@ ARENA_HEADER_ROOM = 4096  # an arena slot holds arena_bytes of data plus the ope
 BACKENDS = ("", "socket", "mpi")
 SMALL_ALGORITHMS = ("", "doubling", "ring")
 ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/host_arena.h rr_arena_mode
-SHM_CMA_MODES = ("0", "1", "refused")  # csrc/cma.h
+SHM_CMA_MODES = ("auto", "0", "1", "refused")  # csrc/cma.h
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 
 
@@ -46,11 +46,12 @@ class Config:
     shm_zerocopy: bool = True       # RINGREDUCE_SHM_ZEROCOPY: 1 (default): where both of a rank's links
                                     # are shared memory, the ring reduces straight in the mappings;
                                     # 0: through its own staging buffer (the path before issue 17)
-    shm_cma: str = "1"              # RINGREDUCE_SHM_CMA: "1" (default): with zero copy on, a rank reads its
+    shm_cma: str = "auto"           # RINGREDUCE_SHM_CMA: "1": with zero copy on, a rank reads its
                                     # previous neighbour's chunks straight out of that process's buffers
                                     # (process_vm_readv) from 1 MiB a chunk, where every rank's probe at init
-                                    # passes (else zero copy through the mappings); "0": not; "refused": as
-                                    # "1" with this rank's probe failing (tests of the fallback)
+                                    # passes (else zero copy through the mappings); "auto" (default): so in
+                                    # rings of two ranks only (where it measured faster); "0": not;
+                                    # "refused": as "1" with this rank's probe failing (tests of the fallback)
     fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
     cache_capacity: int = 1024      # RINGREDUCE_CACHE_CAPACITY: requests the engine's response cache
                                     # holds (ringreduce/response_cache.py); 0: no cache
@@ -74,7 +75,7 @@ class Config:
         _check("RINGREDUCE_ARENA_REDUCE", self.arena_reduce, self.arena_reduce in ARENA_REDUCES,
                "'auto', 'direct', 'split' or 'copy'")
         _check("RINGREDUCE_SHM_ZEROCOPY", self.shm_zerocopy, isinstance(self.shm_zerocopy, bool), "0 or 1")
-        _check("RINGREDUCE_SHM_CMA", self.shm_cma, self.shm_cma in SHM_CMA_MODES, "0, 1 or refused")
+        _check("RINGREDUCE_SHM_CMA", self.shm_cma, self.shm_cma in SHM_CMA_MODES, "auto, 0, 1 or refused")
         _check("RINGREDUCE_FUSION_THRESHOLD", self.fusion_bytes, self.fusion_bytes >= 0, "bytes >= 0")
         _check("RINGREDUCE_SMALL_ALGORITHM", self.small_algorithm, self.small_algorithm in SMALL_ALGORITHMS,
                "'doubling', 'ring' or empty")

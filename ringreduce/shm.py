@@ -272,7 +272,8 @@ def agree_zero_copy(comm, wanted: bool) -> bool:
 
 def agree_cma(comm, me: int, n: int, mode: str) -> bool:
     """Lets comm's ring read each previous neighbour's buffers by Cross
-    Memory Attach (csrc/cma.h) if every rank wants it (RINGREDUCE_SHM_CMA=1),
+    Memory Attach (csrc/cma.h) if every rank wants it (RINGREDUCE_SHM_CMA=1, or
+    auto in a ring of two),
     zero copy is on (agree_zero_copy first) and every rank's probe passes:
     process_vm_readv of a random canary in its previous neighbour, refused
     under Yama's ptrace_scope, a seccomp filter or across pid namespaces.
@@ -288,7 +289,10 @@ def agree_cma(comm, me: int, n: int, mode: str) -> bool:
     every = np.zeros_like(table)
     comm.allreduce(table, every, _core.INT64, _core.SUM)
     pid, addr, value = (int(v) for v in every[(me - 1) % n])
-    able = mode == "1" and zero_copy and n > 1 and _core.Comm.cma_probe(pid, addr, np.int64(value).tobytes())
+    # auto: rings of two only. With more ranks the kernel's copy (slower than memcpy here) does more
+    # work than the mappings' path (docs/performance.md, "Issue 17's cells on a quiet machine").
+    wanted = mode == "1" or (mode == "auto" and n == 2)
+    able = wanted and zero_copy and n > 1 and _core.Comm.cma_probe(pid, addr, np.int64(value).tobytes())
     vote = np.array([int(able)], np.int32)
     everyone = np.zeros_like(vote)
     comm.allreduce(vote, everyone, _core.INT32, _core.MIN)

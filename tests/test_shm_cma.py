@@ -179,6 +179,9 @@ result = (comm.cma_pid != 0, comm.cma_ops(), comm.zero_copy_ops(), close_enough(
     (2, {"RINGREDUCE_SHM_CMA": "refused"}, False),
     (3, {"REFUSE_ON_ONE": "1"}, False),                # one rank refused: none takes it
     (2, {"RINGREDUCE_SHM_ZEROCOPY": "0"}, False),      # CMA rides on zero copy
+    (2, {"RINGREDUCE_SHM_CMA": "auto"}, True),         # the default: rings of two
+    (3, {"RINGREDUCE_SHM_CMA": "auto"}, False),        # ... and not of more (docs/performance.md)
+    (3, {"RINGREDUCE_SHM_CMA": "1"}, True),
 ])
 def test_the_switch_and_the_fallback_when_refused(tmp_path, n, env, cma):
     ranks = run_ranks(n, PRELUDE + SWITCH, tmp_path, timeout=60, init=False, env={**CMA_ON, **env})
@@ -194,7 +197,7 @@ def test_a_bad_setting_is_refused_by_name():
     from ringreduce.config import Config
     with pytest.raises(ValueError, match="RINGREDUCE_SHM_CMA"):
         Config.from_env({"RINGREDUCE_SHM_CMA": "yes"})
-    assert Config.from_env({}).shm_cma == "1"  # on by default, where the probe passes
+    assert Config.from_env({}).shm_cma == "auto"  # rings of two, where the probe passes
 
 
 def test_the_probe_reads_this_process_and_refuses_a_wrong_canary():
