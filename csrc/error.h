@@ -24,4 +24,8 @@ typedef struct rr_error {
 void rr_set_error(rr_error *err, int code, int rank, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* A transport's call after it was aborted (an earlier error, or Ctrl-C):
+ * fills err and returns its code. */
+int rr_aborted_error(rr_error *err);
+
 #endif

@@ -136,10 +136,7 @@ static int mpi_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
 {
     mpi_transport *t = (mpi_transport *)base;
     *sent = *rcvd = 0;
-    if (t->aborted) {
-        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
-        return err->code;
-    }
+    if (t->aborted) return rr_aborted_error(err);
     if (slen == 0 && rlen == 0) return RR_OK;
     if (slen > INT32_MAX || rlen > INT32_MAX) {
         rr_set_error(err, RR_E_INVALID, -1, "window of more than 2 GiB");
@@ -262,10 +259,7 @@ static int mpi_sendrecv(rr_transport *base, int peer, int depth, const void *con
 {
     mpi_transport *t = (mpi_transport *)base;
     for (int i = 0; i < nrecv; i++) rbufs[i] = NULL;
-    if (t->aborted) {
-        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
-        return err->code;
-    }
+    if (t->aborted) return rr_aborted_error(err);
     if (nsend > RR_PEER_MSGS || nrecv > RR_PEER_MSGS || peer < 0 || peer >= base->size || peer == base->rank) {
         rr_set_error(err, RR_E_INVALID, -1, "sendrecv: bad peer %d or message count", peer);
         return err->code;
@@ -473,10 +467,7 @@ static int mpi_stalled(rr_transport *base, int waited_on, long long waited_ms, i
                        rr_error *err)
 {
     mpi_transport *t = (mpi_transport *)base;
-    if (t->aborted) {
-        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
-        return err->code;
-    }
+    if (t->aborted) return rr_aborted_error(err);
     int rc = notice_received(t, err);
     if (rc != RR_OK) return rc;
     if (t->pids && waited_on >= 0 && waited_on < base->size && process_dead(t->pids[waited_on]) && !arrived(arg)) {

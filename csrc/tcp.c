@@ -277,10 +277,7 @@ static int tcp_exchange(rr_transport *base, const void *sbuf, size_t slen, size_
 {
     tcp_transport *t = (tcp_transport *)base;
     *sent = *rcvd = 0;
-    if (t->aborted) {
-        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
-        return err->code;
-    }
+    if (t->aborted) return rr_aborted_error(err);
     if (slen == 0 && rlen == 0) return RR_OK;
     int64_t deadline = t->timeout_ms >= 0 ? now_ms() + t->timeout_ms : INT64_MAX;
     long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
@@ -337,10 +334,7 @@ static int zc_ready(tcp_transport *t, int tx, int rx, rr_error *err)
 static int tcp_wait(rr_transport *base, int tx, int rx, rr_error *err)
 {
     tcp_transport *t = (tcp_transport *)base;
-    if (t->aborted) {
-        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
-        return err->code;
-    }
+    if (t->aborted) return rr_aborted_error(err);
     int64_t deadline = t->timeout_ms >= 0 ? now_ms() + t->timeout_ms : INT64_MAX;
     long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
     int spins = 0;
@@ -357,10 +351,7 @@ static int tcp_wait(rr_transport *base, int tx, int rx, rr_error *err)
 static int tcp_wait_drained(rr_transport *base, size_t most, rr_error *err)
 {
     tcp_transport *t = (tcp_transport *)base;
-    if (t->aborted) {
-        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
-        return err->code;
-    }
+    if (t->aborted) return rr_aborted_error(err);
     int64_t deadline = t->timeout_ms >= 0 ? now_ms() + t->timeout_ms : INT64_MAX;
     long long next_check = now_ms() + RR_INTERRUPT_CHECK_MS;
     int spins = 0, rc = RR_OK;
@@ -428,10 +419,7 @@ static void tcp_destroy(rr_transport *base)
 static int tcp_begin(rr_transport *base, rr_error *err)
 {
     tcp_transport *t = (tcp_transport *)base;
-    if (t->aborted) {
-        rr_set_error(err, RR_E_PEER_LOST, -1, "transport was aborted after an earlier error");
-        return err->code;
-    }
+    if (t->aborted) return rr_aborted_error(err);
     return star_verdict(t, err);
 }
 
