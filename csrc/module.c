@@ -94,6 +94,14 @@ static void forked_child(void) { this_pid = getpid(); }
 
 static int forked_away(CommObject *self) { return self->pid != this_pid; }
 
+/* The setters' guard: 1, with a ValueError set, when there is no ring to set. */
+static int refuse_closed(CommObject *self)
+{
+    if (self->ring && !forked_away(self)) return 0;
+    PyErr_SetString(PyExc_ValueError, "the communicator is closed");
+    return 1;
+}
+
 /* Before each operation: after interrupt() nothing more runs (and the peers
  * are told), and a ring that knows a peer is lost fails at once. */
 static int begin_op(CommObject *self, rr_error *err)
@@ -679,10 +687,7 @@ static PyObject *Comm_set_segment(CommObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "segment must be > 0 bytes");
         return NULL;
     }
-    if (!self->ring || forked_away(self)) {
-        PyErr_SetString(PyExc_ValueError, "the communicator is closed");
-        return NULL;
-    }
+    if (refuse_closed(self)) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
@@ -699,10 +704,7 @@ static PyObject *Comm_set_small_algorithm(CommObject *self, PyObject *args)
 {
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    if (!self->ring || forked_away(self)) {
-        PyErr_SetString(PyExc_ValueError, "the communicator is closed");
-        return NULL;
-    }
+    if (refuse_closed(self)) return NULL;
     const int reaches_any = self->ring->transport && self->ring->transport->ops->sendrecv;
     rr_small_algorithm algo;
     if (!strcmp(name, "auto") || (!strcmp(name, "doubling") && reaches_any)) algo = RR_SMALL_AUTO;
@@ -793,10 +795,7 @@ static PyObject *Comm_set_zero_copy(CommObject *self, PyObject *args)
 {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-    if (!self->ring || forked_away(self)) {
-        PyErr_SetString(PyExc_ValueError, "the communicator is closed");
-        return NULL;
-    }
+    if (refuse_closed(self)) return NULL;
     int used;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
@@ -820,10 +819,7 @@ static PyObject *Comm_set_cma(CommObject *self, PyObject *args)
 {
     int pid;
     if (!PyArg_ParseTuple(args, "i", &pid)) return NULL;
-    if (!self->ring || forked_away(self)) {
-        PyErr_SetString(PyExc_ValueError, "the communicator is closed");
-        return NULL;
-    }
+    if (refuse_closed(self)) return NULL;
     int used;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
