@@ -97,12 +97,17 @@ def _parallel(fns) -> None:
 
 
 def serve(port: int, workers: int, count: int, iters: int, asynchronous: bool = False,
-          ready: threading.Event | None = None, host: str = "0.0.0.0") -> np.ndarray:
-    """Serves `iters` steps to `workers` workers; returns the final parameters."""
+          ready: threading.Event | None = None, host: str = "0.0.0.0",
+          bound: list | None = None) -> np.ndarray:
+    """Serves `iters` steps to `workers` workers; returns the final parameters.
+    port 0: the OS picks a free one, appended to `bound` before `ready` is set
+    (no window for another process to take a port chosen in advance)."""
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
     listener.listen(workers)
+    if bound is not None:
+        bound.append(listener.getsockname()[1])
     if ready is not None:
         ready.set()
     conns = []

@@ -4,7 +4,7 @@ import threading
 import numpy as np
 import pytest
 
-from ranks import REPO, free_port
+from ranks import REPO
 
 import sys
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -21,17 +21,18 @@ def test_shards_tile_the_tensor(count, shards):
 
 def _run(workers, shards, count, iters, asynchronous):
     """k server threads and n worker threads on loopback; every thread must finish."""
-    ports = [free_port() for _ in range(shards)]
+    ports = [[] for _ in range(shards)]  # each server's port, bound by the server itself (port 0)
     readies = [threading.Event() for _ in range(shards)]
     finals, outs = [None] * shards, [None] * workers
     grads = [np.random.default_rng(w).integers(-5, 6, count).astype(np.float32) for w in range(workers)]
 
     def server(i):
         lo, hi = ps.shard_bounds(count, shards, i)
-        finals[i] = ps.serve(ports[i], workers, hi - lo, iters, asynchronous, readies[i], host="127.0.0.1")
+        finals[i] = ps.serve(0, workers, hi - lo, iters, asynchronous, readies[i], host="127.0.0.1",
+                             bound=ports[i])
 
     def worker(w):
-        outs[w] = ps.work([("127.0.0.1", p) for p in ports], count, iters, grads[w], asynchronous)
+        outs[w] = ps.work([("127.0.0.1", p[0]) for p in ports], count, iters, grads[w], asynchronous)
 
     threads = [threading.Thread(target=server, args=(i,), daemon=True) for i in range(shards)]
     for t in threads:
