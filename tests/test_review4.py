@@ -71,7 +71,7 @@ def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path
     from ringreduce import shm
     record = tmp_path / "made"
     ranks = run_ranks(2, f"""
-        import signal
+        import signal, time
         from ringreduce import shm
         make, connect = shm._make_file, shm.connect
         def make_and_record(*a, **k):
@@ -81,6 +81,10 @@ def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path
         def connect_then_die(to_next, from_prev, tag, capacity, send_msg, recv_msg):
             def recv_and_die(sock):
                 if rr_rank == 0:
+                    # Rank 1's own make sweeps stale files first: wait until it
+                    # has made its file, or it may sweep ours before we look.
+                    while not os.path.exists({str(record)!r} + "1"):
+                        time.sleep(0.01)
                     os.kill(os.getpid(), signal.SIGKILL)  # the offer is out, the file not yet unlinked
                 return recv_msg(sock)
             return connect(to_next, from_prev, tag, capacity, send_msg, recv_and_die)
