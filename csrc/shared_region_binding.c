@@ -13,6 +13,7 @@ typedef struct {
     Py_ssize_t nbytes; /* what the buffer exports; the region may be longer (whole pages) */
     size_t length;
     unsigned long long id;
+    int fd;
 } SharedRegionObject;
 
 static PyObject *SharedRegion_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -28,7 +29,7 @@ static PyObject *SharedRegion_new(PyTypeObject *type, PyObject *args, PyObject *
     if (!self) return NULL;
     uint64_t id = 0;
     void *base;
-    Py_BEGIN_ALLOW_THREADS /* zero-filling nothing, but ftruncate and mmap may take a while */
+    Py_BEGIN_ALLOW_THREADS /* ftruncate and mmap of a large region may take a while */
     base = rr_region_create((size_t)nbytes, &self->length, &id);
     Py_END_ALLOW_THREADS
     if (!base) {
@@ -41,6 +42,7 @@ static PyObject *SharedRegion_new(PyTypeObject *type, PyObject *args, PyObject *
     self->base = base;
     self->nbytes = nbytes;
     self->id = id;
+    self->fd = rr_region_find(base, 0).fd;
     return (PyObject *)self;
 }
 
@@ -67,6 +69,11 @@ static PyObject *SharedRegion_get_length(SharedRegionObject *self, void *Py_UNUS
     return PyLong_FromSize_t(self->length);
 }
 
+static PyObject *SharedRegion_get_fd(SharedRegionObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(self->fd);
+}
+
 static PyObject *SharedRegion_get_address(SharedRegionObject *self, void *Py_UNUSED(closure))
 {
     return PyLong_FromVoidPtr(self->base);
@@ -88,6 +95,7 @@ static PyObject *SharedRegion_region_of(PyObject *Py_UNUSED(cls), PyObject *args
 static PyGetSetDef SharedRegion_getset[] = {
     {"id", (getter)SharedRegion_get_id, NULL, "the region's id, unique in this process", NULL},
     {"length", (getter)SharedRegion_get_length, NULL, "the region's bytes (whole pages)", NULL},
+    {"fd", (getter)SharedRegion_get_fd, NULL, "the region's memfd in this process (a neighbour opens it)", NULL},
     {"address", (getter)SharedRegion_get_address, NULL, "where the region starts in this process", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

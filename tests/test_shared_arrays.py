@@ -345,3 +345,40 @@ def test_a_region_of_negative_size_is_refused_by_the_core():
     from ringreduce import _core
     with pytest.raises(ValueError, match="nbytes"):
         _core.SharedRegion(-1)
+
+
+# A neighbour that cannot map the region reads by process_vm_readv, for that
+# operation, with no error: rank 0 puts something else at its region's fd
+# number (the array's own mapping does not need the fd): /dev/null (not a
+# regular file) or a memfd of the same size that is not sealed against
+# shrinking (a read could fault past a shrunk end).
+FALLBACK = """
+import os
+comm = C._state.comm
+n, r = rr.size(), rr.rank()
+x = rr.shared_empty(n * (1 << 19) + 3, np.float64)
+region = x.base.base
+if r == 0:
+    if os.environ["REPLACE_WITH"] == "devnull":
+        other = os.open(os.devnull, os.O_RDONLY)
+    else:
+        other = os.memfd_create("unsealed")
+        os.ftruncate(other, region.length)
+    os.dup2(other, region.fd)
+    os.close(other)
+result = []
+for i in range(3):
+    x[:] = np.arange(x.size) * (r + 1) + i
+    before, cbefore = comm.mapped_ops(), comm.cma_ops()
+    got = rr.allreduce(x, out=x)
+    want = np.arange(x.size, dtype=np.float64) * (n * (n + 1) // 2) + i * n
+    result.append((got.tobytes() == want.tobytes(), comm.mapped_ops() - before, comm.cma_ops() - cbefore))
+"""
+
+
+@pytest.mark.parametrize("replace_with", ["devnull", "unsealed"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_region_that_cannot_be_mapped_is_read_by_process_vm_readv(tmp_path, n, replace_with):
+    ranks = run(n, FALLBACK, tmp_path, env={"REPLACE_WITH": replace_with})
+    for r in ranks:
+        assert r.result == [(True, 0 if r.rank == 1 else 1, 1)] * 3, (r.rank, r.result)
