@@ -382,3 +382,35 @@ def test_a_region_that_cannot_be_mapped_is_read_by_process_vm_readv(tmp_path, n,
     ranks = run(n, FALLBACK, tmp_path, env={"REPLACE_WITH": replace_with})
     for r in ranks:
         assert r.result == [(True, 0 if r.rank == 1 else 1, 1)] * 3, (r.rank, r.result)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ctrl_c_then_reuse_of_the_shared_buffer_never_gives_a_neighbour_wrong_data(tmp_path, n):
+    # Rank 1 is interrupted mid-loop and its handler overwrites its shared
+    # buffer at once: its neighbour reads that buffer through a mapping,
+    # which never fails, so only rank 1's gave-up mark (prev_alive) keeps
+    # it from returning a sum with the new bytes: it must raise.
+    ranks = run(n, """
+import os, signal, threading
+buf = rr.shared_empty(rr.size() * (3 << 18) + 5, np.int64)
+rr.allreduce(buf, out=buf)
+before, wrong, outcome = C._state.comm.mapped_ops(), 0, "done"
+if rr.rank() == 1:
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    for i in range(200):
+        buf[:] = (rr.rank() + 1) * (i + 1)
+        rr.allreduce(buf, op="sum", out=buf)
+        wrong += int(np.count_nonzero(buf != (i + 1) * rr.size() * (rr.size() + 1) // 2))
+except KeyboardInterrupt:
+    buf[:] = -(1 << 40)
+    outcome = "interrupted"
+except rr.RingReduceError as e:
+    outcome = type(e).__name__
+result = (wrong, outcome, C._state.comm.mapped_ops() - before)
+""", tmp_path, env={"RINGREDUCE_TIMEOUT": "20"})
+    for r in ranks:
+        wrong, outcome, ops = r.result
+        assert wrong == 0, (r.rank, r.result)
+        assert ops >= 1, (r.rank, "the mapped read did not run")
+        assert outcome == ("interrupted" if r.rank == 1 else "PeerLostError"), (r.rank, r.result)
