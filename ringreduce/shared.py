@@ -15,7 +15,9 @@ The region is freed when the last array (or view) over it is garbage
 collected. Works before init; each array holds one file descriptor, so this
 is for a few large buffers (gradients), not thousands of small ones.
 """
+import math
 import operator
+import sys
 
 import numpy as np
 
@@ -47,8 +49,10 @@ def shared_empty(shape, dtype=np.float32) -> np.ndarray:
     except TypeError as exc:
         raise TypeError(f"shared_empty: not a dtype: {dtype!r} ({exc})") from None
     _check_movable(dt)
-    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    count = math.prod(dims)  # exact: numpy's int64 product could wrap
     nbytes = count * dt.itemsize
+    if nbytes > sys.maxsize:
+        raise ValueError(f"shared_empty: array is too big ({count} elements of {dt})")
     region = _core.SharedRegion(nbytes)
     return np.frombuffer(region, dtype=dt, count=count).reshape(dims)
 

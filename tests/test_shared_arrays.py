@@ -334,6 +334,7 @@ def test_every_dtype_shape_and_the_like_variants():
     ("abc", np.float32, TypeError),
     (3, object, TypeError),
     (3, "no such dtype", TypeError),
+    ((1 << 40, 1 << 40), np.float32, ValueError),
 ])
 def test_bad_arguments_are_refused(shape, dtype, error):
     import ringreduce as rr
