@@ -23,9 +23,9 @@ from setuptools import Extension, find_packages, setup
 # blends, so the portable float16 loops would stay scalar. Results are the same.
 FLAGS = ["-O3", "-std=gnu11", "-fno-trapping-math", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
          "-Wno-cast-function-type"]
-CORE_SOURCES = ["csrc/module.c", "csrc/device_binding.c", "csrc/ring.c", "csrc/cma.c", "csrc/recursive_doubling.c", "csrc/alltoall.c", "csrc/reduce.c", "csrc/reduce16_x86.c", "csrc/tcp.c", "csrc/control_star.c", "csrc/shm_link.c", "csrc/host_arena.c",
+CORE_SOURCES = ["csrc/module.c", "csrc/device_binding.c", "csrc/ring.c", "csrc/cma.c", "csrc/peer_map.c", "csrc/shared_region.c", "csrc/shared_region_binding.c", "csrc/recursive_doubling.c", "csrc/alltoall.c", "csrc/reduce.c", "csrc/reduce16_x86.c", "csrc/tcp.c", "csrc/control_star.c", "csrc/shm_link.c", "csrc/host_arena.c",
                 "csrc/error.c", "csrc/device.c", "csrc/device_emulated.c", "csrc/cuda_device.c"]
-HEADERS = ["csrc/reduce_math.h", "csrc/reduce.h", "csrc/reduce16.h", "csrc/ring.h", "csrc/recursive_doubling.h", "csrc/tcp.h", "csrc/control_star.h", "csrc/shm_link.h", "csrc/host_arena.h", "csrc/transport.h", "csrc/error.h",
+HEADERS = ["csrc/reduce_math.h", "csrc/reduce.h", "csrc/reduce16.h", "csrc/ring.h", "csrc/cma.h", "csrc/peer_map.h", "csrc/shared_region.h", "csrc/shared_region_binding.h", "csrc/recursive_doubling.h", "csrc/tcp.h", "csrc/control_star.h", "csrc/shm_link.h", "csrc/host_arena.h", "csrc/transport.h", "csrc/error.h",
            "csrc/device.h",
            "csrc/device_binding.h"]
 

@@ -39,6 +39,14 @@ RINGREDUCE_SHM_CMA=1, the default): the same operations with each rank
 reading its neighbour's chunks by process_vm_readv (csrc/cma.c), a third
 path interleaved with the other two; cma/copy and cma/zc are busbw ratios.
 
+Mapped columns (with the CMA path): the CMA path once more, on arrays
+allocated by rr.shared_empty (input and output): each rank maps its
+neighbour's arrays and reduces straight out of them, no kernel copy
+(csrc/peer_map.h); a fourth path interleaved with the others, the same
+repeats. mapped/copy and mapped/cma are busbw ratios; a run where the
+mapped read did not serve every CMA operation there stops with an error
+(below 1 MiB a chunk no path reads by CMA: csrc/cma.h).
+
 Waits columns: voluntary context switches (getrusage ru_nvcsw: a rank
 slept in poll for a peer) per operation, summed over the ranks, median over
 repeats: how often the ring stalled on a neighbour, the thing running ahead
@@ -64,6 +72,7 @@ from ringreduce import collectives  # noqa: E402
 MIB = 1 << 20
 PATHS = (("zero-copy", True), ("copying", False))
 CMA = "cma"  # a third column where RINGREDUCE_SHM_CMA=1 was agreed at init (csrc/cma.h)
+MAPPED = "mapped"  # and a fourth: CMA on shared arrays (ringreduce/shared.py)
 
 
 def rate(fn, nbytes: int, seconds: float = 0.2) -> float:
@@ -92,19 +101,23 @@ def table(mibs: list[int], repeats: int) -> str:
                          "RINGREDUCE_SHM_BYTES > 0 and a multiple of 64")
     factor = harness.BUSBW_FACTOR["allreduce"](n)
     cma_pid = comm.cma_pid
-    paths = PATHS + ((CMA, True),) if cma_pid else PATHS
+    paths = PATHS + ((CMA, True), (MAPPED, True)) if cma_pid else PATHS
     lines = [f"N = {n} on {cores} cores, float32 sum, out of place; busbw GB/s; "
              f"roofline = busbw / zero-copy bound",
              f"{'MiB':>4} {'memcpy':>7} {'add':>6} {'bound':>6} {'zero-copy':>10} {'copying':>8} "
              f"{'ratio':>6} {'zc roof':>8} {'copy roof':>9} {'zc cpu ms':>9} {'copy cpu ms':>11} "
              f"{'cpu ratio':>9} {'zc waits':>8} {'copy waits':>10} {'#wrong':>6}"
-             + (f" {'cma':>7} {'cma/copy':>8} {'cma/zc':>6} {'cma cpu ms':>10} {'cma waits':>9}" if cma_pid else "")]
+             + (f" {'cma':>7} {'cma/copy':>8} {'cma/zc':>6} {'cma cpu ms':>10} {'cma waits':>9}"
+                f" {'mapped':>7} {'map/copy':>8} {'map/cma':>7} {'map cpu ms':>10}" if cma_pid else "")]
     for mib in mibs:
         count = mib * MIB // 4
         nbytes = count * 4
         iters = max(2, min(20, 128 // mib))
         x = np.full(count, r + 1, np.float32)
         out = np.empty_like(x)
+        shared_x, shared_out = rr.shared_empty_like(x), rr.shared_empty_like(x)
+        shared_x[:] = x
+        arrays = {label: (shared_x, shared_out) if label == MAPPED else (x, out) for label, _ in paths}
         want = np.float32(n * (n + 1) // 2)
         samples = {label: [] for label, _ in paths}
         cpu = {label: [] for label, _ in paths}
@@ -113,13 +126,15 @@ def table(mibs: list[int], repeats: int) -> str:
         for rep in range(repeats + 1):  # the first round warms up
             for label, on in paths:
                 comm.set_zero_copy(on)
-                comm.set_cma(cma_pid if label == CMA else 0)
+                comm.set_cma(cma_pid if label in (CMA, MAPPED) else 0)
+                src, out = arrays[label]
                 out.fill(0)
+                mapped_before, cma_before = comm.mapped_ops(), comm.cma_ops()
                 rr.barrier()
                 t, c = time.perf_counter(), time.process_time()
                 w = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
                 for _ in range(iters):
-                    rr.allreduce(x, op="sum", out=out)
+                    rr.allreduce(src, op="sum", out=out)
                 if rep:
                     spent = (time.process_time() - c) / iters
                     slept = (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - w) / iters
@@ -128,6 +143,10 @@ def table(mibs: list[int], repeats: int) -> str:
                     cpu[label].append(float(total[0]))
                     waits[label].append(float(total[1]))
                 wrong += int(np.count_nonzero(out != want))
+                mapped, took_cma = comm.mapped_ops() - mapped_before, comm.cma_ops() - cma_before
+                if mapped != (took_cma if label == MAPPED else 0):
+                    raise SystemExit(f"rank {r}: the mapped read served {mapped} of the {took_cma} CMA "
+                                     f"operations on path {label}")
         comm.set_zero_copy(True)
         comm.set_cma(cma_pid)
         cpy, add = machine_rates(nbytes // n)
@@ -144,6 +163,8 @@ def table(mibs: list[int], repeats: int) -> str:
                      f"{statistics.median(waits['copying']):>10.0f} {wrong:>6}"
                      + (f" {bw[CMA]:>7.2f} {bw[CMA] / bw['copying']:>8.2f} {bw[CMA] / bw['zero-copy']:>6.2f} "
                         f"{statistics.median(cpu[CMA]) * 1e3:>10.1f} {statistics.median(waits[CMA]):>9.0f}"
+                        f" {bw[MAPPED]:>7.2f} {bw[MAPPED] / bw['copying']:>8.2f} {bw[MAPPED] / bw[CMA]:>7.2f}"
+                        f" {statistics.median(cpu[MAPPED]) * 1e3:>10.1f}"
                         if cma_pid else ""))
     return "\n".join(lines)
 

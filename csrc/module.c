@@ -18,6 +18,7 @@
 #include "recursive_doubling.h"
 #include "reduce16.h"
 #include "ring.h"
+#include "shared_region_binding.h"
 #include "tcp.h"
 
 typedef struct {
@@ -854,6 +855,11 @@ static PyObject *Comm_cma_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
     return PyLong_FromUnsignedLongLong(self->ring ? self->ring->cma_ops : 0);
 }
 
+static PyObject *Comm_mapped_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLongLong(self->ring ? self->ring->mapped_ops : 0);
+}
+
 static PyObject *Comm_zero_copy_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     return PyLong_FromUnsignedLongLong(self->ring ? self->ring->zero_copy_ops : 0);
@@ -893,6 +899,8 @@ static PyMethodDef Comm_methods[] = {
      "cma_probe(pid, address, expected): whether process_vm_readv reads those bytes there"},
     {"cma_ops", (PyCFunction)Comm_cma_ops, METH_NOARGS,
      "how many ring operations so far took the Cross Memory Attach path"},
+    {"mapped_ops", (PyCFunction)Comm_mapped_ops, METH_NOARGS,
+     "CMA operations that read the previous rank's data out of its shared arrays mapped here (csrc/peer_map.h)"},
     {"zero_copy_ops", (PyCFunction)Comm_zero_copy_ops, METH_NOARGS,
      "how many ring operations so far reduced straight in the shared-memory mappings"},
     {"last_phases", (PyCFunction)Comm_last_phases, METH_NOARGS,
@@ -1082,7 +1090,9 @@ static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "_core", "ringre
 
 PyMODINIT_FUNC PyInit__core(void)
 {
-    if (PyType_Ready(&CommType) < 0 || PyType_Ready(&DeviceType) < 0) return NULL;
+    if (PyType_Ready(&CommType) < 0 || PyType_Ready(&DeviceType) < 0 ||
+        PyType_Ready(&SharedRegionType) < 0)
+        return NULL;
     this_pid = getpid();
     pthread_atfork(NULL, NULL, forked_child);
     PyObject *threading = PyImport_ImportModule("threading");
@@ -1100,6 +1110,8 @@ PyMODINIT_FUNC PyInit__core(void)
     PyModule_AddObject(m, "Comm", (PyObject *)&CommType);
     Py_INCREF(&DeviceType);
     PyModule_AddObject(m, "Device", (PyObject *)&DeviceType);
+    Py_INCREF(&SharedRegionType);
+    PyModule_AddObject(m, "SharedRegion", (PyObject *)&SharedRegionType);
     static const char *dtypes[] = {"FLOAT16", "BFLOAT16", "FLOAT32", "FLOAT64", "INT8", "UINT8", "INT32", "INT64",
                                    "INT16", "UINT16"};
     for (int i = 0; i < RR_NUM_DTYPES; i++) PyModule_AddIntConstant(m, dtypes[i], i);

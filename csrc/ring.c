@@ -98,6 +98,7 @@ void rr_ring_destroy(rr_ring *ring)
     if (!ring) return;
     if (ring->transport) ring->transport->ops->destroy(ring->transport);
     rr_arena_unmap(ring->arena);
+    rr_peer_maps_clear(&ring->peer_maps);
     free(ring->staging);
     free(ring);
 }

@@ -8,6 +8,7 @@
 #include "reduce_math.h"
 #include "device.h"
 #include "host_arena.h"
+#include "peer_map.h"
 #include "transport.h"
 
 /* The small operations' algorithm (rr_exchange_blobs, rr_allreduce_small):
@@ -31,6 +32,8 @@ typedef struct rr_ring {
     int cma_pid;             /* prev's pid where every rank agreed on Cross Memory Attach (cma.h), else 0;
                                 taken only with zero_copy on, so switching that off stops it too */
     unsigned long long cma_ops; /* ring operations that took the CMA path */
+    rr_peer_maps peer_maps;  /* prev's shared regions mapped here (peer_map.h), for the CMA path */
+    unsigned long long mapped_ops; /* CMA operations that read prev's data out of such a mapping */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */

@@ -21,6 +21,7 @@ from .collectives import (
     size,
 )
 from .engine import join
+from .shared import is_shared, shared_empty, shared_empty_like, shared_zeros
 from .traffic import reset_stats, stats
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
@@ -30,6 +31,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier", "join",
     "stats", "reset_stats",
+    "shared_empty", "shared_zeros", "shared_empty_like", "is_shared",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "RingReduceError", "MismatchError", "PeerLostError", "StaleGenerationError", "WithdrawnError",
 ]

@@ -1,0 +1,59 @@
+/* The cache of a neighbour's mapped regions: see peer_map.h. */
+#define _GNU_SOURCE
+#include "peer_map.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char *map_region(int pid, int fd, size_t need, size_t *length)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
+    int f = open(path, O_RDONLY | O_CLOEXEC);
+    if (f < 0) return NULL;
+    struct stat st;
+    const char *base = NULL;
+    /* Sealed against shrinking (shared_region.c does so), or a read could
+     * fault past a shrunk end; and as large as the sender said. */
+    if (fstat(f, &st) == 0 && S_ISREG(st.st_mode) && (size_t)st.st_size >= need && st.st_size > 0 &&
+        (fcntl(f, F_GET_SEALS) & F_SEAL_SHRINK)) {
+        void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, f, 0);
+        if (p != MAP_FAILED) {
+            base = p;
+            *length = (size_t)st.st_size;
+        }
+    }
+    close(f);
+    return base;
+}
+
+const char *rr_peer_map(rr_peer_maps *maps, int pid, uint64_t id, int fd, size_t need)
+{
+    if (!id || pid <= 0 || fd < 0) return NULL;
+    rr_peer_mapping *victim = &maps->entry[0];
+    for (int i = 0; i < RR_PEER_MAPS; i++) {
+        rr_peer_mapping *e = &maps->entry[i];
+        if (e->id == id && e->pid == pid) {
+            if (e->length < need) return NULL; /* a region keeps its size: the token is wrong */
+            e->used = ++maps->clock;
+            return e->base;
+        }
+        if (e->used < victim->used) victim = e;
+    }
+    size_t length = 0;
+    const char *base = map_region(pid, fd, need, &length);
+    if (!base) return NULL;
+    if (victim->id) munmap((void *)victim->base, victim->length);
+    *victim = (rr_peer_mapping){.pid = pid, .id = id, .base = base, .length = length, .used = ++maps->clock};
+    return base;
+}
+
+void rr_peer_maps_clear(rr_peer_maps *maps)
+{
+    for (int i = 0; i < RR_PEER_MAPS; i++)
+        if (maps->entry[i].id) munmap((void *)maps->entry[i].base, maps->entry[i].length);
+    *maps = (rr_peer_maps){0};
+}
