@@ -830,6 +830,11 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
         _refuse(BROADCAST, exc, process_set)
         raise
     w = _lookup(process_set)
+    if not isinstance(root, (int, np.integer)):  # 0.0 == 0 would pass `in` below, then fail in struct.pack
+        # on one rank but hit another's cached header for 0 (_header_of): their collectives one off
+        problem = TypeError(f"root must be an integer rank, not {type(root).__name__} {root!r}")
+        _refuse(BROADCAST, problem, process_set)
+        raise problem
     if root not in w.ranks:  # refused outside the ring's lock, which _refuse takes after _state.lock
         problem = ValueError(f"root {root} is not a rank of this world of {w.size}" if w is _state.ring
                              else f"root {root} is not a member of process set {process_set.process_set_id} "

@@ -1,0 +1,47 @@
+"""Review 9 (hostile review, a new user's first hour, from a wheel): each
+test here failed on the merged code it names, and passes with its fix.
+"""
+from __future__ import annotations
+
+import pytest
+
+from ranks import run_ranks
+
+# broadcast(root=0.0): `0.0 in ranks` passed the root check, then struct.pack
+# raised struct.error (neither TypeError nor ValueError, so no refusal was
+# sent) on a rank that had no header for root 0 cached, while a rank that had
+# one (_header_of's lru_cache: 0.0 == 0) went on and paired its broadcast with
+# the other's next collective: every later collective one off. Now a root
+# that is not an integer is a TypeError on every rank, the next call pairs.
+FLOAT_ROOT = """
+r = rr.rank()
+x = np.full(3, r, np.float32)
+result = {}
+if os.environ["CACHED"] == "1":  # rank 0 caches a header for root 0, rank 1 for root 1
+    try:
+        rr.broadcast(x, root=r)
+    except rr.MismatchError:
+        pass
+try:
+    rr.broadcast(x, root=float(os.environ["ROOT"]))
+    result["bcast"] = "returned"
+except TypeError as e:
+    result["bcast"] = ("TypeError", "root" in str(e))
+except rr.MismatchError as e:
+    result["bcast"] = ("MismatchError", "root" in str(e))
+except Exception as e:
+    result["bcast"] = ("other", type(e).__name__, str(e)[:200])
+result["after"] = rr.allreduce(np.full(2, r + 1.0), name="after").tolist()
+result["bcast_np_int"] = rr.broadcast(x, root=np.int64(1)).tolist()  # numpy integers stay welcome
+"""
+
+
+@pytest.mark.parametrize("cached", ["0", "1"])
+@pytest.mark.parametrize("root", ["0", "1"])
+def test_a_float_root_is_a_type_error_on_every_rank_and_the_next_call_pairs(tmp_path, cached, root):
+    ranks = run_ranks(2, FLOAT_ROOT, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "10", "CACHED": cached,
+                                                              "ROOT": root})
+    for x in ranks:
+        assert x.result["bcast"] in (("TypeError", True), ("MismatchError", True)), (x.rank, x.result)
+        assert x.result["after"] == [3.0, 3.0], (x.rank, x.result)
+        assert x.result["bcast_np_int"] == [1.0] * 3
