@@ -68,3 +68,30 @@ def test_a_nonsense_ringreduce_overlap_is_refused_at_tf_init(monkeypatch, text):
         assert overlap_enabled() is on
     monkeypatch.delenv("RINGREDUCE_OVERLAP")
     assert overlap_enabled() is True
+
+
+# Rank 0 died: the others' PeerLostError said "lost rank 0 (reported through
+# rank 0)", a dead rank reporting its own death. Their own star saw rank 0's
+# connection close; the message now says so.
+RANK0_DIES = """
+r = rr.rank()
+rr.allreduce(np.ones(4))
+if r == 0:
+    os._exit(0)
+try:
+    rr.allreduce(np.ones(int(os.environ["COUNT"])))
+    result = "returned"
+except rr.PeerLostError as e:
+    result = (e.rank, str(e))
+"""
+
+
+@pytest.mark.parametrize("count", ["4", "300000"])
+def test_a_dead_rank_0_is_not_said_to_report_its_own_loss(tmp_path, count):
+    ranks = run_ranks(3, RANK0_DIES, tmp_path, timeout=60, check=False,
+                      env={"RINGREDUCE_TIMEOUT": "20", "COUNT": count})
+    for x in ranks[1:]:
+        assert x.returncode == 0, x.stderr[-2000:]
+        lost, message = x.result
+        assert lost == 0, (x.rank, message)
+        assert "lost rank 0" in message and "reported through rank 0" not in message, (x.rank, message)
