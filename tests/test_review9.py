@@ -3,6 +3,8 @@ test here failed on the merged code it names, and passes with its fix.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ranks import run_ranks
@@ -95,3 +97,18 @@ def test_a_dead_rank_0_is_not_said_to_report_its_own_loss(tmp_path, count):
         lost, message = x.result
         assert lost == 0, (x.rank, message)
         assert "lost rank 0" in message and "reported through rank 0" not in message, (x.rank, message)
+
+
+# rr.join() before init() said "the engine stopped after an earlier error:
+# ringreduce is not initialized", as if something had failed before. Now it
+# says what every other call says before init.
+def test_join_before_init_says_call_init_first():
+    import subprocess
+    import sys
+    from ranks import REPO
+    code = ("import ringreduce as rr\n"
+            "try:\n    rr.join()\nexcept rr.RingReduceError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGREDUCE_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ringreduce is not initialized: call ringreduce.init() first", out
