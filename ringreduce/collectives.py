@@ -872,7 +872,11 @@ def _read_splits(splits) -> tuple:
     a = np.asarray(splits)
     if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
         raise TypeError(f"alltoall splits must be a 1-d sequence of integers, not {a.dtype} of shape {a.shape}")
-    return tuple(int(v) for v in a)
+    given = tuple(int(v) for v in a)
+    if any(v >= 1 << 63 for v in given):  # uint64 splits pass the integer check; the header's int64 would refuse
+        # with a struct.error on this rank alone, after the refusal window: the others one collective off
+        raise ValueError(f"alltoall splits must fit in int64; got {max(given)}")
+    return given
 
 
 def _split_matrix(heads, n: int) -> list:

@@ -112,3 +112,34 @@ def test_join_before_init_says_call_init_first():
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ringreduce is not initialized: call ringreduce.init() first", out
+
+
+# alltoall splits of uint64 holding 2**63 on one rank (an integer dtype, so
+# it passed the integer check): struct.pack refused it with a struct.error on
+# that rank alone, after the point where a rank refuses its own input, so the
+# others paired their alltoall with its next collective: every later one one
+# off (two unnamed allreduces of one shape silently swapped). Now it is that
+# rank's ValueError and the others' MismatchError naming it.
+HUGE_SPLITS = """
+r = rr.rank()
+result = {}
+try:
+    rr.alltoall(np.arange(4.0), splits=np.array([2**63, 4], np.uint64) if r == 1 else [2, 2])
+    result["a2a"] = "returned"
+except ValueError as e:
+    result["a2a"] = ("ValueError", "int64" in str(e))
+except rr.MismatchError as e:
+    result["a2a"] = ("MismatchError", "rank 1" in str(e) and "int64" in str(e))
+except Exception as e:
+    result["a2a"] = ("other", type(e).__name__, str(e)[:200])
+result["next"] = rr.allreduce(np.full(2, 10.0 * (r + 1))).tolist()
+result["next2"] = rr.allreduce(np.full(2, 100.0 * (r + 1))).tolist()
+"""
+
+
+def test_alltoall_splits_beyond_int64_on_one_rank_are_refused_and_the_next_calls_pair(tmp_path):
+    ranks = run_ranks(2, HUGE_SPLITS, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "10"})
+    assert ranks[1].result["a2a"] == ("ValueError", True), ranks[1].result
+    assert ranks[0].result["a2a"] == ("MismatchError", True), ranks[0].result
+    for x in ranks:
+        assert x.result["next"] == [30.0, 30.0] and x.result["next2"] == [300.0, 300.0], (x.rank, x.result)
