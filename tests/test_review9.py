@@ -143,3 +143,17 @@ def test_alltoall_splits_beyond_int64_on_one_rank_are_refused_and_the_next_calls
     assert ranks[0].result["a2a"] == ("MismatchError", True), ranks[0].result
     for x in ranks:
         assert x.result["next"] == [30.0, 30.0] and x.result["next2"] == [300.0, 300.0], (x.rank, x.result)
+
+
+# Rank 0 of a world of 3 whose other ranks never came said only "rank 0:
+# timed out waiting for every rank to join": not which ranks, nor which
+# setting waited. Now it names both.
+def test_rank_0_names_the_ranks_that_never_joined(tmp_path):
+    from ranks import free_port, rank_env
+    import subprocess
+    import sys
+    env = rank_env(0, 3, free_port(), "s" * 32, {"RINGREDUCE_START_TIMEOUT": "1.5"})
+    code = "import ringreduce as rr\ntry:\n    rr.init()\nexcept rr.RingReduceError as e:\n    print(e)\n"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    said = out.stdout.strip()
+    assert "rank(s) 1, 2 of 3 never joined" in said and "RINGREDUCE_START_TIMEOUT=1.5 s" in said, out
