@@ -294,6 +294,8 @@ def _check_movable(dtype: np.dtype) -> None:
     dtype = np.dtype(dtype)
     if dtype.hasobject or dtype.itemsize == 0 or dtype.kind == "T":
         raise TypeError(f"ringreduce cannot move dtype {dtype}: only fixed-size dtypes without Python objects")
+    if len(str(dtype).encode()) > 0xFFFF:  # the header's limit (_header_of), refused here before pairing stops
+        raise TypeError(f"dtype of {len(dtype.names or ())} fields is too complex to describe in a header")
 
 
 # A name longer than this is refused before it is sent (the header pass's blob cap is 64 MiB).

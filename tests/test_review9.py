@@ -157,3 +157,34 @@ def test_rank_0_names_the_ranks_that_never_joined(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     said = out.stdout.strip()
     assert "rank(s) 1, 2 of 3 never joined" in said and "RINGREDUCE_START_TIMEOUT=1.5 s" in said, out
+
+
+# A structured dtype too long to describe in a header (over 64 KiB of text)
+# on one rank: _header_of raised its TypeError after that rank had stopped
+# pairing, so the others' allgather met its next collective. Now the rank
+# refuses it up front and the others raise MismatchError naming it.
+HUGE_DTYPE = """
+r = rr.rank()
+huge = np.dtype([(f"field{i}", "u1") for i in range(6000)])
+x = np.zeros(2, huge) if r == 1 else np.zeros(2, np.uint8)
+result = {}
+try:
+    rr.allgather(x)
+    result["ag"] = "returned"
+except TypeError as e:
+    result["ag"] = ("TypeError", "too complex" in str(e))
+except rr.MismatchError as e:
+    result["ag"] = ("MismatchError", "rank 1" in str(e) and "too complex" in str(e))
+except Exception as e:
+    result["ag"] = ("other", type(e).__name__, str(e)[:200])
+result["next"] = rr.allreduce(np.full(2, 10.0 * (r + 1))).tolist()
+result["next2"] = rr.allreduce(np.full(2, 100.0 * (r + 1))).tolist()
+"""
+
+
+def test_a_dtype_too_long_for_the_header_on_one_rank_is_refused_and_the_next_calls_pair(tmp_path):
+    ranks = run_ranks(2, HUGE_DTYPE, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "10"})
+    assert ranks[1].result["ag"] == ("TypeError", True), ranks[1].result
+    assert ranks[0].result["ag"] == ("MismatchError", True), ranks[0].result
+    for x in ranks:
+        assert x.result["next"] == [30.0, 30.0] and x.result["next2"] == [300.0, 300.0], (x.rank, x.result)
