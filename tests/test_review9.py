@@ -188,3 +188,21 @@ def test_a_dtype_too_long_for_the_header_on_one_rank_is_refused_and_the_next_cal
     assert ranks[0].result["ag"] == ("MismatchError", True), ranks[0].result
     for x in ranks:
         assert x.result["next"] == [30.0, 30.0] and x.result["next2"] == [300.0, 300.0], (x.rank, x.result)
+
+
+# docs/horovod.md: "op=Adasum raises NotImplementedError"; the ops did, but
+# DistributedOptimizer and DistributedGradientTape raised ValueError, so
+# Horovod code that catches NotImplementedError to fall back missed it.
+@pytest.mark.parametrize("make", ["optimizer", "tape"])
+def test_adasum_in_the_optimizer_and_tape_is_not_implemented_as_documented(make):
+    pytest.importorskip("tensorflow")
+    import keras
+    import tensorflow as tf
+    import ringreduce.tensorflow as hvd
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        if make == "optimizer":
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
+        else:
+            hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="not gradient reductions"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Max)
