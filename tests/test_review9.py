@@ -226,3 +226,15 @@ def test_a_timeline_is_valid_json_when_the_script_just_ends(tmp_path):
     for path in (trace, tmp_path / "trace.rank1.json"):
         events = json.loads(path.read_text())
         assert any(e.get("name") == "ALLREDUCE" for e in events), path
+
+
+# ringrun --elastic-timeout nan was accepted (nan < 0 is false), a deadline
+# no comparison ever passes, where --timeout nan is refused. Now refused too.
+def test_ringrun_refuses_an_elastic_timeout_of_nan():
+    import subprocess
+    import sys
+    from ranks import REPO
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "ringreduce", "--elastic", "-np", "1", "--elastic-timeout", "nan",
+                          "true"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--elastic-timeout" in out.stderr, out
