@@ -238,3 +238,20 @@ def test_ringrun_refuses_an_elastic_timeout_of_nan():
     out = subprocess.run([sys.executable, "-m", "ringreduce", "--elastic", "-np", "1", "--elastic-timeout", "nan",
                           "true"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--elastic-timeout" in out.stderr, out
+
+
+# hvd.broadcast / allgather of a tf.string tensor failed in numpy with "Cannot
+# change data-type for array of references.", naming neither ringreduce nor
+# what to use instead. Now a TypeError says both.
+@pytest.mark.parametrize("op", ["broadcast(t, 0)", "allgather(t)"])
+def test_a_string_tensor_is_refused_saying_what_to_use(op):
+    pytest.importorskip("tensorflow")
+    import subprocess
+    import sys
+    from ranks import REPO
+    code = ("import tensorflow as tf, ringreduce.tensorflow as hvd\nhvd.init()\nt = tf.constant(['a', 'bc'])\n"
+            f"try:\n    hvd.{op}\nexcept TypeError as e:\n    print('TypeError:', e)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGREDUCE_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "TypeError: ringreduce cannot move tf.string" in out.stdout and "broadcast_object" in out.stdout, out

@@ -117,6 +117,9 @@ def _as_bytes(a):
     if a.dtype in _RING_DTYPES:
         return a, lambda b: b
     dtype, rest = a.dtype, a.shape[1:]
+    if dtype.hasobject:  # tf.string: numpy's own "Cannot change data-type for array of references" said nothing
+        raise TypeError("ringreduce cannot move tf.string (or other variable-size) tensors: only fixed-size "
+                        "dtypes; broadcast_object / allgather_object carry Python objects")
     raw = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
     return raw, lambda b: np.ascontiguousarray(b).view(dtype).reshape((b.shape[0],) + rest)
 
