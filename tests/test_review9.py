@@ -255,3 +255,45 @@ def test_a_string_tensor_is_refused_saying_what_to_use(op):
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "TypeError: ringreduce cannot move tf.string" in out.stdout and "broadcast_object" in out.stdout, out
+
+
+# An unnamed eager TF collective refused on one rank before the op was made
+# (root_rank not a rank, op=Adasum, splits of floats) left that rank's
+# per-kind numbering (naming.collective_name) one behind the others': its
+# next broadcast met the others' previous one, and returned the wrong tensor
+# without an error ([21] where [11] was sent). Now the rank takes the number
+# and refuses under it: the others raise MismatchError naming it at once.
+TF_EAGER_REFUSAL = """
+import tensorflow as tf
+import ringreduce.tensorflow as hvd
+hvd.init()
+r = hvd.rank()
+result = {}
+def attempt(tag, f):
+    try:
+        result[tag] = f()
+    except (ValueError, TypeError, NotImplementedError) as e:
+        result[tag] = ("own", type(e).__name__)
+    except hvd.MismatchError as e:
+        result[tag] = ("mismatch", "rank 1" in str(e) and "bad input" in str(e))
+attempt("root", lambda: hvd.broadcast(tf.constant([1.0 + r]), root_rank=5 if r == 1 else 0).numpy().tolist())
+attempt("bcast2", lambda: hvd.broadcast(tf.constant([10.0 + r]), root_rank=1).numpy().tolist())
+attempt("bcast3", lambda: hvd.broadcast(tf.constant([20.0 + r]), root_rank=1).numpy().tolist())
+attempt("adasum", lambda: hvd.allreduce(tf.constant([1.0]), op=hvd.Adasum if r == 1 else hvd.Sum).numpy().tolist())
+attempt("allreduce2", lambda: hvd.allreduce(tf.constant([1.0 + r]), op=hvd.Sum).numpy().tolist())
+attempt("splits", lambda: hvd.alltoall(tf.constant([1.0, 2.0]), splits=tf.constant([1.0, 1.0]) if r == 1
+                                       else tf.constant([1, 1]))[0].numpy().tolist())
+attempt("alltoall2", lambda: hvd.alltoall(tf.constant([1.0 + r, 5.0 + r])).numpy().tolist())
+"""
+
+
+def test_an_eager_tf_collective_refused_on_one_rank_keeps_the_numbering_in_step(tmp_path):
+    pytest.importorskip("tensorflow")
+    ranks = run_ranks(2, TF_EAGER_REFUSAL, tmp_path, timeout=180, env={"RINGREDUCE_TIMEOUT": "20"})
+    want_own = {"root": ("own", "ValueError"), "adasum": ("own", "NotImplementedError"), "splits": ("own", "TypeError")}
+    for x in ranks:
+        for tag in want_own:
+            assert x.result[tag] == (want_own[tag] if x.rank == 1 else ("mismatch", True)), (x.rank, tag, x.result)
+        assert x.result["bcast2"] == [11.0] and x.result["bcast3"] == [21.0], (x.rank, x.result)
+        assert x.result["allreduce2"] == [3.0], (x.rank, x.result)
+        assert x.result["alltoall2"] == ([1.0, 2.0] if x.rank == 0 else [5.0, 6.0]), (x.rank, x.result)
