@@ -264,6 +264,7 @@ def test_a_string_tensor_is_refused_saying_what_to_use(op):
 # without an error ([21] where [11] was sent). Now the rank takes the number
 # and refuses under it: the others raise MismatchError naming it at once.
 TF_EAGER_REFUSAL = """
+import threading
 import tensorflow as tf
 import ringreduce.tensorflow as hvd
 hvd.init()
@@ -272,10 +273,10 @@ result = {}
 def attempt(tag, f):
     try:
         result[tag] = f()
-    except (ValueError, TypeError, NotImplementedError) as e:
-        result[tag] = ("own", type(e).__name__)
     except hvd.MismatchError as e:
         result[tag] = ("mismatch", "rank 1" in str(e) and "bad input" in str(e))
+    except (ValueError, TypeError, NotImplementedError) as e:
+        result[tag] = ("own", type(e).__name__)
 attempt("root", lambda: hvd.broadcast(tf.constant([1.0 + r]), root_rank=5 if r == 1 else 0).numpy().tolist())
 attempt("bcast2", lambda: hvd.broadcast(tf.constant([10.0 + r]), root_rank=1).numpy().tolist())
 attempt("bcast3", lambda: hvd.broadcast(tf.constant([20.0 + r]), root_rank=1).numpy().tolist())
@@ -284,6 +285,11 @@ attempt("allreduce2", lambda: hvd.allreduce(tf.constant([1.0 + r]), op=hvd.Sum).
 attempt("splits", lambda: hvd.alltoall(tf.constant([1.0, 2.0]), splits=tf.constant([1.0, 1.0]) if r == 1
                                        else tf.constant([1, 1]))[0].numpy().tolist())
 attempt("alltoall2", lambda: hvd.alltoall(tf.constant([1.0 + r, 5.0 + r])).numpy().tolist())
+attempt("object_root", lambda: hvd.broadcast_object({"r": r}, root_rank=5 if r == 1 else 0))
+attempt("object2", lambda: hvd.broadcast_object({"second": r}, root_rank=1))
+attempt("object3", lambda: hvd.broadcast_object({"third": r}, root_rank=1))
+attempt("unpicklable", lambda: hvd.allgather_object(threading.Lock() if r == 1 else r))
+attempt("gathered", lambda: hvd.allgather_object(r))
 """
 
 
@@ -297,3 +303,7 @@ def test_an_eager_tf_collective_refused_on_one_rank_keeps_the_numbering_in_step(
         assert x.result["bcast2"] == [11.0] and x.result["bcast3"] == [21.0], (x.rank, x.result)
         assert x.result["allreduce2"] == [3.0], (x.rank, x.result)
         assert x.result["alltoall2"] == ([1.0, 2.0] if x.rank == 0 else [5.0, 6.0]), (x.rank, x.result)
+        assert x.result["object_root"] == (("own", "ValueError") if x.rank == 1 else ("mismatch", True))
+        assert x.result["object2"] == {"second": 1} and x.result["object3"] == {"third": 1}, (x.rank, x.result)
+        assert x.result["unpicklable"] == (("own", "TypeError") if x.rank == 1 else ("mismatch", True))
+        assert x.result["gathered"] == [0, 1], (x.rank, x.result)
