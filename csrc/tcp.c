@@ -71,6 +71,14 @@ static int64_t now_ms(void)
 static int prev_rank(const tcp_transport *t) { return (t->base.rank + t->base.size - 1) % t->base.size; }
 static int next_rank(const tcp_transport *t) { return (t->base.rank + 1) % t->base.size; }
 
+/* How a verdict from the star came: rank 0 relays the others' losses, but a
+ * verdict naming rank 0 is this rank's own star seeing that connection close
+ * (a dead rank 0 reports nothing). */
+static const char *star_said(int culprit)
+{
+    return culprit == 0 ? "its control connection closed" : "reported through rank 0";
+}
+
 /* The one place the verdict becomes an error. `saw`: what this rank itself
  * saw go wrong, or NULL; `own`: whether the culprit is this rank's own finding. */
 static int blame(tcp_transport *t, int culprit, int silent, int own, const char *saw, rr_error *err)
@@ -82,10 +90,10 @@ static int blame(tcp_transport *t, int culprit, int silent, int own, const char 
     else if (own)
         rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d: %s", culprit, saw);
     else if (saw)
-        rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0; rank %d saw: %s)",
-                     culprit, t->base.rank, saw);
+        rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (%s; rank %d saw: %s)",
+                     culprit, star_said(culprit), t->base.rank, saw);
     else
-        rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (reported through rank 0)", culprit);
+        rr_set_error(err, RR_E_PEER_LOST, culprit, "lost rank %d (%s)", culprit, star_said(culprit));
     return err->code;
 }
 

@@ -294,6 +294,8 @@ def _check_movable(dtype: np.dtype) -> None:
     dtype = np.dtype(dtype)
     if dtype.hasobject or dtype.itemsize == 0 or dtype.kind == "T":
         raise TypeError(f"ringreduce cannot move dtype {dtype}: only fixed-size dtypes without Python objects")
+    if len(str(dtype).encode()) > 0xFFFF:  # the header's limit (_header_of), refused here before pairing stops
+        raise TypeError(f"dtype of {len(dtype.names or ())} fields is too complex to describe in a header")
 
 
 # A name longer than this is refused before it is sent (the header pass's blob cap is 64 MiB).
@@ -830,6 +832,11 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
         _refuse(BROADCAST, exc, process_set)
         raise
     w = _lookup(process_set)
+    if not isinstance(root, (int, np.integer)):  # 0.0 == 0 would pass `in` below, then fail in struct.pack
+        # on one rank but hit another's cached header for 0 (_header_of): their collectives one off
+        problem = TypeError(f"root must be an integer rank, not {type(root).__name__} {root!r}")
+        _refuse(BROADCAST, problem, process_set)
+        raise problem
     if root not in w.ranks:  # refused outside the ring's lock, which _refuse takes after _state.lock
         problem = ValueError(f"root {root} is not a rank of this world of {w.size}" if w is _state.ring
                              else f"root {root} is not a member of process set {process_set.process_set_id} "
@@ -867,7 +874,11 @@ def _read_splits(splits) -> tuple:
     a = np.asarray(splits)
     if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
         raise TypeError(f"alltoall splits must be a 1-d sequence of integers, not {a.dtype} of shape {a.shape}")
-    return tuple(int(v) for v in a)
+    given = tuple(int(v) for v in a)
+    if any(v >= 1 << 63 for v in given):  # uint64 splits pass the integer check; the header's int64 would refuse
+        # with a struct.error on this rank alone, after the refusal window: the others one collective off
+        raise ValueError(f"alltoall splits must fit in int64; got {max(given)}")
+    return given
 
 
 def _split_matrix(heads, n: int) -> list:

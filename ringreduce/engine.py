@@ -596,4 +596,5 @@ def join() -> int:
     complete with this rank adding zeros (avg still divides by every rank);
     other collectives raise MismatchError. Returns, on every rank, the rank
     that joined last."""
+    _c._require_world()  # else a fresh engine fails to start: "stopped after an earlier error", misleading
     return engine().join()

@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"-H: {exc}")
         max_restarts = 100 if args.max_restarts is None else args.max_restarts
         elastic_timeout = 600.0 if args.elastic_timeout is None else args.elastic_timeout
-        if max_restarts < 0 or elastic_timeout < 0:
-            parser.error("--max-restarts and --elastic-timeout must not be negative")
+        if max_restarts < 0 or not elastic_timeout >= 0:  # nan too: no deadline would ever pass
+            parser.error("--max-restarts and --elastic-timeout must not be negative (nor --elastic-timeout nan)")
         ending = elastic_launcher.run(elastic_launcher.Options(
             args.np, min_np, max_np, max_restarts, elastic_timeout, args.host_discovery_script,
             args.hosts, args.timeout, args.ssh), args.command)

@@ -7,6 +7,7 @@ where the core reports them) and the caller's WAIT.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -26,6 +27,7 @@ class Timeline:
             self._file = open(f"{root}.rank{rank}{ext or '.json'}" if rank != "0" else path, "w")
             self._file.write("[\n")
             self._pid = int(rank)
+            atexit.register(self.close)  # a script that never shuts the engine down still ends with valid JSON
 
     def _us(self, t: float | None = None) -> float:
         return (time.monotonic() if t is None else t) * 1e6
@@ -76,6 +78,7 @@ class Timeline:
             self._emit({"name": name, "ph": "C", "ts": self._us(), "pid": self._pid, "args": values})
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         if self._file:
             with self._lock:
                 self._file.write("{}]\n")

@@ -634,7 +634,14 @@ def _gather_at_root(world: World, key: bytes, listener: socket.socket, my_port: 
                 if ctrl[r] is not None:
                     return f"rank {r} has already joined"
                 return None
-            conn, hello = acceptor.expect(check, deadline, "every rank to join")
+            try:
+                conn, hello = acceptor.expect(check, deadline, "every rank to join")
+            except RingReduceError as exc:  # the timeout: say who is missing, and the setting that waited
+                missing = ", ".join(str(r) for r in range(1, world.size) if ctrl[r] is None)
+                raise RingReduceError(
+                    f"{exc}: rank(s) {missing} of {world.size} never joined within RINGREDUCE_START_TIMEOUT="
+                    f"{world.config.start_timeout:g} s; start every rank with the same world size and rank 0's "
+                    f"address (port {listener.getsockname()[1]}), or raise RINGREDUCE_START_TIMEOUT") from None
             r = hello["rank"]
             ctrl[r] = conn
             table[r] = [conn.getpeername()[0], hello["port"]]

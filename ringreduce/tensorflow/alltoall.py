@@ -11,7 +11,7 @@ from .async_op import async_call, in_tf1_graph
 from .basics import check_process_set, global_process_set
 from .errors import raising_tf_errors
 from .naming import collective_name
-from .ops import run_collective
+from .ops import refuse_eagerly, run_collective
 
 
 def _alltoall_op(x, splits, name, ps):
@@ -51,7 +51,9 @@ def alltoall(tensor, splits=None, name: str | None = None, process_set=global_pr
     if splits is not None:
         splits = tf.convert_to_tensor(splits)
         if splits.dtype not in (tf.int32, tf.int64):
-            raise TypeError(f"alltoall splits must be int32 or int64, not {splits.dtype.name}")
+            problem = TypeError(f"alltoall splits must be int32 or int64, not {splits.dtype.name}")
+            refuse_eagerly("Alltoall", "alltoall", name, ps, problem)
+            raise problem
 
     @tf.custom_gradient
     def _alltoall(x):

@@ -51,6 +51,8 @@ def init(comm=None, process_sets=None, backend: str | None = None) -> None:
         process_sets = None
     if isinstance(comm, (list, tuple)):
         raise NotImplementedError("init(comm=[ranks]): pass an mpi4py communicator instead")
+    from .overlap import overlap_enabled  # overlap imports this module
+    overlap_enabled()  # a RINGREDUCE_OVERLAP that makes no sense is refused here, as rr.init does its settings
     rr.init(backend=backend, comm=comm)
     _learn_layout()
     for ps in process_sets or ():  # as Horovod: registered at init, in order, on every rank

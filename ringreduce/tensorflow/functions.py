@@ -13,7 +13,7 @@ import ringreduce as rr
 from .basics import check_process_set, global_process_set
 from .errors import raising_tf_errors
 from .naming import collective_name
-from .ops import run_collective
+from .ops import refuse, run_collective
 
 
 def _dumps(obj) -> np.ndarray:
@@ -25,10 +25,14 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     """Root's obj on every rank of the set (any picklable object; the others'
     obj is ignored). root_rank is a world rank, a member of the set."""
     ps = check_process_set(process_set)
-    if root_rank not in ps.ranks:
-        raise ValueError(f"root_rank {root_rank!r} is not a rank of {ps}")
-    label = collective_name("broadcast_object", name, ps)
-    data = _dumps(obj) if rr.rank() == root_rank else np.zeros(0, dtype=np.uint8)
+    label = collective_name("broadcast_object", name, ps)  # first: a refusal below keeps the numbering in step
+    try:
+        if root_rank not in ps.ranks:
+            raise ValueError(f"root_rank {root_rank!r} is not a rank of {ps}")
+        data = _dumps(obj) if rr.rank() == root_rank else np.zeros(0, dtype=np.uint8)
+    except Exception as exc:  # unpicklable too: the others meet a refusal, not RINGREDUCE_TIMEOUT
+        refuse(f"{label}.length", "broadcast", ps, exc)
+        raise
     length = run_collective(f"{label}.length", np.array([data.size], dtype=np.int64), "broadcast", ps,
                             root=root_rank)
     if rr.rank() != root_rank:
@@ -46,7 +50,11 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
     """Every rank's obj (of the set), as a list in rank order."""
     ps = check_process_set(process_set)
     label = collective_name("allgather_object", name, ps)
-    data = _dumps(obj)
+    try:
+        data = _dumps(obj)
+    except Exception as exc:  # an unpicklable object: the others meet a refusal, not RINGREDUCE_TIMEOUT
+        refuse(f"{label}.lengths", "allgather", ps, exc)
+        raise
     lengths = run_collective(f"{label}.lengths", np.array([data.size], dtype=np.int64), "allgather", ps)
     gathered = run_collective(label, data, "allgather", ps).tobytes()
     ends = np.cumsum(lengths)

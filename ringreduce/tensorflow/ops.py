@@ -84,6 +84,34 @@ def run_collective(name: str, array, kind: str, process_set, op: str = "sum", ro
     return eng.wait(eng.enqueue(name, array, op=op, kind=kind, root=root, process_set=process_set, **extra))
 
 
+def refuse(label: str, kind: str, ps, problem: Exception) -> None:
+    """This rank's own bad argument, found before its request reached the
+    engine: it still meets the others' request of that name, as a refusal
+    (Engine._refuse), so they raise MismatchError naming this rank at once
+    instead of waiting RINGREDUCE_TIMEOUT for it. The caller then raises."""
+    if not rr.is_initialized():
+        return
+    eng = engine()
+    group = None if ps is None or ps.process_set_id == 0 else ps
+    eng._refuse(label, kind, 0 if group is None else group.process_set_id, group, problem)
+
+
+def refuse_eagerly(kind_label: str, kind: str, name, process_set, problem: Exception) -> None:
+    """As refuse, for a problem found before the op is made (op, root_rank,
+    splits' dtype): eagerly, an unnamed collective takes its number here, as
+    on the ranks that went on (collective_name): without it this rank's
+    numbering fell one behind, and its next collective of the kind paired
+    with the others' previous one: silently the wrong tensor. In a
+    tf.function the names are fixed at trace time: nothing to keep in step."""
+    if not tf.executing_eagerly():
+        return
+    try:
+        ps = check_process_set(process_set)
+    except (TypeError, ValueError):
+        return  # not a set this rank runs collectives on: nothing of the others to meet
+    refuse(collective_name(kind_label, name, ps), kind, ps, problem)
+
+
 # --------------------------------------------------------------------------- arguments
 
 
@@ -117,6 +145,9 @@ def _as_bytes(a):
     if a.dtype in _RING_DTYPES:
         return a, lambda b: b
     dtype, rest = a.dtype, a.shape[1:]
+    if dtype.hasobject:  # tf.string: numpy's own "Cannot change data-type for array of references" said nothing
+        raise TypeError("ringreduce cannot move tf.string (or other variable-size) tensors: only fixed-size "
+                        "dtypes; broadcast_object / allgather_object carry Python objects")
     raw = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
     return raw, lambda b: np.ascontiguousarray(b).view(dtype).reshape((b.shape[0],) + rest)
 
@@ -154,7 +185,11 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     the same allreduce of the incoming gradient. IndexedSlices are
     allgathered (Sum, Average only). device_* are accepted and ignored: a
     tensor is reduced where it lives."""
-    op = _reduce_op(op, average)
+    try:
+        op = _reduce_op(op, average)
+    except (NotImplementedError, ValueError) as exc:
+        refuse_eagerly("Allreduce", "allreduce", name, process_set, exc)
+        raise
     ps = check_process_set(process_set)
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor * postscale_factor, ps)
@@ -228,7 +263,11 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def _gather_array(a, name, ps):
     a = a.reshape(1) if a.ndim == 0 else a
-    raw, undo = _as_bytes(a)
+    try:
+        raw, undo = _as_bytes(a)
+    except TypeError as exc:
+        refuse(name, "allgather", ps, exc)
+        raise
     return undo(run_collective(name, raw, "allgather", ps))
 
 
@@ -245,7 +284,9 @@ def broadcast(tensor, root_rank=0, name=None, process_set=global_process_set):
     averaged over ranks, at the root; zeros elsewhere."""
     ps = check_process_set(process_set)
     if root_rank not in ps.ranks:
-        raise ValueError(f"root_rank {root_rank!r} is not a rank of {ps}")
+        problem = ValueError(f"root_rank {root_rank!r} is not a rank of {ps}")
+        refuse_eagerly("Broadcast", "broadcast", name, ps, problem)
+        raise problem
     tensor = tf.convert_to_tensor(tensor)
 
     @tf.custom_gradient
@@ -267,7 +308,11 @@ def broadcast(tensor, root_rank=0, name=None, process_set=global_process_set):
 
 def _broadcast_array(a, root, name, ps):
     shape = a.shape
-    raw, undo = _as_bytes(a.reshape(1) if a.ndim == 0 else a)
+    try:
+        raw, undo = _as_bytes(a.reshape(1) if a.ndim == 0 else a)
+    except TypeError as exc:
+        refuse(name, "broadcast", ps, exc)
+        raise
     return undo(run_collective(name, raw, "broadcast", ps, root=root)).reshape(shape)
 
 
@@ -357,7 +402,11 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     (dimension 0 split as Horovod splits it: with r rows on n ranks, the first
     r % n ranks get one row more). Gradient, as Horovod defines it: the
     incoming gradients allgathered, times size for Sum."""
-    op = _reduce_op(op, None)
+    try:
+        op = _reduce_op(op, None)
+    except (NotImplementedError, ValueError) as exc:
+        refuse_eagerly("Reducescatter", "reducescatter_rows", name, process_set, exc)
+        raise
     ps = check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
     wire, ctx = compression.compress(tensor)

@@ -152,7 +152,12 @@ def _set_of(process_set):
 
 
 def overlap_enabled() -> bool:
-    return os.environ.get("RINGREDUCE_OVERLAP", "1") != "0"
+    """RINGREDUCE_OVERLAP: 1 (default) or 0; anything else ("off", "false")
+    would have left the overlap on silently, so it is refused, named."""
+    text = os.environ.get("RINGREDUCE_OVERLAP", "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"RINGREDUCE_OVERLAP={text!r} makes no sense: use 0 or 1")
+    return text != "0"
 
 
 def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.none,
