@@ -7,6 +7,8 @@ the same data; final test accuracy and the loss curves.
     .venv/bin/python benchmarks/compression_accuracy.py --quick         # a few steps, into /tmp
     .venv/bin/python benchmarks/compression_accuracy.py --tasks synthetic --seeds 0,1,2 \
         --compressions "none;powersgd:rank=4;int8"                    # the spread over seeds
+    .venv/bin/python benchmarks/compression_accuracy.py --tasks synthetic --seeds 0 --decay cosine \
+        --compressions "none;powersgd:rank=4,warmup_steps=26"         # the learning rate to zero at the end
 
 Tasks:
   digits     scikit-learn's 8x8 digits (1797 images; 360 held out), an MLP
