@@ -12,14 +12,20 @@ static const char *map_region(int pid, int fd, size_t need, size_t *length)
 {
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
-    int f = open(path, O_RDONLY | O_CLOEXEC);
-    if (f < 0) return NULL;
+    /* Only a regular file is opened: opening a FIFO there waits for a
+     * writer (for ever), a device may act on open. O_NONBLOCK covers one
+     * swapped in between the two calls. */
     struct stat st;
+    if (stat(path, &st) != 0 || !S_ISREG(st.st_mode)) return NULL;
+    int f = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    if (f < 0) return NULL;
     const char *base = NULL;
     /* Sealed against shrinking (shared_region.c does so), or a read could
-     * fault past a shrunk end; and as large as the sender said. */
-    if (fstat(f, &st) == 0 && S_ISREG(st.st_mode) && (size_t)st.st_size >= need && st.st_size > 0 &&
-        (fcntl(f, F_GET_SEALS) & F_SEAL_SHRINK)) {
+     * fault past a shrunk end; and as large as the sender said. A file
+     * that cannot be sealed answers F_GET_SEALS with -1: every bit set. */
+    const int seals = fcntl(f, F_GET_SEALS);
+    if (fstat(f, &st) == 0 && S_ISREG(st.st_mode) && (size_t)st.st_size >= need && st.st_size > 0 && seals >= 0 &&
+        (seals & F_SEAL_SHRINK)) {
         void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, f, 0);
         if (p != MAP_FAILED) {
             base = p;

@@ -1,0 +1,65 @@
+"""review10: hostile-neighbour and lifetime cases of the shared arrays and
+the Cross Memory Attach reader's mapped read (csrc/peer_map.c,
+csrc/shared_region.c), beyond tests/test_shared_arrays.py.
+
+Rank 0 puts something else at its region's fd number (its array's own
+mapping does not need the fd), as a confused or hostile process would: its
+neighbour must never map that thing (wrong data, SIGBUS on a shrink) nor
+block opening it; it reads by process_vm_readv instead, the same bits.
+"""
+import os
+
+import pytest
+
+from test_shared_arrays import run
+
+REPLACED = """
+import os, tempfile
+comm = C._state.comm
+n, r = rr.size(), rr.rank()
+x = rr.shared_empty(n * (1 << 19) + 3, np.float64)
+region = x.base.base
+keep = []
+if r == 0:
+    what = os.environ["REPLACE_WITH"]
+    if what == "regular_file":
+        # a plain file (F_GET_SEALS fails on it: -1 has every bit set),
+        # as long as the region and full of garbage
+        f = tempfile.TemporaryFile(dir=os.environ["RR_TMP"])
+        f.write(b"\\x7f" * region.length)
+        f.flush()
+        other = os.dup(f.fileno())
+        keep.append(f)
+    elif what == "fifo":
+        # a named FIFO with no writer: opening it for reading through
+        # /proc/<pid>/fd blocks until a writer comes, i.e. for ever
+        path = os.path.join(os.environ["RR_TMP"], "fifo")
+        os.mkfifo(path)
+        other = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    else:
+        # another live shared region of the same size, sealed, with
+        # other bytes: the fd names a region, just not this one
+        y = rr.shared_empty(x.size, np.float64)
+        y[:] = -1.0
+        keep.append(y)
+        other = os.dup(y.base.base.fd)
+    os.dup2(other, region.fd)
+    os.close(other)
+result = []
+for i in range(3):
+    x[:] = np.arange(x.size) * (r + 1) + i
+    before = comm.mapped_ops()
+    got = rr.allreduce(x, out=x)
+    want = np.arange(x.size, dtype=np.float64) * (n * (n + 1) // 2) + i * n
+    result.append((got.tobytes() == want.tobytes(), comm.mapped_ops() - before))
+"""
+
+
+@pytest.mark.parametrize("replace_with", ["regular_file", "fifo"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_region_fd_naming_something_else_is_never_mapped(tmp_path, n, replace_with):
+    ranks = run(n, REPLACED, tmp_path, env={"REPLACE_WITH": replace_with, "RR_TMP": str(tmp_path)}, timeout=60)
+    for r in ranks:
+        # rank 1 reads rank 0's buffer: by process_vm_readv (no mapped op);
+        # the others map their neighbour's region as before
+        assert r.result == [(True, 0 if r.rank == 1 else 1)] * 3, (r.rank, r.result)
