@@ -55,7 +55,7 @@ for i in range(3):
 """
 
 
-@pytest.mark.parametrize("replace_with", ["regular_file", "fifo"])
+@pytest.mark.parametrize("replace_with", ["regular_file", "fifo", "other_region"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_region_fd_naming_something_else_is_never_mapped(tmp_path, n, replace_with):
     ranks = run(n, REPLACED, tmp_path, env={"REPLACE_WITH": replace_with, "RR_TMP": str(tmp_path)}, timeout=60)
@@ -63,3 +63,28 @@ def test_a_region_fd_naming_something_else_is_never_mapped(tmp_path, n, replace_
         # rank 1 reads rank 0's buffer: by process_vm_readv (no mapped op);
         # the others map their neighbour's region as before
         assert r.result == [(True, 0 if r.rank == 1 else 1)] * 3, (r.rank, r.result)
+
+
+def test_a_forked_child_draws_region_ids_of_its_own():
+    # A neighbour caches its mappings by (pid, region id). A child of fork()
+    # inherited its parent's id counter and handed out the parent's next
+    # ids: two siblings forked from one parent, the second given the
+    # first's pid once it died, named their first regions alike, and the
+    # neighbour read the dead sibling's region from its cache.
+    import ringreduce as rr
+    a = rr.shared_empty(4)  # the parent has drawn its ids
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.write(w, str(rr.shared_empty(4).base.base.id).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        child_id = int(f.read())
+    os.waitpid(pid, 0)
+    mine = rr.shared_empty(4).base.base.id
+    assert child_id != mine
+    assert child_id >> 32 != a.base.base.id >> 32, "the child should draw new random high bits"
+    assert rr.is_shared(a)
