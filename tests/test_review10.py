@@ -88,3 +88,35 @@ def test_a_forked_child_draws_region_ids_of_its_own():
     assert child_id != mine
     assert child_id >> 32 != a.base.base.id >> 32, "the child should draw new random high bits"
     assert rr.is_shared(a)
+
+
+def test_a_neighbour_allocating_a_new_array_each_step_is_not_held_sixteen_times(tmp_path):
+    # The reader's cache (16 mappings a ring) only dropped an entry when it
+    # was the least recently used one: a neighbour that allocates a fresh
+    # shared array every step (shared_empty_like(grad)) had its last 16
+    # dead arrays kept alive here, 16 times the memory. A miss now drops
+    # the entries whose region that neighbour has freed.
+    ranks = run(2, """
+import gc
+comm = C._state.comm
+n, r = rr.size(), rr.rank()
+ok = True
+for i in range(20):
+    t = rr.shared_empty(n * (1 << 18) + 1, np.float64)
+    t[:] = r + i
+    before = comm.mapped_ops()
+    rr.allreduce(t, out=t)
+    ok = ok and bool(np.all(t == 2 * i + 1)) and comm.mapped_ops() - before == 1
+    del t
+    gc.collect()
+# the neighbour's regions mapped here read-only (ours are read-write)
+with open("/proc/self/maps") as f:
+    held = sum(1 for line in f if "ringreduce-shared" in line and line.split()[1] == "r--s")
+result = (ok, held)
+""", tmp_path)
+    for r in ranks:
+        ok, held = r.result
+        assert ok, (r.rank, r.result)
+        # the last array's region, and the one before (a miss never drops
+        # the entry returned last: the operation may be reading it)
+        assert held <= 2, (r.rank, "dead regions of the neighbour still mapped here", held)
