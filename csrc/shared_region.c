@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 typedef struct {
@@ -56,6 +57,12 @@ void *rr_region_create(size_t bytes, size_t *length, uint64_t *id)
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
     if (bytes > SIZE_MAX - page) { errno = ENOMEM; return NULL; }
     size_t n = bytes ? (bytes + page - 1) / page * page : page;
+    /* A memfd's pages come at first touch: a region larger than memory and
+     * swap would be handed out and kill the process (or the OOM killer's
+     * pick) when written. Refused as numpy's np.empty refuses it. */
+    struct sysinfo si;
+    if (sysinfo(&si) == 0 && si.mem_unit &&
+        n / si.mem_unit > (size_t)si.totalram + (size_t)si.totalswap) { errno = ENOMEM; return NULL; }
     int fd = memfd_create("ringreduce-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return NULL;
     /* Sealed at its size: a reader's mapping can never run past the end

@@ -120,3 +120,18 @@ result = (ok, held)
         # the last array's region, and the one before (a miss never drops
         # the entry returned last: the operation may be reading it)
         assert held <= 2, (r.rank, "dead regions of the neighbour still mapped here", held)
+
+
+def test_a_region_larger_than_memory_and_swap_is_a_memory_error():
+    # A memfd's pages come at first touch: twice memory and swap was handed
+    # out as an array (np.empty refuses it), and writing it killed the
+    # process or another.
+    import numpy as np
+
+    import ringreduce as rr
+    with open("/proc/meminfo") as f:
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    too_big = 2 * (kib["MemTotal"] + kib["SwapTotal"]) * 1024
+    with pytest.raises(MemoryError):
+        rr.shared_empty(too_big, np.uint8)
+    assert rr.shared_empty(1 << 20, np.uint8).nbytes == 1 << 20
