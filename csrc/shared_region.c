@@ -119,7 +119,10 @@ void rr_region_free(void *base)
     pthread_mutex_unlock(&mu);
     if (!gone.base) return;
     munmap(gone.base, gone.length);
-    close(gone.fd);
+    /* Only while the number is still our memfd: a child that closed what it
+     * inherited (closerange) may have opened its ring's sockets there. */
+    struct stat st;
+    if (fstat(gone.fd, &st) == 0 && st.st_dev == gone.dev && st.st_ino == gone.ino) close(gone.fd);
 }
 
 rr_region_ref rr_region_find(const void *p, size_t n)

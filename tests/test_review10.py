@@ -135,3 +135,24 @@ def test_a_region_larger_than_memory_and_swap_is_a_memory_error():
     with pytest.raises(MemoryError):
         rr.shared_empty(too_big, np.uint8)
     assert rr.shared_empty(1 << 20, np.uint8).nbytes == 1 << 20
+
+
+def test_freeing_an_array_never_closes_a_file_that_took_its_fd_number(tmp_path):
+    # A forked child that closes what it inherited (os.closerange) and
+    # opens its own files (its ring's sockets) gets the regions' fd numbers
+    # back; freeing the inherited array then closed that file.
+    import gc
+
+    import numpy as np
+
+    import ringreduce as rr
+    a = rr.shared_empty(16, np.float64)
+    fd = a.base.base.fd
+    os.close(fd)
+    f = open(tmp_path / "other", "wb")
+    assert f.fileno() == fd  # the lowest free number
+    del a
+    gc.collect()
+    os.fstat(fd)  # EBADF before: the region closed it
+    f.write(b"still open")
+    f.close()
