@@ -6,6 +6,8 @@ Rank 0 puts something else at its region's fd number (its array's own
 mapping does not need the fd), as a confused or hostile process would: its
 neighbour must never map that thing (wrong data, SIGBUS on a shrink) nor
 block opening it; it reads by process_vm_readv instead, the same bits.
+Then: a forked child's region ids, the reader's cache of freed regions, a
+region larger than memory, and freeing a region whose fd number was reused.
 """
 import os
 
