@@ -8,22 +8,27 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char *map_region(int pid, int fd, size_t need, size_t *length)
+static const char *map_region(int pid, int fd, size_t need, size_t *length, struct stat *st)
 {
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
-    int f = open(path, O_RDONLY | O_CLOEXEC);
+    /* Only a regular file is opened: opening a FIFO there waits for a
+     * writer (for ever), a device may act on open. O_NONBLOCK covers one
+     * swapped in between the two calls. */
+    if (stat(path, st) != 0 || !S_ISREG(st->st_mode)) return NULL;
+    int f = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (f < 0) return NULL;
-    struct stat st;
     const char *base = NULL;
     /* Sealed against shrinking (shared_region.c does so), or a read could
-     * fault past a shrunk end; and as large as the sender said. */
-    if (fstat(f, &st) == 0 && S_ISREG(st.st_mode) && (size_t)st.st_size >= need && st.st_size > 0 &&
-        (fcntl(f, F_GET_SEALS) & F_SEAL_SHRINK)) {
-        void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, f, 0);
+     * fault past a shrunk end; and as large as the sender said. A file
+     * that cannot be sealed answers F_GET_SEALS with -1: every bit set. */
+    const int seals = fcntl(f, F_GET_SEALS);
+    if (fstat(f, st) == 0 && S_ISREG(st->st_mode) && (size_t)st->st_size >= need && st->st_size > 0 && seals >= 0 &&
+        (seals & F_SEAL_SHRINK)) {
+        void *p = mmap(NULL, (size_t)st->st_size, PROT_READ, MAP_SHARED, f, 0);
         if (p != MAP_FAILED) {
             base = p;
-            *length = (size_t)st.st_size;
+            *length = (size_t)st->st_size;
         }
     }
     close(f);
@@ -43,11 +48,27 @@ const char *rr_peer_map(rr_peer_maps *maps, int pid, uint64_t id, int fd, size_t
         }
         if (e->used < victim->used) victim = e;
     }
+    /* A new region of pid: drop those it has freed since (one stat each,
+     * on a miss only); never the one returned last, which the operation
+     * may be reading (its src, this its buf). */
+    for (int i = 0; i < RR_PEER_MAPS; i++) {
+        rr_peer_mapping *e = &maps->entry[i];
+        struct stat st;
+        char path[64];
+        if (!e->id || e->pid != pid || e->used == maps->clock) continue;
+        snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, e->fd);
+        if (stat(path, &st) == 0 && (uint64_t)st.st_dev == e->dev && (uint64_t)st.st_ino == e->ino) continue;
+        munmap((void *)e->base, e->length);
+        *e = (rr_peer_mapping){0};
+        victim = e;
+    }
     size_t length = 0;
-    const char *base = map_region(pid, fd, need, &length);
+    struct stat st;
+    const char *base = map_region(pid, fd, need, &length, &st);
     if (!base) return NULL;
     if (victim->id) munmap((void *)victim->base, victim->length);
-    *victim = (rr_peer_mapping){.pid = pid, .id = id, .base = base, .length = length, .used = ++maps->clock};
+    *victim = (rr_peer_mapping){.pid = pid, .id = id, .base = base, .length = length, .used = ++maps->clock,
+                                .fd = fd, .dev = (uint64_t)st.st_dev, .ino = (uint64_t)st.st_ino};
     return base;
 }
 

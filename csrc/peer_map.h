@@ -3,7 +3,9 @@
  * them: opened through /proc/<pid>/fd/<memfd> (the same ptrace check as
  * process_vm_readv) and kept in a small LRU cache by (pid, region id). A
  * region id is never reused, so a stale entry is memory held, never wrong
- * data. */
+ * data; each miss drops the entries of that pid whose region it has freed
+ * (its fd no longer names that memfd), so a neighbour that allocates a new
+ * array every step does not have up to 16 dead ones held here. */
 #ifndef RINGREDUCE_PEER_MAP_H
 #define RINGREDUCE_PEER_MAP_H
 
@@ -18,6 +20,8 @@ typedef struct {
     const char *base;
     size_t length;
     uint64_t used;     /* the LRU clock when last returned */
+    int fd;            /* the region's memfd in pid, and its identity: while */
+    uint64_t dev, ino; /* /proc/<pid>/fd/<fd> is it, the region is alive there */
 } rr_peer_mapping;
 
 typedef struct {

@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 typedef struct {
@@ -15,6 +17,8 @@ typedef struct {
     size_t length;
     uint64_t id;
     int fd;
+    dev_t dev; /* the memfd's identity: the fd number may come to name */
+    ino_t ino; /* something else (os.dup2, a close and a reuse) */
 } region;
 
 /* Few live regions (a model's gradient buffers), freed from any thread by
@@ -23,6 +27,20 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static region *regions;
 static size_t count, capacity;
 static uint64_t next_id;
+
+/* A child of fork() draws new random high bits: with its parent's it would
+ * hand out the ids its parent does, and a neighbour whose cache holds
+ * (pid, id) from an earlier process of that pid (its sibling) would read
+ * that dead region's bytes. The lock keeps the registry whole across fork. */
+static void before_fork(void) { pthread_mutex_lock(&mu); }
+static void after_fork_parent(void) { pthread_mutex_unlock(&mu); }
+static void after_fork_child(void)
+{
+    next_id = 0;
+    pthread_mutex_unlock(&mu);
+}
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void watch_fork(void) { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
 
 static uint64_t new_id(void)
 {
@@ -39,6 +57,12 @@ void *rr_region_create(size_t bytes, size_t *length, uint64_t *id)
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
     if (bytes > SIZE_MAX - page) { errno = ENOMEM; return NULL; }
     size_t n = bytes ? (bytes + page - 1) / page * page : page;
+    /* A memfd's pages come at first touch: a region larger than memory and
+     * swap would be handed out and kill the process (or the OOM killer's
+     * pick) when written. Refused as numpy's np.empty refuses it. */
+    struct sysinfo si;
+    if (sysinfo(&si) == 0 && si.mem_unit &&
+        n / si.mem_unit > (size_t)si.totalram + (size_t)si.totalswap) { errno = ENOMEM; return NULL; }
     int fd = memfd_create("ringreduce-shared", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return NULL;
     /* Sealed at its size: a reader's mapping can never run past the end
@@ -50,13 +74,15 @@ void *rr_region_create(size_t bytes, size_t *length, uint64_t *id)
         errno = e;
         return NULL;
     }
-    char *base = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    struct stat st;
+    char *base = fstat(fd, &st) == 0 ? mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
     if (base == MAP_FAILED) {
         int e = errno;
         close(fd);
         errno = e;
         return NULL;
     }
+    pthread_once(&fork_once, watch_fork);
     pthread_mutex_lock(&mu);
     if (count == capacity) {
         size_t c = capacity ? 2 * capacity : 16;
@@ -72,7 +98,7 @@ void *rr_region_create(size_t bytes, size_t *length, uint64_t *id)
         capacity = c;
     }
     region *g = &regions[count++];
-    *g = (region){.base = base, .length = n, .id = new_id(), .fd = fd};
+    *g = (region){.base = base, .length = n, .id = new_id(), .fd = fd, .dev = st.st_dev, .ino = st.st_ino};
     *length = n;
     *id = g->id;
     pthread_mutex_unlock(&mu);
@@ -93,7 +119,10 @@ void rr_region_free(void *base)
     pthread_mutex_unlock(&mu);
     if (!gone.base) return;
     munmap(gone.base, gone.length);
-    close(gone.fd);
+    /* Only while the number is still our memfd: a child that closed what it
+     * inherited (closerange) may have opened its ring's sockets there. */
+    struct stat st;
+    if (fstat(gone.fd, &st) == 0 && st.st_dev == gone.dev && st.st_ino == gone.ino) close(gone.fd);
 }
 
 rr_region_ref rr_region_find(const void *p, size_t n)
@@ -104,6 +133,11 @@ rr_region_ref rr_region_find(const void *p, size_t n)
     for (size_t i = 0; i < count; i++) {
         const region *g = &regions[i];
         if (c >= g->base && c <= g->base + g->length && n <= (size_t)(g->base + g->length - c)) {
+            /* A neighbour opens the fd named in the token: only while it
+             * still names this region's memfd (else it reads by
+             * process_vm_readv). */
+            struct stat st;
+            if (fstat(g->fd, &st) != 0 || st.st_dev != g->dev || st.st_ino != g->ino) break;
             ref = (rr_region_ref){.id = g->id, .offset = (uint64_t)(c - g->base), .fd = g->fd};
             break;
         }

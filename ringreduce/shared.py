@@ -70,7 +70,7 @@ def shared_empty_like(a, dtype=None) -> np.ndarray:
 
 def is_shared(a) -> bool:
     """Whether all of a's bytes lie in one live region from shared_empty
-    (so the mapped read can serve it)."""
+    whose fd still names its memfd (so the mapped read can serve it)."""
     if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
         return False
     return _core.SharedRegion.region_of(a.ctypes.data, a.nbytes) != 0
