@@ -5,7 +5,9 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/mman.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 static const char *map_region(int pid, int fd, size_t need, size_t *length, struct stat *st)
@@ -23,8 +25,11 @@ static const char *map_region(int pid, int fd, size_t need, size_t *length, stru
      * fault past a shrunk end; and as large as the sender said. A file
      * that cannot be sealed answers F_GET_SEALS with -1: every bit set. */
     const int seals = fcntl(f, F_GET_SEALS);
+    /* And on tmpfs, as memfd_create makes it: a hugetlbfs file reads with
+     * SIGBUS once the huge-page pool runs dry. */
+    struct statfs fs;
     if (fstat(f, st) == 0 && S_ISREG(st->st_mode) && (size_t)st->st_size >= need && st->st_size > 0 && seals >= 0 &&
-        (seals & F_SEAL_SHRINK)) {
+        (seals & F_SEAL_SHRINK) && fstatfs(f, &fs) == 0 && fs.f_type == TMPFS_MAGIC) {
         void *p = mmap(NULL, (size_t)st->st_size, PROT_READ, MAP_SHARED, f, 0);
         if (p != MAP_FAILED) {
             base = p;

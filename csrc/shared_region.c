@@ -10,6 +10,7 @@
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/sysinfo.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef struct {
@@ -46,7 +47,11 @@ static uint64_t new_id(void)
 {
     if (!next_id) {
         uint32_t r = 0;
-        if (getrandom(&r, sizeof r, GRND_NONBLOCK) != sizeof r) r = (uint32_t)getpid() * 2654435761u;
+        if (getrandom(&r, sizeof r, GRND_NONBLOCK) != sizeof r) { /* the time too: a reused pid gets other ids */
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            r = ((uint32_t)getpid() ^ (uint32_t)ts.tv_nsec ^ (uint32_t)ts.tv_sec) * 2654435761u;
+        }
         next_id = (uint64_t)r << 32;
     }
     return ++next_id; /* never 0: 0 means "no region" in a token */
