@@ -664,9 +664,14 @@ def test_accuracy_benchmark_saves_another_length_or_learning_rate_under_its_own_
     from compression_accuracy import label
     def args(**kw):
         return argparse.Namespace(**{"quick": False, "epochs": 30, "lr": 0.05, "synthetic_epochs": 1,
-                                     "synthetic_lr": 0.01, **kw})
+                                     "synthetic_lr": 0.01, "decay": "none", **kw})
     assert label(args(), "synthetic") == "synthetic" and label(args(), "digits") == "digits"
     assert label(args(synthetic_epochs=2), "synthetic") == "synthetic:epochs=2"
     assert label(args(synthetic_lr=0.0100001), "synthetic") == "synthetic:lr=0.0100001"
     assert label(args(synthetic_epochs=2, synthetic_lr=0.02), "synthetic") == "synthetic:epochs=2,lr=0.02"
     assert label(args(lr=0.1), "digits") == "digits:lr=0.1" and label(args(lr=0.1), "synthetic") == "synthetic"
+    assert label(args(decay="cosine"), "synthetic") == "synthetic:decay=cosine"
+    assert label(args(decay="cosine", synthetic_lr=0.0100001), "synthetic") == "synthetic:lr=0.0100001,decay=cosine"
+    from compression_accuracy import unnudged  # a learning-rate control pairs with the task it nudges
+    assert unnudged("synthetic:lr=0.0100001,decay=cosine") == "synthetic:decay=cosine"
+    assert unnudged("synthetic:lr=0.0100001") == "synthetic" and unnudged("synthetic:epochs=2") == "synthetic:epochs=2"
