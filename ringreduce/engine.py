@@ -10,7 +10,8 @@ Ranks pair collectives BY NAME, so they may be issued in any order and from
 several threads at once. Each cycle the ranks agree on what runs
 (ringreduce/negotiation.py, with its response cache): what is ready on every
 rank runs, allreduces packed into fusion buffers of up to
-RINGREDUCE_FUSION_THRESHOLD bytes, per dtype and op; the rest waits. A
+RINGREDUCE_FUSION_THRESHOLD bytes (rank 0's, negotiated: every rank cuts
+the same buckets), per dtype and op; the rest waits. A
 request whose kind, dtype, shape, op or root differs between ranks fails on
 every rank with MismatchError naming it and the ranks; the engine goes on.
 
@@ -349,7 +350,7 @@ class Engine:
 
     def _cycle(self, ready: list[Handle], joined: bool) -> None:
         try:
-            agreement = self.negotiator.negotiate([h.key for h in ready], joined, self._leaving)
+            agreement = self.negotiator.negotiate([h.key for h in ready], joined, self._leaving, self.fusion_bytes)
         except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
             self._fail_waiting(MismatchError(f"the engine's negotiation met another collective: {exc}"))
             return
@@ -368,6 +369,8 @@ class Engine:
         if handles:
             self.timeline.cycle(len(handles))
         reductions = [h for h in handles if h.kind == "allreduce"]
+        if self.negotiator.fusion is not None:  # rank 0's threshold: every rank cuts the same buckets
+            self.fusion_bytes = self.negotiator.fusion
         if self._fusion_tuner is not None and agreement.run:  # a working cycle: the same ones on every rank
             self.fusion_bytes = self._fusion_tuner.on_cycle(sum(h.array.nbytes for h in reductions))
         for bucket in self._buckets(reductions):
