@@ -460,11 +460,14 @@ class Engine:
         feedback, warm starts), or on a joined rank a stand-in of the same tag."""
         tag = bucket[0].key[OP].partition("|")[2]
         own = [h.extra["compression"] for h in bucket if "compression" in h.extra]
-        compressor = own[0] if own else self._stand_in_compressor(tag)
+        # a stand-in's zeros go through a fresh stand-in's state, never this rank's own compressor's (whose
+        # error feedback for that tensor would be sent instead of zeros), even fused with tensors of its own
+        stand_in = self._stand_in_compressor(tag) if any(h.stand_in for h in bucket) else None
+        compressor = own[0] if own else stand_in
         t0 = time.monotonic()
         results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
                                            bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket],
-                                           [h.extra.get("compression", compressor) for h in bucket])  # whose state
+                                           [h.extra.get("compression", stand_in) for h in bucket])  # whose state
         label = f"{tag} " + (bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors")
         self.timeline.ring_op([h.name for h in bucket], label, sum(h.array.nbytes for h in bucket), t0,
                               time.monotonic())

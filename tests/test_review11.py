@@ -5,6 +5,10 @@ negotiation.py) and the compressors.
   own buckets, and the engine died on a shape mismatch naming no tensor
   (or, with zero-size tensors between, paired buffers of other tensors).
   Rank 0's threshold is now negotiated: every rank fuses alike.
+- A joined rank's stand-in zeros fused with a compressed tensor of its own
+  went through its own compressor's state: it sent that tensor's old error
+  feedback instead of zeros (silently wrong sums). Stand-ins now always use
+  the fresh stand-in compressor's state.
 """
 import pickle
 import secrets
@@ -78,3 +82,40 @@ def test_fusion_threshold_rides_the_message_only_when_given():
     assert decode(plain).fusion is None
     assert decode(with_fusion).fusion == 123456789
     assert len(with_fusion) == len(plain) + 8
+
+
+JOINED_STAND_IN_STATE = """
+import time
+from ringreduce.engine import engine, join
+from ringreduce.compression import TopK
+r = rr.rank()
+e = engine()
+C = TopK(0.25)  # k = 1 of 4: what is not sent stays as error feedback
+step1 = {"a": np.array([0, 0, 0, 2], np.float32),
+         "b": np.array([5, 0, 0, 7], np.float32) if r == 1 else np.array([0, 0, 0, 1], np.float32)}
+for k in ("a", "b"):
+    e.wait(e.enqueue(k, step1[k], op="sum", compression=C))
+# rank 1 now holds error feedback [5, 0, 0, 0] for b
+out = {}
+if r == 1:
+    h = e.enqueue("a", np.array([0, 0, 0, 3], np.float32), op="sum", compression=C)  # its own, in flight
+    out["last"] = join()
+    out["a"] = e.wait(h).tolist()
+else:
+    time.sleep(1.0)  # rank 1 has joined with its "a" in flight: a and b run in one bucket there
+    with e._cond:  # both agreed in one cycle
+        ha = e.enqueue("a", np.array([0, 0, 0, 3], np.float32), op="sum", compression=C)
+        hb = e.enqueue("b", np.array([0, 0, 0, 1], np.float32), op="sum", compression=C)
+    out["a"], out["b"] = e.wait(ha).tolist(), e.wait(hb).tolist()
+    out["last"] = join()
+result = out
+"""
+
+
+def test_joined_rank_stand_in_in_a_bucket_with_its_own_tensor_adds_zeros(tmp_path):
+    """A joined rank's stand-in for b, fused with a tensor of its own (a),
+    reduced through its own compressor's state for b: it sent b's old
+    error feedback (5 at index 0) instead of zeros."""
+    res = ranks.run_ranks(2, JOINED_STAND_IN_STATE, tmp_path, timeout=90)
+    assert res[0].result["b"] == [0, 0, 0, 1], res[0].result
+    assert res[0].result["a"] == res[1].result["a"] == [0, 0, 0, 6]
