@@ -364,8 +364,15 @@ class Engine:
                 h.done.set()
         me = _c.rank()
         with self._cond:  # every rank runs, in agreed order, what it is a member of
-            handles = [self._pending.get((k[PROCESS_SET], k[NAME])) or _stand_in(k) for k in agreement.run
-                       if (k[PROCESS_SET], k[NAME]) in self._pending or _member(k[PROCESS_SET], me)]
+            handles = []
+            for k in agreement.run:
+                h = self._pending.get((k[PROCESS_SET], k[NAME]))
+                # only what this rank offered in this pass: one handed over since (a joined rank's, from
+                # another thread) was never negotiated, its shape or data not what the others agreed to
+                if h is not None and id(h) in self._in_cycle:
+                    handles.append(h)
+                elif _member(k[PROCESS_SET], me):
+                    handles.append(_stand_in(k))
         if handles:
             self.timeline.cycle(len(handles))
         reductions = [h for h in handles if h.kind == "allreduce"]

@@ -9,6 +9,9 @@ negotiation.py) and the compressors.
   went through its own compressor's state: it sent that tensor's old error
   feedback instead of zeros (silently wrong sums). Stand-ins now always use
   the fresh stand-in compressor's state.
+- A joined rank that hands a tensor over (from another thread) while a pass
+  agrees on that name ran it, never negotiated, in place of its zeros: the
+  others got its data, in its shape. Only what a rank offered in the pass runs.
 """
 import pickle
 import secrets
@@ -119,3 +122,37 @@ def test_joined_rank_stand_in_in_a_bucket_with_its_own_tensor_adds_zeros(tmp_pat
     res = ranks.run_ranks(2, JOINED_STAND_IN_STATE, tmp_path, timeout=90)
     assert res[0].result["b"] == [0, 0, 0, 1], res[0].result
     assert res[0].result["a"] == res[1].result["a"] == [0, 0, 0, 6]
+
+
+LATE_HAND_OVER_WHILE_JOINED = """
+from ringreduce.engine import engine, join
+r = rr.rank()
+e = engine()
+out = {}
+if r == 1:
+    orig, late = e.negotiator.negotiate, []
+
+    def negotiate(keys, joined, *args):
+        agreement = orig(keys, joined, *args)
+        if joined and agreement.run and not late:  # handed over from another thread while this pass ran
+            late.append(e.enqueue("x", np.full((2, 2), 100.0, np.float32), op="sum"))
+        return agreement
+
+    e.negotiator.negotiate = negotiate
+    out["last"] = join()
+    out["late"] = e.wait(late[0]).tolist()
+else:
+    out["x"] = e.wait(e.enqueue("x", np.ones(4, np.float32), op="sum")).tolist()
+    out["again"] = e.wait(e.enqueue("x", np.ones((2, 2), np.float32), op="sum")).tolist()
+    out["last"] = join()
+result = out
+"""
+
+
+def test_joined_rank_hand_over_during_a_pass_is_not_run_unnegotiated(tmp_path):
+    """A joined rank's tensor handed over while a pass agreed on that name
+    (without it: the others' request) ran in place of the stand-in zeros,
+    with its own shape and data: rank 0's (4,) got 101s."""
+    res = ranks.run_ranks(2, LATE_HAND_OVER_WHILE_JOINED, tmp_path, timeout=90)
+    assert res[0].result["x"] == [1, 1, 1, 1], res[0].result
+    assert res[0].result["again"] == res[1].result["late"] == [[101, 101], [101, 101]]
