@@ -517,7 +517,12 @@ _NUMPY_DTYPES = {str(d): d for d in _c._DTYPES}
 def _stand_in(key: tuple) -> Handle:
     """What a joined rank adds to an allreduce it has no tensor for: zeros
     for sum and avg (Horovod's join), the op's identity for the others, so
-    min, max and prod are those of the ranks that have data."""
+    min, max and prod are those of the ranks that have data. A request every
+    member refused (Engine._refuse: its dtype field holds the problem) has
+    nothing to stand in for: nothing runs."""
+    if key[DTYPE] not in _NUMPY_DTYPES:
+        return Handle(key[NAME], np.zeros(0), REFUSED, "", 0, key[PROCESS_SET], key, 0, family=_c._HostArrays,
+                      stand_in=True, group=_set_of(key[PROCESS_SET]))
     dtype, op = _NUMPY_DTYPES[key[DTYPE]], key[OP].partition("|")[0]  # a compressor's tag after the |
     if op == "prod":
         fill = 1

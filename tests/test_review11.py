@@ -156,3 +156,30 @@ def test_joined_rank_hand_over_during_a_pass_is_not_run_unnegotiated(tmp_path):
     res = ranks.run_ranks(2, LATE_HAND_OVER_WHILE_JOINED, tmp_path, timeout=90)
     assert res[0].result["x"] == [1, 1, 1, 1], res[0].result
     assert res[0].result["again"] == res[1].result["late"] == [[101, 101], [101, 101]]
+
+
+REFUSED_WHILE_JOINED = """
+from ringreduce.engine import engine, join
+r = rr.rank()
+e = engine()
+out = {}
+if r != 1:
+    try:
+        e.enqueue("bad", np.zeros(3, np.complex64), op="sum")  # refused alike on ranks 0 and 2
+    except (TypeError, ValueError) as exc:
+        out["bad"] = type(exc).__name__
+    out["ok"] = e.wait(e.enqueue("ok", np.ones(3, np.float32), op="sum")).tolist()
+out["last"] = join()
+result = out
+"""
+
+
+def test_request_refused_by_every_member_while_a_rank_has_joined(tmp_path):
+    """Every rank with data refused a request (bad dtype) alike while one
+    had joined: its engine made stand-in zeros of the refusal's 'dtype' (the
+    problem text), died with KeyError, and the job was lost."""
+    res = ranks.run_ranks(3, REFUSED_WHILE_JOINED, tmp_path, timeout=90)
+    for r in (0, 2):
+        assert res[r].result["bad"] in ("TypeError", "ValueError")
+        assert res[r].result["ok"] == [2.0, 2.0, 2.0]  # rank 1 adds zeros
+    assert len({x.result["last"] for x in res}) == 1
