@@ -470,7 +470,10 @@ class Engine:
         # a stand-in's zeros go through a fresh stand-in's state, never this rank's own compressor's (whose
         # error feedback for that tensor would be sent instead of zeros), even fused with tensors of its own
         stand_in = self._stand_in_compressor(tag) if any(h.stand_in for h in bucket) else None
-        compressor = own[0] if own else stand_in
+        # and the stand-in, made from the negotiated tag, runs the bucket: the own compressor's parameters may
+        # differ from the tag's (PowerSGD past its warm-up is negotiated as warmup_steps=0), and the others'
+        # collectives follow the tag
+        compressor = stand_in if stand_in is not None else own[0]
         t0 = time.monotonic()
         results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
                                            bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket],

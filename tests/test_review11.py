@@ -8,7 +8,12 @@ negotiation.py) and the compressors.
 - A joined rank's stand-in zeros fused with a compressed tensor of its own
   went through its own compressor's state: it sent that tensor's old error
   feedback instead of zeros (silently wrong sums). Stand-ins now always use
-  the fresh stand-in compressor's state.
+  the fresh stand-in compressor's state, and that stand-in (made from the
+  negotiated tag) runs the bucket: with its own PowerSGD past its warm-up
+  (negotiated as warmup_steps=0) the joined rank took the plain path for
+  the stand-in while the others sent factors.
+- Every member refused a request alike while a rank had joined: the joined
+  rank's engine died making zeros of the refusal's dtype text.
 - A joined rank that hands a tensor over (from another thread) while a pass
   agrees on that name ran it, never negotiated, in place of its zeros: the
   others got its data, in its shape. Only what a rank offered in the pass runs.
@@ -183,3 +188,42 @@ def test_request_refused_by_every_member_while_a_rank_has_joined(tmp_path):
         assert res[r].result["bad"] in ("TypeError", "ValueError")
         assert res[r].result["ok"] == [2.0, 2.0, 2.0]  # rank 1 adds zeros
     assert len({x.result["last"] for x in res}) == 1
+
+
+POWERSGD_WARM_UP_OVER_WHILE_JOINED = """
+import time
+from ringreduce.engine import engine, join
+from ringreduce.compression import PowerSGD
+r = rr.rank()
+e = engine()
+C = PowerSGD(rank=1, warmup_steps=1, min_size=16)
+u, v = np.arange(1, 9, dtype=np.float32), np.linspace(-1, 1, 8, dtype=np.float32)
+b = np.outer(u, v)  # rank 1: PowerSGD of rank 1 holds it exactly
+for k in ("a", "b"):  # step 1: the warm-up, plain
+    e.wait(e.enqueue(k, b * (r + 1), op="sum", compression=C))
+out = {}
+if r == 1:
+    h = e.enqueue("a", b, op="sum", compression=C)  # its own, in flight, past its warm-up
+    out["last"] = join()
+    out["a"] = e.wait(h)
+else:
+    time.sleep(1.0)  # rank 1 has joined with its "a" in flight: a and b (a stand-in there) fuse
+    with e._cond:
+        ha = e.enqueue("a", b, op="sum", compression=C)
+        hb = e.enqueue("b", b, op="sum", compression=C)
+    out["a"], out["b"] = e.wait(ha), e.wait(hb)
+    out["last"] = join()
+out["expect"] = b
+result = out
+"""
+
+
+def test_powersgd_past_warm_up_with_a_stand_in_fused_to_an_own_tensor(tmp_path):
+    """A joined rank reduced its stand-in (fresh state, step 1) with its own
+    compressor's warmup_steps: the plain path, while the others (past their
+    warm-up) sent factors: the ranks ran different collectives."""
+    res = ranks.run_ranks(2, POWERSGD_WARM_UP_OVER_WHILE_JOINED, tmp_path, timeout=90)
+    b = res[0].result["expect"]
+    assert np.allclose(res[0].result["b"], b, rtol=1e-4, atol=1e-4)  # rank 1 adds zeros
+    assert res[0].result["a"].tobytes() == res[1].result["a"].tobytes()
+    assert np.allclose(res[0].result["a"], 2 * b, rtol=1e-4, atol=1e-4)
