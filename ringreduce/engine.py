@@ -463,21 +463,20 @@ class Engine:
                 self._finish(h)
 
     def _run_compressed(self, bucket: list[Handle]) -> None:
-        """One bucket through its compressor: the caller's (its state: error
-        feedback, warm starts), or on a joined rank a stand-in of the same tag."""
+        """One bucket through a compressor of its tag, each tensor in its
+        caller's compressor's state (error feedback, warm starts), or on a
+        joined rank a stand-in's fresh one."""
         tag = bucket[0].key[OP].partition("|")[2]
-        own = [h.extra["compression"] for h in bucket if "compression" in h.extra]
-        # a stand-in's zeros go through a fresh stand-in's state, never this rank's own compressor's (whose
-        # error feedback for that tensor would be sent instead of zeros), even fused with tensors of its own
-        stand_in = self._stand_in_compressor(tag) if any(h.stand_in for h in bucket) else None
-        # and the stand-in, made from the negotiated tag, runs the bucket: the own compressor's parameters may
-        # differ from the tag's (PowerSGD past its warm-up is negotiated as warmup_steps=0), and the others'
-        # collectives follow the tag
-        compressor = stand_in if stand_in is not None else own[0]
+        # A compressor made from the negotiated tag runs the bucket on every rank, each tensor kept in its
+        # owner's state: an owner's own parameters may differ from the tag's (PowerSGD past its warm-up is
+        # negotiated as warmup_steps=0), and two models' compressors of one tag fuse; a joined rank's
+        # stand-ins keep theirs in its fresh state (never its own compressor's: that tensor's error feedback
+        # would go out instead of zeros).
+        compressor = self._stand_in_compressor(tag)
         t0 = time.monotonic()
         results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
                                            bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket],
-                                           [h.extra.get("compression", stand_in) for h in bucket])  # whose state
+                                           [h.extra.get("compression", compressor) for h in bucket])  # whose state
         label = f"{tag} " + (bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors")
         self.timeline.ring_op([h.name for h in bucket], label, sum(h.array.nbytes for h in bucket), t0,
                               time.monotonic())

@@ -11,7 +11,9 @@ negotiation.py) and the compressors.
   the fresh stand-in compressor's state, and that stand-in (made from the
   negotiated tag) runs the bucket: with its own PowerSGD past its warm-up
   (negotiated as warmup_steps=0) the joined rank took the plain path for
-  the stand-in while the others sent factors.
+  the stand-in while the others sent factors. A compressor made from the
+  tag now runs every compressed bucket on every rank (two models'
+  compressors of one tag fused, one past its warm-up, disagreed too).
 - Every member refused a request alike while a rank had joined: the joined
   rank's engine died making zeros of the refusal's dtype text.
 - A joined rank that hands a tensor over (from another thread) while a pass
@@ -227,3 +229,44 @@ def test_powersgd_past_warm_up_with_a_stand_in_fused_to_an_own_tensor(tmp_path):
     assert np.allclose(res[0].result["b"], b, rtol=1e-4, atol=1e-4)  # rank 1 adds zeros
     assert res[0].result["a"].tobytes() == res[1].result["a"].tobytes()
     assert np.allclose(res[0].result["a"], 2 * b, rtol=1e-4, atol=1e-4)
+
+
+TWO_POWERSGD_ONE_TAG_WHILE_JOINED = """
+import time
+from ringreduce.engine import engine, join
+from ringreduce.compression import PowerSGD
+r = rr.rank()
+e = engine()
+A = PowerSGD(rank=1, warmup_steps=3, min_size=16)  # a's: past its warm-up, tagged warmup_steps=0
+B = PowerSGD(rank=1, warmup_steps=0, min_size=16)  # b's: the same tag from its first step
+u, v = np.arange(1, 9, dtype=np.float32), np.linspace(-1, 1, 8, dtype=np.float32)
+m = np.outer(u, v)
+for step in range(4):  # step 4 past a's warm-up: a's key (its new tag) takes the lowest slot, before b's
+    e.wait(e.enqueue("a", m, op="sum", compression=A))
+e.wait(e.enqueue("b", m, op="sum", compression=B))
+out = {}
+if r == 1:
+    h = e.enqueue("a", m, op="sum", compression=A)
+    out["last"] = join()
+    out["a"] = e.wait(h)
+else:
+    time.sleep(1.0)  # rank 1 has joined with its "a" in flight: a and b (a stand-in there) fuse
+    with e._cond:
+        ha = e.enqueue("a", m, op="sum", compression=A)
+        hb = e.enqueue("b", m, op="sum", compression=B)
+    out["a"], out["b"] = e.wait(ha), e.wait(hb)
+    out["last"] = join()
+out["expect"] = m
+result = out
+"""
+
+
+def test_two_powersgd_of_one_tag_fused_with_a_stand_in(tmp_path):
+    """Two compressors of one tag (a's past its warm-up, b's without one)
+    fuse; the ranks with data ran the bucket with a's warmup_steps (b, at
+    its step 2, plain), the joined one with the tag's (b as factors)."""
+    res = ranks.run_ranks(2, TWO_POWERSGD_ONE_TAG_WHILE_JOINED, tmp_path, timeout=90)
+    m = res[0].result["expect"]
+    assert np.allclose(res[0].result["b"], m, rtol=1e-4, atol=1e-4)
+    assert res[0].result["a"].tobytes() == res[1].result["a"].tobytes()
+    assert np.allclose(res[0].result["a"], 2 * m, rtol=1e-4, atol=1e-4)
