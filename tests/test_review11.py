@@ -5,6 +5,10 @@ negotiation.py) and the compressors.
   own buckets, and the engine died on a shape mismatch naming no tensor
   (or, with zero-size tensors between, paired buffers of other tensors).
   Rank 0's threshold is now negotiated: every rank fuses alike.
+- RINGREDUCE_CACHE_CAPACITY set differently per rank: the caches evicted
+  differently, one slot bit named different requests on different ranks
+  (KeyError, the engine dead; or ranks running different requests). Rank
+  0's capacity is now sent in the first pass and holds on every rank.
 - A joined rank's stand-in zeros fused with a compressed tensor of its own
   went through its own compressor's state: it sent that tensor's old error
   feedback instead of zeros (silently wrong sums). Stand-ins now always use
@@ -270,3 +274,26 @@ def test_two_powersgd_of_one_tag_fused_with_a_stand_in(tmp_path):
     assert np.allclose(res[0].result["b"], m, rtol=1e-4, atol=1e-4)
     assert res[0].result["a"].tobytes() == res[1].result["a"].tobytes()
     assert np.allclose(res[0].result["a"], 2 * m, rtol=1e-4, atol=1e-4)
+
+
+DIFFERENT_CACHE_CAPACITY = """
+from ringreduce.engine import engine
+r = rr.rank()
+e = engine()
+out = []
+for step in range(4):
+    names = ["a", "b", "c"] if step % 2 == 0 else ["c", "a"]
+    hs = {k: e.enqueue(k, np.full(3, {"a": 1.0, "b": 10.0, "c": 100.0}[k] * (r + 1), np.float32), op="sum")
+          for k in names}
+    out.append({k: e.wait(h).tolist() for k, h in hs.items()})
+result = dict(steps=out, capacity=e.negotiator.cache.capacity)
+"""
+
+
+def test_cache_capacity_differing_per_rank_is_rank_0s(tmp_path):
+    res = _run_with_envs(DIFFERENT_CACHE_CAPACITY, tmp_path, [{"RINGREDUCE_CACHE_CAPACITY": "1"}, {}])
+    assert res[0]["capacity"] == res[1]["capacity"] == 1
+    for step in res[0]["steps"]:
+        for k, v in step.items():
+            assert v == [3 * {"a": 1.0, "b": 10.0, "c": 100.0}[k]] * 3, (k, v)
+    assert res[0]["steps"] == res[1]["steps"]
