@@ -10,7 +10,8 @@ Ranks pair collectives BY NAME, so they may be issued in any order and from
 several threads at once. Each cycle the ranks agree on what runs
 (ringreduce/negotiation.py, with its response cache): what is ready on every
 rank runs, allreduces packed into fusion buffers of up to
-RINGREDUCE_FUSION_THRESHOLD bytes, per dtype and op; the rest waits. A
+RINGREDUCE_FUSION_THRESHOLD bytes (rank 0's, negotiated: every rank cuts
+the same buckets), per dtype and op; the rest waits. A
 request whose kind, dtype, shape, op or root differs between ranks fails on
 every rank with MismatchError naming it and the ranks; the engine goes on.
 
@@ -349,7 +350,7 @@ class Engine:
 
     def _cycle(self, ready: list[Handle], joined: bool) -> None:
         try:
-            agreement = self.negotiator.negotiate([h.key for h in ready], joined, self._leaving)
+            agreement = self.negotiator.negotiate([h.key for h in ready], joined, self._leaving, self.fusion_bytes)
         except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
             self._fail_waiting(MismatchError(f"the engine's negotiation met another collective: {exc}"))
             return
@@ -363,11 +364,20 @@ class Engine:
                 h.done.set()
         me = _c.rank()
         with self._cond:  # every rank runs, in agreed order, what it is a member of
-            handles = [self._pending.get((k[PROCESS_SET], k[NAME])) or _stand_in(k) for k in agreement.run
-                       if (k[PROCESS_SET], k[NAME]) in self._pending or _member(k[PROCESS_SET], me)]
+            handles = []
+            for k in agreement.run:
+                h = self._pending.get((k[PROCESS_SET], k[NAME]))
+                # only what this rank offered in this pass: one handed over since (a joined rank's, from
+                # another thread) was never negotiated, its shape or data not what the others agreed to
+                if h is not None and id(h) in self._in_cycle:
+                    handles.append(h)
+                elif _member(k[PROCESS_SET], me):
+                    handles.append(_stand_in(k))
         if handles:
             self.timeline.cycle(len(handles))
         reductions = [h for h in handles if h.kind == "allreduce"]
+        if self.negotiator.fusion is not None:  # rank 0's threshold: every rank cuts the same buckets
+            self.fusion_bytes = self.negotiator.fusion
         if self._fusion_tuner is not None and agreement.run:  # a working cycle: the same ones on every rank
             self.fusion_bytes = self._fusion_tuner.on_cycle(sum(h.array.nbytes for h in reductions))
         for bucket in self._buckets(reductions):
@@ -453,11 +463,16 @@ class Engine:
                 self._finish(h)
 
     def _run_compressed(self, bucket: list[Handle]) -> None:
-        """One bucket through its compressor: the caller's (its state: error
-        feedback, warm starts), or on a joined rank a stand-in of the same tag."""
+        """One bucket through a compressor of its tag, each tensor in its
+        caller's compressor's state (error feedback, warm starts), or on a
+        joined rank a stand-in's fresh one."""
         tag = bucket[0].key[OP].partition("|")[2]
-        own = [h.extra["compression"] for h in bucket if "compression" in h.extra]
-        compressor = own[0] if own else self._stand_in_compressor(tag)
+        # A compressor made from the negotiated tag runs the bucket on every rank, each tensor kept in its
+        # owner's state: an owner's own parameters may differ from the tag's (PowerSGD past its warm-up is
+        # negotiated as warmup_steps=0), and two models' compressors of one tag fuse; a joined rank's
+        # stand-ins keep theirs in its fresh state (never its own compressor's: that tensor's error feedback
+        # would go out instead of zeros).
+        compressor = self._stand_in_compressor(tag)
         t0 = time.monotonic()
         results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
                                            bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket],
@@ -504,7 +519,12 @@ _NUMPY_DTYPES = {str(d): d for d in _c._DTYPES}
 def _stand_in(key: tuple) -> Handle:
     """What a joined rank adds to an allreduce it has no tensor for: zeros
     for sum and avg (Horovod's join), the op's identity for the others, so
-    min, max and prod are those of the ranks that have data."""
+    min, max and prod are those of the ranks that have data. A request every
+    member refused (Engine._refuse: its dtype field holds the problem) has
+    nothing to stand in for: nothing runs."""
+    if key[DTYPE] not in _NUMPY_DTYPES:
+        return Handle(key[NAME], np.zeros(0), REFUSED, "", 0, key[PROCESS_SET], key, 0, family=_c._HostArrays,
+                      stand_in=True, group=_set_of(key[PROCESS_SET]))
     dtype, op = _NUMPY_DTYPES[key[DTYPE]], key[OP].partition("|")[0]  # a compressor's tag after the |
     if op == "prod":
         fill = 1

@@ -4,7 +4,12 @@ Each cycle every rank sends one message in one header pass of the ring
 (every rank then holds every rank's message):
 
     flags (u8: bit 0 = this rank has called join; bit 1 = a stall verdict
+    follows; bit 3 = a fusion threshold follows; bit 4 = a cache capacity
     follows), n (u32),
+    [with bit 3: this rank's fusion threshold (u64), sent when it differs
+    from the one agreed: rank 0's holds on every rank, so all fuse alike]
+    [with bit 4: this rank's response cache capacity (u32), sent in the first
+    pass only: rank 0's holds on every rank, so every cache stays identical]
     n bytes: a bit per response-cache slot whose request is ready here,
     JSON: the full key of every ready request the cache does not hold (with a
     stall verdict: {"full": those keys, "stalled": [[process_set, name, why]]})
@@ -38,7 +43,9 @@ from .response_cache import ResponseCache
 
 NEGOTIATE = 5  # header kind of a negotiation pass (see collectives._KIND_NAMES)
 _FLAGS = struct.Struct("<BI")
-JOINED, STALL_VERDICT, LEFT = 1, 2, 4
+JOINED, STALL_VERDICT, LEFT, FUSION, CAPACITY = 1, 2, 4, 8, 16
+_FUSION = struct.Struct("<Q")
+_CAPACITY = struct.Struct("<I")
 
 # Key fields, by position.
 NAME, KIND, DTYPE, SHAPE, OP, ROOT, PROCESS_SET = range(7)
@@ -51,6 +58,8 @@ class Message:
     entries: dict  # (process_set, name) -> key, requests sent in full, in this rank's order
     stalled: list = field(default_factory=list)  # rank 0's stall verdict: [process_set, name, why]
     left: bool = False  # this rank is shutting down (Engine.leave): joined, and runs nothing more
+    fusion: int | None = None  # this rank's fusion threshold, when it differs from the agreed one
+    capacity: int | None = None  # this rank's response cache capacity, in the first pass
 
 
 @dataclass
@@ -71,7 +80,8 @@ class Stats:
     seconds: float = 0.0
 
 
-def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = (), left: bool = False) -> bytes:
+def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = (), left: bool = False,
+           fusion: int | None = None, capacity: int | None = None) -> bytes:
     bits, full = 0, []
     for key in keys:
         slot = cache.slot(key)
@@ -80,14 +90,23 @@ def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = (), l
         else:
             bits |= 1 << slot
     vector = bits.to_bytes((bits.bit_length() + 7) // 8, "little")
-    flags = (JOINED if joined or left else 0) | (STALL_VERDICT if stalled else 0) | (LEFT if left else 0)
+    flags = (JOINED if joined or left else 0) | (STALL_VERDICT if stalled else 0) | (LEFT if left else 0) | (
+        FUSION if fusion is not None else 0) | (CAPACITY if capacity is not None else 0)
     body = {"full": full, "stalled": list(stalled)} if stalled else full
-    return _FLAGS.pack(flags, len(vector)) + vector + (json.dumps(body).encode() if body else b"")
+    return (_FLAGS.pack(flags, len(vector)) + (_FUSION.pack(fusion) if fusion is not None else b"")
+            + (_CAPACITY.pack(capacity) if capacity is not None else b"") + vector
+            + (json.dumps(body).encode() if body else b""))
 
 
 def decode(blob) -> Message:
     flags, n = _FLAGS.unpack_from(blob)
     at = _FLAGS.size
+    fusion = None
+    if flags & FUSION:
+        (fusion,), at = _FUSION.unpack_from(blob, at), at + _FUSION.size
+    capacity = None
+    if flags & CAPACITY:
+        (capacity,), at = _CAPACITY.unpack_from(blob, at), at + _CAPACITY.size
     bits = int.from_bytes(bytes(blob[at:at + n]), "little")
     rest = bytes(blob[at + n:])
     body = json.loads(rest) if rest else []
@@ -98,7 +117,7 @@ def decode(blob) -> Message:
     for e in body:
         key = (e[0], e[1], e[2], tuple(e[3]), e[4], e[5], e[6])
         entries[(key[PROCESS_SET], key[NAME])] = key
-    return Message(bool(flags & JOINED), bits, entries, stalled, bool(flags & LEFT))
+    return Message(bool(flags & JOINED), bits, entries, stalled, bool(flags & LEFT), fusion, capacity)
 
 
 def _set_bits(bits: int):
@@ -237,10 +256,17 @@ class Negotiator:
         self.stall_seconds = stall_seconds
         self._waiting_since: dict[tuple, float] = {}  # (process_set, name) -> when first seen on some ranks only
         self._stalled: list = []  # rank 0's verdict, sent with its next message
+        # The engine's fusion threshold, rank 0's: buckets cut at different sizes on different ranks
+        # would pair one rank's fused buffer with another's of other tensors (RINGREDUCE_FUSION_THRESHOLD
+        # set differently per rank). None until the first pass, where every rank sends its own.
+        self.fusion: int | None = None
 
-    def negotiate(self, keys: list, joined: bool, left: bool = False) -> Agreement:
+    def negotiate(self, keys: list, joined: bool, left: bool = False, fusion: int | None = None) -> Agreement:
+        """fusion: this rank's fusion threshold now; self.fusion is rank 0's after the pass."""
         t0 = time.perf_counter()
-        blob = encode(keys, joined, self.cache, self._stalled, left)
+        first = self._cycle == 0  # every cache is empty yet: each rank says its capacity
+        blob = encode(keys, joined, self.cache, self._stalled, left, fusion if fusion != self.fusion else None,
+                      self.cache.capacity if first else None)
         head = _c._header(NEGOTIATE, 0, 0, (), "", 0, False)
         with _c._state.lock:
             blobs = _c._exchange(head, blob, ("name",), "engine negotiation")
@@ -249,6 +275,10 @@ class Negotiator:
             # rank holds the same registry at the same negotiation pass.
             sets = {ps: ring.ranks for ps, ring in _c._state.sets.items()}
         messages = [decode(memoryview(b)[len(head):]) for b in blobs]
+        if messages[0].fusion is not None:
+            self.fusion = messages[0].fusion
+        if first:  # rank 0's capacity (RINGREDUCE_CACHE_CAPACITY may differ per rank): caches that evict
+            self.cache.capacity = messages[0].capacity  # differently would read one slot as different requests
         everyone = list(range(len(messages)))
         out = agree(messages, self.cache, lambda ps: sets.get(ps, everyone) if ps else everyone)
         self._stalled = self._judge_stalls(out.waiting) if me == 0 else []
