@@ -277,8 +277,9 @@ class Negotiator:
         messages = [decode(memoryview(b)[len(head):]) for b in blobs]
         if messages[0].fusion is not None:
             self.fusion = messages[0].fusion
-        if first:  # rank 0's capacity (RINGREDUCE_CACHE_CAPACITY may differ per rank): caches that evict
-            self.cache.capacity = messages[0].capacity  # differently would read one slot as different requests
+        if first and messages[0].capacity is not None:  # rank 0's capacity (RINGREDUCE_CACHE_CAPACITY may
+            # differ per rank): caches that evict differently would read one slot as different requests
+            self.cache.capacity = messages[0].capacity
         everyone = list(range(len(messages)))
         out = agree(messages, self.cache, lambda ps: sets.get(ps, everyone) if ps else everyone)
         self._stalled = self._judge_stalls(out.waiting) if me == 0 else []
