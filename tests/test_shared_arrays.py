@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 
+from killed_mid_op import check_killed_rank_is_named
 from ranks import run_ranks
 
 PRELUDE = """
@@ -238,33 +239,7 @@ result = (bad, C._state.comm.mapped_ops() - before)
 def test_a_rank_killed_mid_op_is_named_without_a_hang(tmp_path, n):
     # Reading a mapping never fails when prev dies (the mapping keeps its
     # pages): the token waits and prev_alive after each step name it.
-    import signal
-    ranks = run_ranks(n, """
-import os, signal, threading, time
-from ringreduce import collectives as C
-x = rr.shared_empty(16 << 20, np.float32)
-x[:] = 1
-rr.allreduce(x, out=x)
-before = C._state.comm.mapped_ops()
-if rr.rank() == 1:  # dies in the middle of a later allreduce
-    threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-t0 = time.time()
-try:
-    for i in range(50):
-        rr.allreduce(x)
-    result = "no error"
-except rr.PeerLostError as e:
-    result = (e.rank, str(e), time.time() - t0, before)
-""", tmp_path, timeout=60, env={**CMA_ON, "RINGREDUCE_TIMEOUT": "20"}, check=False)
-    assert ranks[1].returncode == -signal.SIGKILL
-    for r in ranks:
-        if r.rank == 1:
-            continue
-        assert r.returncode == 0, r.stderr
-        lost, message, elapsed, before = r.result
-        assert before >= 1, "the mapped read did not run"
-        assert lost == 1 and "rank 1" in message, (r.rank, message)
-        assert elapsed < 10, f"rank {r.rank} took {elapsed:.1f} s to notice"
+    check_killed_rank_is_named(tmp_path, n, 'x = rr.shared_empty(16 << 20, np.float32)\nx[:] = 1\nrr.allreduce(x, out=x)', "mapped_ops", CMA_ON)
 
 
 def test_without_cma_shared_arrays_take_the_other_paths(tmp_path):

@@ -10,6 +10,7 @@ so the CMA path really ran: it runs from 1 MiB a chunk (RR_CMA_MIN_CHUNK).
 """
 import pytest
 
+from killed_mid_op import check_killed_rank_is_named
 from ranks import run_ranks
 
 PRELUDE = """
@@ -216,32 +217,7 @@ def test_the_probe_reads_this_process_and_refuses_a_wrong_canary():
 def test_a_rank_killed_mid_op_is_named_without_a_hang(tmp_path, n):
     # Waits for tokens are tcp.c's wait(); a read of a dead rank's memory
     # fails with ESRCH: either way PeerLostError naming rank 1.
-    import signal
-    ranks = run_ranks(n, """
-import os, signal, threading, time
-from ringreduce import collectives as C
-x = np.ones(16 << 20, np.float32)
-rr.allreduce(x)
-before = C._state.comm.cma_ops()
-if rr.rank() == 1:  # dies in the middle of a later allreduce
-    threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-t0 = time.time()
-try:
-    for i in range(50):
-        rr.allreduce(x)
-    result = "no error"
-except rr.PeerLostError as e:
-    result = (e.rank, str(e), time.time() - t0, before)
-""", tmp_path, timeout=60, env={**CMA_ON, "RINGREDUCE_TIMEOUT": "20"}, check=False)
-    assert ranks[1].returncode == -signal.SIGKILL
-    for r in ranks:
-        if r.rank == 1:
-            continue
-        assert r.returncode == 0, r.stderr
-        lost, message, elapsed, before = r.result
-        assert before >= 1, "the CMA path did not run"
-        assert lost == 1 and "rank 1" in message, (r.rank, message)
-        assert elapsed < 10, f"rank {r.rank} took {elapsed:.1f} s to notice"
+    check_killed_rank_is_named(tmp_path, n, 'x = np.ones(16 << 20, np.float32)\nrr.allreduce(x)', "cma_ops", CMA_ON)
 
 
 @pytest.mark.parametrize("n", [2, 3])

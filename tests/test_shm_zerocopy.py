@@ -9,6 +9,7 @@ it only runs for chunks of 2 MiB and more, so the cases are that large.
 """
 import pytest
 
+from killed_mid_op import check_killed_rank_is_named
 from ranks import run_ranks
 
 # Helpers every rank runs: `both(fn)` calls fn with the path on, then off,
@@ -248,29 +249,4 @@ def test_a_bad_switch_is_refused_by_name():
 def test_a_rank_killed_mid_transfer_is_named_without_a_hang(tmp_path, n):
     # The zero-copy path waits in tcp.c's wait(), which must see the dead
     # peer's socket close as exchange() does: PeerLostError naming it.
-    import signal
-    ranks = run_ranks(n, """
-import os, signal, threading, time
-from ringreduce import collectives as C
-x = np.ones(16 << 20, np.float32)
-rr.allreduce(x)
-before = C._state.comm.zero_copy_ops()
-if rr.rank() == 1:  # dies in the middle of the next allreduce
-    threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-t0 = time.time()
-try:
-    for i in range(50):
-        rr.allreduce(x)
-    result = "no error"
-except rr.PeerLostError as e:
-    result = (e.rank, str(e), time.time() - t0, before)
-""", tmp_path, timeout=60, env={**NO_CMA, "RINGREDUCE_TIMEOUT": "20"}, check=False)
-    assert ranks[1].returncode == -signal.SIGKILL
-    for r in ranks:
-        if r.rank == 1:
-            continue
-        assert r.returncode == 0, r.stderr
-        lost, message, elapsed, before = r.result
-        assert before >= 1, "the zero-copy path did not run"
-        assert lost == 1 and "rank 1" in message, (r.rank, message)
-        assert elapsed < 10, f"rank {r.rank} took {elapsed:.1f} s to notice"
+    check_killed_rank_is_named(tmp_path, n, 'x = np.ones(16 << 20, np.float32)\nrr.allreduce(x)', "zero_copy_ops", NO_CMA)
