@@ -37,3 +37,36 @@ except rr.PeerLostError as e:
         assert before >= 1, f"the path under test did not run ({counter} = 0)"
         assert lost == 1 and "rank 1" in message, (r.rank, message)
         assert elapsed < 10, f"rank {r.rank} took {elapsed:.1f} s to notice"
+
+
+def check_interrupted_rank_overwriting_is_refused(tmp_path, n: int, make_buf: str, counter: str, env: dict) -> None:
+    """Rank 1 is interrupted (Ctrl-C) mid-loop and overwrites its buffer at
+    once, as a caller's cleanup might: a neighbour that may still be reading
+    it must raise PeerLostError, never return a sum with the new bytes.
+    make_buf: an expression for the int64 buffer; counter: the Comm method
+    counting the path's operations."""
+    ranks = run_ranks(n, f"""
+import os, signal, threading
+from ringreduce import collectives as C
+buf = {make_buf}
+rr.allreduce(buf, out=buf)
+before, wrong, outcome = C._state.comm.{counter}(), 0, "done"
+if rr.rank() == 1:
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    for i in range(200):
+        buf[:] = (rr.rank() + 1) * (i + 1)
+        rr.allreduce(buf, op="sum", out=buf)
+        wrong += int(np.count_nonzero(buf != (i + 1) * rr.size() * (rr.size() + 1) // 2))
+except KeyboardInterrupt:
+    buf[:] = -(1 << 40)
+    outcome = "interrupted"
+except rr.RingReduceError as e:
+    outcome = type(e).__name__
+result = (wrong, outcome, C._state.comm.{counter}() - before)
+""", tmp_path, timeout=90, env={**env, "RINGREDUCE_TIMEOUT": "20"})
+    for r in ranks:
+        wrong, outcome, ops = r.result
+        assert wrong == 0, (r.rank, r.result)
+        assert ops >= 1, (r.rank, f"the path under test did not run ({counter} = 0)")
+        assert outcome == ("interrupted" if r.rank == 1 else "PeerLostError"), (r.rank, r.result)

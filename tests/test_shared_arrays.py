@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from killed_mid_op import check_killed_rank_is_named
+from killed_mid_op import check_interrupted_rank_overwriting_is_refused, check_killed_rank_is_named
 from ranks import run_ranks
 
 PRELUDE = """
@@ -366,27 +366,5 @@ def test_ctrl_c_then_reuse_of_the_shared_buffer_never_gives_a_neighbour_wrong_da
     # buffer at once: its neighbour reads that buffer through a mapping,
     # which never fails, so only rank 1's gave-up mark (prev_alive) keeps
     # it from returning a sum with the new bytes: it must raise.
-    ranks = run(n, """
-import os, signal, threading
-buf = rr.shared_empty(rr.size() * (3 << 18) + 5, np.int64)
-rr.allreduce(buf, out=buf)
-before, wrong, outcome = C._state.comm.mapped_ops(), 0, "done"
-if rr.rank() == 1:
-    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-try:
-    for i in range(200):
-        buf[:] = (rr.rank() + 1) * (i + 1)
-        rr.allreduce(buf, op="sum", out=buf)
-        wrong += int(np.count_nonzero(buf != (i + 1) * rr.size() * (rr.size() + 1) // 2))
-except KeyboardInterrupt:
-    buf[:] = -(1 << 40)
-    outcome = "interrupted"
-except rr.RingReduceError as e:
-    outcome = type(e).__name__
-result = (wrong, outcome, C._state.comm.mapped_ops() - before)
-""", tmp_path, env={"RINGREDUCE_TIMEOUT": "20"})
-    for r in ranks:
-        wrong, outcome, ops = r.result
-        assert wrong == 0, (r.rank, r.result)
-        assert ops >= 1, (r.rank, "the mapped read did not run")
-        assert outcome == ("interrupted" if r.rank == 1 else "PeerLostError"), (r.rank, r.result)
+    check_interrupted_rank_overwriting_is_refused(tmp_path, n, "rr.shared_empty(rr.size() * (3 << 18) + 5, np.int64)",
+                                                  "mapped_ops", CMA_ON)

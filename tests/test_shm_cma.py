@@ -10,7 +10,7 @@ so the CMA path really ran: it runs from 1 MiB a chunk (RR_CMA_MIN_CHUNK).
 """
 import pytest
 
-from killed_mid_op import check_killed_rank_is_named
+from killed_mid_op import check_interrupted_rank_overwriting_is_refused, check_killed_rank_is_named
 from ranks import run_ranks
 
 PRELUDE = """
@@ -244,31 +244,8 @@ def test_ctrl_c_then_reuse_of_the_buffer_never_gives_a_neighbour_wrong_data(tmp_
     # Rank 1 is interrupted mid-loop and its handler overwrites the buffer at
     # once (as a caller's cleanup might): its neighbour, which may still be
     # reading that buffer, must raise, never return a sum with the new bytes.
-    ranks = run(n, """
-import os, signal, threading
-from ringreduce import collectives as C
-buf = np.empty(rr.size() * (3 << 18) + 5, np.int64)
-rr.allreduce(buf)
-before, wrong, outcome = C._state.comm.cma_ops(), 0, "done"
-if rr.rank() == 1:
-    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-try:
-    for i in range(200):
-        buf[:] = (rr.rank() + 1) * (i + 1)
-        rr.allreduce(buf, op="sum", out=buf)
-        wrong += int(np.count_nonzero(buf != (i + 1) * rr.size() * (rr.size() + 1) // 2))
-except KeyboardInterrupt:
-    buf[:] = -(1 << 40)
-    outcome = "interrupted"
-except rr.RingReduceError as e:
-    outcome = type(e).__name__
-result = (wrong, outcome, C._state.comm.cma_ops() - before)
-""", tmp_path, env={"RINGREDUCE_TIMEOUT": "20"})
-    for r in ranks:
-        wrong, outcome, ops = r.result
-        assert wrong == 0, (r.rank, r.result)
-        assert ops >= 1, (r.rank, "the CMA path did not run")
-        assert outcome == ("interrupted" if r.rank == 1 else "PeerLostError"), (r.rank, r.result)
+    check_interrupted_rank_overwriting_is_refused(tmp_path, n, "np.empty(rr.size() * (3 << 18) + 5, np.int64)",
+                                                  "cma_ops", CMA_ON)
 
 
 @pytest.mark.parametrize("n", [2, 3])
