@@ -164,6 +164,22 @@ def _scale(a, factor: float):
     return a * a.dtype.type(factor)
 
 
+def scale_tensor(t, factor: float):
+    """t * factor (a tf.Tensor or tf.IndexedSlices) as _scale does for arrays:
+    integers in float64 then cast back (truncating), 16-bit floats in
+    float32, the rest in their own dtype. A factor is never cast to an
+    integer dtype (1/size would be 0)."""
+    if t is None or factor == 1.0:
+        return t
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(scale_tensor(t.values, factor), t.indices, t.dense_shape)
+    if t.dtype.is_integer:
+        return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)
+    if t.dtype.size == 2:
+        return tf.cast(tf.cast(t, tf.float32) * factor, t.dtype)
+    return t * tf.cast(factor, t.dtype)
+
+
 def _reduce_array(a, op: str, prescale: float, postscale: float, name, ps, compressor=None):
     a = _scale(a, prescale)
     if op == Average and a.dtype.kind in "iu":  # as Horovod: the sum, scaled by 1/size in float64
@@ -218,14 +234,15 @@ def _allreduce_dense(tensor, op, prescale, postscale, name, ps, compressor=None)
 
 def _allreduce_sparse(slices: tf.IndexedSlices, op: str, scale: float, ps) -> tf.IndexedSlices:
     """Sparse gradients travel as their rows: every rank's values and indices,
-    gathered (duplicates are summed when applied, as TF does)."""
+    gathered (duplicates are summed when applied, as TF does). Average of
+    integer values is Horovod's values / size: a float tensor (TF's truediv);
+    scale (prescale * postscale) multiplies as scale_tensor does."""
     if op not in (Sum, Average):
         raise NotImplementedError(f"allreduce of tf.IndexedSlices supports Sum and Average, not op={op!r}")
     values = allgather(slices.values, process_set=ps)
-    if op == Average:
-        scale /= ps.size()
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+    if op == Average and values.dtype.is_integer:  # as Horovod: values / size, a float (TF's truediv)
+        values, op = values / tf.cast(ps.size(), values.dtype), Sum
+    values = scale_tensor(values, scale / ps.size() if op == Average else scale)
     return tf.IndexedSlices(values, allgather(slices.indices, process_set=ps), slices.dense_shape)
 
 
@@ -428,7 +445,7 @@ def _reducescatter(tensor, op, prescale, postscale, name, ps):
             if op not in (Sum, Average):
                 raise NotImplementedError(f"reducescatter with op={op!r} has no gradient")
             scale = prescale * postscale * (ps.size() if op == Sum else 1)
-            return allgather(dy, process_set=ps) * tf.cast(scale, dy.dtype)
+            return scale_tensor(allgather(dy, process_set=ps), scale)
         return y, grad
     return _scatter(tensor)
 

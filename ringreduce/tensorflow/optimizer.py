@@ -20,6 +20,7 @@ import tensorflow as tf
 
 
 from . import ops as _ops
+from .ops import scale_tensor as _scale
 from .basics import check_process_set
 from .compression import Compression
 from .overlap import reduce_gradients
@@ -125,14 +126,6 @@ class GradientReduction:
         groups = [[where[id(v)] for v in group if id(v) in where and grads[where[id(v)]] is not None]
                   for group in self.groups]
         return [g for g in groups if g]  # a variable in no group forms a group of its own
-
-
-def _scale(g, factor):
-    if g is None or factor == 1.0:
-        return g
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
-    return g * tf.cast(factor, g.dtype)
 
 
 class _LocalVariables:
