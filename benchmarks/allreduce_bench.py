@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
-from ringreduce.world import discover  # noqa: E402
+from ringreduce.core.world import discover  # noqa: E402
 
 
 def parse_bytes(text: str) -> int:

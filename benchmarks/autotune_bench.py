@@ -4,7 +4,7 @@
     ringrun -np 4 python benchmarks/autotune_bench.py --rounds 15 --confirm 30 --json n4.json
 
 Every fixed setting of the grid (segment size x small limit, the
-candidates of ringreduce/autotune.py) and the setting the init calibration
+candidates of ringreduce/core/autotune.py) and the setting the init calibration
 picks (run fresh here, no cache) time one workload: allreduces of float32 at
 sizes from 4 KiB to 16 MiB, each a barrier then `iters` back-to-back ops,
 the slowest rank's time. The workload's time is the sum over sizes of the
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
-from ringreduce import autotune, collectives as _c  # noqa: E402
+from ringreduce.core import autotune, collectives as _c  # noqa: E402
 
 SIZES = (4 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 16 << 20)
 

@@ -72,7 +72,7 @@ def worker(steps: int, pause: float) -> None:
 def job(steps: int, kills: int, seed: int) -> tuple[float, int]:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent.parent), "OPENBLAS_NUM_THREADS": "1"}
     env.pop("RINGREDUCE_SECRET", None)
-    proc = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "--elastic", "-np", "4", "--min-np", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "ringreduce.launch.ringrun", "--elastic", "-np", "4", "--min-np", "2",
                              sys.executable, str(HERE), "--worker", "--steps", str(steps)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     rng = random.Random(seed)

@@ -32,7 +32,7 @@ JOB = REPO / "tests" / "elastic_job.py"
 def one_run(rng: random.Random, steps: int, kills: int, timeout: float, during_reset: float) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1", "ELASTIC_JOB_ELEMENTS": "20001"}
     env.pop("RINGREDUCE_SECRET", None)
-    proc = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "--elastic", "-np", "4", "--min-np", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "ringreduce.launch.ringrun", "--elastic", "-np", "4", "--min-np", "2",
                              sys.executable, str(JOB), str(steps), "0.02"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)

@@ -27,6 +27,6 @@ echo "== staged ring on the emulated device and the host CUDA driver (no GPU nee
 $PY -m pytest -q -p no:cacheprovider tests/test_device_ring.py
 
 echo "== GPU allreduce benchmark"
-$PY -m ringreduce.run -np 2 $PY benchmarks/gpu_allreduce_bench.py
-$PY -m ringreduce.run -np 4 $PY benchmarks/gpu_allreduce_bench.py
-$PY -m ringreduce.run -np 4 $PY benchmarks/gpu_allreduce_bench.py --mixed
+$PY -m ringreduce.launch.ringrun -np 2 $PY benchmarks/gpu_allreduce_bench.py
+$PY -m ringreduce.launch.ringrun -np 4 $PY benchmarks/gpu_allreduce_bench.py
+$PY -m ringreduce.launch.ringrun -np 4 $PY benchmarks/gpu_allreduce_bench.py --mixed

@@ -122,7 +122,7 @@ def worker(args) -> None:
 def launch(args, kind: str, n: int) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith("RINGREDUCE_") and k != "TF_CONFIG"}
     base.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3")
-    from ringreduce.world import free_port
+    from ringreduce.core.world import free_port
     ports = [free_port("127.0.0.1") for _ in range(n)]
     secret = secrets.token_hex(16)
     argv = [PY, str(Path(__file__).resolve()), "--worker", kind, "--np", str(n)]

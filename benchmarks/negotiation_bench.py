@@ -6,7 +6,7 @@ training), on 2 and 4 local ranks, all in one run:
     python benchmarks/negotiation_bench.py [--tensors 100] [--cycles 300]
 
 Per cycle: one ring pass of every rank's negotiation message, decoding, the
-agreement and the cache update (ringreduce/negotiation.py), no tensor data.
+agreement and the cache update (ringreduce/engine/negotiation.py), no tensor data.
 "step" is a whole engine step besides: the tensors (float32, 256 elements
 each) enqueued, negotiated, fused, reduced, waited for.
 """
@@ -26,7 +26,7 @@ import json, os, statistics, time
 import numpy as np
 import ringreduce as rr
 from ringreduce.engine import Engine
-from ringreduce.negotiation import Negotiator
+from ringreduce.engine.negotiation import Negotiator
 rr.init()
 tensors, cycles, capacity = (int(os.environ[k]) for k in ("TENSORS", "CYCLES", "CAPACITY"))
 keys = [(f"model/layer{i}/kernel", "allreduce", "float32", (256,), "avg", 0, 0) for i in range(tensors)]
@@ -59,7 +59,7 @@ print("RESULT " + json.dumps({"bytes": per_cycle_bytes, "us": statistics.median(
 
 def run_job(n: int, capacity: int, tensors: int, cycles: int) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from ringreduce import world
+    from ringreduce.core import world
     port, secret = world.free_port("127.0.0.1"), secrets.token_hex(16)
     procs = []
     for r in range(n):

@@ -21,7 +21,8 @@ import time
 import numpy as np
 
 import ringreduce as rr
-from ringreduce import _core, collectives as C
+from ringreduce import _core
+from ringreduce.core import collectives as C
 
 
 class _StubComm:

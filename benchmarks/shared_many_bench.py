@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import ringreduce as rr
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 
 from harness import slowest
 

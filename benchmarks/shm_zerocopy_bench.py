@@ -67,12 +67,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
-from ringreduce import collectives  # noqa: E402
+from ringreduce.core import collectives  # noqa: E402
 
 MIB = 1 << 20
 PATHS = (("zero-copy", True), ("copying", False))
 CMA = "cma"  # a third column where RINGREDUCE_SHM_CMA=1 was agreed at init (csrc/cma.h)
-MAPPED = "mapped"  # and a fourth: CMA on shared arrays (ringreduce/shared.py)
+MAPPED = "mapped"  # and a fourth: CMA on shared arrays (ringreduce/core/shared.py)
 
 
 def rate(fn, nbytes: int, seconds: float = 0.2) -> float:

@@ -93,7 +93,7 @@ def main():
 
     def choose(algo):
         """The small path and its size limit, as init() would set them."""
-        from ringreduce import shm
+        from ringreduce.core import shm
         if algo == "arena":
             ring.use_arena(shm.ARENA_MODES[config.arena_reduce])
             ring.set_small_algorithm("auto")
@@ -111,11 +111,12 @@ def main():
             def run(algo=algo):
                 rr.allreduce(x, out=out)
             yield f"rr-{algo}", run, lambda: out, algo
-        from ringreduce import collectives
+        from ringreduce.core import collectives
         yield f"checked-{algorithms[0]}", lambda: collectives._allreduce_checked(x, "sum", out, None, None), \
             lambda: out, algorithms[0]
         if args.c_call:  # the C core alone: what the Python layer adds is the difference
-            from ringreduce import _core, collectives
+            from ringreduce import _core
+            from ringreduce.core import collectives
             head = collectives._header(collectives.ALLREDUCE, _core.SUM, _core.FLOAT32, x.shape, None, True)
             yield f"C-{algorithms[0]}", lambda: ring.allreduce_small(head, x, out, _core.FLOAT32, _core.SUM), \
                 lambda: out, algorithms[0]

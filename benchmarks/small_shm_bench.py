@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
-from ringreduce import collectives as _c, config as _config  # noqa: E402
+from ringreduce.core import collectives as _c, config as _config  # noqa: E402
 
 IMPLS = ["MPI_Allreduce", "arena", "arena-copy", "arena-direct", "arena-split", "arena-C", "old", "ring"]
 MODES = {"arena": 1, "arena-copy": 2, "arena-direct": 3, "arena-split": 4}  # Comm.use_arena's (host_arena.h)

@@ -291,7 +291,7 @@ class Hosts:
     def port(self, base: int) -> int:
         if self.cluster:
             return base
-        from ringreduce.world import free_port
+        from ringreduce.core.world import free_port
         return free_port("127.0.0.1")
 
 

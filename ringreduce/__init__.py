@@ -5,7 +5,7 @@
     grads = rr.allreduce(grads, op="avg")
 """
 from .errors import MismatchError, PeerLostError, RingReduceError, StaleGenerationError, WithdrawnError
-from .collectives import (
+from .core.collectives import (
     allgather,
     allreduce,
     alltoall,
@@ -21,9 +21,9 @@ from .collectives import (
     size,
 )
 from .engine import join
-from .shared import is_shared, shared_empty, shared_empty_like, shared_zeros
-from .traffic import reset_stats, stats
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .core.shared import is_shared, shared_empty, shared_empty_like, shared_zeros
+from .core.traffic import reset_stats, stats
+from .core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,7 @@
 """
 import sys
 
-from .run import main
+from .launch.ringrun import main
 
 if __name__ == "__main__":
     sys.exit(main())

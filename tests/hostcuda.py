@@ -59,8 +59,9 @@ class HostCuda:
 
     def ring_device(self, ordinal: int = 0):
         """The ring's CUDA device (csrc/cuda_device.c) on this driver, with the
-        kernels ringreduce.cuda would hand it on a GPU."""
-        from ringreduce import _core, cuda
+        kernels ringreduce.core.cuda would hand it on a GPU."""
+        from ringreduce import _core
+        from ringreduce.core import cuda
         return _core.Device.cuda(ordinal, *cuda.kernel_table(self.function))
 
     # Device memory, the way cupy would hand it out.

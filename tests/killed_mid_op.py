@@ -15,7 +15,7 @@ def check_killed_rank_is_named(tmp_path, n: int, setup: str, counter: str, env: 
     path; counter: the Comm method counting that path's operations."""
     ranks = run_ranks(n, f"""
 import os, signal, threading, time
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 {setup}
 before = C._state.comm.{counter}()
 if rr.rank() == 1:  # dies in the middle of a later allreduce
@@ -47,7 +47,7 @@ def check_interrupted_rank_overwriting_is_refused(tmp_path, n: int, make_buf: st
     counting the path's operations."""
     ranks = run_ranks(n, f"""
 import os, signal, threading
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 buf = {make_buf}
 rr.allreduce(buf, out=buf)
 before, wrong, outcome = C._state.comm.{counter}(), 0, "done"

@@ -1,7 +1,7 @@
 """Marks for tests that need hardware this machine may lack."""
 import pytest
 
-from ringreduce import cuda
+from ringreduce.core import cuda
 
 WHY_NO_GPU = cuda.available()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ringreduce import world as _world
+from ringreduce.core import world as _world
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cases import DTYPES, OPS, np_dtype
-from ringreduce.config import MAX_SMALL_BYTES
+from ringreduce.core.config import MAX_SMALL_BYTES
 from ranks import run_ranks
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]

@@ -1,6 +1,6 @@
 """RINGREDUCE_AUTOTUNE=1: the init calibration (segment size, small limit),
 its cache per world shape, and the engine's fusion threshold tuned from
-its cycles (ringreduce/autotune.py)."""
+its cycles (ringreduce/core/autotune.py)."""
 import json
 import os
 from pathlib import Path
@@ -10,13 +10,13 @@ import pytest
 
 from ranks import run_ranks
 import ringreduce
-from ringreduce import autotune
-from ringreduce.config import Config
+from ringreduce.core import autotune
+from ringreduce.core.config import Config
 
 # What every rank reports: the choice, the limit the world's ring uses, and a
 # correctness check at sizes on both sides of every candidate small limit.
 REPORT = """
-from ringreduce import collectives as _c
+from ringreduce.core import collectives as _c
 w = _c._state.world
 ok = True
 for n in (1, 3, 1000, 2731, 10923, 16385, 65537, 300001):
@@ -183,7 +183,7 @@ result = dict(chosen=tuner.chosen, scores=tuner.scores, seen=sorted(seen), final
 MPI_JOB = """
 import pickle, sys
 import numpy as np, ringreduce as rr
-from ringreduce import collectives as _c
+from ringreduce.core import collectives as _c
 rr.init(backend="mpi")
 x = np.arange(300001, dtype=np.float32) + rr.rank()
 ok = bool(np.allclose(rr.allreduce(x), sum(np.arange(300001, dtype=np.float64) + r for r in range(rr.size()))))
@@ -224,7 +224,7 @@ def test_process_sets_made_later_use_the_tuned_values(tmp_path):
     autotune.store(tmp_path / "cache" / "ringreduce" / "autotune" / f"{key}.json",
                    autotune.Choice(64 << 10, 512 << 10), key)
     body = """
-from ringreduce import collectives as _c
+from ringreduce.core import collectives as _c
 pair = rr.add_process_set([0, 2])
 x = np.arange(200003, dtype=np.float32) * (rr.rank() + 1)
 got = rr.allreduce(x, process_set=pair) if rr.rank() in (0, 2) else None
@@ -319,7 +319,7 @@ def test_a_changed_machine_version_or_build_recalibrates(tmp_path, change, on_ra
     path = tmp_path / "cache" / "ringreduce" / "autotune" / f"{key}.json"
     autotune.store(path, autotune.Choice(64 << 10, 512 << 10), key)  # what this machine and build cached
     body = f"""
-from ringreduce import autotune
+from ringreduce.core import autotune
 if int(os.environ["RINGREDUCE_RANK"]) in {on_ranks!r}:
     {CHANGES[change]}
 rr.init()
@@ -343,8 +343,8 @@ def test_rules_for_a_fresh_recheck():
 # says 64 KiB segments and a 32 KiB small limit beat the defaults by far; the fresh
 # recheck of just those against the defaults either agrees or finds them equal.
 RECHECK = """
-from ringreduce import autotune, collectives as _c
-from ringreduce.config import Config
+from ringreduce.core import autotune, collectives as _c
+from ringreduce.core.config import Config
 seg_n, small_n, per = len(autotune.SEGMENT_CANDIDATES), len(autotune.SMALL_CANDIDATES), len(autotune.SEGMENT_PROBES)
 first = np.concatenate([np.repeat([0.5] + [1.0] * (seg_n - 1), per), np.tile([9.0, 5.0], small_n)])
 agrees = np.concatenate([[0.5] * per + [1.0] * per, np.tile([9.0, 5.0], small_n)])

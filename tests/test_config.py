@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from ringreduce.config import Config
+from ringreduce.core.config import Config
 from ranks import run_ranks
 
 BAD = {

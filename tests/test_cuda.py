@@ -18,7 +18,7 @@ from hostcuda import HostCuda
 from needs import GPU_MARKS, WHY_NO_GPU
 from ranks import REPO
 from ringreduce import _core
-from ringreduce import cuda
+from ringreduce.core import cuda
 
 DTYPES = list(cuda.DTYPES)
 CODES = {name: getattr(_core, name.upper()) for name in DTYPES}
@@ -114,7 +114,7 @@ def sample(name, count, seed):
 
 
 class GpuKernels:
-    """reduce.cu on a GPU, through ringreduce.cuda and cupy (16-bit floats as
+    """reduce.cu on a GPU, through ringreduce.core.cuda and cupy (16-bit floats as
     uint16: cupy has no bfloat16)."""
 
     def __init__(self):
@@ -149,7 +149,7 @@ class GpuKernels:
 
 class HostKernels:
     """reduce.cu compiled for the host, launched through the host CUDA driver
-    (tests/hostcuda.py) with the grid ringreduce.cuda would use, or `grid`."""
+    (tests/hostcuda.py) with the grid ringreduce.core.cuda would use, or `grid`."""
 
     def __init__(self, driver, grid=None):
         self.h, self.grid = driver, grid

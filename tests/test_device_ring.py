@@ -24,7 +24,8 @@ from ranks import run_ranks
 
 SETUP = """
 from cases import DTYPES, OPS, make_input, np_dtype
-from ringreduce import _core, collectives
+from ringreduce import _core
+from ringreduce.core import collectives
 comm = collectives._state.comm
 if kind == "emulated":
     dev = memory = _core.Device.emulated(patience)

@@ -23,7 +23,7 @@ class ElasticRun:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1", "RINGRUN_VERBOSE": "1",
                **(env or {})}
         env.pop("RINGREDUCE_SECRET", None)
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "ringreduce.run", "--elastic", *args],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "ringreduce.launch.ringrun", "--elastic", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True)
         self.lines, self.kills = [], []
@@ -116,7 +116,7 @@ def test_kill_a_worker_training_goes_on_and_the_world_grows_back(victim, links):
 
 def test_stale_generation_is_refused_on_every_rank(tmp_path):
     body = """
-    from ringreduce import collectives
+    from ringreduce.core import collectives
     if rr.rank() == 1:
         collectives._state.generation = 7  # as if it came from another ring
     result = []
@@ -145,10 +145,10 @@ def test_below_min_np_exits_non_zero_saying_why():
 
 def test_elastic_flags_need_elastic():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "ringreduce.run", "-np", "2", "--min-np", "1", "true"],
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", "--min-np", "1", "true"],
                          capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 2 and "--min-np needs --elastic" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "ringreduce.run", "--elastic", "-np", "2", "--min-np", "3", "true"],
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "--elastic", "-np", "2", "--min-np", "3", "true"],
                          capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 2 and "--min-np (3) <= -np (2)" in out.stderr
 
@@ -224,7 +224,7 @@ def test_sync_takes_the_state_of_the_newest_commit(tmp_path):
 
 
 def test_restart_back_off_doubles_and_a_failing_host_is_left_out():
-    from ringreduce import elastic_launcher as el
+    from ringreduce.launch import elastic_launcher as el
 
     job = el.ElasticJob(el.Options(np=2, min_np=1, max_np=2, max_restarts=10, hosts_spec="localhost:2"), ["true"])
     try:

@@ -49,8 +49,8 @@ def test_a_malformed_message_on_the_rendezvous_port_harms_no_one():
     """An authenticated peer that sends nonsense (a bad port, bytes that are
     not JSON, a frame larger than any message) is dropped; the rendezvous
     goes on forming generations (the old code's thread died: a hung job)."""
-    from ringreduce import world as _world
-    from ringreduce.rendezvous import RendezvousServer
+    from ringreduce.core import world as _world
+    from ringreduce.launch.rendezvous_server import RendezvousServer
 
     key = b"job secret"
     server = RendezvousServer(key, expected=1, min_np=1, settle=0.1)
@@ -160,7 +160,7 @@ def test_elastic_flags_are_checked(args, says):
     """An elastic flag without --elastic was silently ignored (--max-restarts,
     --elastic-timeout): the user believed the job elastic."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "ringreduce.run", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", *args], capture_output=True, text=True,
                          env=env, timeout=30)
     assert out.returncode == 2 and says in out.stderr, out.stderr
 
@@ -277,7 +277,7 @@ def test_a_malformed_host_list_is_a_message_not_a_traceback(tmp_path):
     a ValueError (the whole job ended for one bad line of a script that is
     run every second); with -H it was a traceback. Now the script's bad
     output is said and skipped (the last good list kept), and -H is refused."""
-    from ringreduce import elastic_launcher as el
+    from ringreduce.launch import elastic_launcher as el
 
     script = tmp_path / "hosts.sh"
     script.write_text("#!/bin/sh\necho localhost:two\n")
@@ -287,6 +287,6 @@ def test_a_malformed_host_list_is_a_message_not_a_traceback(tmp_path):
         with pytest.raises(ValueError, match="host:slots"):
             el.parse_slots(bad)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "ringreduce.run", "--elastic", "-np", "1", "-H", "localhost:x", "true"],
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "--elastic", "-np", "1", "-H", "localhost:x", "true"],
                          capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "host:slots" in out.stderr, out.stderr

@@ -63,7 +63,7 @@ def test_a_tensor_that_differs_between_ranks_raises_everywhere(tmp_path):
 MIXED_JOB = """
 import random, threading, time, zlib, hashlib
 from ringreduce.engine import Engine
-from ringreduce.collectives import _chunk_bounds
+from ringreduce.core.collectives import _chunk_bounds
 n, me = rr.size(), rr.rank()
 eng = Engine(fusion_bytes=4096)
 KINDS = ["allreduce-sum", "allgather", "allreduce-avg", "broadcast", "reduce_scatter", "allreduce-max"]
@@ -184,7 +184,7 @@ def test_mismatches_of_every_field_fail_that_request_on_every_rank(tmp_path):
 
 def test_the_cache_makes_a_repeated_cycle_cost_bits_not_names(tmp_path):
     ranks = run_ranks(3, """
-        from ringreduce.negotiation import Negotiator
+        from ringreduce.engine.negotiation import Negotiator
         keys = [(f"layer{i}/kernel", "allreduce", "float32", (300, 70), "avg", 0, 0) for i in range(100)]
         out = {}
         for capacity in (0, 1024):

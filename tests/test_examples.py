@@ -11,7 +11,7 @@ from ranks import REPO
 
 def test_train_digits_on_four_ranks():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "ringreduce.run", "-np", "4", sys.executable,
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "4", sys.executable,
                           str(REPO / "examples" / "train_digits.py")],
                          capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -24,7 +24,7 @@ def test_train_digits_on_four_ranks():
 def test_keras_digits_full_flow_on_four_ranks(tmp_path):
     pytest.importorskip("tensorflow", reason="tensorflow-cpu not installed (pip install 'ringreduce[tf]')")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "ringreduce.run", "-np", "4", sys.executable,
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "4", sys.executable,
                           str(REPO / "examples" / "keras_digits.py"), "--epochs", "6", "--warmup-epochs", "2",
                           "--checkpoint-dir", str(tmp_path / "ckpt")],
                          capture_output=True, text=True, timeout=240, env=env)
@@ -43,7 +43,7 @@ def test_horovod_keras_script_runs_with_only_its_import_line_changed(tmp_path):
     lines = [line for line in script.read_text().splitlines() if "ringreduce" in line]
     assert lines == ["import ringreduce.tensorflow.keras as hvd"], lines
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "ringreduce.run", "-np", "2", sys.executable, str(script), "4",
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable, str(script), "4",
                           str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out.stdout).group(1))

@@ -74,13 +74,13 @@ def test_same_bad_input_on_every_rank_raises_the_same_error_everywhere(tmp_path)
 def test_a_half_set_world_is_an_error_not_a_world_of_one(env):
     """RINGREDUCE_SIZE=4 without RINGREDUCE_RANK meant 4 ranks: each process
     training alone as a world of one would be silently wrong."""
-    from ringreduce import world
+    from ringreduce.core import world
     with pytest.raises(rr.RingReduceError, match="RINGREDUCE_RANK"):
         world.discover(env)
 
 
 def test_no_launcher_at_all_is_a_world_of_one():
-    from ringreduce import world
+    from ringreduce.core import world
     w = world.discover({"HOME": "/root", "RINGREDUCE_SECRET": "s"})
     assert (w.rank, w.size, w.source) == (0, 1, "single process")
 
@@ -103,7 +103,7 @@ def test_a_misspelt_setting_is_warned_about_with_the_name_meant(monkeypatch):
 def ringrun(*args, timeout=60):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RINGREDUCE_SECRET", None)
-    return subprocess.run([sys.executable, "-m", "ringreduce.run", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -124,7 +124,7 @@ def test_ringrun_names_the_rank_that_failed_first_not_the_lowest(capsys):
     """Rank 2 fails; ranks 0 and 1 fail a few ms later (PeerLostError), inside
     one of ringrun's 50 ms polls: ringrun must blame rank 2, whose output says
     why, not rank 0, whose output only says it lost a peer."""
-    from ringreduce import run
+    from ringreduce.launch import ringrun as run
     job = run.Job()
     job.ranks = [run.Rank(i, False, _Ended(code)) for i, code in enumerate([1, 1, 3])]
     for i in (2, 0, 1):  # the order they ended in
@@ -143,7 +143,7 @@ def test_ringrun_refuses_bad_arguments_up_front(args, says):
 
 def test_srun_without_a_world_is_an_error_not_n_worlds_of_one():
     """`srun -n 4 python train.py` (no PMI for MPI): every task would train alone."""
-    from ringreduce import world
+    from ringreduce.core import world
     with pytest.raises(rr.RingReduceError, match="srun"):
         world.discover({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4"})
     w = world.discover({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"})  # a batch script's own step
@@ -152,7 +152,7 @@ def test_srun_without_a_world_is_an_error_not_n_worlds_of_one():
 
 def test_srun_with_pmix_gives_the_size_of_the_step():
     """srun --mpi=pmix sets PMIX_RANK but no PMI_SIZE: rank 3 must not be a rank of a world of one."""
-    from ringreduce import world
+    from ringreduce.core import world
     w = world.discover({"PMIX_RANK": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3"})
     assert (w.rank, w.size, w.source) == (3, 4, "mpirun")
 
@@ -238,7 +238,7 @@ def test_bad_input_on_one_member_of_a_process_set_raises_on_the_others(tmp_path)
 def test_every_setting_the_code_reads_is_a_known_name():
     """A new RINGREDUCE_* variable must join config.KNOWN_NAMES, or setting it warns as a typo."""
     import re
-    from ringreduce import config
+    from ringreduce.core import config
     sources = [*(REPO / "ringreduce").rglob("*.py"), REPO / "setup.py"]
     read = {m for p in sources for m in re.findall(r"[\"'](RINGREDUCE_[A-Z0-9_]+)[\"']", p.read_text())}
     assert read and read <= config.KNOWN_NAMES, sorted(read - config.KNOWN_NAMES)

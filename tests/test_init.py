@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from ranks import REPO, run_ranks
-from ringreduce import mpi_backend
+from ringreduce.core import mpi_backend
 
 
 @pytest.mark.skipif(mpi_backend.available() is not None, reason=str(mpi_backend.available()))

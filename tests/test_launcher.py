@@ -21,7 +21,7 @@ from cluster import Cluster, can_build  # noqa: E402
 def ringrun(*args, timeout=60, **kw):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RINGREDUCE_SECRET", None)
-    return subprocess.run([sys.executable, "-m", "ringreduce.run", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, **kw)
 
 
@@ -114,7 +114,7 @@ def test_two_hosts_over_ssh_in_network_namespaces(tmp_path):
         hosts = ",".join(f"{a}:2" for a in cluster.addresses)
         code = ("import os, numpy as np, ringreduce as rr; rr.init()\n"
                 "y = rr.allreduce(np.full(1 << 18, rr.rank() + 1.0, dtype=np.float32))\n"
-                "from ringreduce.collectives import _state\n"
+                "from ringreduce.core.collectives import _state\n"
                 "links = _state.world.extra['links']\n"
                 "print(rr.rank(), rr.local_rank(), rr.local_size(), os.environ['RINGREDUCE_ADDR'], y[0],\n"
                 "      links['next'], links['prev'])")
@@ -171,7 +171,7 @@ def start_ringrun(np_: int, *ringrun_args: str, code: str | None = RANK_UP_THEN_
     command = command or [sys.executable, "-c", code, marker]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RINGREDUCE_SECRET", None)
-    p = subprocess.Popen([sys.executable, "-m", "ringreduce.run", "-np", str(np_), *ringrun_args, *command],
+    p = subprocess.Popen([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", str(np_), *ringrun_args, *command],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=env)
     seen, deadline = b"", time.monotonic() + 30
@@ -246,7 +246,7 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace():
 def test_closed_stdout_stops_the_job_quietly_and_promptly():
     marker = f"rrmarker{secrets.token_hex(6)}"
     loop = "import itertools\nfor i in itertools.count(): print('line', i)"
-    ringrun_cmd = shlex.join([sys.executable, "-m", "ringreduce.run", "-np", "2", sys.executable, "-c", loop,
+    ringrun_cmd = shlex.join([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable, "-c", loop,
                               marker])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""The host arena over MPI (ringreduce/mpi_backend.py attach_arena): ranks of
+"""The host arena over MPI (ringreduce/core/mpi_backend.py attach_arena): ranks of
 an MPI ring on one host meet in one shared mapping for small operations, as
 the socket backend's do (tests/test_small_shm.py), instead of recursive
 doubling. Under mpirun -np 2, 3, 4: results against numpy for every dtype
@@ -30,7 +30,7 @@ from cases import DTYPES, OPS, close_enough, digest, make_input, reference  # no
 
 def _init():
     import ringreduce as rr
-    from ringreduce import collectives as c
+    from ringreduce.core import collectives as c
     rr.init(backend="mpi")
     return rr, c
 
@@ -169,7 +169,7 @@ def job_dead_pid():
     child's, reaped), and rank 1 comes 3 s late: the others, waiting for it
     in the arena, see that pid gone and name rank 1 at once, long before
     RINGREDUCE_TIMEOUT=60 and before rank 1 comes (which would end the wait)."""
-    from ringreduce import mpi_backend
+    from ringreduce.core import mpi_backend
     real = mpi_backend._pids_on_one_host
 
     def with_a_dead_rank_1(comm):
@@ -210,7 +210,7 @@ def job_off():
 def job_elsewhere():
     """Rank 1 claims another host: nobody takes the arena; the small path
     still works (by doubling)."""
-    from ringreduce import shm
+    from ringreduce.core import shm
     if int(os.environ.get("PMI_RANK", "0")) == 1:
         shm.host_identity = lambda: "elsewhere/0"
     rr, c = _init()
@@ -221,7 +221,7 @@ def job_elsewhere():
 
 def job_file_gone():
     """Rank 0 makes the arena's file; it is gone once every rank agreed."""
-    from ringreduce import shm
+    from ringreduce.core import shm
     made = []
     make = shm._make_file
     shm._make_file = lambda tag, *a, **k: made.append(make(tag, *a, **k)) or made[-1]
@@ -255,7 +255,7 @@ def job_other_pid_namespace():
     """The last rank runs in a pid namespace of its own (the test's
     wrapper): no rank is given pids (a live peer's pid is not ours to see),
     the arena is still used, and a late rank is waited for, not named dead."""
-    from ringreduce import mpi_backend
+    from ringreduce.core import mpi_backend
     given = []
     real = mpi_backend._pids_on_one_host
     mpi_backend._pids_on_one_host = lambda comm: given.append(real(comm)) or given[-1]
@@ -313,7 +313,7 @@ def job_shutdown_while_waiting():
 def job_one_cannot_open():
     """Rank 1 cannot open (or see) the arena's file: nobody uses the arena;
     the small path goes on by doubling, right, on every rank."""
-    from ringreduce import shm
+    from ringreduce.core import shm
     if int(os.environ.get("PMI_RANK", "0")) == 1:
         shm._open_offer = lambda *a, **k: -1
     return _no_arena_job()
@@ -323,7 +323,7 @@ def job_one_cannot_map():
     """Rank 1 opens a file that its mapping refuses (the wrong size: as if
     mmap failed there): it votes no, the others unmap theirs unused."""
     import tempfile
-    from ringreduce import shm
+    from ringreduce.core import shm
     if int(os.environ.get("PMI_RANK", "0")) == 1:
         def wrong_file(*a, **k):
             fd, path = tempfile.mkstemp()
@@ -519,7 +519,7 @@ def test_pids_are_not_given_where_a_rank_cannot_tell_its_pid_namespace():
     """A rank whose /proc/self/ns/pid cannot be read has namespace 0 (shm.py):
     ranks in different pid namespaces would then look alike, and a live peer
     whose pid is not ours to see would look dead (kill: ESRCH)."""
-    from ringreduce import mpi_backend
+    from ringreduce.core import mpi_backend
 
     class Comm:
         def __init__(self, rows):

@@ -1,4 +1,4 @@
-"""Process sets (ringreduce/process_sets.py): collectives among some ranks,
+"""Process sets (ringreduce/core/process_sets.py): collectives among some ranks,
 on the socket backend (shared-memory and TCP links) and under mpirun, every
 result against numpy and bit-identical across a set's members; the errors."""
 import os
@@ -93,7 +93,7 @@ LINKS = {"shm": {"RINGREDUCE_SHM_BYTES": "65536"}, "tcp": {"RINGREDUCE_SHM_BYTES
 @pytest.mark.parametrize("links", list(LINKS))
 def test_every_collective_on_each_set_matches_numpy(tmp_path, links):
     ranks = run_ranks(4, check_sets(SETS) + """
-    from ringreduce.collectives import _state
+    from ringreduce.core.collectives import _state
     result["links"] = [_state.sets[ps.process_set_id].comm.links for ps in sets if ps.included() and ps.size() > 1]
 """, tmp_path, timeout=240, env=LINKS[links])
     _assert_sets_correct([r.result for r in ranks])
@@ -253,7 +253,7 @@ SET_MESSAGES = {
 def test_a_sets_errors_name_every_rank_in_world_terms(said):
     """No process needed: the set's _core.Comm is a stand-in that raises what C would."""
     from ringreduce.errors import PeerLostError
-    from ringreduce.process_sets import _SetComm
+    from ringreduce.core.process_sets import _SetComm
 
     class Failing:
         broken = said  # why the ring is unusable, as module.c reads it
@@ -273,8 +273,8 @@ def test_a_sets_errors_name_every_rank_in_world_terms(said):
 def test_the_engines_verdicts_on_a_sets_request_say_they_count_world_ranks():
     """Negotiation numbers ranks as the world does; on a set's request (set 1:
     world ranks 1 and 3 of 4) its messages say so. No process needed."""
-    from ringreduce.negotiation import Negotiator, agree, decode, encode
-    from ringreduce.response_cache import ResponseCache
+    from ringreduce.engine.negotiation import Negotiator, agree, decode, encode
+    from ringreduce.engine.response_cache import ResponseCache
 
     def key(name, shape=(4,)):
         return (name, "allreduce", "float32", shape, "avg", 0, 1)
@@ -342,7 +342,7 @@ def test_every_collective_on_each_set_matches_numpy_under_mpirun(tmp_path):
     from test_mpi import MPIRUN
     script = tmp_path / "sets.py"
     script.write_text(PRELUDE + "rr.init()\n" + textwrap.dedent(check_sets(SETS)) + """
-from ringreduce.collectives import _state
+from ringreduce.core.collectives import _state
 result["source"] = _state.world.source
 """ + MPI_EPILOGUE)
     out = tmp_path / "out"

@@ -22,7 +22,7 @@ def test_python_m_ringreduce_runs_ranks_like_ringrun():
 def test_python_m_ringreduce_exits_with_ringruns_code():
     failing = "import os, sys; sys.exit(3 if os.environ['RINGREDUCE_RANK'] == '1' else 0)"
     for args in (["-np", "2", sys.executable, "-c", failing], []):  # a failing rank; no arguments at all
-        want, got = launch("ringreduce.run", *args), launch("ringreduce", *args)
+        want, got = launch("ringreduce.launch.ringrun", *args), launch("ringreduce", *args)
         assert want.returncode != 0 and got.returncode == want.returncode, (args, want.returncode, got.returncode)
         # the first line names the failure (whether rank 0 had already exited varies from run to run)
         assert [line.split(";")[0].split(" (after")[0] for line in got.stderr.splitlines()[:1]] == \

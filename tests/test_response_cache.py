@@ -1,8 +1,8 @@
 """The response cache and the agreement rule, in one process: every rank
 runs this same code on the same messages, so what is checked here is what
 keeps their caches identical."""
-from ringreduce.negotiation import Message, agree, decode, encode
-from ringreduce.response_cache import ResponseCache
+from ringreduce.engine.negotiation import Message, agree, decode, encode
+from ringreduce.engine.response_cache import ResponseCache
 
 
 def key(name, shape=(4,), kind="allreduce", dtype="float32", op="avg", root=0, ps=0):

@@ -1,4 +1,4 @@
-"""review11: silent-wrong-result hunts in the engine (ringreduce/engine.py,
+"""review11: silent-wrong-result hunts in the engine (ringreduce/engine/scheduler.py,
 negotiation.py) and the compressors.
 
 - RINGREDUCE_FUSION_THRESHOLD set differently per rank: each rank cut its
@@ -33,8 +33,8 @@ import textwrap
 import numpy as np
 
 import ranks
-from ringreduce.negotiation import decode, encode
-from ringreduce.response_cache import ResponseCache
+from ringreduce.engine.negotiation import decode, encode
+from ringreduce.engine.response_cache import ResponseCache
 
 DIFFERENT_FUSION = """
 from ringreduce.engine import engine

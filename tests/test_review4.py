@@ -68,11 +68,11 @@ def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path
     # answered leaves the file under its name (elastic jobs left such files
     # on this host). Before: it stayed in /dev/shm for good; now the next rank
     # to make a file on this host sees its maker is gone and removes it.
-    from ringreduce import shm
+    from ringreduce.core import shm
     record = tmp_path / "made"
     ranks = run_ranks(2, f"""
         import signal, time
-        from ringreduce import shm
+        from ringreduce.core import shm
         make, connect = shm._make_file, shm.connect
         def make_and_record(*a, **k):
             fd, path, nonce = make(*a, **k)
@@ -113,7 +113,7 @@ def test_a_peer_lost_in_the_zero_copy_vote_leaves_init_undone(tmp_path):
     # and every call then said "not initialized" (an elastic job could never
     # re-form). Now init() leaves, as it does when the arena agreement fails.
     ranks = run_ranks(3, """
-        from ringreduce import shm
+        from ringreduce.core import shm
         r = int(os.environ["RINGREDUCE_RANK"])
         agree = shm.agree_zero_copy
         def die_in_the_vote(comm, wanted):
@@ -144,7 +144,7 @@ def test_an_odd_shm_size_on_one_rank_keeps_zero_copy_and_the_right_sums(tmp_path
         r = int(os.environ["RINGREDUCE_RANK"])
         os.environ["RINGREDUCE_SHM_BYTES"] = "1000" if r == 1 else str(1 << 20)
         rr.init()
-        from ringreduce import collectives as C
+        from ringreduce.core import collectives as C
         base = (np.arange((3 << 20) + 5) % 7).astype(np.float32)
         y = rr.allreduce(base * (r + 1))
         result = (bool(np.array_equal(y, base * 6)), C._state.comm.zero_copy_ops())
@@ -153,12 +153,13 @@ def test_an_odd_shm_size_on_one_rank_keeps_zero_copy_and_the_right_sums(tmp_path
         assert k.result == (True, 1), (k.rank, k.result)
 
 
-# A device array family (as ringreduce/cuda.py DeviceArrays) over the emulated
+# A device array family (as ringreduce/core/cuda.py DeviceArrays) over the emulated
 # device (csrc/device_emulated.c): the public collectives then run this
 # rank's large operations on the ring's staged device path.
 EMULATED_FAMILY = """
 import contextlib
-from ringreduce import _core, collectives as C, cuda
+from ringreduce import _core
+from ringreduce.core import collectives as C, cuda
 device = _core.Device.emulated(0)
 
 class Dev(np.ndarray):
@@ -198,7 +199,7 @@ def test_a_device_rank_beside_host_ranks_on_zero_copy_links_gets_the_right_sums(
     # step-major: before, a large allreduce on one device rank and one host
     # rank over shared-memory links gave wrong sums on both, silently.
     ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
-        from ringreduce import collectives as C
+        from ringreduce.core import collectives as C
         r = rr.rank()
         base = (np.arange((3 << 20) + 5) % 11).astype(np.float32)
         x = base * (r + 1)
@@ -223,7 +224,7 @@ def test_arena_edges_zero_bytes_the_limit_and_one_rank_one_element_over(tmp_path
     # rank only is a shape mismatch named alike everywhere, after which the
     # arena (and a process set's own arena) keeps working.
     ranks = run_ranks(3, """
-        from ringreduce import collectives as C
+        from ringreduce.core import collectives as C
         r, limit = rr.rank(), 256 << 10  # RINGREDUCE_ARENA_BYTES's default
         out = {"arena": C._state.comm.arena_slot > 0, "limit": C._state.ring.allreduce_limit == limit}
         out["zero"] = rr.allreduce(np.zeros(0, np.float32)).shape

@@ -17,7 +17,7 @@ from ranks import run_ranks
 # RINGREDUCE_TIMEOUT, or worse.
 INTERLEAVED = """
 import threading
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 r = rr.rank()
 small = lambda: rr.allreduce(np.full(64, r + 1.0, np.float32), name="small")
 small()  # planned on every rank

@@ -64,7 +64,7 @@ def test_a_bad_name_on_one_rank_is_refused_on_every_rank(tmp_path, bad):
 ])
 def test_another_launchers_world_of_n_is_not_a_silent_world_of_one(env):
     from ringreduce.errors import RingReduceError
-    from ringreduce.world import discover
+    from ringreduce.core.world import discover
     with pytest.raises(RingReduceError, match="ringrun -np 4"):
         discover(env)
     one = {k: "1" if k in ("HOROVOD_SIZE", "WORLD_SIZE") else "0" if "RANK" in k else v for k, v in env.items()}
@@ -74,7 +74,7 @@ def test_another_launchers_world_of_n_is_not_a_silent_world_of_one(env):
 @pytest.mark.parametrize("name", ["RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_LOCAL_RANK", "PMI_RANK"])
 def test_a_launcher_variable_that_is_not_an_integer_is_named(name):
     from ringreduce.errors import RingReduceError
-    from ringreduce.world import discover
+    from ringreduce.core.world import discover
     env = {"RINGREDUCE_RANK": "0", "RINGREDUCE_SIZE": "1"} if name.startswith("RINGREDUCE") else {}
     env[name] = "one"
     with pytest.raises(RingReduceError, match=f"{name}='one' is not an integer"):
@@ -131,7 +131,7 @@ def test_a_world_collective_and_a_set_collective_on_two_threads_run_at_once(tmp_
 # naming the variable, on every rank alike (all read the same setting).
 @pytest.mark.parametrize("value", ["inf", "1e300", "604801"])
 def test_an_endless_start_timeout_is_refused_naming_it(value):
-    from ringreduce.config import Config
+    from ringreduce.core.config import Config
     with pytest.raises(ValueError, match=re.escape(f"RINGREDUCE_START_TIMEOUT={float(value)!r} makes no sense")):
         Config.from_env({"RINGREDUCE_START_TIMEOUT": value})
     assert Config.from_env({"RINGREDUCE_START_TIMEOUT": "604800"}).start_timeout == 604800
@@ -155,6 +155,6 @@ def test_a_long_start_timeout_still_joins(tmp_path):
 ])
 def test_a_nonsensical_address_or_local_rank_is_named(env, says):
     from ringreduce.errors import RingReduceError
-    from ringreduce.world import discover
+    from ringreduce.core.world import discover
     with pytest.raises(RingReduceError, match=re.escape(says)):
         discover({"RINGREDUCE_RANK": "1", "RINGREDUCE_SIZE": "2", "RINGREDUCE_ADDR": "127.0.0.1:1234", **env})

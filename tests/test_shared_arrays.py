@@ -20,7 +20,7 @@ from ranks import run_ranks
 
 PRELUDE = """
 from cases import DTYPES, OPS, close_enough, digest, make_input, mean_error_bound, np_dtype, reference
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 
 def paths(fn, comm=None):
     # fn(shared) by CMA on shared arrays (the mapped read), by CMA on plain

@@ -1,4 +1,4 @@
-"""Shared-memory links between neighbours on one host (ringreduce/shm.py,
+"""Shared-memory links between neighbours on one host (ringreduce/core/shm.py,
 csrc/shm_link.c): which links use them, results on rings that mix them
 with TCP links, nothing left in /dev/shm, and offers that must be declined."""
 import os
@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from ranks import run_ranks
-from ringreduce import shm, world
+from ringreduce.core import shm, world
 
 # Every collective against numpy, on sizes that fill and wrap a small link.
 CHECK_COLLECTIVES = """
@@ -32,7 +32,7 @@ CHECK_COLLECTIVES = """
         checks[("broadcast", count)] = bool(np.array_equal(rr.broadcast(x, root=root),
                                                            np.arange(count, dtype=np.float64) + root))
     rr.barrier()
-    from ringreduce.collectives import _state
+    from ringreduce.core.collectives import _state
     result = (_state.world.extra["links"], checks)
 """
 

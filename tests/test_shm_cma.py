@@ -15,7 +15,7 @@ from ranks import run_ranks
 
 PRELUDE = """
 from cases import DTYPES, OPS, close_enough, digest, make_input, mean_error_bound, np_dtype, reference
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 
 def three(fn, comm=None):
     # fn's result by CMA, by zero copy through the mappings, by the copying
@@ -195,7 +195,7 @@ def test_the_switch_and_the_fallback_when_refused(tmp_path, n, env, cma):
 
 
 def test_a_bad_setting_is_refused_by_name():
-    from ringreduce.config import Config
+    from ringreduce.core.config import Config
     with pytest.raises(ValueError, match="RINGREDUCE_SHM_CMA"):
         Config.from_env({"RINGREDUCE_SHM_CMA": "yes"})
     assert Config.from_env({}).shm_cma == "auto"  # rings of two, where the probe passes
@@ -226,7 +226,7 @@ def test_no_rank_returns_while_its_neighbour_still_reads_its_buffer(tmp_path, n)
     # moment allreduce returns: had it returned while next was still reading
     # it (the final wait for the tokens), next would sum the new values.
     ranks = run(n, """
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 buf = np.empty(n_el := rr.size() * (3 << 18) + 5, np.int64)
 bad, before = 0, C._state.comm.cma_ops()
 for i in range(30):
@@ -272,7 +272,7 @@ def test_back_to_back_ops_of_every_kind_and_size_leave_no_stale_token(tmp_path, 
     # CMA operations between others (small, mappings-sized, reduce_scatter,
     # uneven allgather with an empty block): each op's tokens are its own.
     ranks = run(n, """
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 n, r = rr.size(), rr.rank()
 bad, before = [], C._state.comm.cma_ops()
 for i in range(6):
@@ -328,7 +328,7 @@ def test_the_smallest_links_still_carry_the_tokens(tmp_path, shm_bytes):
     # no room for an operation's first token after the alignment gap the
     # header pass leaves: every rank spun in put_token, past the timeout.
     ranks = run(3, """
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 x = np.arange(3 * (1 << 19) + 7, dtype=np.float64) * (rr.rank() + 1)
 want = np.arange(x.size, dtype=np.float64) * 6
 ok = all(np.array_equal(rr.allreduce(x), want) for _ in range(3))

@@ -16,7 +16,7 @@ from ranks import run_ranks
 # and returns both results and how many operations took the path.
 PRELUDE = """
 from cases import DTYPES, OPS, close_enough, digest, make_input, mean_error_bound, np_dtype, reference
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 
 def both(fn, comm=None):
     comm = comm or C._state.comm
@@ -239,7 +239,7 @@ rr.init()
 
 
 def test_a_bad_switch_is_refused_by_name():
-    from ringreduce.config import Config
+    from ringreduce.core.config import Config
     with pytest.raises(ValueError, match="RINGREDUCE_SHM_ZEROCOPY"):
         Config.from_env({"RINGREDUCE_SHM_ZEROCOPY": "yes"})
     assert Config.from_env({}).shm_zerocopy is True

@@ -19,7 +19,7 @@ from ranks import REPO, run_ranks
 
 # The body every rank runs (after rr.init()); `result` comes back per rank.
 CHECKS = """
-from ringreduce import collectives as C
+from ringreduce.core import collectives as C
 n, r = rr.size(), rr.rank()
 ring = C._state.ring
 res = {}
@@ -230,7 +230,7 @@ def test_a_forked_child_cannot_use_the_parents_comm_on_the_fast_path(tmp_path):
     # (an atfork handler keeps it): a child calling the parent's Comm
     # straight, the planned header in hand, is still refused.
     ranks = run_ranks(2, """
-        from ringreduce import collectives as C
+        from ringreduce.core import collectives as C
         x = np.ones(8, np.float32)
         for _ in range(3):
             rr.allreduce(x)
@@ -256,7 +256,7 @@ def test_a_forked_child_cannot_use_the_parents_comm_on_the_fast_path(tmp_path):
 
 def test_fast_path_in_a_process_set_plans_on_the_sets_ring_and_names_world_ranks(tmp_path):
     ranks = run_ranks(3, """
-        from ringreduce import collectives as C
+        from ringreduce.core import collectives as C
         evens = rr.add_process_set([0, 2])
         result = None
         if evens.included():

@@ -16,7 +16,7 @@ from ranks import run_ranks
 # bits, the same on every rank, close to numpy's reduction of all inputs.
 CORRECTNESS = """
     import hashlib, ml_dtypes
-    from ringreduce import collectives as c
+    from ringreduce.core import collectives as c
     comm, N, r = c._state.comm, rr.size(), rr.rank()
     limit = c._state.small_limit
     assert comm.arena_slot > 0 and limit >= 256 << 10, (comm.arena_slot, limit)
@@ -83,7 +83,7 @@ def test_arena_matches_numpy_and_the_ring_bit_for_bit(tmp_path, n):
 # every way, on every rank, and as the ring's small path.
 MODES = """
     import hashlib, ml_dtypes
-    from ringreduce import collectives as c, shm
+    from ringreduce.core import collectives as c, shm
     comm, N, r = c._state.comm, rr.size(), rr.rank()
     limit = c._state.small_limit
     dtypes = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int16, np.uint16,
@@ -133,7 +133,7 @@ def test_ranks_that_differ_in_arena_reduce_still_agree(tmp_path):
     ranks = run_ranks(3, """
         os.environ["RINGREDUCE_ARENA_REDUCE"] = ["split", "direct", "auto"][int(os.environ["RINGREDUCE_RANK"])]
         rr.init()
-        from ringreduce import collectives as c
+        from ringreduce.core import collectives as c
         x = np.random.default_rng(rr.rank()).random(50001).astype(np.float32)
         got = rr.allreduce(x)
         c._state.comm.use_arena(0)
@@ -153,7 +153,7 @@ def test_ranks_that_differ_in_arena_reduce_still_agree(tmp_path):
 
 
 def test_a_bad_arena_reduce_is_refused():
-    from ringreduce import config
+    from ringreduce.core import config
     with pytest.raises(ValueError, match="RINGREDUCE_ARENA_REDUCE"):
         config.Config.from_env({"RINGREDUCE_ARENA_REDUCE": "fast"})
     assert config.Config.from_env({"RINGREDUCE_ARENA_REDUCE": "split"}).arena_reduce == "split"
@@ -164,7 +164,7 @@ def test_mismatches_name_the_same_rank_everywhere(tmp_path):
     its slot while the others' fit: MismatchError naming rank 1 on every
     rank, and the communicator still works."""
     ranks = run_ranks(3, """
-        from ringreduce import collectives as c
+        from ringreduce.core import collectives as c
         errors = []
         cases = [lambda: rr.allreduce(np.ones(5 if rr.rank() == 1 else 4, np.float32)),
                  lambda: rr.allreduce(np.ones(4, np.float64 if rr.rank() == 1 else np.float32)),
@@ -188,7 +188,7 @@ def test_mismatches_name_the_same_rank_everywhere(tmp_path):
 
 KILLED = """
     import signal, time
-    from ringreduce import collectives as c
+    from ringreduce.core import collectives as c
     assert c._state.comm.arena_slot > 0
     rr.allreduce(np.ones(4))
     if rr.rank() == {victim}:
@@ -244,7 +244,7 @@ def test_a_silent_rank_is_named_after_the_timeout(tmp_path):
 # rank agreed, so neither shutdown nor a crash can leave it behind.
 FILE_GONE = """
     import signal, time
-    from ringreduce import shm
+    from ringreduce.core import shm
     made = []
     make = shm._make_file
     shm._make_file = lambda tag, *a, **k: made.append(make(tag, *a, **k)) or made[-1]
@@ -277,7 +277,7 @@ def test_ranks_on_different_hosts_keep_the_ring(tmp_path):
     """One rank claims another host: nobody takes the arena, and the small
     path still works (around the ring)."""
     ranks = run_ranks(3, """
-        from ringreduce import shm, collectives as c
+        from ringreduce.core import shm, collectives as c
         if os.environ["RINGREDUCE_RANK"] == "1":
             shm.host_identity = lambda: "elsewhere/0"
         rr.init()
@@ -296,7 +296,7 @@ def test_process_sets_get_their_own_arena(tmp_path, reduce):
     each set's arena takes its second round too)."""
     ranks = run_ranks(4, """
         import hashlib
-        from ringreduce import collectives as c
+        from ringreduce.core import collectives as c
         a, b = rr.add_process_set([0, 2, 3]), rr.add_process_set([1, 3])
         digests, arenas = {}, []
         for ps, members in ((a, [0, 2, 3]), (b, [1, 3])):
@@ -327,7 +327,7 @@ def test_ranks_that_disagree_on_the_arena_keep_the_ring(tmp_path):
         if arena is not None:
             os.environ["RINGREDUCE_ARENA_BYTES"] = arena
         rr.init()
-        from ringreduce import collectives as c
+        from ringreduce.core import collectives as c
         result = (c._state.comm.arena_slot, rr.allreduce(np.ones(3)).tolist())
     """, tmp_path, timeout=60, init=False)
     for r in ranks:

@@ -321,7 +321,7 @@ def test_checkpoint_of_a_distributed_optimizer_loads_without_ringreduce(tmp_path
     (tmp_path / "load.py").write_text(LOAD_AND_TRAIN_ON)
     checkpoint = tmp_path / "model.keras"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    saved = subprocess.run([sys.executable, "-m", "ringreduce.run", "-np", "2", sys.executable,
+    saved = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable,
                             str(tmp_path / "save.py"), str(checkpoint)],
                            capture_output=True, text=True, timeout=180, env=env)
     assert saved.returncode == 0, saved.stdout + saved.stderr

@@ -18,7 +18,7 @@ from ranks import REPO
 # first test pays for it, so each gets a budget of its own, above the default.
 pytestmark = pytest.mark.timeout(600)
 
-WHEEL_MUST_HOLD = ["ringreduce/__init__.py", "ringreduce/__main__.py", "ringreduce/cuda.py",
+WHEEL_MUST_HOLD = ["ringreduce/__init__.py", "ringreduce/__main__.py", "ringreduce/core/cuda.py",
                    "ringreduce/tensorflow/__init__.py", "ringreduce/tensorflow/optimizer.py",
                    "ringreduce/csrc/cuda/reduce.cu", "ringreduce/csrc/reduce_math.h",
                    "ringreduce/csrc/tf/async_call.cc", "ringreduce/tensorflow/async_op.py"]
@@ -70,19 +70,19 @@ def rank_results(stdout: str, n: int) -> list:
 def test_every_module_imports_from_the_installed_wheel(venv):
     python, env, work = venv
     out = run([python, "-c", textwrap.dedent("""
-        import importlib, json, pkgutil, ringreduce, ringreduce.cuda
+        import importlib, json, pkgutil, ringreduce, ringreduce.core.cuda
         names = sorted(m.name for m in pkgutil.walk_packages(ringreduce.__path__, "ringreduce."))
         for name in names:
             importlib.import_module(name)
         print(json.dumps({"file": ringreduce.__file__, "modules": names,
-                          "kernel_source": str(ringreduce.cuda.kernel_source())}))
+                          "kernel_source": str(ringreduce.core.cuda.kernel_source())}))
     """)], timeout=180, env=env, cwd=work)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     site = Path(python).parent.parent
     assert Path(res["file"]).is_relative_to(site), f"imported {res['file']}, not the installed wheel"
     for name in ["ringreduce.tensorflow", "ringreduce.tensorflow.optimizer", "ringreduce.tensorflow.callbacks",
                  "ringreduce.tensorflow.ops", "ringreduce.tensorflow.overlap", "ringreduce.tensorflow.compression",
-                 "ringreduce.cuda", "ringreduce.run", "ringreduce.__main__", "ringreduce._core"]:
+                 "ringreduce.core.cuda", "ringreduce.launch.ringrun", "ringreduce.__main__", "ringreduce._core"]:
         assert name in res["modules"], (name, res["modules"])
     kernel = Path(res["kernel_source"])
     assert kernel.is_relative_to(site) and (kernel.parent.parent / "reduce_math.h").exists(), kernel

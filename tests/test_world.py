@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ringreduce.errors import RingReduceError
-from ringreduce.world import discover
+from ringreduce.core.world import discover
 from ranks import run_ranks
 
 

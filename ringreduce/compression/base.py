@@ -14,7 +14,7 @@ import zlib
 
 import numpy as np
 
-from .. import collectives as _c
+from ..core import collectives as _c
 from ..errors import MismatchError
 
 OPS = ("sum", "avg")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import collectives as _c
+from ..core import collectives as _c
 from .base import Compressor
 
 

@@ -24,7 +24,7 @@ import zlib
 
 import numpy as np
 
-from .. import collectives as _c
+from ..core import collectives as _c
 from .base import Compressor, scope
 
 

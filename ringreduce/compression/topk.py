@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .. import collectives as _c
+from ..core import collectives as _c
 from .base import Compressor
 
 

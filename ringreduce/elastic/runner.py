@@ -6,11 +6,11 @@ import functools
 import logging
 import time
 
-from .. import collectives as _c
+from ..core import collectives as _c
 from .. import engine as _engine
 from ..errors import MismatchError, RingReduceError
-from .. import rendezvous as _rendezvous
-from ..rendezvous import RendezvousLostError
+from ..launch import rendezvous_server as _rendezvous
+from ..launch.rendezvous_server import RendezvousLostError
 from .state import HostsUpdatedInterrupt
 
 log = logging.getLogger("ringreduce")

@@ -15,9 +15,9 @@ import pickle
 
 import numpy as np
 
-from .. import collectives as _c
+from ..core import collectives as _c
 from .. import engine as _engine
-from .. import rendezvous as _rendezvous
+from ..launch import rendezvous_server as _rendezvous
 
 
 class HostsUpdatedInterrupt(RuntimeError):

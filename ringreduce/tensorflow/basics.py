@@ -9,10 +9,10 @@ import tensorflow as tf
 
 import ringreduce as rr
 from ringreduce import is_initialized, local_rank, local_size, rank, size
-from ringreduce import mpi_backend as _mpi_backend
-from ringreduce import cuda as _cuda
+from ringreduce.core import mpi_backend as _mpi_backend
+from ringreduce.core import cuda as _cuda
 from ringreduce.engine import engine
-from ringreduce.process_sets import ProcessSet, add_process_set, find_process_set, global_process_set
+from ringreduce.core.process_sets import ProcessSet, add_process_set, find_process_set, global_process_set
 
 # ----------------------------------------------------------------- process sets
 
@@ -162,7 +162,7 @@ def mpi_built() -> bool:
 
 def mpi_enabled() -> bool:
     """Whether the running ring goes over MPI (init under mpirun, or backend='mpi')."""
-    from ringreduce.collectives import _state  # no public accessor for the backend yet
+    from ringreduce.core.collectives import _state  # no public accessor for the backend yet
     return rr.is_initialized() and _state.init_args[0] == "mpi"
 
 

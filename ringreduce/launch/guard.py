@@ -1,6 +1,6 @@
 """One rank's guard: runs the rank's command and ends it when ringrun goes away.
 
-    python -I .../ringreduce/guard.py --grace 3 -- python train.py
+    python -I .../ringreduce/launch/guard.py --grace 3 -- python train.py
 
 ringrun starts every rank under a guard, locally or at the far end of ssh, and
 keeps the only write end of a pipe on the guard's stdin. ringrun never writes
@@ -139,7 +139,7 @@ def _stop(grace: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="ringreduce.guard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ringreduce.launch.guard", description=__doc__.splitlines()[0])
     parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)

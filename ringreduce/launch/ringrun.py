@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from . import guard as _guard
-from .world import free_port
+from ..core.world import free_port
 
 GRACE_SECONDS = 3.0  # SIGTERM -> SIGKILL, in the guard; ringrun kills what is left a second later
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}

@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from . import _core
+from .. import _core
 from .collectives import _check_movable
 
 __all__ = ["shared_empty", "shared_zeros", "shared_empty_like", "is_shared"]

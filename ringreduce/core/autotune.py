@@ -113,7 +113,7 @@ def this_machine() -> str:
 def this_build() -> str:
     """Digest of the package's compiled extensions (kernels, ring, transports):
     a rebuild of the same version recalibrates."""
-    here = Path(__file__).parent
+    here = Path(__file__).parent.parent  # the package, where the extensions are built
     files = sorted({f for suffix in importlib.machinery.EXTENSION_SUFFIXES for f in here.glob("*" + suffix)})
     digest = hashlib.sha256()
     for f in files:
@@ -221,7 +221,7 @@ def tune_ring(ring, world, backend: str, env=None):
     from . import collectives as _c
     env = os.environ if env is None else env
     config = world.config
-    from . import __version__
+    from .. import __version__
     machine, build = this_machine(), this_build()
     mine = np.array([[world.extra.get("links", {}).get("next") == "shm", fingerprint(machine, __version__, build)]],
                     np.int64)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from . import shm
 from .config import Config
-from .errors import RingReduceError
+from ..errors import RingReduceError
 
 log = logging.getLogger("ringreduce")
 
@@ -452,7 +452,7 @@ class Links:
 
 def rendezvous(world: World) -> Links:
     if world.source == "elastic":  # ringrun holds the rendezvous; it fills in rank, size, generation
-        from . import rendezvous as _elastic
+        from ..launch import rendezvous_server as _elastic
         return _elastic.join(world)
     if world.size == 1:
         return Links()

@@ -26,8 +26,9 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from . import _core, autotune as _autotune, config as _config, cuda as _cuda, mpi_backend, shm as _shm, world as _world
-from .errors import MismatchError, RingReduceError, StaleGenerationError
+from .. import _core
+from . import autotune as _autotune, config as _config, cuda as _cuda, mpi_backend, shm as _shm, world as _world
+from ..errors import MismatchError, RingReduceError, StaleGenerationError
 
 
 _DTYPES = {

@@ -31,7 +31,7 @@ import stat
 
 import numpy as np
 
-from . import _core
+from .. import _core
 
 log = logging.getLogger("ringreduce")
 
@@ -207,7 +207,7 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
     as init() read it; ranks that differ there still agree: the split
     happens only where every rank offers it).
     """
-    from . import _core
+    from .. import _core
 
     if size < 2:
         return False

@@ -22,8 +22,9 @@ import re
 
 import numpy as np
 
-from . import _core, collectives as _c, mpi_backend, shm as _shm, traffic as _traffic, world as _world
-from .errors import MismatchError, RingReduceError
+from .. import _core
+from . import collectives as _c, mpi_backend, shm as _shm, traffic as _traffic, world as _world
+from ..errors import MismatchError, RingReduceError
 
 
 class ProcessSet:

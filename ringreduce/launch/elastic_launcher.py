@@ -33,8 +33,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import run as _run
-from .rendezvous import RendezvousServer
+from . import ringrun as _run
+from .rendezvous_server import RendezvousServer
 
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
 HOST_FAILURES, BLACKLIST_SECONDS = 3, 60.0

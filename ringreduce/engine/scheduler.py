@@ -38,9 +38,9 @@ from typing import Callable
 
 import numpy as np
 
-from . import autotune as _autotune, collectives as _c
-from .config import Config
-from .errors import MismatchError, RingReduceError, WithdrawnError
+from ..core import autotune as _autotune, collectives as _c
+from ..core.config import Config
+from ..errors import MismatchError, RingReduceError, WithdrawnError
 from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
 from .timeline import Timeline
 
@@ -219,7 +219,7 @@ class Engine:
         if compression is not None:
             _check_compressible(name, kind, op, family, array)
             # negotiated: every rank must compress alike (and a joined rank's stand-in follows the tag)
-            from .compression import check_rebuildable  # lazily, as _stand_in_compressor's from_tag
+            from ..compression import check_rebuildable  # lazily, as _stand_in_compressor's from_tag
             tag = compression.wire_tag(group, extra.get("compression_key", name), array.shape)
             check_rebuildable(compression, tag)  # a joined rank must make it from the tag: refused here if not
             wire_op = f"{op}|{tag}"
@@ -488,7 +488,7 @@ class Engine:
     def _stand_in_compressor(self, tag: str):
         """Fresh state every time: a joined rank adds exact zeros, with no
         error feedback or step count of its own (the tag says the path)."""
-        from .compression import from_tag
+        from ..compression import from_tag
         if tag not in self._stand_in_compressors:
             self._stand_in_compressors[tag] = from_tag(tag)
         compressor = self._stand_in_compressors[tag]
@@ -561,7 +561,7 @@ def _resolve(process_set):
             return None, GLOBAL_PROCESS_SET
     elif getattr(process_set, "process_set_id", None) == GLOBAL_PROCESS_SET:
         return None, GLOBAL_PROCESS_SET
-    from .process_sets import ring_of
+    from ..core.process_sets import ring_of
     ring_of(process_set)  # raises for an unknown set or a non-member
     return process_set, process_set.process_set_id
 

@@ -9,9 +9,9 @@ import os
 import sys
 import time
 
-from . import _core
+from .. import _core
 from .config import Config
-from .errors import RingReduceError
+from ..errors import RingReduceError
 from .world import World
 
 ABORT_GRACE = 0.5  # seconds; on a loaded machine Hydra dropped the reason without it
@@ -26,7 +26,7 @@ def available() -> str | None:
     except ImportError:
         return "mpi4py is not installed: pip install 'ringreduce[mpi]'"
     try:
-        from . import _mpi  # noqa: F401
+        from .. import _mpi  # noqa: F401
     except ImportError:
         return ("ringreduce was built without the MPI transport: pip install 'ringreduce[mpi]', then rebuild "
                 "with MPICC=<path to mpicc> pip install -e .")
@@ -42,7 +42,7 @@ def connect(config: Config, comm=None, tag: str = "world"):
         raise RingReduceError(problem)
     from mpi4py import MPI
 
-    from . import _mpi
+    from .. import _mpi
     comm = MPI.COMM_WORLD if comm is None else comm
     if comm == MPI.COMM_NULL:
         raise RingReduceError("init(comm=...) got MPI.COMM_NULL: this process is not in that process set")

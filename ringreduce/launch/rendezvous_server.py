@@ -48,8 +48,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import world as _world
-from .errors import RingReduceError
+from ..core import world as _world
+from ..errors import RingReduceError
 
 log = logging.getLogger("ringreduce")
 

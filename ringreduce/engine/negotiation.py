@@ -38,7 +38,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from . import collectives as _c
+from ..core import collectives as _c
 from .response_cache import ResponseCache
 
 NEGOTIATE = 5  # header kind of a negotiation pass (see collectives._KIND_NAMES)

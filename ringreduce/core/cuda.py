@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import RingReduceError
+from ..errors import RingReduceError
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parent.parent  # ringreduce/, holding the fatbin and (in a wheel) csrc/
 FATBIN = PACKAGE / "reduce_kernels.fatbin"
 SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # a wheel's copy (setup.py), then the source tree
 
@@ -132,7 +132,7 @@ def is_device_array(x) -> bool:
 def ring_device(ordinal: int):
     """The ring's handle on GPU `ordinal` (ringreduce._core.Device): its stream,
     pinned staging and the kernels above, one per process and GPU."""
-    from . import _core
+    from .. import _core
 
     cp = cupy_or_none()
     module = _module()
