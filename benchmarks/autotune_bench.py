@@ -108,8 +108,8 @@ def main():
     args = ap.parse_args()
     os.environ.pop("RINGREDUCE_AUTOTUNE", None)
     rr.init()
-    n, ring = rr.size(), _c._state.ring
-    cfg = _c._state.world.config
+    n, ring = rr.size(), _c.communicator().ring
+    cfg = _c.communicator().world.config
     default_setting = (cfg.segment_bytes, cfg.small_bytes)
 
     def calibrate(recheck):

@@ -41,11 +41,11 @@ def main():
     p.add_argument("--repeats", type=int, default=7, help="timed loops per item (best kept)")
     args = p.parse_args()
     rr.init()  # a world of one: its ring is replaced below
-    real = C._state.ring
-    ring = C._state.ring = C._Ring(_StubComm(), 0, 2, real.small_limit, [0, 1])
+    real = C.communicator().ring
+    ring = C.communicator().ring = C.Ring(_StubComm(), 0, 2, real.small_limit, [0, 1])
     x = np.ones(1024, np.float32)
     out = np.empty_like(x)
-    lock = C._state.lock
+    lock = C.communicator().lock
 
     def locked():
         with lock:
@@ -54,16 +54,16 @@ def main():
     items = {
         "fast path, out=": lambda: rr.allreduce(x, out=out),
         "fast path, new output": lambda: rr.allreduce(x),
-        "checked path, out=": lambda: C._allreduce_checked(x, "sum", out, None, None),
-        "checked path, new output": lambda: C._allreduce_checked(x, "sum", None, None, None),
-        "  dtype and op codes": lambda: (C._DTYPES.get(x.dtype), C._OPS.get("sum")),
+        "checked path, out=": lambda: C.allreduce_checked(x, "sum", out, None, None),
+        "checked path, new output": lambda: C.allreduce_checked(x, "sum", None, None, None),
+        "  dtype and op codes": lambda: (C.DTYPES.get(x.dtype), C.OPS.get("sum")),
         "  out= checks (shape, byte order, writeable)": lambda: (
             type(out) is not np.ndarray or out.shape != x.shape or out.dtype.newbyteorder("=") != x.dtype
             or not out.flags.writeable),
         "  the lock (RLock)": locked,
-        "  _ring(None)": lambda: C._ring(None),
+        "  _ring(None)": lambda: C.ring_of(None),
         "  small? (allreduce_limit: property + C getter)": lambda: x.nbytes <= ring.allreduce_limit,
-        "  header (lru_cache of 10 arguments)": lambda: C._header(C.ALLREDUCE, _core.SUM, _core.FLOAT32, x.shape,
+        "  header (lru_cache of 10 arguments)": lambda: C.header(C.ALLREDUCE, _core.SUM, _core.FLOAT32, x.shape,
                                                                  None, True),
         "  in-place and contiguity flags": lambda: (out.flags.c_contiguous and out.flags.writeable
                                                     and out.dtype == x.dtype, x.flags.c_contiguous),
@@ -80,7 +80,7 @@ def main():
             for _ in range(args.calls):
                 fn()
             best[name] = min(best[name], (time.perf_counter() - t0) / args.calls * 1e9)
-    C._state.ring = real
+    C.communicator().ring = real
     print(f"# rr.allreduce's Python layer, 4 KiB float32 sum, C call stubbed; ns per call (best of {args.repeats} "
           f"x {args.calls}), empty loop ({best['empty loop']:.0f} ns) taken off; load {os.getloadavg()[0]:.1f}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")

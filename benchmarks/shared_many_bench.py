@@ -29,7 +29,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     rr.init()
-    comm = C._state.comm
+    comm = C.communicator().comm
     count = (args.mib << 20) // 4
     if rr.rank() == 0:
         print(f"ranks {rr.size()}, {args.mib} MiB arrays, CMA pid {comm.cma_pid or 'off'}")

@@ -94,7 +94,7 @@ def machine_rates(chunk: int) -> tuple[float, float]:
 
 def table(mibs: list[int], repeats: int) -> str:
     n, r = rr.size(), rr.rank()
-    comm = collectives._state.comm
+    comm = collectives.communicator().comm
     cores = os.cpu_count() or 1
     if not comm.set_zero_copy(True):
         raise SystemExit("this rank's links are not both shared memory: run all ranks on one host, "

@@ -17,7 +17,7 @@ alike, float32 sums with:
                   chose before, with its limit), "ring" the ring's passes
                   (Comm.set_small_algorithm) and their limit
   checked-<alg>   the first algorithm through rr.allreduce's checked path
-                  (collectives._allreduce_checked: every check, the lock, the
+                  (collectives.allreduce_checked: every check, the lock, the
                   header looked up), what every call took before the fast path
   C-<algorithm>   with --c-call: Comm.allreduce_small called directly with a
                   ready header, the first algorithm: the C core without the
@@ -81,7 +81,7 @@ def main():
     comm = MPI.COMM_WORLD
     rr.init(backend="mpi")
     n, rank = rr.size(), rr.rank()
-    state = rr.collectives._state
+    state = rr.core.communicator()
     ring = state.ring.comm
     config = state.world.config
     has_arena = ring.arena_slot > 0
@@ -112,12 +112,12 @@ def main():
                 rr.allreduce(x, out=out)
             yield f"rr-{algo}", run, lambda: out, algo
         from ringreduce.core import collectives
-        yield f"checked-{algorithms[0]}", lambda: collectives._allreduce_checked(x, "sum", out, None, None), \
+        yield f"checked-{algorithms[0]}", lambda: collectives.allreduce_checked(x, "sum", out, None, None), \
             lambda: out, algorithms[0]
         if args.c_call:  # the C core alone: what the Python layer adds is the difference
             from ringreduce import _core
             from ringreduce.core import collectives
-            head = collectives._header(collectives.ALLREDUCE, _core.SUM, _core.FLOAT32, x.shape, None, True)
+            head = collectives.header(collectives.ALLREDUCE, _core.SUM, _core.FLOAT32, x.shape, None, True)
             yield f"C-{algorithms[0]}", lambda: ring.allreduce_small(head, x, out, _core.FLOAT32, _core.SUM), \
                 lambda: out, algorithms[0]
         del want

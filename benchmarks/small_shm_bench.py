@@ -65,13 +65,13 @@ def make_runs(count: int, comm_mpi):
     operation, wrong counts wrong elements of its last result."""
     from mpi4py import MPI
     n, r = rr.size(), rr.rank()
-    ring, comm = _c._state.ring, _c._state.comm
+    ring, comm = _c.communicator().ring, _c.communicator().comm
     x = np.full(count, r + 1, dtype=np.float32)
     out = np.empty_like(x)
     want = np.float32(n * (n + 1) // 2)
     results = {}
     old_limit = _config.Config.from_env().small_limit(n)
-    head = _c._header(_c.ALLREDUCE, _core_sum(), _c._DTYPES[np.dtype(np.float32)], x.shape, None, True)  # as rr.allreduce
+    head = _c.header(_c.ALLREDUCE, _core_sum(), _c.DTYPES[np.dtype(np.float32)], x.shape, None, True)  # as rr.allreduce
 
     def path(arena: int, limit: int):
         def setup():
@@ -85,7 +85,7 @@ def make_runs(count: int, comm_mpi):
         return run
 
     def arena_c():
-        if comm.allreduce_small(head, x, out, _c._DTYPES[np.dtype(np.float32)], _core_sum()) is not None:
+        if comm.allreduce_small(head, x, out, _c.DTYPES[np.dtype(np.float32)], _core_sum()) is not None:
             raise RuntimeError("headers differ")
         results["arena-C"] = out
 
@@ -114,7 +114,7 @@ def isolated_us(fn, iters: int) -> list:
 
 
 def _core_sum() -> int:
-    return _c._OPS["sum"]
+    return _c.OPS["sum"]
 
 
 def main():
@@ -129,9 +129,9 @@ def main():
     from mpi4py import MPI
     rr.init(backend="socket")
     comm_mpi, n, lead = MPI.COMM_WORLD, rr.size(), rr.rank() == 0
-    if _c._state.comm.arena_slot == 0:
+    if _c.communicator().comm.arena_slot == 0:
         raise SystemExit("no host arena: run every rank on this host (mpirun -np N on one machine)")
-    ring = _c._state.ring
+    ring = _c.communicator().ring
     default_limit = ring.small_limit
     rows = []
     for nbytes in sizes:
@@ -165,7 +165,7 @@ def main():
             rows.append({"impl": name, "bytes": nbytes, "isolated_us": isolated, "isolated_p25_us": p25,
                          "b2b_us": b2b.seconds * 1e6,
                          "wrong": b2b.wrong, "sleeps_per_op": float(rr.allreduce(np.array([per_op]), op="avg")[0])})
-    _c._state.comm.use_arena(MODES["arena"])
+    _c.communicator().comm.use_arena(MODES["arena"])
     ring.small_limit = default_limit
     if lead:
         report(rows, n, sizes, default_limit)

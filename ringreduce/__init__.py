@@ -4,28 +4,13 @@
     rr.init()
     grads = rr.allreduce(grads, op="avg")
 """
+from .version import __version__
 from .errors import MismatchError, PeerLostError, RingReduceError, StaleGenerationError, WithdrawnError
-from .core.collectives import (
-    allgather,
-    allreduce,
-    alltoall,
-    barrier,
-    broadcast,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    reduce_scatter,
-    shutdown,
-    size,
-)
+from .core import (ProcessSet, add_process_set, allgather, allreduce, alltoall, barrier, broadcast, cuda,
+                   global_process_set, init, is_initialized, is_shared, local_rank, local_size, rank, reduce_scatter,
+                   remove_process_set, reset_stats, shared_empty, shared_empty_like, shared_zeros, shutdown, size,
+                   stats)
 from .engine import join
-from .core.shared import is_shared, shared_empty, shared_empty_like, shared_zeros
-from .core.traffic import reset_stats, stats
-from .core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-
-__version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",

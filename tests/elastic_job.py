@@ -67,4 +67,4 @@ print("done " + json.dumps({"rank": rr.rank(), "size": rr.size(), "steps": state
                             "uniform": bool((state.w == state.w[0]).all()),
                             "sha": hashlib.sha256(state.w.tobytes()).hexdigest(), "resources": resources,
                             "worker": os.environ.get("RINGREDUCE_WORKER_ID"),
-                            "links": rr.collectives._state.world.extra.get("links")}), flush=True)
+                            "links": rr.core.communicator().world.extra.get("links")}), flush=True)

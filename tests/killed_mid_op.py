@@ -17,7 +17,7 @@ def check_killed_rank_is_named(tmp_path, n: int, setup: str, counter: str, env: 
 import os, signal, threading, time
 from ringreduce.core import collectives as C
 {setup}
-before = C._state.comm.{counter}()
+before = C.communicator().comm.{counter}()
 if rr.rank() == 1:  # dies in the middle of a later allreduce
     threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 t0 = time.time()
@@ -50,7 +50,7 @@ import os, signal, threading
 from ringreduce.core import collectives as C
 buf = {make_buf}
 rr.allreduce(buf, out=buf)
-before, wrong, outcome = C._state.comm.{counter}(), 0, "done"
+before, wrong, outcome = C.communicator().comm.{counter}(), 0, "done"
 if rr.rank() == 1:
     threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 try:
@@ -63,7 +63,7 @@ except KeyboardInterrupt:
     outcome = "interrupted"
 except rr.RingReduceError as e:
     outcome = type(e).__name__
-result = (wrong, outcome, C._state.comm.{counter}() - before)
+result = (wrong, outcome, C.communicator().comm.{counter}() - before)
 """, tmp_path, timeout=90, env={**env, "RINGREDUCE_TIMEOUT": "20"})
     for r in ranks:
         wrong, outcome, ops = r.result

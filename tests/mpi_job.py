@@ -13,7 +13,7 @@ from cases import check_all_allreduce, digest  # noqa: E402
 
 def correctness():
     rr.init()  # under mpirun: the MPI backend by default
-    from ringreduce.core.collectives import _state
+    from ringreduce.core.communicator import current as _state
     out = {"source": _state.world.source, "allreduce": check_all_allreduce(rr)}
     x = np.arange(100_003, dtype=np.float64) * (rr.rank() + 1)
     out["reduce_scatter"] = (rr.reduce_scatter(x), rr.allreduce(x))
@@ -37,7 +37,7 @@ def subcomm():
 
 def socket():
     rr.init(backend="socket")  # TCP ring, bootstrapped through MPI: no variables needed
-    from ringreduce.core.collectives import _state
+    from ringreduce.core.communicator import current as _state
     return {"source": _state.world.source, "sum": float(rr.allreduce(np.full(300_000, 1.0))[0])}
 
 
@@ -47,7 +47,7 @@ def device():
     rr.init()
     from ringreduce import _core
     from ringreduce.core import collectives
-    comm, dev = collectives._state.comm, _core.Device.emulated(0)
+    comm, dev = collectives.communicator().comm, _core.Device.emulated(0)
     bad = []
     for dtype, code in [(np.float32, _core.FLOAT32), (np.float16, _core.FLOAT16), (np.int64, _core.INT64)]:
         for count in [1, rr.size() + 1, 40_001, 300_007]:

@@ -91,7 +91,7 @@ def test_alltoall_over_mpi(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import os, pickle, sys\nimport numpy as np\nimport ringreduce as rr\nrr.init()\n"
                       + CHECK_CASES + textwrap.dedent("""
-        from ringreduce.core.collectives import _state
+        from ringreduce.core.communicator import current as _state
         result = check_cases(["float64", "uint16", "S4"], [(), (3,)], big_rows=3000)
         result["source"] = (_state.world.source == "MPI communicator", "")
         with open(sys.argv[1] + f".rank{rr.rank()}", "wb") as f:

@@ -17,7 +17,7 @@ from ringreduce.core.config import Config
 # correctness check at sizes on both sides of every candidate small limit.
 REPORT = """
 from ringreduce.core import collectives as _c
-w = _c._state.world
+w = _c.communicator().world
 ok = True
 for n in (1, 3, 1000, 2731, 10923, 16385, 65537, 300001):
     x = np.random.default_rng(n * 7 + rr.rank()).standard_normal(n).astype(np.float32)
@@ -26,7 +26,7 @@ for n in (1, 3, 1000, 2731, 10923, 16385, 65537, 300001):
     got = rr.allreduce(x)
     ok = ok and np.allclose(got, want, rtol=1e-5, atol=1e-4)
     ok = ok and bool(np.all(rr.allgather(got[None]) == got))  # bit-identical on every rank
-result = dict(tune=w.extra.get("autotune"), limit=_c._state.ring.small_limit, seg=w.config.segment_bytes,
+result = dict(tune=w.extra.get("autotune"), limit=_c.communicator().ring.small_limit, seg=w.config.segment_bytes,
               small=w.config.small_bytes, ok=ok)
 """
 
@@ -188,7 +188,7 @@ rr.init(backend="mpi")
 x = np.arange(300001, dtype=np.float32) + rr.rank()
 ok = bool(np.allclose(rr.allreduce(x), sum(np.arange(300001, dtype=np.float64) + r for r in range(rr.size()))))
 with open(f"{sys.argv[1]}.rank{rr.rank()}.pkl", "wb") as f:
-    pickle.dump(dict(tune=_c._state.world.extra.get("autotune"), limit=_c._state.ring.small_limit, ok=ok), f)
+    pickle.dump(dict(tune=_c.communicator().world.extra.get("autotune"), limit=_c.communicator().ring.small_limit, ok=ok), f)
 """
 
 
@@ -228,9 +228,9 @@ from ringreduce.core import collectives as _c
 pair = rr.add_process_set([0, 2])
 x = np.arange(200003, dtype=np.float32) * (rr.rank() + 1)
 got = rr.allreduce(x, process_set=pair) if rr.rank() in (0, 2) else None
-limit = _c._state.sets[pair.process_set_id].small_limit if rr.rank() in (0, 2) else None
+limit = _c.communicator().sets[pair.process_set_id].small_limit if rr.rank() in (0, 2) else None
 result = dict(ok=got is None or bool(np.allclose(got, x / (rr.rank() + 1) * 4)), limit=limit,
-              tune=_c._state.world.extra["autotune"])
+              tune=_c.communicator().world.extra["autotune"])
 """
     ranks = run_ranks(3, body, tmp_path, timeout=60, env=_env(tmp_path))
     assert all(r.result["ok"] and not r.result["tune"]["calibrated"] for r in ranks)
@@ -283,9 +283,9 @@ def test_stats_after_init_do_not_count_the_calibration(tmp_path):
     body = """
 after_init = rr.stats()["bytes_sent"]
 rr.allreduce(np.ones(1000, np.float32))
-result = dict(after_init=after_init, after_one=rr.stats()["ring"], calibrated=_c._state.world.extra["autotune"]["calibrated"])
+result = dict(after_init=after_init, after_one=rr.stats()["ring"], calibrated=_c.communicator().world.extra["autotune"]["calibrated"])
 """
-    for r in run_ranks(2, "from ringreduce import collectives as _c\n" + body, tmp_path, timeout=60, env=_env(tmp_path)):
+    for r in run_ranks(2, "from ringreduce.core import collectives as _c\n" + body, tmp_path, timeout=60, env=_env(tmp_path)):
         assert r.result["calibrated"] and r.result["after_init"] == 0, r.result
         assert r.result["after_one"] <= 4000 + 64, r.result  # the one allreduce, not the probes' megabytes
 
@@ -361,8 +361,8 @@ d = Config()
 result = {}
 for name, tables, recheck in [("noise", [first, equal], True), ("real", [first, agrees], True),
                               ("no recheck", [first], False)]:
-    autotune._time_probes = scripted(list(tables))
-    c = autotune.calibrate(_c._state.ring, rr.size(), autotune.SEGMENT_CANDIDATES, autotune.SMALL_CANDIDATES,
+    autotune.time_probes = scripted(list(tables))
+    c = autotune.calibrate(_c.communicator().ring, rr.size(), autotune.SEGMENT_CANDIDATES, autotune.SMALL_CANDIDATES,
                            d.segment_bytes, d.small_bytes, recheck=recheck)
     result[name] = (c.segment_bytes, c.small_bytes)
 result["calls"] = seen

@@ -26,15 +26,15 @@ SETUP = """
 from cases import DTYPES, OPS, make_input, np_dtype
 from ringreduce import _core
 from ringreduce.core import collectives
-comm = collectives._state.comm
+comm = collectives.communicator().comm
 if kind == "emulated":
     dev = memory = _core.Device.emulated(patience)
 else:
     from hostcuda import HostCuda
     memory = HostCuda()  # the driver libcuda.so.1 that the CUDA device opens too
     dev = memory.ring_device()
-codes = {d: collectives._dtype_code(np_dtype(d)) for d in DTYPES}
-opcodes = collectives._OPS
+codes = {d: collectives.dtype_code(np_dtype(d)) for d in DTYPES}
+opcodes = collectives.OPS
 
 class Buf:
     # An array's bytes in emulated device memory.
@@ -119,7 +119,7 @@ def test_reduce_scatter_allgather_broadcast_on_device(tmp_path, device, n, mode,
             else:
                 got = np.zeros_like(x)
                 comm.reduce_scatter(x, got, codes["float32"], opcodes["sum"])
-            lo, hi = collectives._chunk_bounds(count, N, r)
+            lo, hi = collectives.chunk_bounds(count, N, r)
             out[("rs", count)] = got[lo:hi]
             out[("ar", count)] = host_allreduce(x, "float32", "sum")[lo:hi]
 

@@ -57,7 +57,7 @@ def test_a_malformed_message_on_the_rendezvous_port_harms_no_one():
     addr = ("127.0.0.1", server.port)
     try:
         def dial():
-            return _world._dial(addr, time.monotonic() + 5, key, "rendezvous")
+            return _world.dial(addr, time.monotonic() + 5, key, "rendezvous")
         bad_port = dial()
         _world.send_msg(bad_port, {"register": "evil#1", "port": "not a number"})
         not_json = dial()

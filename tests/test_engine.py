@@ -63,7 +63,7 @@ def test_a_tensor_that_differs_between_ranks_raises_everywhere(tmp_path):
 MIXED_JOB = """
 import random, threading, time, zlib, hashlib
 from ringreduce.engine import Engine
-from ringreduce.core.collectives import _chunk_bounds
+from ringreduce.core.arrays import chunk_bounds
 n, me = rr.size(), rr.rank()
 eng = Engine(fusion_bytes=4096)
 KINDS = ["allreduce-sum", "allgather", "allreduce-avg", "broadcast", "reduce_scatter", "allreduce-max"]
@@ -91,7 +91,7 @@ def expected(name):
         return every[len(name) % n]
     total = np.sum(every, axis=0, dtype=np.float32)
     if kind == "reduce_scatter":
-        lo, hi = _chunk_bounds(total.size, n, me)
+        lo, hi = chunk_bounds(total.size, n, me)
         return total[lo:hi]
     return total
 

@@ -527,7 +527,7 @@ def test_a_rank_whose_own_frame_is_too_large_names_itself(tmp_path):
     ranks = run_ranks(3, """
         try:
             rr.init()
-            comm = rr.collectives._state.comm
+            comm = rr.core.communicator().comm
             comm.exchange_blobs(b"head", bytes(80 << 20) if int(os.environ["RINGREDUCE_RANK"]) == 1 else b"")
             result = "no error"
         except rr.RingReduceError as e:
@@ -553,7 +553,7 @@ def test_a_zero_length_frame_allocates_once(tmp_path):
                         "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
         libc = ctypes.CDLL(None)
         libc.mallinfo2.restype = MallInfo2
-        comm = rr.collectives._state.comm
+        comm = rr.core.communicator().comm
         mine = b"" if rr.rank() == 0 else bytes(4 << 20)
         for _ in range(2):
             comm.exchange_blobs(b"", mine)

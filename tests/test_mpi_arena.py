@@ -43,7 +43,7 @@ def job_correctness():
     """Every dtype and op; sizes 0, 1, < N, odd, a 3-d shape, the arena's
     limit and one element past it (the ring); whether any byte left the rank."""
     rr, c = _init()
-    n, r, ring = rr.size(), rr.rank(), c._state.ring
+    n, r, ring = rr.size(), rr.rank(), c.communicator().ring
     out = {"arena": ring.comm.arena_slot, "limit": ring.allreduce_limit, "cases": {}}
     for dtype in DTYPES:
         for op in OPS:
@@ -76,7 +76,7 @@ def job_mismatch():
     rr, c = _init()
     n, r = rr.size(), rr.rank()
     odd = r == n - 1
-    out = {"arena": c._state.comm.arena_slot}
+    out = {"arena": c.communicator().comm.arena_slot}
     for what, call in (("shape", lambda: rr.allreduce(np.ones(7 if odd else 5, np.float32))),
                        ("dtype", lambda: rr.allreduce(np.ones(5, np.float64 if odd else np.float32))),
                        ("op", lambda: rr.allreduce(np.ones(5, np.float32), op="max" if odd else "sum")),
@@ -100,7 +100,7 @@ def job_sets():
     arenas, digests, wrong = {}, {}, []
     for ps, members in sets:
         if rr.rank() in members:
-            ring = c._ring(ps)
+            ring = c.ring_of(ps)
             arenas[repr(members)] = getattr(ring.comm, "_comm", ring.comm).arena_slot
     for i in range(20):
         for ps, members in sets:
@@ -138,7 +138,7 @@ def job_silent():
         waker.start()
     if r == n - 1:
         os.kill(os.getpid(), signal.SIGSTOP)
-    start, sent = time.monotonic(), _sent(c._state.comm)
+    start, sent = time.monotonic(), _sent(c.communicator().comm)
     try:
         rr.allreduce(np.ones(1000, np.float32))
         error = None
@@ -147,15 +147,15 @@ def job_silent():
     seconds = time.monotonic() - start
     if r == 0:
         waker.join()  # the sleeper must wake before this rank leaves
-    return {"arena": c._state.comm.arena_slot, "error": error, "seconds": seconds,
-            "sent": _sent(c._state.comm) - sent}
+    return {"arena": c.communicator().comm.arena_slot, "error": error, "seconds": seconds,
+            "sent": _sent(c.communicator().comm) - sent}
 
 
 def job_killed():
     """Rank 1 dies (SIGKILL) while the others wait for it in the arena."""
     import signal
     rr, c = _init()
-    assert c._state.comm.arena_slot > 0
+    assert c.communicator().comm.arena_slot > 0
     rr.allreduce(np.ones(4))
     if rr.rank() == 1:
         time.sleep(0.5)  # the others are waiting in the arena by now
@@ -170,13 +170,13 @@ def job_dead_pid():
     in the arena, see that pid gone and name rank 1 at once, long before
     RINGREDUCE_TIMEOUT=60 and before rank 1 comes (which would end the wait)."""
     from ringreduce.core import mpi_backend
-    real = mpi_backend._pids_on_one_host
+    real = mpi_backend.pids_on_one_host
 
     def with_a_dead_rank_1(comm):
         pids = real(comm)
         pids[1] = _exited_pid()
         return pids
-    mpi_backend._pids_on_one_host = with_a_dead_rank_1
+    mpi_backend.pids_on_one_host = with_a_dead_rank_1
     rr, c = _init()
     rr.allreduce(np.ones(4))
     if rr.rank() == 1:
@@ -186,7 +186,7 @@ def job_dead_pid():
         found = "no error"
     except rr.PeerLostError as exc:
         found = (exc.rank, str(exc))
-    return {"arena": c._state.comm.arena_slot, "found": found}
+    return {"arena": c.communicator().comm.arena_slot, "found": found}
 
 
 def _exited_pid() -> int:
@@ -200,10 +200,10 @@ def job_off():
     """RINGREDUCE_ARENA_BYTES=0 (set by the test): no arena, the small path
     by recursive doubling, its bytes counted."""
     rr, c = _init()
-    before = _sent(c._state.comm)
+    before = _sent(c.communicator().comm)
     got = rr.allreduce(np.full(1000, rr.rank() + 1.0, np.float32))
-    return {"arena": c._state.comm.arena_slot, "extra": c._state.world.extra.get("arena"),
-            "algorithm": c._state.comm.small_algorithm, "sent": _sent(c._state.comm) - before,
+    return {"arena": c.communicator().comm.arena_slot, "extra": c.communicator().world.extra.get("arena"),
+            "algorithm": c.communicator().comm.small_algorithm, "sent": _sent(c.communicator().comm) - before,
             "sum": float(got[0])}
 
 
@@ -214,20 +214,20 @@ def job_elsewhere():
     if int(os.environ.get("PMI_RANK", "0")) == 1:
         shm.host_identity = lambda: "elsewhere/0"
     rr, c = _init()
-    before = _sent(c._state.comm)
+    before = _sent(c.communicator().comm)
     got = rr.allreduce(np.arange(5.0) * (rr.rank() + 1))
-    return {"arena": c._state.comm.arena_slot, "sent": _sent(c._state.comm) > before, "got": got.tolist()}
+    return {"arena": c.communicator().comm.arena_slot, "sent": _sent(c.communicator().comm) > before, "got": got.tolist()}
 
 
 def job_file_gone():
     """Rank 0 makes the arena's file; it is gone once every rank agreed."""
     from ringreduce.core import shm
     made = []
-    make = shm._make_file
-    shm._make_file = lambda tag, *a, **k: made.append(make(tag, *a, **k)) or made[-1]
+    make = shm.make_file
+    shm.make_file = lambda tag, *a, **k: made.append(make(tag, *a, **k)) or made[-1]
     rr, c = _init()
     paths = [m[1] for m in made if "arena" in m[1]]
-    return {"arena": c._state.comm.arena_slot, "paths": paths, "exist": [os.path.exists(p) for p in paths],
+    return {"arena": c.communicator().comm.arena_slot, "paths": paths, "exist": [os.path.exists(p) for p in paths],
             "sum": rr.allreduce(np.ones(8))[0]}
 
 
@@ -237,7 +237,7 @@ def job_bits():
     size that splits and one in place."""
     rr, c = _init()
     n, r = rr.size(), rr.rank()
-    out = {"arena": c._state.comm.arena_slot}
+    out = {"arena": c.communicator().comm.arena_slot}
     for dtype, count in (("float32", 4099), ("float64", 30000), ("float16", 999)):
         xs = [(np.random.default_rng(k).standard_normal(count) * 10 ** np.random.default_rng(k + 99).uniform(
             -2, 2, count)).astype(dtype) for k in range(n)]
@@ -257,14 +257,14 @@ def job_other_pid_namespace():
     the arena is still used, and a late rank is waited for, not named dead."""
     from ringreduce.core import mpi_backend
     given = []
-    real = mpi_backend._pids_on_one_host
-    mpi_backend._pids_on_one_host = lambda comm: given.append(real(comm)) or given[-1]
+    real = mpi_backend.pids_on_one_host
+    mpi_backend.pids_on_one_host = lambda comm: given.append(real(comm)) or given[-1]
     rr, c = _init()
     rr.allreduce(np.ones(4))
     if rr.rank() == rr.size() - 1:
         time.sleep(1.5)  # the others wait for it in the arena, asking stalled() all along
     got = rr.allreduce(np.full(1000, rr.rank() + 1.0, np.float32))
-    return {"arena": c._state.comm.arena_slot, "given": given, "sum": float(got[0]), "pid": os.getpid()}
+    return {"arena": c.communicator().comm.arena_slot, "given": given, "sum": float(got[0]), "pid": os.getpid()}
 
 
 def job_env_after_init():
@@ -278,7 +278,7 @@ def job_env_after_init():
     except rr.RingReduceError as exc:
         return {"error": str(exc)}
     got = rr.allreduce(np.full(100, 1.0, np.float32), process_set=ps) if rr.rank() < 2 else None
-    return {"error": None, "arena": c._ring(ps).comm.arena_slot if rr.rank() < 2 else None,
+    return {"error": None, "arena": c.ring_of(ps).comm.arena_slot if rr.rank() < 2 else None,
             "sum": None if got is None else float(got[0])}
 
 
@@ -315,7 +315,7 @@ def job_one_cannot_open():
     the small path goes on by doubling, right, on every rank."""
     from ringreduce.core import shm
     if int(os.environ.get("PMI_RANK", "0")) == 1:
-        shm._open_offer = lambda *a, **k: -1
+        shm.open_offer = lambda *a, **k: -1
     return _no_arena_job()
 
 
@@ -330,17 +330,17 @@ def job_one_cannot_map():
             os.unlink(path)
             os.ftruncate(fd, 4096)
             return fd
-        shm._open_offer = wrong_file
+        shm.open_offer = wrong_file
     return _no_arena_job()
 
 
 def _no_arena_job():
     rr, c = _init()
-    before = _sent(c._state.comm)
+    before = _sent(c.communicator().comm)
     got = rr.allreduce(np.full(1000, rr.rank() + 1.0, np.float32))
-    return {"arena": c._state.comm.arena_slot, "extra": c._state.world.extra.get("arena"),
-            "sent": _sent(c._state.comm) - before, "sum": float(got[0]), "limit": c._state.ring.allreduce_limit,
-            "rounds": c._state.comm.small_rounds}
+    return {"arena": c.communicator().comm.arena_slot, "extra": c.communicator().world.extra.get("arena"),
+            "sent": _sent(c.communicator().comm) - before, "sum": float(got[0]), "limit": c.communicator().ring.allreduce_limit,
+            "rounds": c.communicator().comm.small_rounds}
 
 
 # --------------------------------------------------------------------------- the tests
@@ -528,9 +528,9 @@ def test_pids_are_not_given_where_a_rank_cannot_tell_its_pid_namespace():
         def allgather(self, mine):
             return self.rows
 
-    assert mpi_backend._pids_on_one_host(Comm([("h/1", 7, 100), ("h/1", 7, 101)])) == [100, 101]
-    assert mpi_backend._pids_on_one_host(Comm([("h/1", 7, 100), ("h/1", 8, 101)])) is None
-    assert mpi_backend._pids_on_one_host(Comm([("h/1", 0, 100), ("h/1", 0, 101)])) is None
+    assert mpi_backend.pids_on_one_host(Comm([("h/1", 7, 100), ("h/1", 7, 101)])) == [100, 101]
+    assert mpi_backend.pids_on_one_host(Comm([("h/1", 7, 100), ("h/1", 8, 101)])) is None
+    assert mpi_backend.pids_on_one_host(Comm([("h/1", 0, 100), ("h/1", 0, 101)])) is None
 
 
 if __name__ == "__main__":

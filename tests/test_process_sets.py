@@ -93,7 +93,7 @@ LINKS = {"shm": {"RINGREDUCE_SHM_BYTES": "65536"}, "tcp": {"RINGREDUCE_SHM_BYTES
 @pytest.mark.parametrize("links", list(LINKS))
 def test_every_collective_on_each_set_matches_numpy(tmp_path, links):
     ranks = run_ranks(4, check_sets(SETS) + """
-    from ringreduce.core.collectives import _state
+    from ringreduce.core.communicator import current as _state
     result["links"] = [_state.sets[ps.process_set_id].comm.links for ps in sets if ps.included() and ps.size() > 1]
 """, tmp_path, timeout=240, env=LINKS[links])
     _assert_sets_correct([r.result for r in ranks])
@@ -253,7 +253,7 @@ SET_MESSAGES = {
 def test_a_sets_errors_name_every_rank_in_world_terms(said):
     """No process needed: the set's _core.Comm is a stand-in that raises what C would."""
     from ringreduce.errors import PeerLostError
-    from ringreduce.core.process_sets import _SetComm
+    from ringreduce.core.process_sets import SetComm
 
     class Failing:
         broken = said  # why the ring is unusable, as module.c reads it
@@ -261,7 +261,7 @@ def test_a_sets_errors_name_every_rank_in_world_terms(said):
         def allreduce(self, *args):
             raise PeerLostError(said, 1)
 
-    comm = _SetComm(Failing(), 4, [1, 2, 3], None)
+    comm = SetComm(Failing(), 4, [1, 2, 3], None)
     with pytest.raises(PeerLostError) as caught:
         comm.allreduce()
     assert str(caught.value) == "process set 4 (world ranks [1, 2, 3]): " + SET_MESSAGES[said]
@@ -342,7 +342,7 @@ def test_every_collective_on_each_set_matches_numpy_under_mpirun(tmp_path):
     from test_mpi import MPIRUN
     script = tmp_path / "sets.py"
     script.write_text(PRELUDE + "rr.init()\n" + textwrap.dedent(check_sets(SETS)) + """
-from ringreduce.core.collectives import _state
+from ringreduce.core.communicator import current as _state
 result["source"] = _state.world.source
 """ + MPI_EPILOGUE)
     out = tmp_path / "out"

@@ -73,7 +73,7 @@ def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path
     ranks = run_ranks(2, f"""
         import signal, time
         from ringreduce.core import shm
-        make, connect = shm._make_file, shm.connect
+        make, connect = shm.make_file, shm.connect
         def make_and_record(*a, **k):
             fd, path, nonce = make(*a, **k)
             open({str(record)!r} + str(rr_rank), "w").write(path)
@@ -89,7 +89,7 @@ def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path
                 return recv_msg(sock)
             return connect(to_next, from_prev, tag, capacity, send_msg, recv_and_die)
         rr_rank = int(os.environ["RINGREDUCE_RANK"])
-        shm._make_file, shm.connect = make_and_record, connect_then_die
+        shm.make_file, shm.connect = make_and_record, connect_then_die
         try:
             rr.init()
         except Exception as exc:
@@ -98,7 +98,7 @@ def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path
     assert ranks[0].returncode == -9
     left = Path((tmp_path / "made0").read_text())
     assert left.exists(), "the killed rank's file should still be there"
-    fd, path, _ = shm._make_file("review4", 64)  # the next maker on this host
+    fd, path, _ = shm.make_file("review4", 64)  # the next maker on this host
     os.close(fd)
     os.unlink(path)
     assert not left.exists(), f"{left} was left in /dev/shm"
@@ -147,7 +147,7 @@ def test_an_odd_shm_size_on_one_rank_keeps_zero_copy_and_the_right_sums(tmp_path
         from ringreduce.core import collectives as C
         base = (np.arange((3 << 20) + 5) % 7).astype(np.float32)
         y = rr.allreduce(base * (r + 1))
-        result = (bool(np.array_equal(y, base * 6)), C._state.comm.zero_copy_ops())
+        result = (bool(np.array_equal(y, base * 6)), C.communicator().comm.zero_copy_ops())
         """, tmp_path, init=False, timeout=60, env={"RINGREDUCE_TIMEOUT": "20", "RINGREDUCE_SHM_CMA": "0"})
     for k in ranks:
         assert k.result == (True, 1), (k.rank, k.result)
@@ -188,8 +188,9 @@ class Emulated:
         staged([flat.nbytes], [flat], lambda b: comm.allgather_device(device, b, nbytes), [flat])
 
 cuda.is_device_array = lambda x: isinstance(x, Dev)
-C._cuda.is_device_array = cuda.is_device_array
-C._device_arrays = Emulated
+C.cuda.is_device_array = cuda.is_device_array
+import ringreduce.core.arrays
+ringreduce.core.arrays.device_arrays = Emulated
 """
 
 
@@ -209,7 +210,7 @@ def test_a_device_rank_beside_host_ranks_on_zero_copy_links_gets_the_right_sums(
                    for k in range(3))
         z = rr.allreduce(x)  # all on the host again: the zero-copy path is back
         result = (bool(np.array_equal(np.asarray(y), base * 6)), bool(ok_g), bool(np.array_equal(z, base * 6)),
-                  C._state.comm.zero_copy)
+                  C.communicator().comm.zero_copy)
         """), tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "20"})
     for k in ranks:
         assert k.result == (True, True, True, True), (k.rank, k.result)
@@ -226,7 +227,7 @@ def test_arena_edges_zero_bytes_the_limit_and_one_rank_one_element_over(tmp_path
     ranks = run_ranks(3, """
         from ringreduce.core import collectives as C
         r, limit = rr.rank(), 256 << 10  # RINGREDUCE_ARENA_BYTES's default
-        out = {"arena": C._state.comm.arena_slot > 0, "limit": C._state.ring.allreduce_limit == limit}
+        out = {"arena": C.communicator().comm.arena_slot > 0, "limit": C.communicator().ring.allreduce_limit == limit}
         out["zero"] = rr.allreduce(np.zeros(0, np.float32)).shape
         out["at"] = float(rr.allreduce(np.full(limit // 4, r + 1.0, np.float32)).min())
         try:
@@ -238,7 +239,7 @@ def test_arena_edges_zero_bytes_the_limit_and_one_rank_one_element_over(tmp_path
         ps = rr.add_process_set([0, 2])
         if r in (0, 2):
             out["set"] = float(rr.allreduce(np.full(limit // 4, r + 1.0, np.float32), process_set=ps).max())
-            out["set_arena"] = C._state.sets[ps.process_set_id].comm.arena_slot > 0
+            out["set_arena"] = C.communicator().sets[ps.process_set_id].comm.arena_slot > 0
         result = out
         """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"})
     for k in ranks:

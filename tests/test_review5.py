@@ -26,15 +26,15 @@ got = {}
 def run_small():
     got["small"] = small()
 if r == 0:
-    real = C._byte_order
+    real = C.byte_order
     def between(comm, blobs):  # inside A: after its header pass, before its ring steps
-        C._byte_order = real
+        C.byte_order = real
         t = threading.Thread(target=run_small)
         t.start()
         t.join(2.0)  # the fast path ran it here; under the lock it waits for A
         got["thread"] = t
         return real(comm, blobs)
-    C._byte_order = between
+    C.byte_order = between
 got["big"] = rr.allreduce(big, name="big")
 if r == 0:
     got["thread"].join(30)

@@ -26,7 +26,7 @@ def paths(fn, comm=None):
     # fn(shared) by CMA on shared arrays (the mapped read), by CMA on plain
     # arrays (process_vm_readv), by zero copy through the links, by the
     # copying path; and the mapped operations each took
-    comm = comm or C._state.comm
+    comm = comm or C.communicator().comm
     pid = comm.cma_pid
     assert pid, "every rank should have agreed on CMA"
     got = {}
@@ -138,7 +138,7 @@ def test_odd_sizes_and_segments(tmp_path, n, segment):
 # plain, or the other way round: each reader maps only what its token says.
 MIXED = """
 n, r = rr.size(), rr.rank()
-comm = C._state.comm
+comm = C.communicator().comm
 count = n * (1 << 19) + 3
 mine, want = case("float32", "sum", count)
 result = {}
@@ -176,7 +176,7 @@ def test_mixed_shared_and_plain_arrays(tmp_path, n):
 CHURN = """
 import gc
 n, r = rr.size(), rr.rank()
-comm = C._state.comm
+comm = C.communicator().comm
 bad, before = [], comm.mapped_ops()
 kept = [rr.shared_empty(n * (1 << 18) + k, np.int64) for k in range(20)]
 for i in range(40):
@@ -207,7 +207,7 @@ def test_freed_and_new_arrays_between_operations(tmp_path, n):
 def test_the_default_takes_the_mapped_read_in_a_ring_of_two(tmp_path):
     # RINGREDUCE_SHM_CMA unset: auto, rings of two take CMA, so the mapped read.
     ranks = run_ranks(2, PRELUDE + """
-comm = C._state.comm
+comm = C.communicator().comm
 x = rr.shared_empty(2 * (1 << 20) + 1, np.float32)
 x[:] = rr.rank() + 1
 got = rr.allreduce(x, op="avg")
@@ -224,12 +224,12 @@ def test_no_rank_returns_while_its_neighbour_still_reads_its_shared_buffer(tmp_p
     # tokens keeps it from summing the next iteration's values.
     ranks = run(n, """
 buf = rr.shared_empty(rr.size() * (3 << 18) + 5, np.int64)
-bad, before = 0, C._state.comm.mapped_ops()
+bad, before = 0, C.communicator().comm.mapped_ops()
 for i in range(30):
     buf[:] = (rr.rank() + 1) * (i + 1)
     rr.allreduce(buf, op="sum", out=buf)
     bad += int(np.count_nonzero(buf != (i + 1) * rr.size() * (rr.size() + 1) // 2))
-result = (bad, C._state.comm.mapped_ops() - before)
+result = (bad, C.communicator().comm.mapped_ops() - before)
 """, tmp_path)
     for r in ranks:
         assert r.result == (0, 30), (r.rank, r.result)
@@ -244,7 +244,7 @@ def test_a_rank_killed_mid_op_is_named_without_a_hang(tmp_path, n):
 
 def test_without_cma_shared_arrays_take_the_other_paths(tmp_path):
     ranks = run_ranks(2, PRELUDE + """
-comm = C._state.comm
+comm = C.communicator().comm
 x = rr.shared_empty(2 * (1 << 20), np.float32)
 x[:] = rr.rank() + 1
 got = rr.allreduce(x)
@@ -330,7 +330,7 @@ def test_a_region_of_negative_size_is_refused_by_the_core():
 # shrinking (a read could fault past a shrunk end).
 FALLBACK = """
 import os
-comm = C._state.comm
+comm = C.communicator().comm
 n, r = rr.size(), rr.rank()
 x = rr.shared_empty(n * (1 << 19) + 3, np.float64)
 region = x.base.base

@@ -32,7 +32,7 @@ CHECK_COLLECTIVES = """
         checks[("broadcast", count)] = bool(np.array_equal(rr.broadcast(x, root=root),
                                                            np.arange(count, dtype=np.float64) + root))
     rr.barrier()
-    from ringreduce.core.collectives import _state
+    from ringreduce.core.communicator import current as _state
     result = (_state.world.extra["links"], checks)
 """
 
@@ -104,7 +104,7 @@ def test_nothing_is_left_in_dev_shm_even_when_a_rank_is_killed(tmp_path):
 
 @pytest.fixture
 def offer(tmp_path):
-    fd, path, nonce = shm._make_file("test", 4096)
+    fd, path, nonce = shm.make_file("test", 4096)
     yield {"path": path, "nonce": nonce.hex(), "host": shm.host_identity()}
     os.close(fd)
     if os.path.exists(path):
@@ -112,7 +112,7 @@ def offer(tmp_path):
 
 
 def test_a_genuine_offer_is_taken(offer):
-    fd = shm._open_offer(offer)
+    fd = shm.open_offer(offer)
     assert fd >= 0
     os.close(fd)
 
@@ -147,7 +147,7 @@ def test_offers_that_cannot_be_shared_are_declined(offer, tmp_path, forgery):
     else:
         bad = "ringreduce"
     try:
-        assert shm._open_offer(bad) == -1
+        assert shm.open_offer(bad) == -1
     finally:
         if forgery in ("symlink", "hard link"):
             os.unlink(bad["path"])

@@ -20,7 +20,7 @@ from ringreduce.core import collectives as C
 def three(fn, comm=None):
     # fn's result by CMA, by zero copy through the mappings, by the copying
     # path; and how many operations took the CMA path
-    comm = comm or C._state.comm
+    comm = comm or C.communicator().comm
     pid = comm.cma_pid
     assert pid, "every rank should have agreed on CMA"
     got = {}
@@ -142,7 +142,7 @@ PROCESS_SET = """
 result = {}
 ps = rr.add_process_set([0, 2, 3])
 if rr.rank() in (0, 2, 3):
-    comm = C._ring(ps).comm
+    comm = C.ring_of(ps).comm
     me = [0, 2, 3].index(rr.rank())
     bases = [make_input(k, (PERIOD,), "float32", "avg") for k in range(3)]
     count = 3 * (1 << 18) + 11
@@ -167,7 +167,7 @@ import os
 if os.environ["RINGREDUCE_RANK"] == "1" and os.environ.get("REFUSE_ON_ONE"):
     os.environ["RINGREDUCE_SHM_CMA"] = "refused"
 rr.init()
-comm = C._state.comm
+comm = C.communicator().comm
 mine, want = case("float32", "sum", rr.size() * (1 << 19) + 3)
 got = rr.allreduce(mine)
 result = (comm.cma_pid != 0, comm.cma_ops(), comm.zero_copy_ops(), close_enough(got, want, "float32", "sum"))
@@ -228,12 +228,12 @@ def test_no_rank_returns_while_its_neighbour_still_reads_its_buffer(tmp_path, n)
     ranks = run(n, """
 from ringreduce.core import collectives as C
 buf = np.empty(n_el := rr.size() * (3 << 18) + 5, np.int64)
-bad, before = 0, C._state.comm.cma_ops()
+bad, before = 0, C.communicator().comm.cma_ops()
 for i in range(30):
     buf[:] = (rr.rank() + 1) * (i + 1)
     rr.allreduce(buf, op="sum", out=buf)
     bad += int(np.count_nonzero(buf != (i + 1) * rr.size() * (rr.size() + 1) // 2))
-result = (bad, C._state.comm.cma_ops() - before)
+result = (bad, C.communicator().comm.cma_ops() - before)
 """, tmp_path)
     for r in ranks:
         assert r.result == (0, 30), (r.rank, r.result)
@@ -274,7 +274,7 @@ def test_back_to_back_ops_of_every_kind_and_size_leave_no_stale_token(tmp_path, 
     ranks = run(n, """
 from ringreduce.core import collectives as C
 n, r = rr.size(), rr.rank()
-bad, before = [], C._state.comm.cma_ops()
+bad, before = [], C.communicator().comm.cma_ops()
 for i in range(6):
     for count in (7, n * (1 << 18) + 3, n * (1 << 16), n * (3 << 18) + 1):
         x = np.arange(count, dtype=np.int64) * (r + 1) + i
@@ -289,7 +289,7 @@ for i in range(6):
     blocks = [np.full(rows[k], (k + 3 * i) % 251, np.uint8) for k in range(n)]
     if rr.allgather(blocks[r]).tobytes() != np.concatenate(blocks).tobytes():
         bad.append(("allgather", i))
-result = (bad, C._state.comm.cma_ops() - before)
+result = (bad, C.communicator().comm.cma_ops() - before)
 """, tmp_path, timeout=150)
     for r in ranks:
         bad, ops = r.result
@@ -311,7 +311,7 @@ if os.environ["RINGREDUCE_RANK"] == "1" and not os.environ.get("IN_NS"):
     os.environ["IN_NS"] = "1"
     os.execv({unshare!r}, [{unshare!r}, "--user", "--pid", "--fork", "--map-current-user", sys.executable] + sys.argv)
 rr.init()
-comm = C._state.comm
+comm = C.communicator().comm
 mine, want = case("float32", "sum", rr.size() * (1 << 19) + 3)
 got = rr.allreduce(mine)
 result = (os.getpid(), comm.cma_pid, comm.cma_ops(), comm.zero_copy_ops(), close_enough(got, want, "float32", "sum"))
@@ -332,7 +332,7 @@ from ringreduce.core import collectives as C
 x = np.arange(3 * (1 << 19) + 7, dtype=np.float64) * (rr.rank() + 1)
 want = np.arange(x.size, dtype=np.float64) * 6
 ok = all(np.array_equal(rr.allreduce(x), want) for _ in range(3))
-result = (ok, C._state.comm.cma_ops())
+result = (ok, C.communicator().comm.cma_ops())
 """, tmp_path, env={"RINGREDUCE_SHM_BYTES": shm_bytes, "RINGREDUCE_TIMEOUT": "10"}, timeout=60)
     for r in ranks:
         assert r.result == (True, 3), (r.rank, r.result)

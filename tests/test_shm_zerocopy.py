@@ -19,7 +19,7 @@ from cases import DTYPES, OPS, close_enough, digest, make_input, mean_error_boun
 from ringreduce.core import collectives as C
 
 def both(fn, comm=None):
-    comm = comm or C._state.comm
+    comm = comm or C.communicator().comm
     got = {}
     for on in (True, False):
         assert comm.set_zero_copy(on) == on, "both links should be shared memory"
@@ -186,7 +186,7 @@ PROCESS_SET = """
 result = {}
 ps = rr.add_process_set([0, 1, 2])
 if rr.rank() in (0, 1, 2):
-    comm = C._ring(ps).comm
+    comm = C.ring_of(ps).comm
     bases = [make_input(k, (PERIOD,), "float32", "avg") for k in range(3)]
     count = chunked(3, 4, 11)
     want = np.resize(reference(bases, "float32", "avg"), count)
@@ -207,7 +207,7 @@ def test_a_process_set_takes_the_path(tmp_path):
 SWITCH = """
 mine, want = case("float32", "sum", chunked(rr.size(), 4, 3))
 ok = close_enough(rr.allreduce(mine), want, "float32", "sum")
-result = (C._state.comm.zero_copy_ops(), ok)
+result = (C.communicator().comm.zero_copy_ops(), ok)
 """
 
 

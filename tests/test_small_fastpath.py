@@ -21,16 +21,16 @@ from ranks import REPO, run_ranks
 CHECKS = """
 from ringreduce.core import collectives as C
 n, r = rr.size(), rr.rank()
-ring = C._state.ring
+ring = C.communicator().ring
 res = {}
 
 # Headers built by the checked path: the fast path builds none.
 built = []
-_real_header = C._header
+_real_header = C.header
 def _counting(*a, **k):
     built.append(a[:5])
     return _real_header(*a, **k)
-C._header = _counting
+C.header = _counting
 
 def inputs(shape, dt, k):
     return ((np.arange(int(np.prod(shape))) % 7 + k + 1).astype(dt)).reshape(shape)
@@ -209,7 +209,7 @@ def test_a_changed_small_algorithm_moves_a_planned_call_mpi(tmp_path):
     # Comm.set_small_algorithm. Without the host arena, which would take
     # both (tests/test_mpi_arena.py).
     ranks = _mpirun(4, """
-comm = rr.collectives._state.ring.comm
+comm = rr.core.communicator().ring.comm
 x = np.ones(12288, np.float32)
 seen = []
 for algo in ("doubling", "ring", "doubling"):
@@ -234,7 +234,7 @@ def test_a_forked_child_cannot_use_the_parents_comm_on_the_fast_path(tmp_path):
         x = np.ones(8, np.float32)
         for _ in range(3):
             rr.allreduce(x)
-        comm, plan = C._state.ring.comm, next(iter(C._state.ring.plans.values()))
+        comm, plan = C.communicator().ring.comm, next(iter(C.communicator().ring.plans.values()))
         if rr.rank() == 1:
             pid = os.fork()
             if pid == 0:
@@ -263,13 +263,13 @@ def test_fast_path_in_a_process_set_plans_on_the_sets_ring_and_names_world_ranks
             r = rr.rank()
             ok = all(rr.allreduce(np.full(40, r + 1.0, np.float32), process_set=evens).tolist() == [4.0] * 40
                      for _ in range(50))
-            planned = len(C._state.sets[evens.process_set_id].plans)
+            planned = len(C.communicator().sets[evens.process_set_id].plans)
             try:
                 rr.allreduce(np.ones(41 if r == 2 else 40, np.float32), process_set=evens)
                 mismatch = None
             except rr.MismatchError as exc:
                 mismatch = str(exc)
-            result = ok, planned, mismatch, len(C._state.ring.plans)
+            result = ok, planned, mismatch, len(C.communicator().ring.plans)
         rr.barrier()
     """, tmp_path, timeout=60)
     for r in (0, 2):

@@ -28,7 +28,7 @@ def _sizes(n: int, limit: int, itemsize: int) -> list:
 
 def job_correctness():
     import ringreduce as rr
-    from ringreduce.core.collectives import _state
+    from ringreduce.core.communicator import current as _state
     rr.init(backend="mpi")
     n, r, ring = rr.size(), rr.rank(), _state.ring
     out = {"algorithm": ring.comm.small_algorithm, "cases": {}}

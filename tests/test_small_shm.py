@@ -17,8 +17,8 @@ from ranks import run_ranks
 CORRECTNESS = """
     import hashlib, ml_dtypes
     from ringreduce.core import collectives as c
-    comm, N, r = c._state.comm, rr.size(), rr.rank()
-    limit = c._state.small_limit
+    comm, N, r = c.communicator().comm, rr.size(), rr.rank()
+    limit = c.communicator().small_limit
     assert comm.arena_slot > 0 and limit >= 256 << 10, (comm.arena_slot, limit)
     dtypes = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int16, np.uint16,
               np.int32, np.int64]
@@ -84,8 +84,8 @@ def test_arena_matches_numpy_and_the_ring_bit_for_bit(tmp_path, n):
 MODES = """
     import hashlib, ml_dtypes
     from ringreduce.core import collectives as c, shm
-    comm, N, r = c._state.comm, rr.size(), rr.rank()
-    limit = c._state.small_limit
+    comm, N, r = c.communicator().comm, rr.size(), rr.rank()
+    limit = c.communicator().small_limit
     dtypes = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int16, np.uint16,
               np.int32, np.int64]
     digest, problems = hashlib.sha256(), []
@@ -136,15 +136,15 @@ def test_ranks_that_differ_in_arena_reduce_still_agree(tmp_path):
         from ringreduce.core import collectives as c
         x = np.random.default_rng(rr.rank()).random(50001).astype(np.float32)
         got = rr.allreduce(x)
-        c._state.comm.use_arena(0)
+        c.communicator().comm.use_arena(0)
         want = rr.allreduce(x)
-        c._state.comm.use_arena(1)
+        c.communicator().comm.use_arena(1)
         try:
             rr.allreduce(np.ones(70000 if rr.rank() == 2 else 60000, np.float32))
             mismatch = "no error"
         except rr.MismatchError as e:
             mismatch = str(e)
-        result = (c._state.comm.arena_slot > 0, got.tobytes() == want.tobytes(), mismatch)
+        result = (c.communicator().comm.arena_slot > 0, got.tobytes() == want.tobytes(), mismatch)
     """, tmp_path, timeout=60, init=False)
     for r in ranks:
         in_arena, same, mismatch = r.result
@@ -176,7 +176,7 @@ def test_mismatches_name_the_same_rank_everywhere(tmp_path):
                 errors.append("no error")
             except rr.MismatchError as e:
                 errors.append(str(e))
-        result = (c._state.comm.arena_slot > 0, errors, rr.allreduce(np.ones(3)).tolist())
+        result = (c.communicator().comm.arena_slot > 0, errors, rr.allreduce(np.ones(3)).tolist())
     """, tmp_path, timeout=60)
     for r in ranks:
         in_arena, errors, after = r.result
@@ -189,7 +189,7 @@ def test_mismatches_name_the_same_rank_everywhere(tmp_path):
 KILLED = """
     import signal, time
     from ringreduce.core import collectives as c
-    assert c._state.comm.arena_slot > 0
+    assert c.communicator().comm.arena_slot > 0
     rr.allreduce(np.ones(4))
     if rr.rank() == {victim}:
         time.sleep(0.5)  # the others are waiting in the arena by now
@@ -246,8 +246,8 @@ FILE_GONE = """
     import signal, time
     from ringreduce.core import shm
     made = []
-    make = shm._make_file
-    shm._make_file = lambda tag, *a, **k: made.append(make(tag, *a, **k)) or made[-1]
+    make = shm.make_file
+    shm.make_file = lambda tag, *a, **k: made.append(make(tag, *a, **k)) or made[-1]
     rr.init()
     paths = [m[1] for m in made if "arena" in m[1]]
     assert (len(paths) == 1) == (rr.rank() == 0), paths
@@ -281,9 +281,9 @@ def test_ranks_on_different_hosts_keep_the_ring(tmp_path):
         if os.environ["RINGREDUCE_RANK"] == "1":
             shm.host_identity = lambda: "elsewhere/0"
         rr.init()
-        before = c._state.comm.bytes()[1]
+        before = c.communicator().comm.bytes()[1]
         out = rr.allreduce(np.arange(5.0) * (rr.rank() + 1))
-        result = (c._state.comm.arena_slot, c._state.comm.bytes()[1] > before, out.tolist())
+        result = (c.communicator().comm.arena_slot, c.communicator().comm.bytes()[1] > before, out.tolist())
     """, tmp_path, timeout=60, init=False)
     for r in ranks:
         assert r.result == (0, True, [0.0, 6.0, 12.0, 18.0, 24.0])
@@ -301,7 +301,7 @@ def test_process_sets_get_their_own_arena(tmp_path, reduce):
         digests, arenas = {}, []
         for ps, members in ((a, [0, 2, 3]), (b, [1, 3])):
             if rr.rank() in members:
-                arenas.append(c._ring(ps).comm._comm.arena_slot > 0)
+                arenas.append(c.ring_of(ps).comm._comm.arena_slot > 0)
         for i in range(20):
             x = np.random.default_rng(i * 10 + rr.rank()).random(1000 + i).astype(np.float32)
             for ps, members in ((a, [0, 2, 3]), (None, [0, 1, 2, 3]), (b, [1, 3])):
@@ -328,7 +328,7 @@ def test_ranks_that_disagree_on_the_arena_keep_the_ring(tmp_path):
             os.environ["RINGREDUCE_ARENA_BYTES"] = arena
         rr.init()
         from ringreduce.core import collectives as c
-        result = (c._state.comm.arena_slot, rr.allreduce(np.ones(3)).tolist())
+        result = (c.communicator().comm.arena_slot, rr.allreduce(np.ones(3)).tolist())
     """, tmp_path, timeout=60, init=False)
     for r in ranks:
         assert r.result == (0, [3.0] * 3)

@@ -15,6 +15,8 @@ import zlib
 import numpy as np
 
 from ..core import collectives as _c
+from ..core.process_sets import ring_of
+from ..core.protocol import REFUSED_PREFIX
 from ..errors import MismatchError
 
 OPS = ("sum", "avg")
@@ -107,7 +109,7 @@ class Compressor:
         if len(set(owned)) != len(owned):  # one key, one state: the second would overwrite the first's error
             raise ValueError(f"a compressor keeps state by name; {sorted({k for o, k in owned if owned.count((o, k)) > 1})} "
                              "name more than one tensor of one bucket")
-        ring = _c._ring(process_set)
+        ring = ring_of(process_set)
         set_id = scope(process_set)
         # the wire names carry a digest of the bucket's names, shapes and dtypes: ranks that disagree fail
         # on the first collective (sizes alone may agree: (10, 20) and (20, 10), or top-k's k)
@@ -117,7 +119,7 @@ class Compressor:
         if wrong:
             problem = f"{self!r} compresses floating-point tensors; {', '.join(wrong)}"[:400]
             try:  # still meet the others' first collective: they raise, naming this rank, instead of waiting
-                _c.allreduce(np.zeros(1), name=f"{_c.REFUSED_PREFIX} {problem}", process_set=process_set)
+                _c.allreduce(np.zeros(1), name=f"{REFUSED_PREFIX} {problem}", process_set=process_set)
             except MismatchError:
                 pass
             raise TypeError(problem)

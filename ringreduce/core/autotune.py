@@ -1,5 +1,5 @@
 """Autotuning (RINGREDUCE_AUTOTUNE=1): the ring's settings chosen for the
-running world instead of the fixed numbers of ringreduce/config.py.
+running world instead of the fixed numbers of ringreduce/core/config.py.
 
 At init, once the ring is connected and before the first user collective
 (collectives.init calls `tune_ring`):
@@ -43,7 +43,7 @@ shared-memory buffer is fixed when the links form, before any collective
 can measure anything.
 
 The engine's fusion threshold is tuned from the steps it runs
-(`FusionTuner`, ringreduce/engine.py): each candidate in turn holds for a
+(`FusionTuner`, ringreduce/engine/scheduler.py): each candidate in turn holds for a
 window of cycles, scored by bytes allreduced per second of wall time over
 the window (the slowest rank's, agreed by an allreduce at the same cycle on
 every rank); the best is kept and logged. The engine has no cycle time to
@@ -64,6 +64,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..version import __version__
+from . import collectives as _c, traffic
+from .communicator import current as _state
 
 log = logging.getLogger("ringreduce")
 
@@ -218,10 +222,8 @@ def tune_ring(ring, world, backend: str, env=None):
     """Chooses, applies and logs the segment and small limit on the world's
     ring; returns the Config to keep (with the chosen values). Every rank
     must call it at the same point (it runs collectives)."""
-    from . import collectives as _c
     env = os.environ if env is None else env
     config = world.config
-    from .. import __version__
     machine, build = this_machine(), this_build()
     mine = np.array([[world.extra.get("links", {}).get("next") == "shm", fingerprint(machine, __version__, build)]],
                     np.int64)
@@ -259,7 +261,6 @@ def tune_ring(ring, world, backend: str, env=None):
     if world.rank == 0:
         log.warning("ringreduce autotune (%s): segment %d bytes, small limit %d bytes (%d per tensor), %s",
                     key, choice.segment_bytes, choice.small_bytes, ring.small_limit, how)
-    from . import traffic
     traffic.reset_stats()  # rr.stats() counts from init() on: the calibration's probes (MBs) are init's own
     world.extra["autotune"] = {"key": key, "segment_bytes": choice.segment_bytes,
                                "small_bytes": choice.small_bytes, "calibrated": choice.calibrated,
@@ -269,13 +270,12 @@ def tune_ring(ring, world, backend: str, env=None):
     return config
 
 
-def _time_probes(ring, probes, segment: int, arrays) -> np.ndarray:
+def time_probes(ring, probes, segment: int, arrays) -> np.ndarray:
     """The fastest of REPS timed rounds of every probe (segment, element
     count, small path?), the slowest rank's: the same table on every rank.
     The probes run round-robin, REPS + 1 rounds (the first a warm-up), so a
     burst of load from elsewhere slows every candidate alike instead of
     sinking the one it happens to meet."""
-    from . import collectives as _c
     limit = ring.small_limit
     local = np.zeros((REPS, len(probes)))
     try:
@@ -306,7 +306,6 @@ def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int 
     MARGIN again in fresh rounds of just the two (the least of several
     noisy scores is biased low: the winner of one round is partly its
     luck). It costs a few probes only when the default would change."""
-    from . import collectives as _c
     t_start = time.monotonic()
     small_segment = segments[0] if len(segments) == 1 else segment
     seg_probes, small_probes = [], []  # (segment, element count, small path?)
@@ -317,7 +316,7 @@ def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int 
                         for c in smalls for path in (True, False)]
     probes = seg_probes + small_probes
     arrays = {count: np.ones(count, np.float32) for _, count, _ in probes}
-    fastest = _time_probes(ring, probes, segment, arrays)
+    fastest = time_probes(ring, probes, segment, arrays)
     seg_times = fastest[:len(seg_probes)].reshape(len(segments), len(SEGMENT_PROBES)) if seg_probes else None
     pairs = fastest[len(seg_probes):].reshape(len(smalls), 2) if small_probes else None
     seg_default = segments.index(segment) if segment in segments else None
@@ -331,7 +330,7 @@ def calibrate(ring, size: int, segments, smalls, segment: int, small_bytes: int 
         per = len(SEGMENT_PROBES)
         again = ([p for c in (seg_i, seg_default) for p in seg_probes[c * per:(c + 1) * per]] if move_seg else [])
         again += small_probes if move_small else []
-        fresh = _time_probes(ring, again, segment, arrays)
+        fresh = time_probes(ring, again, segment, arrays)
         if move_seg and not still_beats(segment_scores(fresh[:2 * per].reshape(2, per)), 0, 1):
             seg_i = seg_default
         if move_small:
@@ -376,15 +375,14 @@ class FusionTuner:
         if self.chosen is not None:
             return self.chosen
         if self._cycles == self.window:
-            from . import collectives as _c
-            # bytes too: a rank outside a process set's ring moved fewer; the max is the same everywhere
+                    # bytes too: a rank outside a process set's ring moved fewer; the max is the same everywhere
             seconds, moved = _c.allreduce(np.array([time.perf_counter() - self._t0, float(self._bytes)]),
                                           op="max", name="ringreduce.autotune.fusion")
             self.scores.append(moved / max(seconds, 1e-9))
             self._cycles = 0
             if len(self.scores) == len(self.candidates):
                 self.chosen = self.candidates[int(np.argmax(self.scores))]
-                if _c.rank() == 0:
+                if _state.require_world().rank == 0:
                     log.warning("ringreduce autotune: fusion threshold %d bytes (MB/s per candidate: %s)",
                                 self.chosen, ", ".join(f"{c >> 20} MiB {s / 1e6:.0f}"
                                                        for c, s in zip(self.candidates, self.scores)))

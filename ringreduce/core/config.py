@@ -15,7 +15,7 @@ MAX_SEGMENT_BYTES = 64 << 20
 # week stands for "wait as long as it takes" (inf died of an OverflowError
 # on one rank while rank 0 waited for it forever)
 MAX_START_TIMEOUT = 7 * 24 * 3600
-MAX_SHM_BYTES = 1 << 30  # what a taker accepts (ringreduce/shm.py)
+MAX_SHM_BYTES = 1 << 30  # what a taker accepts (ringreduce/core/shm.py)
 MAX_ARENA_BYTES = 16 << 20  # per rank, twice over (csrc/host_arena.h)
 ARENA_HEADER_ROOM = 4096  # an arena slot holds arena_bytes of data plus the operation's header
 BACKENDS = ("", "socket", "mpi")
@@ -54,7 +54,7 @@ class Config:
                                     # "refused": as "1" with this rank's probe failing (tests of the fallback)
     fusion_bytes: int = 64 << 20    # RINGREDUCE_FUSION_THRESHOLD: largest fused buffer of the engine
     cache_capacity: int = 1024      # RINGREDUCE_CACHE_CAPACITY: requests the engine's response cache
-                                    # holds (ringreduce/response_cache.py); 0: no cache
+                                    # holds (ringreduce/engine/response_cache.py); 0: no cache
     small_algorithm: str = ""       # RINGREDUCE_SMALL_ALGORITHM: over MPI, "doubling" (the default:
                                     # recursive doubling) or "ring" (the ring's passes); alike on every rank
 

@@ -6,13 +6,15 @@ when the MPI transport is built (see setup.py) and mpi4py imports.
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 import sys
 import time
 
 from .. import _core
 from .config import Config
 from ..errors import RingReduceError
-from .world import World
+from .world import World, free_port
 
 ABORT_GRACE = 0.5  # seconds; on a loaded machine Hydra dropped the reason without it
 
@@ -52,7 +54,7 @@ def connect(config: Config, comm=None, tag: str = "world"):
     local.Free()
     _check_alike(comm, "RINGREDUCE_SMALL_ALGORITHM", config.small_algorithm or "doubling")
     abort_on_uncaught_exception()
-    transport = _mpi.create(comm.py2f(), config.ring_timeout, _pids_on_one_host(comm))
+    transport = _mpi.create(comm.py2f(), config.ring_timeout, pids_on_one_host(comm))
     ring = _core.Comm(world.rank, world.size, -1, -1, (), config.ring_timeout, config.segment_bytes, config.spin,
                       transport)
     if config.small_algorithm:  # small operations by recursive doubling unless "ring" (docs/architecture.md)
@@ -67,7 +69,7 @@ def connect(config: Config, comm=None, tag: str = "world"):
 
 def attach_arena(ring, comm, tag: str, config: Config) -> bool:
     """The host arena (csrc/host_arena.h) for a ring over MPI whose ranks
-    all share one host, as the socket backend's (ringreduce/shm.py): agreed
+    all share one host, as the socket backend's (ringreduce/core/shm.py): agreed
     with an allgather over `comm`, the communicator the ring was made from
     (its transport runs on a duplicate, so these never meet its messages).
     Small operations then take the arena before recursive doubling, and the
@@ -78,7 +80,7 @@ def attach_arena(ring, comm, tag: str, config: Config) -> bool:
                             allgather=lambda data: comm.allgather(bytes(data)), reduce=config.arena_reduce)
 
 
-def _pids_on_one_host(comm):
+def pids_on_one_host(comm):
     """Every rank's pid, in rank order, where all ranks share this host and
     pid namespace (the transport then sees a peer that died while the others
     wait for it in the host arena); else None."""
@@ -139,3 +141,23 @@ def process_set_ring(config: Config, comm, members: list, rank: int):
     finally:
         sub.Free()  # the transport runs on its own duplicate
     return ring
+
+
+def bootstrap_over_mpi(world: World, env=None) -> tuple[tuple[str, int], bytes]:
+    """Under mpirun with the TCP backend, rank 0 picks the rendezvous port and
+    the secret and sends both over MPI, so no variables need setting."""
+    env = os.environ if env is None else env
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise RingReduceError(
+            "ringreduce runs under mpirun but mpi4py is not importable: pip install 'ringreduce[mpi]', "
+            "or set RINGREDUCE_ADDR and RINGREDUCE_SECRET yourself") from exc
+    comm = MPI.COMM_WORLD
+    msg = None
+    if comm.Get_rank() == 0:
+        host = socket.gethostname() if env.get("RINGREDUCE_HOST") is None else env["RINGREDUCE_HOST"]
+        msg = (host, free_port(), world.secret or secrets.token_hex(32).encode())
+    host, port, secret = comm.bcast(msg, root=0)
+    abort_on_uncaught_exception()
+    return (host, port), secret

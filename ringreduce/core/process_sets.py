@@ -23,7 +23,10 @@ import re
 import numpy as np
 
 from .. import _core
-from . import collectives as _c, mpi_backend, shm as _shm, traffic as _traffic, world as _world
+from . import mpi_backend, shm as _shm, traffic as _traffic, world as _world
+from .arrays import DTYPES
+from .communicator import Ring, current as _state
+from .protocol import ALLGATHER, exchange, header, parse
 from ..errors import MismatchError, RingReduceError
 
 
@@ -48,11 +51,11 @@ class ProcessSet:
 
     def included(self) -> bool:
         """Whether this process is a member."""
-        return _c.rank() in self.ranks
+        return _state.require_world().rank in self.ranks
 
     def rank(self) -> int:
         """This process's rank within the set (its index in ranks)."""
-        me = _c.rank()
+        me = _state.require_world().rank
         if me not in self.ranks:
             raise ValueError(f"rank {me} is not a member of {self}")
         return self.ranks.index(me)
@@ -76,7 +79,7 @@ class _GlobalProcessSet(ProcessSet):
 
     @property
     def ranks(self):
-        return list(range(_c.size())) if _c.is_initialized() else []
+        return list(range(_state.require_world().size)) if (_state.comm is not None) else []
 
     def invalidate(self) -> None:
         pass  # the global set is never removed
@@ -96,8 +99,8 @@ def add_process_set(process_set) -> ProcessSet:
     or equal to a registered set's, the global one included), MismatchError
     when ranks disagree, RingReduceError when the set's ring cannot be built."""
     global _generation
-    with _c._state.lock:
-        ring = _c._ring(None)  # raises when not initialized
+    with _state.lock:
+        ring = _state.world_ring()  # raises when not initialized
         ps, problem = None, None
         try:
             ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
@@ -106,18 +109,18 @@ def add_process_set(process_set) -> ProcessSet:
             problem = str(exc)
         ranks = ps.ranks if ps is not None and problem is None else None
         _generation += 1
-        sockets = _c._state.world.source != "MPI communicator"
+        sockets = _state.world.source != "MPI communicator"
         listener = None
         if ranks is not None and sockets and ring.rank in ranks and len(ranks) > 1:
             try:
-                listener = _world.open_subring_listener(_c._state.world)
+                listener = _world.open_subring_listener(_state.world)
             except OSError as exc:  # told to every rank in the pass below, not raised alone
                 ranks, problem = None, f"cannot listen for the set's ring: {exc}"
         try:
             offers = _agree({"ranks": ranks, "error": problem, "port": listener.port if listener else None},
                             "ringreduce.add_process_set")
             _check_offers(offers, "add_process_set")
-            set_id = min(set(range(1, len(_c._state.sets) + 2)) - set(_c._state.sets))
+            set_id = min(set(range(1, len(_state.sets) + 2)) - set(_state.sets))
             comm, links, failure = None, None, None
             try:
                 comm, links = _connect(ring, ranks, set_id, [o["port"] for o in offers], listener)
@@ -136,9 +139,9 @@ def add_process_set(process_set) -> ProcessSet:
         member = ranks.index(ring.rank) if ring.rank in ranks else -1
         arena = comm is not None and comm.arena_slot > 0
         if comm is not None:
-            comm = _SetComm(comm, set_id, ranks, links)
-        _c._state.sets[set_id] = _c._Ring(comm, member, len(ranks),
-                                          _c._state.world.config.small_limit(len(ranks), arena), ranks, [ps])
+            comm = SetComm(comm, set_id, ranks, links)
+        _state.sets[set_id] = Ring(comm, member, len(ranks),
+                                          _state.world.config.small_limit(len(ranks), arena), ranks, [ps])
         ps.process_set_id = set_id
         return ps
 
@@ -150,18 +153,18 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     False for the global set (never removed), True otherwise."""
     if process_set is global_process_set or getattr(process_set, "process_set_id", None) == 0:
         return False
-    with _c._state.lock:
-        _c._ring(None)
+    with _state.lock:
+        _state.world_ring()
         set_id = getattr(process_set, "process_set_id", None)
         problem = None
         if not isinstance(process_set, ProcessSet):
             problem = f"remove_process_set needs a ProcessSet, got {type(process_set).__name__}"
-        elif set_id not in _c._state.sets or _c._state.sets[set_id].ranks != process_set.ranks:
+        elif set_id not in _state.sets or _state.sets[set_id].ranks != process_set.ranks:
             problem = f"{process_set} is not a registered process set"
         offers = _agree({"ranks": str(process_set) if problem is None else None, "error": problem},
                         "ringreduce.remove_process_set")
         _check_offers(offers, "remove_process_set")
-        ring = _c._state.sets.pop(set_id)
+        ring = _state.sets.pop(set_id)
         if ring.comm is not None:
             with ring.lock:  # a collective on the set from another thread ends first, as it did under _state.lock
                 _traffic.retire(ring.comm)  # its bytes sent still count in rr.stats()
@@ -171,28 +174,48 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return True
 
 
-def ring_of(process_set) -> "_c._Ring":
-    """The ring of a registered set this rank belongs to (collectives.py's
-    process_set= ends here); ValueError at once on anything else."""
+def ring_of(process_set) -> Ring:
+    """The ring a collective runs over: the world's for None or the global
+    set; a process set's, which this rank must be a member of (ValueError at
+    once on a set not registered or not this rank's, TypeError on anything
+    that is no ProcessSet)."""
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return _state.world_ring()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ringreduce.ProcessSet, got {type(process_set).__name__}")
-    _c._ring(None)  # raises when not initialized
-    ring = _c._state.sets.get(process_set.process_set_id)
+    _state.world_ring()  # raises when not initialized
+    ring = _state.sets.get(process_set.process_set_id)
     if ring is None or process_set.process_set_id is None or ring.ranks != process_set.ranks:
         raise ValueError(f"{process_set} is not registered: call add_process_set on every rank first "
                          "(shutdown() and remove_process_set end a set)")
     if ring.comm is None:
-        raise ValueError(f"rank {_c.rank()} is not a member of {process_set}: only its members "
+        raise ValueError(f"rank {_state.require_world().rank} is not a member of {process_set}: only its members "
                          "may call collectives on it")
     return ring
+
+
+def lookup(process_set) -> Ring:
+    """The ring a collective runs over, looked up under the communicator's
+    lock; the collective then holds the ring's own lock (`with ring.lock:`).
+    Collectives on one ring run one at a time (a header pass and the ring
+    steps of one must not interleave with another thread's); those on
+    different rings (the world's, a process set's) run at once, as on other
+    ranks. The communicator's lock is released before the ring's lock is
+    taken: a thread holding a ring's lock never waits for the communicator's
+    (held by init, shutdown, add_process_set and the engine's negotiation,
+    which take ring locks inside it). A ring closed by shutdown() in between
+    fails its next C call ("shut down"). (Not a context manager: one cost
+    ~1.5 us more.)"""
+    with _state.lock:
+        return ring_of(process_set)
 
 
 def find_process_set(process_set_id: int) -> ProcessSet:
     """The registered set with this id (0: global_process_set); ValueError if none."""
     if process_set_id == 0:
         return global_process_set
-    _c._ring(None)  # raises when not initialized
-    ring = _c._state.sets.get(process_set_id)
+    _state.world_ring()  # raises when not initialized
+    ring = _state.sets.get(process_set_id)
     if ring is None or not ring.owners:
         raise ValueError(f"no process set has id {process_set_id!r}: add_process_set returns the ids")
     return ring.owners[0]
@@ -211,10 +234,10 @@ def _invalid(ps: ProcessSet, size: int) -> str | None:
         return f"ranks {ps.ranks} repeat a rank"
     if ps.ranks == list(range(size)):
         return f"ranks {ps.ranks} are the global process set's"
-    for set_id, ring in _c._state.sets.items():
+    for set_id, ring in _state.sets.items():
         if ring.ranks == ps.ranks:
             return f"ranks {ps.ranks} are already process set {set_id}'s"
-    if ps.process_set_id is not None and ps.process_set_id in _c._state.sets:
+    if ps.process_set_id is not None and ps.process_set_id in _state.sets:
         return f"{ps} is already registered"
     return None
 
@@ -224,9 +247,9 @@ def _agree(obj: dict, name: str) -> list:
     ring, which fails with MismatchError on every rank if a rank runs another
     collective meanwhile."""
     data = json.dumps(obj).encode()
-    head = _c._header(_c.ALLGATHER, 0, _c._DTYPES[np.dtype(np.uint8)], (len(data),), name, inline=True)
-    blobs = _c._exchange(head, data, ("dtype", "trailing", "name"), name)
-    return [json.loads(bytes(_c._parse(b)["payload"])) for b in blobs]
+    head = header(ALLGATHER, 0, DTYPES[np.dtype(np.uint8)], (len(data),), name, inline=True)
+    blobs = exchange(head, data, ("dtype", "trailing", "name"), name)
+    return [json.loads(bytes(parse(b)["payload"])) for b in blobs]
 
 
 def _check_offers(offers: list, what: str) -> None:
@@ -243,9 +266,9 @@ def _check_offers(offers: list, what: str) -> None:
 def _connect(ring, ranks: list, set_id: int, ports: list, listener):
     """This rank's _core.Comm for the new set (None on a non-member), and how
     its links move data (None over MPI)."""
-    world = _c._state.world
+    world = _state.world
     if world.source == "MPI communicator":
-        return mpi_backend.process_set_ring(world.config, _c._state.init_args[1], ranks, ring.rank), None
+        return mpi_backend.process_set_ring(world.config, _state.init_args[1], ranks, ring.rank), None
     if ring.rank not in ranks:
         return None, None
     me = ranks.index(ring.rank)
@@ -255,7 +278,7 @@ def _connect(ring, ranks: list, set_id: int, ports: list, listener):
     comm = _core.Comm(me, len(ranks), links.next_fd, links.prev_fd, links.ctrl_fds, cfg.ring_timeout,
                       cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
     try:
-        _c.attach_arena(comm, me, len(ranks), f"set{set_id}", cfg)
+        _shm.attach_arena(comm, me, len(ranks), f"set{set_id}", cfg.arena_slot, cfg.spin, reduce=cfg.arena_reduce)
         _shm.agree_zero_copy(comm, cfg.shm_zerocopy)
         _shm.agree_cma(comm, me, len(ranks), cfg.shm_cma)
     except BaseException:
@@ -264,7 +287,7 @@ def _connect(ring, ranks: list, set_id: int, ports: list, listener):
     return comm, links.kinds()
 
 
-class _SetComm:
+class SetComm:
     """A set's _core.Comm whose errors name world ranks: the C core knows
     only the set's ranks, so every rank its message names (the lost one, the
     one that waited, the one that reported) is rewritten as "world rank W

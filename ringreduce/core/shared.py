@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from .. import _core
-from .collectives import _check_movable
+from .arrays import check_movable
 
 __all__ = ["shared_empty", "shared_zeros", "shared_empty_like", "is_shared"]
 
@@ -48,7 +48,7 @@ def shared_empty(shape, dtype=np.float32) -> np.ndarray:
         dt = np.dtype(dtype)
     except TypeError as exc:
         raise TypeError(f"shared_empty: not a dtype: {dtype!r} ({exc})") from None
-    _check_movable(dt)
+    check_movable(dt)
     count = math.prod(dims)  # exact: numpy's int64 product could wrap
     nbytes = count * dt.itemsize
     if nbytes > sys.maxsize:

@@ -94,7 +94,7 @@ def _sweep_stale() -> None:
                 log.info("ringreduce: removed %s, left by a rank that died", path)
 
 
-def _make_file(tag: str, capacity: int, magic: bytes = MAGIC, header: int = DATA_OFFSET) -> tuple[int, str, bytes]:
+def make_file(tag: str, capacity: int, magic: bytes = MAGIC, header: int = DATA_OFFSET) -> tuple[int, str, bytes]:
     _sweep_stale()
     nonce = secrets.token_bytes(32)
     owner = f"n{pid_namespace()}p{os.getpid()}"
@@ -112,7 +112,7 @@ def _make_file(tag: str, capacity: int, magic: bytes = MAGIC, header: int = DATA
     return fd, path, nonce
 
 
-def _open_offer(offer: dict, magic: bytes = MAGIC, size_ok=lambda n: DATA_OFFSET < n <= DATA_OFFSET + MAX_BYTES) -> int:
+def open_offer(offer: dict, magic: bytes = MAGIC, size_ok=lambda n: DATA_OFFSET < n <= DATA_OFFSET + MAX_BYTES) -> int:
     """The file named by a neighbour's offer, or -1 where we cannot share it."""
     if not isinstance(offer, dict) or not offer.get("path") or offer.get("host") != host_identity():
         return -1
@@ -125,7 +125,7 @@ def _open_offer(offer: dict, magic: bytes = MAGIC, size_ok=lambda n: DATA_OFFSET
         return -1
     try:
         st = os.fstat(fd)
-        # Only a file as _make_file leaves it: ours alone, one name, a sane size.
+        # Only a file as make_file leaves it: ours alone, one name, a sane size.
         private = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
         if private and st.st_nlink == 1 and size_ok(st.st_size) and \
                 os.pread(fd, len(magic) + 32, 0) == magic + bytes.fromhex(offer.get("nonce", "")):
@@ -154,7 +154,7 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
     capacity = min(max(-(-capacity // ALIGN) * ALIGN, 2 * ALIGN), MAX_BYTES) if capacity > 0 else 0
     if capacity > 0:
         try:
-            rx_fd, path, nonce = _make_file(tag, capacity)
+            rx_fd, path, nonce = make_file(tag, capacity)
             offer = {"path": path, "nonce": nonce.hex(), "host": host_identity()}
         except OSError as exc:
             log.info("ringreduce: no shared memory for the link from the previous rank: %s", exc)
@@ -164,7 +164,7 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
         # socket's close into a reset that drops data still on its way.
         theirs = recv_msg(to_next)
         if capacity > 0 and isinstance(theirs, dict):
-            tx_fd = _open_offer(theirs.get("shm_offer"))
+            tx_fd = open_offer(theirs.get("shm_offer"))
         send_msg(to_next, {"shm_taken": tx_fd >= 0})
         answer = recv_msg(from_prev)
         taken = isinstance(answer, dict) and answer.get("shm_taken") is True
@@ -194,7 +194,7 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
 
     allgather(bytes) -> every rank's bytes, in ring rank order: how the ranks
     agree. Default: the ring's own pass of blobs (comm.exchange_blobs); the
-    MPI backend passes its communicator's allgather (ringreduce/mpi_backend.py).
+    MPI backend passes its communicator's allgather (ringreduce/core/mpi_backend.py).
 
     Ring rank 0 makes the file and offers it in an allgather that also
     carries every rank's host identity and slot size; the others open it only
@@ -220,14 +220,14 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
     try:
         if rank == 0 and slot_bytes > 0:
             try:
-                fd, path, nonce = _make_file(f"arena-{tag}", nbytes, ARENA_MAGIC, header=0)
+                fd, path, nonce = make_file(f"arena-{tag}", nbytes, ARENA_MAGIC, header=0)
                 offer.update(path=path, nonce=nonce.hex())
             except OSError as exc:
                 log.info("ringreduce: no host arena: %s", exc)
         offers = [json.loads(bytes(b)) for b in allgather(json.dumps(offer).encode())]
         alike = all(o.get("host") == offer["host"] and o.get("slot") == slot_bytes for o in offers)
         if alike and slot_bytes > 0 and rank != 0 and offers[0].get("path"):
-            fd = _open_offer(offers[0], ARENA_MAGIC, lambda n: n == nbytes)
+            fd = open_offer(offers[0], ARENA_MAGIC, lambda n: n == nbytes)
         if fd >= 0 and alike:
             # Mapped before the vote: a rank whose mapping fails says so
             # there, instead of leaving the others waiting for it in the arena.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 
-from . import collectives as _c
+from .communicator import current as _state
 
 KINDS = ("ring", "blobs", "alltoall")  # the order of _core.Comm.bytes()
 
@@ -30,8 +30,8 @@ _retired: dict = {"world": None, "counts": [0] * len(KINDS)}
 
 
 def _comms() -> list:
-    with _c._state.lock:
-        comms = [_c._state.comm, *(ring.comm for ring in _c._state.sets.values())]
+    with _state.lock:
+        comms = [_state.comm, *(ring.comm for ring in _state.sets.values())]
     return [comm for comm in comms if comm is not None]
 
 
@@ -69,7 +69,7 @@ def retire(comm) -> None:
     """A process set's ring is about to close (remove_process_set): what it
     sent since the last reset keeps counting until the next one."""
     with _lock:
-        world = _c._state.comm
+        world = _state.comm
         if _retired["world"] is not world:
             _retired.update(world=world, counts=[0] * len(KINDS))
         _retired["counts"] = [a + b for a, b in zip(_retired["counts"], _since_reset(comm))]

@@ -2,7 +2,7 @@
 
 discover() reads the world from the environment, in this order:
   0. RINGREDUCE_ELASTIC_ADDR (ringrun --elastic): rank and size come from
-     ringrun's rendezvous at every (re)join (ringreduce/rendezvous.py)
+     ringrun's rendezvous at every (re)join (rendezvous_client.py)
   1. RINGREDUCE_RANK / RINGREDUCE_SIZE / RINGREDUCE_ADDR (set by ringrun, or by hand)
   2. mpirun: Open MPI's OMPI_COMM_WORLD_*, MPICH/Hydra's PMI_* (with the TCP
      backend, rank 0's address and the job secret then travel over MPI)
@@ -11,7 +11,7 @@ discover() reads the world from the environment, in this order:
      RINGREDUCE_RANK, srun's tasks without PMI, or horovodrun's (gloo) or
      torchrun's world of N, raise: N ranks were meant)
 
-rendezvous() then connects the ring: every rank dials rank 0 at
+connect_ring() then connects the ring: every rank dials rank 0 at
 RINGREDUCE_ADDR and gets everyone's listening address back, connects to its
 next neighbour and accepts its previous one. Every connection first proves it
 belongs to the job (see `handshake`); strays are logged and dropped. The
@@ -146,27 +146,6 @@ def discover(env=None) -> World:
     return World(config=config)
 
 
-def bootstrap_over_mpi(world: World, env=None) -> tuple[tuple[str, int], bytes]:
-    """Under mpirun with the TCP backend, rank 0 picks the rendezvous port and
-    the secret and sends both over MPI, so no variables need setting."""
-    env = os.environ if env is None else env
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise RingReduceError(
-            "ringreduce runs under mpirun but mpi4py is not importable: pip install 'ringreduce[mpi]', "
-            "or set RINGREDUCE_ADDR and RINGREDUCE_SECRET yourself") from exc
-    comm = MPI.COMM_WORLD
-    msg = None
-    if comm.Get_rank() == 0:
-        host = socket.gethostname() if env.get("RINGREDUCE_HOST") is None else env["RINGREDUCE_HOST"]
-        msg = (host, free_port(), world.secret or secrets.token_hex(32).encode())
-    host, port, secret = comm.bcast(msg, root=0)
-    from .mpi_backend import abort_on_uncaught_exception
-    abort_on_uncaught_exception()
-    return (host, port), secret
-
-
 def _from_tf_config(cfg: dict, secret: bytes | None, config: Config) -> World:
     cluster = cfg.get("cluster", {})
     members = [("chief", i, a) for i, a in enumerate(cluster.get("chief", []))]
@@ -282,7 +261,7 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -292,7 +271,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return s
 
 
-class _Acceptor:
+class Acceptor:
     """Accepts on a listener; each connection is checked on its own thread, so
     a stray that connects and says nothing delays no one. `expect(check)`
     returns the first connection whose hello passes `check`.
@@ -416,7 +395,7 @@ def _check_cancelled(cancelled) -> None:
         raise RingReduceError(why)
 
 
-def _dial(addr: tuple[str, int], deadline: float, key: bytes, peer: str, cancelled=None) -> socket.socket:
+def dial(addr: tuple[str, int], deadline: float, key: bytes, peer: str, cancelled=None) -> socket.socket:
     """Connects (retrying while the peer is not up yet) and authenticates."""
     while True:
         _check_cancelled(cancelled)
@@ -450,10 +429,10 @@ class Links:
                 "prev": "shm" if self.rx_shm_fd >= 0 else "tcp"}
 
 
-def rendezvous(world: World) -> Links:
-    if world.source == "elastic":  # ringrun holds the rendezvous; it fills in rank, size, generation
-        from ..launch import rendezvous_server as _elastic
-        return _elastic.join(world)
+def connect_ring(world: World) -> Links:
+    """Connects this rank's ring links for a world whose ranks are known
+    (rank 0 gathers every rank's ring listener and hands out the table).
+    An elastic world's ranks come from ringrun instead: rendezvous_client.join."""
     if world.size == 1:
         return Links()
     key = world.secret or NO_SECRET_KEY
@@ -469,11 +448,11 @@ def rendezvous(world: World) -> Links:
     try:
         if world.rank == 0:
             root_listener = _listen_for_rendezvous(bind_host, port)
-            ring_listener = _Acceptor(_listen(bind_host, 0), key, f"rank {world.rank}")
+            ring_listener = Acceptor(listen(bind_host, 0), key, f"rank {world.rank}")
             ctrl, table, job = _gather_at_root(world, key, root_listener, ring_listener.port, deadline)
         else:
-            ctrl_sock = _dial((host, port), deadline, key, "rank 0")
-            ring_listener = _Acceptor(_listen(bind_host, 0), key, f"rank {world.rank}")
+            ctrl_sock = dial((host, port), deadline, key, "rank 0")
+            ring_listener = Acceptor(listen(bind_host, 0), key, f"rank {world.rank}")
             send_msg(ctrl_sock, {"rank": world.rank, "size": world.size, "port": ring_listener.port})
             # The table comes once every rank has joined: wait for it as long as init may take.
             ctrl_sock.settimeout(max(deadline - time.monotonic(), 1.0))
@@ -488,7 +467,7 @@ def rendezvous(world: World) -> Links:
             ctrl = [ctrl_sock]
         world.extra["table"], world.extra["job"] = table, job  # process sets dial members there
         nxt, prv = (world.rank + 1) % world.size, (world.rank - 1) % world.size
-        to_next = _dial(tuple(table[nxt]), deadline, key, f"rank {nxt}")
+        to_next = dial(tuple(table[nxt]), deadline, key, f"rank {nxt}")
         send_msg(to_next, {"rank": world.rank, "job": job, "ring": True})
 
         def is_prev(hello):
@@ -534,7 +513,7 @@ def _links(to_next, from_prev, ctrl, tx_shm: int, rx_shm: int) -> Links:
 
 # ---------------------------------------------------------------------------
 # Sub-rings: a process set's own ring among some of the world's ranks
-# (ringreduce/process_sets.py). Each member opens a listener first; the world
+# (ringreduce/core/process_sets.py). Each member opens a listener first; the world
 # then shares the ports (a collective on the world's ring); then every member
 # dials its next member and accepts its previous one, and the set's first
 # member plays rank 0 of the set's control star. Same handshake, same shared
@@ -543,7 +522,7 @@ def _links(to_next, from_prev, ctrl, tx_shm: int, rx_shm: int) -> Links:
 
 def open_subring_listener(world: World):
     """A member's listener for its set's ring, open before the ports are shared."""
-    return _Acceptor(_listen(_bind_host(world), 0), world.secret or NO_SECRET_KEY, f"rank {world.rank}")
+    return Acceptor(listen(_bind_host(world), 0), world.secret or NO_SECRET_KEY, f"rank {world.rank}")
 
 
 def connect_subring(world: World, listener, me: int, members: list, ports: list, label: str,
@@ -555,7 +534,7 @@ def connect_subring(world: World, listener, me: int, members: list, ports: list,
     of an earlier one with the same id, is taken. Closes the listener.
     timeout (default RINGREDUCE_START_TIMEOUT) bounds the whole connection;
     cancelled() is asked while waiting: a true answer (the reason) stops it
-    with RingReduceError (the elastic rendezvous, ringreduce/rendezvous.py)."""
+    with RingReduceError (the elastic rendezvous, rendezvous_client.py)."""
     k = len(members)
     try:
         if k == 1:
@@ -572,10 +551,10 @@ def connect_subring(world: World, listener, me: int, members: list, ports: list,
         opened: list = []
         try:
             if me != 0:
-                ctrl.append(_dial(addr[0], deadline, key, name[0], cancelled))
+                ctrl.append(dial(addr[0], deadline, key, name[0], cancelled))
                 opened.append(ctrl[0])
                 send_msg(ctrl[0], {"rank": me, "job": tag, "ctrl": True})
-            to_next = _dial(addr[nxt], deadline, key, name[nxt], cancelled)
+            to_next = dial(addr[nxt], deadline, key, name[nxt], cancelled)
             opened.append(to_next)
             send_msg(to_next, {"rank": me, "job": tag, "ring": True})
 
@@ -612,14 +591,14 @@ def connect_subring(world: World, listener, me: int, members: list, ports: list,
 
 def _listen_for_rendezvous(bind_host: str, port: int) -> socket.socket:
     try:
-        return _listen(bind_host, port)
+        return listen(bind_host, port)
     except OSError as exc:
         raise RingReduceError(f"rank 0 cannot listen on {bind_host}:{port} (RINGREDUCE_ADDR): {exc}") from exc
 
 
 def _gather_at_root(world: World, key: bytes, listener: socket.socket, my_port: int, deadline: float):
     """Rank 0 collects every rank's listening address and sends the table back."""
-    acceptor = _Acceptor(listener, key, "rank 0")
+    acceptor = Acceptor(listener, key, "rank 0")
     ctrl: list = [None] * world.size
     table: list = [None] * world.size
     table[0] = [world.addr[0] if world.addr[0] not in ("", "0.0.0.0") else "127.0.0.1", my_port]

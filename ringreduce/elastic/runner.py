@@ -6,11 +6,11 @@ import functools
 import logging
 import time
 
-from ..core import collectives as _c
+from .. import core as _c
 from .. import engine as _engine
 from ..errors import MismatchError, RingReduceError
-from ..launch import rendezvous_server as _rendezvous
-from ..launch.rendezvous_server import RendezvousLostError
+from ..core import rendezvous_client as _rendezvous
+from ..core.rendezvous_client import RendezvousLostError
 from .state import HostsUpdatedInterrupt
 
 log = logging.getLogger("ringreduce")
@@ -26,7 +26,7 @@ def recoverable(exc: BaseException) -> bool:
 def generation() -> int:
     """The generation of the running ring (ringrun --elastic forms a new one
     at every reset; 0 outside elastic jobs)."""
-    return _c._state.generation
+    return _c.communicator().generation
 
 
 def reset() -> None:
@@ -47,7 +47,7 @@ def run_with(func, state, args, kwargs, recoverable=recoverable, on_lost=None):
                 started = time.monotonic()
                 reset()
                 log.info("ringreduce: elastic reset: rank %d of %d (generation %d) in %.2f s",
-                         _c.rank(), _c.size(), _c._state.generation, time.monotonic() - started)
+                         _c.rank(), _c.size(), _c.communicator().generation, time.monotonic() - started)
                 state.on_reset()
             state.sync()
             return func(state, *args, **kwargs)

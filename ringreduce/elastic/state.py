@@ -15,9 +15,9 @@ import pickle
 
 import numpy as np
 
-from ..core import collectives as _c
+from .. import core as _c
 from .. import engine as _engine
-from ..launch import rendezvous_server as _rendezvous
+from ..core import rendezvous_client as _rendezvous
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -75,7 +75,7 @@ class State:
         if client is None or not _c.is_initialized():
             return
         flag = np.array([int(client.poll_update())], np.int32)
-        if _engine._engine is not None:  # by name through the running engine: no pass of its can meet this one
+        if _engine.running() is not None:  # by name through the running engine: no pass of its can meet this one
             waiting = _engine.engine().wait(_engine.engine().enqueue("elastic.host_updates", flag, op="max"))
         else:
             waiting = _c.allreduce(flag, op="max", name="elastic.host_updates")

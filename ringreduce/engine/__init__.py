@@ -5,8 +5,9 @@ response_cache.py; timeline.py records what ran).
 
 The public calls the framework layers (ringreduce.tensorflow, compression,
 elastic) use: engine(), Engine's enqueue / wait / withdraw / join / leave /
-start_timeline / stats, register_kind, reset, join.
+start_timeline / stats, register_kind, running, reset, join.
 """
-from .scheduler import GLOBAL_PROCESS_SET, REFUSED, Engine, Handle, Kind, engine, join, register_kind, reset
+from .scheduler import GLOBAL_PROCESS_SET, REFUSED, Engine, Handle, Kind, engine, join, register_kind, reset, running
 
-__all__ = ["Engine", "Handle", "Kind", "engine", "join", "register_kind", "reset", "REFUSED", "GLOBAL_PROCESS_SET"]
+__all__ = ["Engine", "Handle", "Kind", "engine", "join", "register_kind", "reset", "running", "REFUSED",
+           "GLOBAL_PROCESS_SET"]

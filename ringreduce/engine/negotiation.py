@@ -27,7 +27,7 @@ model, or skipped a collective) is a stall: rank 0, whose clock decides,
 names it in its next message, and it fails on every rank with
 MismatchError naming the ranks that have it and those that do not, instead
 of waiting for ever (Horovod's stall inspector only warns). Every rank decides from the same messages with
-the same code, so all decide alike; the cache (ringreduce/response_cache.py)
+the same code, so all decide alike; the cache (ringreduce/engine/response_cache.py)
 then changes the same way everywhere: agreed requests are recorded in agreed
 order, a name that failed loses its slot.
 """
@@ -38,10 +38,11 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from ..core import collectives as _c
+from ..core.communicator import communicator
+from ..core.protocol import exchange, header
 from .response_cache import ResponseCache
 
-NEGOTIATE = 5  # header kind of a negotiation pass (see collectives._KIND_NAMES)
+NEGOTIATE = 5  # header kind of a negotiation pass (see protocol.KIND_NAMES)
 _FLAGS = struct.Struct("<BI")
 JOINED, STALL_VERDICT, LEFT, FUSION, CAPACITY = 1, 2, 4, 8, 16
 _FUSION = struct.Struct("<Q")
@@ -267,13 +268,13 @@ class Negotiator:
         first = self._cycle == 0  # every cache is empty yet: each rank says its capacity
         blob = encode(keys, joined, self.cache, self._stalled, left, fusion if fusion != self.fusion else None,
                       self.cache.capacity if first else None)
-        head = _c._header(NEGOTIATE, 0, 0, (), "", 0, False)
-        with _c._state.lock:
-            blobs = _c._exchange(head, blob, ("name",), "engine negotiation")
-            me = _c._state.world.rank
+        head = header(NEGOTIATE, 0, 0, (), "", 0, False)
+        with communicator().lock:
+            blobs = exchange(head, blob, ("name",), "engine negotiation")
+            me = communicator().world.rank
             # Sets are added and removed by passes of the world's ring, so every
             # rank holds the same registry at the same negotiation pass.
-            sets = {ps: ring.ranks for ps, ring in _c._state.sets.items()}
+            sets = {ps: ring.ranks for ps, ring in communicator().sets.items()}
         messages = [decode(memoryview(b)[len(head):]) for b in blobs]
         if messages[0].fusion is not None:
             self.fusion = messages[0].fusion

@@ -8,7 +8,7 @@ of their own, allreduces fused, while the caller goes on.
 
 Ranks pair collectives BY NAME, so they may be issued in any order and from
 several threads at once. Each cycle the ranks agree on what runs
-(ringreduce/negotiation.py, with its response cache): what is ready on every
+(ringreduce/engine/negotiation.py, with its response cache): what is ready on every
 rank runs, allreduces packed into fusion buffers of up to
 RINGREDUCE_FUSION_THRESHOLD bytes (rank 0's, negotiated: every rank cuts
 the same buckets), per dtype and op; the rest waits. A
@@ -38,13 +38,16 @@ from typing import Callable
 
 import numpy as np
 
-from ..core import autotune as _autotune, collectives as _c
+from .. import core
+from ..core import autotune as _autotune
+from ..core.arrays import DTYPES, HostArrays, arrays_for, op_code
+from ..core.process_sets import ring_of
 from ..core.config import Config
 from ..errors import MismatchError, RingReduceError, WithdrawnError
 from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
 from .timeline import Timeline
 
-GLOBAL_PROCESS_SET = 0  # process set ids: 0 the world, others ringreduce/process_sets.py's
+GLOBAL_PROCESS_SET = 0  # process set ids: 0 the world, others ringreduce/core/process_sets.py's
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,13 @@ def register_kind(name: str, run: Callable | None, *, reduces=False, rooted=Fals
 # A request this rank refused (bad input): its key differs from every valid one (Engine._refuse).
 REFUSED = "refused"
 register_kind("allreduce", None, reduces=True)
-register_kind("reduce_scatter", lambda h: _c.reduce_scatter(h.array, op=h.op, name=h.name, process_set=h.group),
+register_kind("reduce_scatter", lambda h: core.reduce_scatter(h.array, op=h.op, name=h.name, process_set=h.group),
               reduces=True)
-register_kind("allgather", lambda h: _c.allgather(h.array, name=h.name, process_set=h.group), ragged=True)
-register_kind("broadcast", lambda h: _c.broadcast(h.array, root=h.root, name=h.name, process_set=h.group),
+register_kind("allgather", lambda h: core.allgather(h.array, name=h.name, process_set=h.group), ragged=True)
+register_kind("broadcast", lambda h: core.broadcast(h.array, root=h.root, name=h.name, process_set=h.group),
               rooted=True)
 # rr.alltoall(x, splits, name) -> (received, received_splits)
-register_kind("alltoall", lambda h: _c.alltoall(h.array, h.extra.get("splits"), name=h.name, process_set=h.group),
+register_kind("alltoall", lambda h: core.alltoall(h.array, h.extra.get("splits"), name=h.name, process_set=h.group),
               ragged=True)
 
 
@@ -89,13 +92,13 @@ class Handle:
     op: str
     root: int
     process_set: int
-    key: tuple  # what every rank must agree on (ringreduce/negotiation.py)
+    key: tuple  # what every rank must agree on (ringreduce/engine/negotiation.py)
     seq: int
     extra: dict = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
-    family: object = None  # how the collectives handle `array` (collectives._arrays_for)
+    family: object = None  # how the collectives handle `array` (arrays.arrays_for)
     ready: object = None  # GPU arrays: an event after the caller's work on `array`
     stand_in: bool = False  # a joined rank's zeros: nobody waits for it
     group: object = None  # the ProcessSet the collective runs on; None: the world
@@ -111,10 +114,10 @@ class Engine:
         config = Config.from_env()
         self.fusion_bytes = fusion_bytes if fusion_bytes is not None else config.fusion_bytes
         # tuned at init (RINGREDUCE_AUTOTUNE=1) and no threshold given: tried from the cycles it runs, unless
-        # rank 0 set one, which then holds on every rank (ringreduce/autotune.py): decided alike everywhere,
+        # rank 0 set one, which then holds on every rank (ringreduce/core/autotune.py): decided alike everywhere,
         # as the tuner's window allreduces must be, whatever this rank's environment says now
         self._fusion_tuner = None
-        tuned = _c._state.world.extra.get("autotune") if _c.is_initialized() else None
+        tuned = core.communicator().world.extra.get("autotune") if core.is_initialized() else None
         if fusion_bytes is None and tuned is not None:
             if tuned.get("fusion_bytes") is not None:
                 self.fusion_bytes = tuned["fusion_bytes"]
@@ -181,7 +184,7 @@ class Engine:
     def _refuse(self, name, kind, process_set, group, problem) -> None:
         """This rank's bad input still meets the others' request of that name,
         as a refusal that differs from theirs: negotiation fails it on every
-        rank at once, naming this one (collectives._refuse is the same for
+        rank at once, naming this one (collectives.refuse is the same for
         the direct calls), instead of their waiting RINGREDUCE_TIMEOUT. Returns
         once negotiated, so the name is free again when the caller raises."""
         key = (name, kind, f"(bad input: {problem})"[:300], (), "", 0, process_set)
@@ -189,24 +192,24 @@ class Engine:
             if self._error is not None or (process_set, name) in self._pending:
                 return
             self._seq += 1
-            h = Handle(name, np.zeros(0), REFUSED, "", 0, process_set, key, self._seq, family=_c._HostArrays,
+            h = Handle(name, np.zeros(0), REFUSED, "", 0, process_set, key, self._seq, family=HostArrays,
                        group=group)
             self._pending[(process_set, name)] = h
             self._cond.notify()
         h.done.wait()
 
     def _enqueue(self, name, array, op, kind, spec, root, group, process_set, compression, extra) -> Handle:
-        family, array = _c._arrays_for(array, reduces=spec.reduces)
+        family, array = arrays_for(array, reduces=spec.reduces)
         with family.on(array):
             array = family.xp.ascontiguousarray(array).reshape(array.shape)  # a 0-d array stays 0-d
         if spec.ragged and array.ndim == 0:
             array = array.reshape(1)
         if spec.reduces:
-            _c._op_code(op)
+            op_code(op)
         else:
             op = ""
         if spec.rooted:
-            size = _c.size()
+            size = core.size()
             if not (isinstance(root, (int, np.integer)) and 0 <= root < size):
                 raise ValueError(f"root {root!r} is not a rank of this world of {size}")
             if group is not None and root not in group.ranks:
@@ -249,7 +252,7 @@ class Engine:
 
     def start_timeline(self, path: str | None, mark_cycles: bool = False) -> None:
         """Writes the timeline to path from now on (None: stops it)."""
-        old, self.timeline = self.timeline, Timeline(path, mark_cycles, rank=_c.rank())
+        old, self.timeline = self.timeline, Timeline(path, mark_cycles, rank=core.rank())
         old.close()
 
     def withdraw(self, h: Handle) -> None:
@@ -362,7 +365,7 @@ class Engine:
                 h.error = MismatchError(problem)
                 self.timeline.end(h.name, "QUEUE")
                 h.done.set()
-        me = _c.rank()
+        me = core.rank()
         with self._cond:  # every rank runs, in agreed order, what it is a member of
             handles = []
             for k in agreement.run:
@@ -444,14 +447,14 @@ class Engine:
                 flat = families[0].xp.concatenate([h.array.reshape(-1) for h in bucket])
             label = bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors"
             t0 = time.monotonic()
-            result = _c.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
-        phases = _c._ring(bucket[0].group).comm.last_phases()
+            result = core.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
+        phases = ring_of(bucket[0].group).comm.last_phases()
         if phases[0] < t0:  # the one-pass small algorithm ran: no ring phases to show
             phases = None
         self.timeline.ring_op([h.name for h in bucket], label, flat.nbytes, t0, time.monotonic(), phases)
-        if self.timeline.path:  # bytes this rank has sent on this ring so far (ringreduce/traffic.py)
+        if self.timeline.path:  # bytes this rank has sent on this ring so far (ringreduce/core/traffic.py)
             self.timeline.counter("bytes sent", dict(zip(("ring", "blobs", "alltoall"),
-                                                        _c._ring(bucket[0].group).comm.bytes())))
+                                                        ring_of(bucket[0].group).comm.bytes())))
         at = 0
         with self._cond:
             for f, h in zip(families, bucket):
@@ -513,7 +516,7 @@ class Engine:
         h.done.set()
 
 
-_NUMPY_DTYPES = {str(d): d for d in _c._DTYPES}
+_NUMPY_DTYPES = {str(d): d for d in DTYPES}
 
 
 def _stand_in(key: tuple) -> Handle:
@@ -523,7 +526,7 @@ def _stand_in(key: tuple) -> Handle:
     member refused (Engine._refuse: its dtype field holds the problem) has
     nothing to stand in for: nothing runs."""
     if key[DTYPE] not in _NUMPY_DTYPES:
-        return Handle(key[NAME], np.zeros(0), REFUSED, "", 0, key[PROCESS_SET], key, 0, family=_c._HostArrays,
+        return Handle(key[NAME], np.zeros(0), REFUSED, "", 0, key[PROCESS_SET], key, 0, family=HostArrays,
                       stand_in=True, group=_set_of(key[PROCESS_SET]))
     dtype, op = _NUMPY_DTYPES[key[DTYPE]], key[OP].partition("|")[0]  # a compressor's tag after the |
     if op == "prod":
@@ -538,13 +541,13 @@ def _stand_in(key: tuple) -> Handle:
         fill = 0
     array = np.full(key[SHAPE], fill, dtype=dtype)
     return Handle(key[NAME], array, key[KIND], op, 0, key[PROCESS_SET], key, 0,
-                  family=_c._HostArrays, stand_in=True, group=_set_of(key[PROCESS_SET]))
+                  family=HostArrays, stand_in=True, group=_set_of(key[PROCESS_SET]))
 
 
 def _check_compressible(name, kind, op, family, array) -> None:
     if kind != "allreduce" or op not in ("sum", "avg"):
         raise ValueError(f"compression= applies to allreduce with op sum or avg; {name!r} is {kind} op {op!r}")
-    if family is not _c._HostArrays or array.dtype.kind != "f":
+    if family is not HostArrays or array.dtype.kind != "f":
         raise TypeError(f"compression= takes host (numpy) floating-point tensors; {name!r} is "
                         f"{type(array).__name__} of {array.dtype}")
 
@@ -561,7 +564,6 @@ def _resolve(process_set):
             return None, GLOBAL_PROCESS_SET
     elif getattr(process_set, "process_set_id", None) == GLOBAL_PROCESS_SET:
         return None, GLOBAL_PROCESS_SET
-    from ..core.process_sets import ring_of
     ring_of(process_set)  # raises for an unknown set or a non-member
     return process_set, process_set.process_set_id
 
@@ -570,7 +572,7 @@ def _set_of(set_id: int):
     """The registered ProcessSet with this id (None: the world's)."""
     if set_id == GLOBAL_PROCESS_SET:
         return None
-    ring = _c._state.sets.get(set_id)
+    ring = core.communicator().set_ring(set_id)
     if ring is None or not ring.owners:
         raise ValueError(f"process set {set_id} is not registered: call add_process_set on every rank first")
     return ring.owners[0]
@@ -579,7 +581,7 @@ def _set_of(set_id: int):
 def _member(set_id: int, rank: int) -> bool:
     if set_id == GLOBAL_PROCESS_SET:
         return True
-    ring = _c._state.sets.get(set_id)
+    ring = core.communicator().set_ring(set_id)
     return ring is not None and rank in ring.ranks
 
 
@@ -594,6 +596,12 @@ def engine() -> Engine:
         if _engine is None or not _engine._thread.is_alive():
             _engine = Engine()
         return _engine
+
+
+def running() -> Engine | None:
+    """The process's engine if one was started (and not reset), else None:
+    engine() would start one, this never does."""
+    return _engine
 
 
 def reset() -> None:
@@ -616,5 +624,6 @@ def join() -> int:
     complete with this rank adding zeros (avg still divides by every rank);
     other collectives raise MismatchError. Returns, on every rank, the rank
     that joined last."""
-    _c._require_world()  # else a fresh engine fails to start: "stopped after an earlier error", misleading
+    # else a fresh engine fails to start: "stopped after an earlier error", misleading
+    core.communicator().require_world()
     return engine().join()

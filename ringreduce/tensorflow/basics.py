@@ -4,15 +4,15 @@ ringreduce can do (the *_built / *_enabled flags, answered truthfully for
 ringreduce, not for Horovod's transports)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
 import ringreduce as rr
 from ringreduce import is_initialized, local_rank, local_size, rank, size
-from ringreduce.core import mpi_backend as _mpi_backend
-from ringreduce.core import cuda as _cuda
 from ringreduce.engine import engine
-from ringreduce.core.process_sets import ProcessSet, add_process_set, find_process_set, global_process_set
+from ringreduce.core import ProcessSet, add_process_set, find_process_set, global_process_set
 
 # ----------------------------------------------------------------- process sets
 
@@ -41,6 +41,15 @@ def check_process_set(process_set):
 _cross: dict = {}  # {"key": world identity, "cross_rank", "cross_size", "homogeneous"}
 
 
+def overlap_enabled() -> bool:
+    """RINGREDUCE_OVERLAP: 1 (default) or 0; anything else ("off", "false")
+    would have left the overlap on silently, so it is refused, named."""
+    text = os.environ.get("RINGREDUCE_OVERLAP", "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"RINGREDUCE_OVERLAP={text!r} makes no sense: use 0 or 1")
+    return text != "0"
+
+
 def init(comm=None, process_sets=None, backend: str | None = None) -> None:
     """Joins the ring (ringreduce.init) and learns the hosts' layout, as
     Horovod's init does. comm: an mpi4py communicator, as in rr.init.
@@ -51,7 +60,6 @@ def init(comm=None, process_sets=None, backend: str | None = None) -> None:
         process_sets = None
     if isinstance(comm, (list, tuple)):
         raise NotImplementedError("init(comm=[ranks]): pass an mpi4py communicator instead")
-    from .overlap import overlap_enabled  # overlap imports this module
     overlap_enabled()  # a RINGREDUCE_OVERLAP that makes no sense is refused here, as rr.init does its settings
     rr.init(backend=backend, comm=comm)
     _learn_layout()
@@ -157,13 +165,12 @@ def stop_timeline() -> None:
 
 def mpi_built() -> bool:
     """Whether the MPI transport (ringreduce._mpi) is built and mpi4py imports."""
-    return _mpi_backend.available() is None
+    return rr.core.mpi_unavailable_reason() is None
 
 
 def mpi_enabled() -> bool:
     """Whether the running ring goes over MPI (init under mpirun, or backend='mpi')."""
-    from ringreduce.core.collectives import _state  # no public accessor for the backend yet
-    return rr.is_initialized() and _state.init_args[0] == "mpi"
+    return rr.core.backend() == "mpi"
 
 
 def mpi_threads_supported() -> bool:
@@ -204,7 +211,7 @@ def rocm_built() -> bool:
 def cuda_built() -> bool:
     """Whether GPU (cupy) arrays can be reduced here: the C core always carries
     the CUDA ring (libcuda is opened at run time); the kernels need cupy."""
-    return _cuda.cupy_or_none() is not None
+    return rr.cuda.cupy_or_none() is not None
 
 
 __all__ = [

@@ -1,5 +1,5 @@
 """The names the TF ops give their collectives: the background engine pairs
-collectives across ranks BY NAME (ringreduce/engine.py), so a name must be
+collectives across ranks BY NAME (ringreduce/engine/scheduler.py), so a name must be
 the same on every rank and unique among the collectives that may be in
 flight at once (per process set: the engine keys requests by set and name).
 

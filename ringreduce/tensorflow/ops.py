@@ -2,7 +2,7 @@
 signatures and gradients: eager and inside tf.function, on the global
 process set or any other (process_set=: sizes, ranks, Average and gradients
 are the set's). Every op hands its array to the background engine
-(ringreduce/engine.py), which pairs collectives across ranks BY NAME
+(ringreduce/engine/scheduler.py), which pairs collectives across ranks BY NAME
 (naming.py says which name an op gets), and waits for the result. Eagerly
 the op body runs at once; in a tf.function it is a tf.numpy_function, whose
 wait releases the GIL; where TensorFlow sees a GPU, a tf.py_function

@@ -14,7 +14,6 @@ everything in one op after the whole backward pass, for comparison.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import threading
 
@@ -25,7 +24,7 @@ import ringreduce as rr
 from ..engine import engine
 from .errors import as_tf_error
 from .compression import Compression, engine_compressor
-from .basics import global_process_set
+from .basics import global_process_set, overlap_enabled  # noqa: F401  (overlap_enabled: read here too)
 from .naming import collective_name
 from .ops import allreduce
 
@@ -149,15 +148,6 @@ def _nonce():
 
 def _set_of(process_set):
     return global_process_set if process_set is None else process_set
-
-
-def overlap_enabled() -> bool:
-    """RINGREDUCE_OVERLAP: 1 (default) or 0; anything else ("off", "false")
-    would have left the overlap on silently, so it is refused, named."""
-    text = os.environ.get("RINGREDUCE_OVERLAP", "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"RINGREDUCE_OVERLAP={text!r} makes no sense: use 0 or 1")
-    return text != "0"
 
 
 def reduce_gradients(grads, variables, op: str = "avg", compression=Compression.none,
