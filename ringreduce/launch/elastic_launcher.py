@@ -3,7 +3,7 @@
     ringrun --elastic -np 4 --min-np 2 --max-np 8 python train.py
     ringrun --elastic -np 4 --host-discovery-script ./hosts.sh python train.py
 
-ringrun holds the rendezvous (ringreduce/rendezvous.py), so no worker is
+ringrun holds the rendezvous (ringreduce/launch/rendezvous_server.py), so no worker is
 special and any may die, rank 0 too. Each worker runs under its guard, as
 without --elastic, with RINGREDUCE_ELASTIC_ADDR, RINGREDUCE_SECRET and a
 RINGREDUCE_WORKER_ID of its own instead of a rank (ranks change with each
@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import ringrun as _run
+from . import processes
 from .rendezvous_server import RendezvousServer
 
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
@@ -84,15 +84,15 @@ def discover(script: str) -> dict[str, int] | None:
     try:
         out = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        _run.say(f"host discovery script failed: {exc}")
+        processes.say(f"host discovery script failed: {exc}")
         return None
     if out.returncode != 0:
-        _run.say(f"host discovery script exited with code {out.returncode}: {out.stderr.strip()[:200]}")
+        processes.say(f"host discovery script exited with code {out.returncode}: {out.stderr.strip()[:200]}")
         return None
     try:
         return parse_slots(out.stdout)
     except ValueError as exc:  # one bad run of the script must not end the job
-        _run.say(f"host discovery script printed {exc}: ignored, hosts unchanged")
+        processes.say(f"host discovery script printed {exc}: ignored, hosts unchanged")
         return None
 
 
@@ -103,7 +103,7 @@ def advertised_address(hosts: list[str]) -> str:
     127.0.0.1 they would; their ring peers on other hosts could not reach
     that). Falls back to the host name when no remote host resolves."""
     for host in hosts:
-        if host in _run.LOCAL_HOSTS:
+        if host in processes.LOCAL_HOSTS:
             continue
         try:
             family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
@@ -127,7 +127,7 @@ class Worker:
 class ElasticJob:
     def __init__(self, opts: Options, command: list[str]):
         self.opts, self.command = opts, command
-        self.job = _run.Job()
+        self.job = processes.Job()
         self.secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
         self.hosts: dict[str, Host] = {}
         if opts.discovery_script:
@@ -137,7 +137,7 @@ class ElasticJob:
             self.hosts = {h: Host(h, n) for h, n in parse_slots(opts.hosts_spec).items()}
         else:
             self.hosts = {"localhost": Host("localhost", max(opts.np, opts.max_np))}
-        local = all(h in _run.LOCAL_HOSTS for h in self.hosts) and not opts.discovery_script
+        local = all(h in processes.LOCAL_HOSTS for h in self.hosts) and not opts.discovery_script
         self.server = RendezvousServer(self.secret.encode(), expected=opts.np, min_np=opts.min_np,
                                        max_np=opts.max_np, bind_host="127.0.0.1" if local else "0.0.0.0",
                                        rejoin_timeout=opts.timeout or REJOIN_TIMEOUT)
@@ -173,14 +173,14 @@ class ElasticJob:
                "RINGREDUCE_WORKER_ID": wid, "PYTHONUNBUFFERED": "1"}
         if self.opts.timeout is not None:
             env["RINGREDUCE_TIMEOUT"] = str(self.opts.timeout)
-        argv = _run.rank_argv(host, env, self.command, self.opts.ssh)
+        argv = processes.rank_argv(host, env, self.command, self.opts.ssh)
         try:
             p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  stdin=subprocess.PIPE, start_new_session=True)
         except OSError as exc:
-            _run.say(f"cannot start worker {wid} ({argv[0]}): {exc}")
+            processes.say(f"cannot start worker {wid} ({argv[0]}): {exc}")
             return False
-        self.job.ranks.append(_run.Rank(self.serial, host in _run.LOCAL_HOSTS, p))
+        self.job.ranks.append(processes.Rank(self.serial, host in processes.LOCAL_HOSTS, p))
         self.workers.append(Worker(self.serial, wid, host, p, time.monotonic()))
         for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
             t = threading.Thread(target=self.job.pump, args=(wid, stream, sink, name), daemon=True)
@@ -190,7 +190,7 @@ class ElasticJob:
 
     def failed(self, w: Worker, code: int, now: float) -> None:
         host = self.hosts.get(w.host)
-        why = f"worker {w.id} {_run.describe(code)}"
+        why = f"worker {w.id} {processes.describe(code)}"
         if host is not None:
             host.failures = [t for t in host.failures if now - t < BLACKLIST_SECONDS] + [now]
             host.in_a_row += 1
@@ -200,19 +200,19 @@ class ElasticJob:
                 why += f"; host {w.host} failed {HOST_FAILURES} times within {BLACKLIST_SECONDS:.0f} s: " \
                        f"left out for {BLACKLIST_SECONDS:.0f} s"
         if self.finishing:
-            _run.say(why)
+            processes.say(why)
             return
         if self.restarts >= self.opts.max_restarts:
-            _run.say(f"{why}; not restarted (--max-restarts {self.opts.max_restarts} used)")
+            processes.say(f"{why}; not restarted (--max-restarts {self.opts.max_restarts} used)")
             return
         self.restarts += 1
         delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** ((host.in_a_row if host else 1) - 1))
         self.pending.append((now + delay, w.host))
-        _run.say(f"{why}; restarting it in {delay:.0f} s ({self.restarts}/{self.opts.max_restarts})")
+        processes.say(f"{why}; restarting it in {delay:.0f} s ({self.restarts}/{self.opts.max_restarts})")
 
     # -- the watch loop
 
-    def watch(self) -> _run.Ending:
+    def watch(self) -> processes.Ending:
         seen_exit: set = set()
         told = 0
         while True:
@@ -221,10 +221,10 @@ class ElasticJob:
                 with self.server.lock:
                     news, told = self.server.events[told:], len(self.server.events)
                 for event in news:
-                    _run.say(f"rendezvous: {event}")
+                    processes.say(f"rendezvous: {event}")
             if self.job.signals:
                 sig = self.job.signals[0]
-                return self.stop(_run.Ending(128 + sig, own_signal=sig), f"got {signal.Signals(sig).name}")
+                return self.stop(processes.Ending(128 + sig, own_signal=sig), f"got {signal.Signals(sig).name}")
             for w in self.workers:
                 code = w.proc.poll()
                 if code is None or w.serial in seen_exit:
@@ -239,15 +239,16 @@ class ElasticJob:
                 else:
                     raised = self.server.failure_of(w.id)
                     if raised is not None:  # the program's error: a restart would only raise it again
-                        return self.stop(_run.Ending(code if code > 0 else 1),
+                        return self.stop(processes.Ending(code if code > 0 else 1),
                                          f"worker {w.id} raised {raised} in its training function")
                     self.failed(w, code, now)
             running = self.running()
             if self.finishing and not running:
-                return _run.Ending(0)
+                return processes.Ending(0)
             if self.finishing and not self.server.members() & {w.id for w in running}:
                 # training is over: those left were waiting to join a ring that will not form again
-                return self.stop(_run.Ending(0), f"training finished; {len(running)} worker(s) still waited to join")
+                return self.stop(processes.Ending(0),
+                                 f"training finished; {len(running)} worker(s) still waited to join")
             if not self.finishing:
                 self.discover(now)
                 self.start_due(now)
@@ -261,7 +262,7 @@ class ElasticJob:
                     hopeless = not running and not self.pending
                     if hopeless or now - self.below_since > self.opts.elastic_timeout:
                         waited = f"for {now - self.below_since:.0f} s (--elastic-timeout {self.opts.elastic_timeout:g})"
-                        return self.stop(_run.Ending(1), f"{len(running)} worker(s) left, below --min-np "
+                        return self.stop(processes.Ending(1), f"{len(running)} worker(s) left, below --min-np "
                                          f"{self.opts.min_np}, {'with no restart left' if hopeless else waited}")
                 else:
                     self.below_since = None
@@ -293,21 +294,21 @@ class ElasticJob:
             return
         for name, slots in found.items():
             if name not in self.hosts:
-                _run.say(f"host {name} found ({slots} slot(s))")
+                processes.say(f"host {name} found ({slots} slot(s))")
                 self.hosts[name] = Host(name, slots)
             self.hosts[name].slots = slots
         for name in [h for h in self.hosts if h not in found]:
-            _run.say(f"host {name} is gone: stopping its workers")
+            processes.say(f"host {name} is gone: stopping its workers")
             del self.hosts[name]
             for w in self.running():
                 if w.host == name:
                     _stop_one(w)
 
-    def stop(self, ending: _run.Ending, reason: str) -> _run.Ending:
+    def stop(self, ending: processes.Ending, reason: str) -> processes.Ending:
         others = self.running()
-        _run.say(f"{reason}; stopping {len(others)} worker(s)" if others else f"{reason}; no worker left to stop")
+        processes.say(f"{reason}; stopping {len(others)} worker(s)" if others else f"{reason}; no worker left to stop")
         self.job.stop_all(signal.SIGTERM)
-        kill_at = time.monotonic() + _run.GRACE_SECONDS + 1
+        kill_at = time.monotonic() + processes.GRACE_SECONDS + 1
         while self.running():
             if time.monotonic() > kill_at or len(self.job.signals) > 1:
                 self.job.stop_all(signal.SIGKILL)
@@ -323,17 +324,17 @@ def _stop_one(w: Worker) -> None:
         pass
 
 
-def run(opts: Options, command: list[str]) -> _run.Ending:
+def run(opts: Options, command: list[str]) -> processes.Ending:
     opts.verbose = opts.verbose or os.environ.get("RINGRUN_VERBOSE", "") not in ("", "0")
     ej = ElasticJob(opts, command)
-    old = {s: signal.signal(s, lambda signum, frame: ej.job.signals.append(signum)) for s in _run.STOP_SIGNALS}
+    old = {s: signal.signal(s, lambda signum, frame: ej.job.signals.append(signum)) for s in processes.STOP_SIGNALS}
     try:
         for _ in range(opts.np):
             host = ej.free_host(None, time.monotonic())
             if host is None:
-                return ej.stop(_run.Ending(1), f"only {len(ej.running())} slot(s) for -np {opts.np}")
+                return ej.stop(processes.Ending(1), f"only {len(ej.running())} slot(s) for -np {opts.np}")
             if not ej.start(host):
-                return ej.stop(_run.Ending(127), "cannot start the workers")
+                return ej.stop(processes.Ending(127), "cannot start the workers")
         return ej.watch()
     finally:
         for s, h in old.items():

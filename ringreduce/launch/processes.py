@@ -1,0 +1,125 @@
+"""The processes of a job, as ringrun and the elastic launcher start and stop
+them: each rank's command line (under its guard, over ssh on a remote host),
+a Job of running ranks and how it ends, and ringrun's one-line messages."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+from . import guard as _guard
+
+GRACE_SECONDS = 3.0  # SIGTERM -> SIGKILL, in the guard; ringrun kills what is left a second later
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def guarded(command: list[str]) -> list[str]:
+    """The command under its guard; -I: the guard needs only the standard library."""
+    return [sys.executable, "-I", os.path.abspath(_guard.__file__), "--grace", str(GRACE_SECONDS), "--", *command]
+
+
+def rank_argv(host: str, env: dict, command: list[str], ssh: str) -> list[str]:
+    if host in LOCAL_HOSTS:
+        return guarded(command)
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    remote = f"cd {shlex.quote(os.getcwd())} && env {assignments} {shlex.join(guarded(command))}"
+    return [*shlex.split(ssh), host, remote]
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def say(message: str) -> None:
+    """One line on ringrun's stderr, if it is still open."""
+    try:
+        print(f"ringrun: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+@dataclass
+class Rank:
+    index: int
+    local: bool
+    proc: subprocess.Popen  # the guard, or ssh running it
+
+
+@dataclass
+class Ending:
+    code: int                       # ringrun's exit status, shell style (128 + N: signal N)
+    own_signal: int | None = None   # ringrun stopped because of this signal: end by it too
+
+
+class Job:
+    def __init__(self):
+        self.ranks: list[Rank] = []
+        self.lock = threading.Lock()
+        self.signals: list[int] = []         # signals ringrun got, in order (from the handler)
+        self.closed_sink: str | None = None  # "stdout"/"stderr" once writing to it failed
+        self.ended: list[int] = []           # ranks in the order they ended: the first failure is the cause
+
+    def wait_for(self, rank: "Rank"):
+        """Records when a rank ends, so ringrun blames the first to fail (its
+        peers fail a moment later, lost a peer), not the lowest rank number."""
+        rank.proc.wait()
+        with self.lock:
+            self.ended.append(rank.index)
+
+    def pump(self, rank: int, stream, sink, sink_name: str):
+        """Copies one rank's output to ours, line by line, each line prefixed.
+
+        Once our sink is closed the lines are read and dropped, so a rank never
+        blocks on a full pipe while it is being stopped."""
+        prefix = f"[{rank}] ".encode()
+        for line in iter(stream.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with self.lock:
+                if self.closed_sink is not None:
+                    continue
+                try:
+                    sink.buffer.write(prefix + line)
+                    sink.buffer.flush()
+                except (OSError, ValueError):  # BrokenPipeError: `| head` is done with us
+                    self.closed_sink = sink_name
+                    _silence(sink)
+        stream.close()
+
+    def running(self) -> list[Rank]:
+        return [r for r in self.ranks if r.proc.poll() is None]
+
+    def stop_all(self, sig=signal.SIGTERM):
+        """Closes every control pipe (the guards stop their ranks, ssh passes the
+        EOF on) and signals the local process groups directly as well."""
+        for r in self.ranks:
+            if r.proc.stdin is not None and not r.proc.stdin.closed:
+                try:
+                    r.proc.stdin.close()
+                except OSError:
+                    pass
+            if r.local or sig == signal.SIGKILL:
+                try:
+                    os.killpg(r.proc.pid, sig)  # the group outlives a dead guard while any of it runs
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def _silence(sink) -> None:
+    """Points a closed stdout/stderr at /dev/null, so nothing later trips on it."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sink.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
