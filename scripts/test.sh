@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 # MPI first, so the build finds mpicc and compiles the MPI transport too.
 .venv/bin/python -m pip install -q "mpich>=4.1" "mpi4py>=4.0"
 MPICC="$PWD/.venv/bin/mpicc" .venv/bin/python -m pip install -q -e ".[dev,mpi,tf]"
+# The layers and the import graph first (pyproject.toml [tool.importlinter]): a broken contract fails fast.
+.venv/bin/lint-imports
 exec .venv/bin/python -m pytest -q "$@"
