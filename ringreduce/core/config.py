@@ -45,7 +45,7 @@ class Config:
                                     # version); the same bits every way
     shm_zerocopy: bool = True       # RINGREDUCE_SHM_ZEROCOPY: 1 (default): where both of a rank's links
                                     # are shared memory, the ring reduces straight in the mappings;
-                                    # 0: through its own staging buffer (the path before issue 17)
+                                    # 0: through its own staging buffer, copied to and from them
     shm_cma: str = "auto"           # RINGREDUCE_SHM_CMA: "1": with zero copy on, a rank reads its
                                     # previous neighbour's chunks straight out of that process's buffers
                                     # (process_vm_readv) from 1 MiB a chunk, where every rank's probe at init
