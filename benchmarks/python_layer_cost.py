@@ -5,7 +5,7 @@
 One process, no peers: the world's ring is swapped for one of two ranks
 whose Comm is a stub (its allreduce_small and try_allreduce_small return at
 once), so what is timed is Python alone: the fast path (rr.allreduce of a
-planned 4 KiB float32 sum), the checked path (collectives._allreduce_checked,
+planned 4 KiB float32 sum), the checked path (collectives.allreduce_checked,
 what every call took before the fast path), and the pieces of the checked
 path one by one. Nanoseconds per call, the best of --repeats loops, the
 empty loop's cost taken off; the stub's own call is in the two paths'

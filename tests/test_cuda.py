@@ -99,7 +99,7 @@ def test_without_a_gpu_the_loader_says_why_and_import_costs_nothing():
     if WHY_NO_GPU is None:
         pytest.skip("a GPU is here")
     with pytest.raises(Exception, match="cupy|CUDA"):
-        cuda._module()
+        cuda.kernels()
 
 
 def sample(name, count, seed):
@@ -163,7 +163,7 @@ class HostKernels:
 
     def _launch(self, name, count, *args):
         """Runs kernel name over count elements; args as its C signature takes them."""
-        grid, block = (self.grid, 32) if self.grid else (cuda._grid(count)[0], cuda.THREADS)
+        grid, block = (self.grid, 32) if self.grid else (cuda.launch_grid(count)[0], cuda.THREADS)
         self.h.launch(name, grid, block, *args)
 
     def reduce(self, a, b, name, op, skip=0, in_place=False):

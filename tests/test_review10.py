@@ -17,7 +17,7 @@ from test_shared_arrays import run
 
 REPLACED = """
 import os, tempfile
-comm = C._state.comm
+comm = C.communicator().comm
 n, r = rr.size(), rr.rank()
 x = rr.shared_empty(n * (1 << 19) + 3, np.float64)
 region = x.base.base
@@ -100,7 +100,7 @@ def test_a_neighbour_allocating_a_new_array_each_step_is_not_held_sixteen_times(
     # the entries whose region that neighbour has freed.
     ranks = run(2, """
 import gc
-comm = C._state.comm
+comm = C.communicator().comm
 n, r = rr.size(), rr.rank()
 ok = True
 for i in range(20):

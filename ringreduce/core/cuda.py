@@ -50,7 +50,9 @@ def available() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _module():
+def kernels():
+    """The compiled kernels (a cupy.RawModule: the fatbin, else reduce.cu
+    compiled now); RingReduceError without cupy and a CUDA device."""
     cp = cupy_or_none()
     why = available()
     if why:
@@ -79,7 +81,8 @@ def _dtype_name(dtype) -> str:
     return name
 
 
-def _grid(count: int) -> tuple[int]:
+def launch_grid(count: int) -> tuple[int]:
+    """The grid of THREADS-thread blocks over count elements (grid-stride beyond 65535 blocks)."""
     return (max(1, min((count + THREADS - 1) // THREADS, 65535)),)
 
 
@@ -92,9 +95,9 @@ def reduce3(dst, a, b, op: str, dtype=None) -> None:
         op = "sum"
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
-    kernel = _module().get_function(f"rr_reduce_{_dtype_name(dtype or dst.dtype)}_{op}")
+    kernel = kernels().get_function(f"rr_reduce_{_dtype_name(dtype or dst.dtype)}_{op}")
     count = dst.size
-    kernel(_grid(count), (THREADS,), (dst, a, b, np.uint64(count)))
+    kernel(launch_grid(count), (THREADS,), (dst, a, b, np.uint64(count)))
 
 
 def mean_fold(dst, x, mean, k: int, dtype=None) -> None:
@@ -103,21 +106,21 @@ def mean_fold(dst, x, mean, k: int, dtype=None) -> None:
     name = _dtype_name(dtype or dst.dtype)
     if name not in MEAN_DTYPES:
         raise TypeError(f"running means are for {MEAN_DTYPES}, not {name}")
-    kernel = _module().get_function(f"rr_mean_{name}")
-    kernel(_grid(dst.size), (THREADS,), (dst, x, mean, np.uint64(dst.size), np.int32(k)))
+    kernel = kernels().get_function(f"rr_mean_{name}")
+    kernel(launch_grid(dst.size), (THREADS,), (dst, x, mean, np.uint64(dst.size), np.int32(k)))
 
 
 def divide(buf, n: int, dtype=None) -> None:
     """buf /= n, as the CPU kernels do it (integers floor-divide)."""
-    kernel = _module().get_function(f"rr_divide_{_dtype_name(dtype or buf.dtype)}")
-    kernel(_grid(buf.size), (THREADS,), (buf, np.uint64(buf.size), np.int32(n)))
+    kernel = kernels().get_function(f"rr_divide_{_dtype_name(dtype or buf.dtype)}")
+    kernel(launch_grid(buf.size), (THREADS,), (buf, np.uint64(buf.size), np.int32(n)))
 
 
 def cast(dst, src, dst_dtype=None, src_dtype=None) -> None:
     """float32 <-> float16 / bfloat16, rounding to nearest even (compression)."""
     frm, to = _dtype_name(src_dtype or src.dtype), _dtype_name(dst_dtype or dst.dtype)
-    kernel = _module().get_function(f"rr_cast_{frm}_to_{to}")
-    kernel(_grid(src.size), (THREADS,), (dst, src, np.uint64(src.size)))
+    kernel = kernels().get_function(f"rr_cast_{frm}_to_{to}")
+    kernel(launch_grid(src.size), (THREADS,), (dst, src, np.uint64(src.size)))
 
 
 # --------------------------------------------------------------------------- the collectives' data path
@@ -135,7 +138,7 @@ def ring_device(ordinal: int):
     from .. import _core
 
     cp = cupy_or_none()
-    module = _module()
+    module = kernels()
     with cp.cuda.Device(ordinal):
         table = kernel_table(lambda name: module.get_function(name).kernel.ptr)
     return _core.Device.cuda(ordinal, *table)
