@@ -308,7 +308,7 @@ def test_fingerprint_covers_machine_version_and_build():
 # across an upgrade or a rebuild, would meet.
 CHANGES = {
     "machine": "autotune.this_machine = lambda: 'Other CPU; 96 cores; aarch64'",
-    "version": "import ringreduce; ringreduce.__version__ = '9.9.9'",
+    "version": "import ringreduce.version; ringreduce.version.__version__ = '9.9.9'",
     "build": "autotune.this_build = lambda: 'f' * 16",
 }
 

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..version import __version__
+from .. import version as _version
 from . import collectives as _c, traffic
 from .communicator import current as _state
 
@@ -224,8 +224,8 @@ def tune_ring(ring, world, backend: str, env=None):
     must call it at the same point (it runs collectives)."""
     env = os.environ if env is None else env
     config = world.config
-    machine, build = this_machine(), this_build()
-    mine = np.array([[world.extra.get("links", {}).get("next") == "shm", fingerprint(machine, __version__, build)]],
+    machine, build, version = this_machine(), this_build(), _version.__version__  # read at each calibration
+    mine = np.array([[world.extra.get("links", {}).get("next") == "shm", fingerprint(machine, version, build)]],
                     np.int64)
     every = _c.allgather(mine, name="ringreduce.autotune.key")
     key = shape_key(world.size, world.local_size, backend, int(every[:, 0].sum()), world_digest(every[:, 1]))
@@ -249,7 +249,7 @@ def tune_ring(ring, world, backend: str, env=None):
                            (fixed_small,) if fixed_small >= 0 else SMALL_CANDIDATES, config.segment_bytes,
                            config.small_bytes)
         if world.rank == 0:
-            store(path, choice, key, {"rank0_machine": machine, "ringreduce": __version__, "build": build})
+            store(path, choice, key, {"rank0_machine": machine, "ringreduce": version, "build": build})
     if fixed_seg:
         choice = dataclasses.replace(choice, segment_bytes=fixed_seg)
     if fixed_small >= 0:
