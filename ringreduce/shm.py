@@ -290,7 +290,7 @@ def agree_cma(comm, me: int, n: int, mode: str) -> bool:
     comm.allreduce(table, every, _core.INT64, _core.SUM)
     pid, addr, value = (int(v) for v in every[(me - 1) % n])
     # auto: rings of two only. With more ranks the kernel's copy (slower than memcpy here) does more
-    # work than the mappings' path (docs/performance.md, "Issue 17's cells on a quiet machine").
+    # work than the mappings' path (docs/performance.md, "Plain arrays: zero copy against CMA").
     wanted = mode == "1" or (mode == "auto" and n == 2)
     able = wanted and zero_copy and n > 1 and _core.Comm.cma_probe(pid, addr, np.int64(value).tobytes())
     vote = np.array([int(able)], np.int32)
