@@ -18,7 +18,7 @@ typedef struct {
 
 extern PyTypeObject DeviceType;
 
-/* ringreduce.errors.<name> (module.c), a new reference; NULL with an exception set. */
+/* ringreduce.errors.<name> (errors.c), a new reference; NULL with an exception set. */
 PyObject *error_class(const char *name);
 
 /* Sets a TypeError and returns NULL unless obj is a usable Device. */

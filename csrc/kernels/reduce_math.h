@@ -35,7 +35,7 @@ typedef enum {
     RR_UINT8 = 5,
     RR_INT32 = 6,
     RR_INT64 = 7,
-    RR_INT16 = 8, /* appended, so the older codes keep their values */
+    RR_INT16 = 8, /* a code never changes (Python and the CUDA kernels use them): a new dtype takes the next */
     RR_UINT16 = 9,
     RR_NUM_DTYPES
 } rr_dtype;
