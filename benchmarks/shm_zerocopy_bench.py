@@ -1,4 +1,4 @@
-"""Zero-copy shared-memory ring (issue 17) against the copying path, in one run.
+"""Zero-copy shared-memory ring against the copying path, in one run.
 
     ringrun -np 2 python benchmarks/shm_zerocopy_bench.py
     ringrun -np 4 python benchmarks/shm_zerocopy_bench.py --mib 1,4,16,64,256
