@@ -8,9 +8,9 @@ Every rank then holds every header, so a disagreement raises MismatchError on
 all of them alike. Small allreduces finish right there, reducing the blobs in
 rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
 Over MPI both passes run by recursive doubling instead (log2 N rounds, the
-small allreduce reducing as it goes: csrc/recursive_doubling.c).
+small allreduce reducing as it goes: csrc/schedule/recursive_doubling.c).
 When every rank shares one host the pass is no ring at all: the blobs meet in
-a shared arena (csrc/host_arena.h), each written once and read in place.
+a shared arena (csrc/schedule/host_arena.h), each written once and read in place.
 """
 from __future__ import annotations
 
@@ -441,7 +441,7 @@ def _parse(blob: bytes) -> dict:
 @contextlib.contextmanager
 def _byte_order(comm, blobs):
     """The ring operation inside runs on every rank in one byte order. The
-    zero-copy path (csrc/ring.c ring_steps_zero_copy) sends slice-major, the
+    zero-copy path (csrc/schedule/ring.c ring_steps_zero_copy) sends slice-major, the
     staged device path step-major: when any rank's header says it runs on a
     device, every rank takes the copying path this once (decided from the
     agreed headers, alike everywhere)."""
@@ -613,7 +613,7 @@ def _payloads(blobs, head_len):
     return [memoryview(b)[head_len:] for b in blobs]
 
 
-# Averaged as running means, never as sums that could overflow (csrc/reduce_math.h).
+# Averaged as running means, never as sums that could overflow (csrc/kernels/reduce_math.h).
 _MEAN_CODES = (_core.FLOAT16, _core.BFLOAT16)
 
 
@@ -758,7 +758,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
 
 
 def _chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
-    """Chunk i of count elements over n ranks, as csrc/ring.c cuts it."""
+    """Chunk i of count elements over n ranks, as csrc/schedule/ring.c cuts it."""
     base, extra = divmod(count, n)
     start = i * base + min(i, extra)
     return start, start + base + (1 if i < extra else 0)
