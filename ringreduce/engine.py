@@ -390,7 +390,7 @@ class Engine:
                 self._last_joined = agreement.join_done
                 done, self._joining = self._joining, None
             done.set()
-        elif not handles and not agreement.failed:
+        elif not handles and not agreement.failed and not agreement.served:
             # Some rank is still computing: ask again shortly, backing off from
             # a yield to a millisecond (an eager op's partner is often only
             # microseconds late; a rank still in backprop may be seconds away).
