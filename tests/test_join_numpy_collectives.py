@@ -32,9 +32,12 @@ result = (wrong, last, got)
 """
 
 
-@pytest.mark.parametrize("n,steps,last", [(2, "3,1", 0), (2, "1,4", 1), (3, "2,4,6", 2), (3, "5,1,3", 0)])
-def test_the_readme_loop_of_direct_allreduces_goes_on_past_a_joined_rank(tmp_path, n, steps, last):
-    ranks = run_ranks(n, README_LOOP, tmp_path, env={"STEPS": steps}, timeout=180)
+# (the small path's pass meets the joined rank's negotiation in the host arena, or around the ring without it)
+@pytest.mark.parametrize("n,steps,last,arena", [(2, "3,1", 0, True), (2, "1,4", 1, True), (3, "2,4,6", 2, True),
+                                                (3, "5,1,3", 0, True), (3, "4,1,2", 0, False)])
+def test_the_readme_loop_of_direct_allreduces_goes_on_past_a_joined_rank(tmp_path, n, steps, last, arena):
+    env = {"STEPS": steps, **({} if arena else {"RINGREDUCE_ARENA_BYTES": "0"})}
+    ranks = run_ranks(n, README_LOOP, tmp_path, env=env, timeout=180)
     counts = [int(s) for s in steps.split(",")]
     for r in ranks:
         wrong, got_last, got = r.result
