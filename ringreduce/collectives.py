@@ -820,7 +820,33 @@ def _allreduce_ring(blobs, ring, src, dst, out, code, opc):
         src = src.copy()
     with _byte_order(ring.comm, blobs):
         ring.comm.allreduce(_raw(src), _raw(dst), code, opc)
+    _note_phases(ring.comm)
     return _deliver(dst, out)
+
+
+_phase_log = threading.local()  # .log: the list record_phases() collects in on this thread, or None
+
+
+@contextlib.contextmanager
+def record_phases():
+    """Collects the phases of every ring allreduce this thread runs inside:
+    (start, ScatterReduce done, end), CLOCK_MONOTONIC seconds as the C core
+    timed them (comm.last_phases), one per ring op, read under the ring's
+    lock right after the op. The small one-pass allreduces (arena, recursive
+    doubling, the blob pass) have no such phases and add nothing. The
+    engine's timeline shows them (ringreduce/timeline.py)."""
+    log, outer = [], getattr(_phase_log, "log", None)
+    _phase_log.log = log
+    try:
+        yield log
+    finally:
+        _phase_log.log = outer
+
+
+def _note_phases(comm) -> None:
+    log = getattr(_phase_log, "log", None)
+    if log is not None:
+        log.append(comm.last_phases())
 
 
 def _allreduce_device(x, op, out, name, process_set=None):
@@ -849,6 +875,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
             src = src.copy()
         with _byte_order(ring.comm, blobs):
             g.allreduce(ring.comm, src, dst, code, opc)
+        _note_phases(ring.comm)
         return _deliver(dst, out, g.xp)
 
 

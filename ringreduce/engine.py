@@ -444,10 +444,8 @@ class Engine:
                 flat = families[0].xp.concatenate([h.array.reshape(-1) for h in bucket])
             label = bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors"
             t0 = time.monotonic()
-            result = _c.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
-        phases = _c._ring(bucket[0].group).comm.last_phases()
-        if phases[0] < t0:  # the one-pass small algorithm ran: no ring phases to show
-            phases = None
+            with _c.record_phases() as phases:  # none when the one-pass small algorithm ran
+                result = _c.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
         self.timeline.ring_op([h.name for h in bucket], label, flat.nbytes, t0, time.monotonic(), phases)
         if self.timeline.path:  # bytes this rank has sent on this ring so far (ringreduce/traffic.py)
             self.timeline.counter("bytes sent", dict(zip(("ring", "blobs", "alltoall"),
@@ -474,12 +472,14 @@ class Engine:
         # would go out instead of zeros).
         compressor = self._stand_in_compressor(tag)
         t0 = time.monotonic()
-        results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
-                                           bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket],
-                                           [h.extra.get("compression", compressor) for h in bucket])  # whose state
+        with _c.record_phases() as phases:  # of each ring allreduce the compressor runs (top-k's gather: none)
+            results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
+                                               bucket[0].group,
+                                               [h.extra.get("compression_key", h.name) for h in bucket],
+                                               [h.extra.get("compression", compressor) for h in bucket])  # whose state
         label = f"{tag} " + (bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors")
         self.timeline.ring_op([h.name for h in bucket], label, sum(h.array.nbytes for h in bucket), t0,
-                              time.monotonic())
+                              time.monotonic(), phases)
         with self._cond:
             for h, r in zip(bucket, results):
                 h.result = r
