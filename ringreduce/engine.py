@@ -22,9 +22,10 @@ MismatchError; compressed tensors with the same compressor fuse into
 buckets of their own.
 
 A rank that calls join() goes on negotiating with nothing of its own: it
-adds zeros to every allreduce the others run (so avg still divides by every
-rank, as Horovod's), until every rank has joined; then join() returns the
-rank that joined last, on every rank.
+adds zeros to every allreduce the others run, through their engines or
+directly with rr.allreduce (collectives._negotiation_pass), so avg still
+divides by every rank, as Horovod's, until every rank has joined; then
+join() returns the rank that joined last, on every rank.
 
 Framework-free: the TensorFlow layer calls only enqueue, wait and join.
 """
@@ -612,9 +613,9 @@ def reset() -> None:
 
 def join() -> int:
     """Horovod's hvd.join(): call it when this rank has run out of data. Until
-    every rank has joined, allreduces the others issue through the engine
-    complete with this rank adding zeros (avg still divides by every rank);
-    other collectives raise MismatchError. Returns, on every rank, the rank
-    that joined last."""
+    every rank has joined, allreduces the others issue, through the engine or
+    directly (rr.allreduce), complete with this rank adding zeros (avg still
+    divides by every rank); other collectives raise MismatchError on the
+    ranks that issue them. Returns, on every rank, the rank that joined last."""
     _c._require_world()  # else a fresh engine fails to start: "stopped after an earlier error", misleading
     return engine().join()
