@@ -60,6 +60,7 @@ _KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier
 # operation of an old ring from ever pairing with one of the new.
 _HEAD = struct.Struct("<4sIBBBBiIIHI")
 _MAGIC = b"RRH3"
+_KIND_AT = 8  # the kind's byte in a header (after magic and generation)
 
 
 @dataclass
@@ -549,6 +550,8 @@ def _joined_in(blobs):
     that have called rr.join(), and with nothing else; None otherwise (a rank
     whose engine negotiates without having joined makes it a plain mismatch).
     Decided from the blobs alone: alike on every rank."""
+    if not any(len(b) > _KIND_AT and b[_KIND_AT] == NEGOTIATE for b in blobs):  # the usual case, unparsed
+        return None
     heads = [_parse(b) for b in blobs]
     joined = [r for r, h in enumerate(heads) if h["kind"] == NEGOTIATE and len(h["payload"])
               and h["payload"][0] & _JOINED]
