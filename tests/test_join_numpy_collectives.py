@@ -4,6 +4,8 @@ joined rank's engine answers each allreduce with zeros (the op's identity
 for min, max, prod), avg still dividing by every rank (Horovod's join).
 Every other direct collective beside a joined rank raises MismatchError on
 the ranks that called it, and the joined rank stays joined."""
+import pickle
+
 import pytest
 
 from ranks import run_ranks
@@ -87,3 +89,36 @@ def test_other_direct_collectives_beside_a_joined_rank_fail_on_their_callers_and
             assert f"{kind} cannot run while rank(s) 0 have joined" in errors[what], (what, errors[what])
         assert "shape" in errors["unlike allreduces"] and "rank 1" in errors["unlike allreduces"], errors
         assert errors["after"] == [4 / 3] * 4, errors["after"]   # (2 + 2 + 0) / 3: the joined rank's zeros
+
+
+MPI_JOB = """
+import os, pickle, sys
+import numpy as np
+import ringreduce as rr
+rr.init(backend="mpi")
+exec(os.environ["BODY"])
+with open(f"{sys.argv[1]}.rank{rr.rank()}.pkl", "wb") as f:
+    pickle.dump(result, f)
+"""
+
+
+def test_the_readme_loop_over_mpi_where_small_allreduces_double(tmp_path):
+    # Over MPI without the host arena, small allreduces run by recursive doubling: its pass meets the
+    # joined rank's negotiation there, and the others learn of the join from the headers it gathered.
+    import subprocess
+    import sys
+    from test_mpi import MPIRUN, _missing
+    from ranks import REPO
+    if _missing() is not None:
+        pytest.skip(_missing())
+    job = tmp_path / "job.py"
+    job.write_text(MPI_JOB)
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "BODY": README_LOOP, "STEPS": "2,5,3",
+           "RINGREDUCE_ARENA_BYTES": "0"}
+    proc = subprocess.run([MPIRUN, "-np", "3", sys.executable, str(job), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [pickle.loads((tmp_path / f"out.rank{r}.pkl").read_bytes()) for r in range(3)]
+    for r, (wrong, last, got) in enumerate(results):
+        assert wrong == [] and last == 1, (r, wrong, last)
+    assert results[0][2] == results[1][2][:len(results[0][2])] == results[2][2][:len(results[0][2])]
