@@ -122,3 +122,22 @@ def test_the_readme_loop_over_mpi_where_small_allreduces_double(tmp_path):
     for r, (wrong, last, got) in enumerate(results):
         assert wrong == [] and last == 1, (r, wrong, last)
     assert results[0][2] == results[1][2][:len(results[0][2])] == results[2][2][:len(results[0][2])]
+
+
+def test_a_direct_allreduce_beside_a_rank_that_left_fails_naming_it(tmp_path):
+    # A rank that shuts down (Engine.leave, the TF layer's shutdown) is no joined rank: no zeros stand in for it.
+    ranks = run_ranks(2, """
+        from ringreduce.engine import engine
+        if rr.rank() == 0:
+            engine().leave()
+            result = "left"
+        else:
+            try:
+                rr.allreduce(np.ones(3))
+                result = "ran"
+            except rr.MismatchError as e:
+                result = str(e)
+            rr.join()
+    """, tmp_path, timeout=60)
+    assert ranks[0].result == "left"
+    assert "allreduce cannot run: rank(s) 0 have shut down" in ranks[1].result, ranks[1].result
