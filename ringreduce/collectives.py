@@ -810,9 +810,10 @@ def _allreduce_checked(x, op, out, name, process_set):
 
 def _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc):
     """A small allreduce's headers differed: MismatchError on every rank, or,
-    when only the path differs (RINGREDUCE_SMALL_BYTES differs between ranks),
-    the ring, as every rank takes it. src and dst are C-contiguous; called
-    with the lock held."""
+    when only the path differs (RINGREDUCE_SMALL_BYTES differs between ranks)
+    or the others are joined ranks' negotiation (rr.join: _agree), the ring,
+    as every rank takes it. src and dst are C-contiguous; called with the
+    lock held."""
     _agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
     return _allreduce_ring(blobs, ring, src, dst, out, code, opc)
 
