@@ -1,4 +1,4 @@
-"""The ring's staged path for device memory (csrc/device.h), on the emulated
+"""The ring's staged path for device memory (csrc/device/device.h), on the emulated
 device: its pointers fault when the host touches them and its queued work runs
 late, so a segment sent before its copy finished, a slot reused too early or a
 result read before the device is done shows up as wrong bits or a crash.
@@ -9,8 +9,8 @@ must equal, bit for bit, what the host ring gives for the same inputs. A small
 segment (RINGREDUCE_SEGMENT_BYTES) makes every chunk many segments, so all
 staging slots turn over many times.
 
-Each case runs on two devices: the emulated one (csrc/device_emulated.c) and
-the CUDA one (csrc/cuda_device.c) over the host CUDA driver (tests/hostcuda.py),
+Each case runs on two devices: the emulated one (csrc/device/device_emulated.c) and
+the CUDA one (csrc/device/cuda_device.c) over the host CUDA driver (tests/hostcuda.py),
 whose kernels are reduce.cu compiled for the host and whose streams also run
 late: the code that drives a GPU runs here, kernels and all.
 """

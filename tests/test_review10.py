@@ -1,6 +1,6 @@
 """review10: hostile-neighbour and lifetime cases of the shared arrays and
-the Cross Memory Attach reader's mapped read (csrc/peer_map.c,
-csrc/shared_region.c), beyond tests/test_shared_arrays.py.
+the Cross Memory Attach reader's mapped read (csrc/memory/peer_map.c,
+csrc/memory/shared_region.c), beyond tests/test_shared_arrays.py.
 
 Rank 0 puts something else at its region's fd number (its array's own
 mapping does not need the fd), as a confused or hostile process would: its

@@ -154,7 +154,7 @@ def test_an_odd_shm_size_on_one_rank_keeps_zero_copy_and_the_right_sums(tmp_path
 
 
 # A device array family (as ringreduce/core/cuda.py DeviceArrays) over the emulated
-# device (csrc/device_emulated.c): the public collectives then run this
+# device (csrc/device/device_emulated.c): the public collectives then run this
 # rank's large operations on the ring's staged device path.
 EMULATED_FAMILY = """
 import contextlib

@@ -1,4 +1,4 @@
-"""The host arena (csrc/host_arena.c): small allreduces and header passes
+"""The host arena (csrc/schedule/host_arena.c): small allreduces and header passes
 among ranks of one host meet in one shared mapping instead of going around
 the ring. Results against numpy and bit-identical to the ring's small path
 (the same rank-order reduction), across ranks too; mismatches named; a rank
@@ -74,7 +74,7 @@ def test_arena_matches_numpy_and_the_ring_bit_for_bit(tmp_path, n):
     _assert_no_problems_and_the_same_bits(ranks)
 
 
-# The arena's ways of reducing (Comm.use_arena's modes, csrc/host_arena.h):
+# The arena's ways of reducing (Comm.use_arena's modes, csrc/schedule/host_arena.h):
 # copy (the first version), direct (straight into the output, the rank's own
 # term from its input), split (each rank folds its 1/N slice, a second round
 # shares it), auto. Every dtype and op, odd sizes (slices of uneven length,

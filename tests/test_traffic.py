@@ -1,4 +1,4 @@
-"""Bytes sent, counted in C (csrc/transport.h) and read by rr.stats()."""
+"""Bytes sent, counted in C (csrc/transport/transport.h) and read by rr.stats()."""
 import json
 
 import pytest

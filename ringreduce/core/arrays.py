@@ -174,7 +174,7 @@ def deliver(result, out, xp=np):
 
 
 def chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
-    """Chunk i of count elements over n ranks, as csrc/ring.c cuts it."""
+    """Chunk i of count elements over n ranks, as csrc/schedule/ring.c cuts it."""
     base, extra = divmod(count, n)
     start = i * base + min(i, extra)
     return start, start + base + (1 if i < extra else 0)

@@ -5,6 +5,9 @@ others (protocol.py), then runs the small path (the data rode in the header
 pass) or the C ring (ringreduce._core)."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from .. import _core
@@ -34,7 +37,7 @@ def refuse(kind: int, problem: Exception, process_set=None) -> None:
         pass  # not initialized, or the others refused too, or a peer is lost: this rank's own error says most
 
 
-# Averaged as running means, never as sums that could overflow (csrc/reduce_math.h).
+# Averaged as running means, never as sums that could overflow (csrc/kernels/reduce_math.h).
 _MEAN_CODES = (_core.FLOAT16, _core.BFLOAT16)
 
 
@@ -127,16 +130,17 @@ def allreduce_checked(x, op, out, name, process_set):
                     ring.plans[(x.shape, x.dtype, op, name)] = Plan(head, x.shape, code, opc, rounds)
                 return dst if out is None or dst is out else deliver(dst, out)
             return _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc)
-        blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
+        blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
         return _allreduce_ring(blobs, ring, src, dst, out, code, opc)
 
 
 def _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc):
     """A small allreduce's headers differed: MismatchError on every rank, or,
-    when only the path differs (RINGREDUCE_SMALL_BYTES differs between ranks),
-    the ring, as every rank takes it. src and dst are C-contiguous; called
-    with the lock held."""
-    agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce", ring)
+    when only the path differs (RINGREDUCE_SMALL_BYTES differs between ranks)
+    or the others are joined ranks' negotiation (rr.join: protocol.agree), the
+    ring, as every rank takes it. src and dst are C-contiguous; called with the
+    lock held."""
+    agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
     return _allreduce_ring(blobs, ring, src, dst, out, code, opc)
 
 
@@ -146,7 +150,33 @@ def _allreduce_ring(blobs, ring, src, dst, out, code, opc):
         src = src.copy()
     with byte_order(ring.comm, blobs):
         ring.comm.allreduce(as_raw(src), as_raw(dst), code, opc)
+    _note_phases(ring.comm)
     return deliver(dst, out)
+
+
+_phase_log = threading.local()  # .log: the list record_phases() collects in on this thread, or None
+
+
+@contextlib.contextmanager
+def record_phases():
+    """Collects the phases of every ring allreduce this thread runs inside:
+    (start, ScatterReduce done, end), CLOCK_MONOTONIC seconds as the C core
+    timed them (comm.last_phases), one per ring op, read under the ring's
+    lock right after the op. The small one-pass allreduces (arena, recursive
+    doubling, the blob pass) have no such phases and add nothing. The
+    engine's timeline shows them (ringreduce/engine/timeline.py)."""
+    log, outer = [], getattr(_phase_log, "log", None)
+    _phase_log.log = log
+    try:
+        yield log
+    finally:
+        _phase_log.log = outer
+
+
+def _note_phases(comm) -> None:
+    log = getattr(_phase_log, "log", None)
+    if log is not None:
+        log.append(comm.last_phases())
 
 
 def _allreduce_device(x, op, out, name, process_set=None):
@@ -168,13 +198,14 @@ def _allreduce_device(x, op, out, name, process_set=None):
                             out, g.xp)
     with ring.lock, g.on(x):
         head = header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
-        blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
+        blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
         src = g.xp.ascontiguousarray(x)
         dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
         if dst is not src and g.xp.may_share_memory(dst, src):
             src = src.copy()
         with byte_order(ring.comm, blobs):
             g.allreduce(ring.comm, src, dst, code, opc)
+        _note_phases(ring.comm)
         return deliver(dst, out, g.xp)
 
 

@@ -1,4 +1,4 @@
-"""ringreduce's CUDA kernels (csrc/cuda/reduce.cu), loaded through cupy.
+"""ringreduce's CUDA kernels (csrc/kernels/cuda/reduce.cu), loaded through cupy.
 
 The kernels come from a fatbin that setup.py builds with nvcc when asked
 (RINGREDUCE_CUDA=1, for sm_80 and sm_90), or else are compiled at run time
@@ -19,7 +19,8 @@ from ..errors import RingReduceError
 
 PACKAGE = Path(__file__).resolve().parent.parent  # ringreduce/, holding the fatbin and (in a wheel) csrc/
 FATBIN = PACKAGE / "reduce_kernels.fatbin"
-SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # a wheel's copy (setup.py), then the source tree
+# a wheel's copy (setup.py), then the source tree
+SOURCE_DIRS = [PACKAGE / "csrc" / "kernels", PACKAGE.parent / "csrc" / "kernels"]
 
 # In the C core's code order (rr_dtype, rr_op): the ring's device takes its kernels so.
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "int16", "uint16")
@@ -65,13 +66,13 @@ def kernels():
 
 
 def kernel_source() -> Path:
-    """csrc/cuda/reduce.cu (next to the reduce_math.h it includes), which cupy
+    """csrc/kernels/cuda/reduce.cu (next to the reduce_math.h it includes), which cupy
     compiles where no fatbin was built."""
     for d in SOURCE_DIRS:
         src = d / "cuda" / "reduce.cu"
         if src.exists():
             return src
-    raise RingReduceError("csrc/cuda/reduce.cu not found: reinstall ringreduce, or build with RINGREDUCE_CUDA=1")
+    raise RingReduceError("csrc/kernels/cuda/reduce.cu not found: reinstall ringreduce, or build with RINGREDUCE_CUDA=1")
 
 
 def _dtype_name(dtype) -> str:

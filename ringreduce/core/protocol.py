@@ -6,9 +6,9 @@ Every rank then holds every header, so a disagreement raises MismatchError on
 all of them alike. Small allreduces finish right there, reducing the blobs in
 rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
 Over MPI both passes run by recursive doubling instead (log2 N rounds, the
-small allreduce reducing as it goes: csrc/recursive_doubling.c).
+small allreduce reducing as it goes: csrc/schedule/recursive_doubling.c).
 When every rank shares one host the pass is no ring at all: the blobs meet in
-a shared arena (csrc/host_arena.h), each written once and read in place.
+a shared arena (csrc/schedule/host_arena.h), each written once and read in place.
 """
 from __future__ import annotations
 
@@ -16,13 +16,17 @@ import contextlib
 import functools
 import struct
 
+import numpy as np
+
 from ..errors import MismatchError, RingReduceError, StaleGenerationError
-from .arrays import DTYPE_NAMES, OP_NAMES
+from .arrays import BFLOAT16, DTYPE_NAMES, DTYPES, OP_NAMES, as_raw
 from .communicator import Ring, current as _state
 
 
 ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, BARRIER = range(5)
 ALLTOALL = 6  # 5 is the engine's negotiation
+NEGOTIATE = 5  # the engine's negotiation pass (ringreduce/engine/negotiation.py)
+JOINED, LEFT = 1, 4  # flags in a negotiation blob's first byte (negotiation.JOINED, negotiation.LEFT)
 KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "engine negotiation", "alltoall"]
 
 # magic, generation, kind, op, dtype code, inline?, root, ndim, name length,
@@ -33,6 +37,7 @@ KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"
 # operation of an old ring from ever pairing with one of the new.
 HEAD = struct.Struct("<4sIBBBBiIIHI")
 MAGIC = b"RRH3"
+_KIND_AT = 8  # the kind's byte in a header (after magic and generation)
 
 
 def header(kind, op, dtype, shape, name, root=0, inline=False, descr=None, splits=(), device=False) -> bytes:
@@ -76,7 +81,7 @@ def parse(blob: bytes) -> dict:
 @contextlib.contextmanager
 def byte_order(comm, blobs):
     """The ring operation inside runs on every rank in one byte order. The
-    zero-copy path (csrc/ring.c ring_steps_zero_copy) sends slice-major, the
+    zero-copy path (csrc/schedule/ring.c ring_steps_zero_copy) sends slice-major, the
     staged device path step-major: when any rank's header says it runs on a
     device, every rank takes the copying path this once (decided from the
     agreed headers, alike everywhere)."""
@@ -130,14 +135,109 @@ def check_agreement(heads, fields, what: str, ranks=None) -> None:
             raise MismatchError(f"ranks disagree on the {label} of {what} ({per_rank})")
 
 
-def agree(blobs, head: bytes, fields, what, ring: Ring | None = None) -> None:
+def agree(blobs, head: bytes, fields, what, ring: Ring | None = None, beside_joined: bool = False) -> None:
     """Raises MismatchError when ranks disagree on a field, on every rank
     alike (all hold the same blobs). Headers that differ only in the inline
     flag (RINGREDUCE_SMALL_BYTES differs between ranks) agree: the caller
     then takes the ring, as every rank does. The communicator stays usable:
-    no data has moved."""
+    no data has moved. A pass that met joined ranks (rr.join) agrees only
+    for an allreduce (beside_joined: the caller then runs the ring, the
+    joined ranks adding zeros, _allreduce_beside_joined); anything else
+    raises here on every rank that called it, and the joined ranks stay
+    joined."""
     if "trailing" in fields or any(b[:len(head)] != head for b in blobs):
+        found = _joined_in(blobs) if ring is None or ring is _state.ring else None
+        if found is not None:
+            problem = _beside_joined(*found)
+            if problem is not None:
+                raise problem
+            if not beside_joined:  # every allreduce header is sent by a caller that runs the ring after it
+                raise RingReduceError(f"{what} met joined ranks where only an allreduce can go on")
+            return
         check_agreement([parse(b) for b in blobs], fields, what, _rank_names(ring))
+
+
+def _joined_in(blobs):
+    """(the joined ranks, every rank's parsed header) when this pass of the
+    world's ring paired a collective with the engine negotiation of ranks
+    that have called rr.join(), and with nothing else; None otherwise (a rank
+    whose engine negotiates without having joined makes it a plain mismatch).
+    Decided from the blobs alone: alike on every rank."""
+    if not any(len(b) > _KIND_AT and b[_KIND_AT] == NEGOTIATE for b in blobs):  # the usual case, unparsed
+        return None
+    heads = [parse(b) for b in blobs]
+    joined = [r for r, h in enumerate(heads) if h["kind"] == NEGOTIATE and len(h["payload"])
+              and h["payload"][0] & JOINED]
+    if not joined or len(joined) == len(heads) or any(
+            h["kind"] == NEGOTIATE for r, h in enumerate(heads) if r not in joined):
+        return None
+    return joined, heads
+
+
+def _beside_joined(joined, heads):
+    """What the ranks that have not joined asked for beside the joined ones:
+    None for an allreduce they all agree on (it runs on the ring, the joined
+    ranks adding zeros: Horovod's join, avg still dividing by every rank),
+    else the MismatchError those ranks raise (the joined ranks do nothing)."""
+    live = [r for r in range(len(heads)) if r not in joined]
+    left = [r for r in joined if heads[r]["payload"][0] & LEFT]
+    kind = heads[live[0]]["kind"]
+    what = KIND_NAMES[kind] if kind < len(KIND_NAMES) else f"collective {kind}"
+    whose = ", ".join(map(str, joined))
+    try:
+        check_agreement([heads[r] for r in live], ("name",) if kind != ALLREDUCE else
+                        ("op", "dtype", "shape", "name"), what, [f"rank {r}" for r in live])
+    except MismatchError as exc:
+        return MismatchError(f"{exc} (beside rank(s) {whose}, joined)")
+    name = heads[live[0]]["name"]
+    if left:
+        return MismatchError(f"{what} cannot run: rank(s) {', '.join(map(str, left))} have shut down")
+    if kind != ALLREDUCE:
+        return MismatchError(f"{what} cannot run while rank(s) {whose} have joined (rr.join): until every "
+                             "rank has joined only allreduce goes on")
+    if name.startswith((REFUSED_PREFIX, AUTOTUNE_PREFIX)):  # every live rank refused alike: nothing runs
+        return MismatchError(f"every rank with data refused this allreduce beside rank(s) {whose}, joined: {name}")
+    return None
+
+
+def negotiation_pass(head: bytes, blob: bytes):
+    """The engine's negotiation pass on the world's ring (its caller holds
+    the communicator's lock): every rank's blob, or None when this joined
+    rank's pass met the other ranks' direct allreduce instead, which it then
+    ran with them, adding zeros (or, for anything else, let them raise:
+    _beside_joined)."""
+    ring = _state.ring
+    if ring is None:
+        _state.usable_comm()  # raises: not initialized
+    with ring.lock:
+        blobs = _state.usable_comm().exchange_blobs(head, blob)
+        found = _joined_in(blobs) if any(b[:len(head)] != head for b in blobs) else None
+        if found is None:
+            agree(blobs, head, ("name",), "engine negotiation")
+            return blobs
+        if _beside_joined(*found) is None:
+            _allreduce_beside_joined(blobs, found[1][[r for r in range(len(blobs)) if r not in found[0]][0]], ring)
+        return None
+
+
+def _allreduce_beside_joined(blobs, live, ring) -> None:
+    """A joined rank's share of the allreduce the others run (live: one of
+    their headers), reduced on the ring like any rank's data: zeros for sum
+    and avg (Horovod's join: avg still divides by every rank), the op's
+    identity for min, max and prod (those of the ranks with data), as the
+    engine's stand-ins (engine/scheduler.py _stand_in)."""
+    code, op = live["code"], OP_NAMES[live["op"]]
+    dtype = next(d for d, c in DTYPES.items() if c == code)
+    fill = 1 if op == "prod" else 0
+    if op in ("min", "max"):
+        if dtype.kind == "f" or dtype == BFLOAT16:
+            fill = np.inf if op == "min" else -np.inf
+        else:
+            fill = np.iinfo(dtype).max if op == "min" else np.iinfo(dtype).min
+    src = np.full(live["shape"], fill, dtype=dtype)
+    dst = np.empty_like(src)
+    with byte_order(ring.comm, blobs):
+        ring.comm.allreduce(as_raw(src), as_raw(dst), code, live["op"])
 
 
 def _rank_names(ring: Ring | None) -> list | None:
@@ -149,15 +249,16 @@ def _rank_names(ring: Ring | None) -> list | None:
     return [f"world rank {w} (rank {i} of set {set_id})" for i, w in enumerate(ring.ranks)]
 
 
-def exchange(head: bytes, data, fields, what, ring: Ring | None = None):
+def exchange(head: bytes, data, fields, what, ring: Ring | None = None, beside_joined: bool = False):
     """The header pass that starts every operation (data rides along when
     small): returns every rank's blob (of ring's members; default the world).
     Under the ring's lock: the collectives hold it already; the engine's
-    negotiation and process_sets' passes, which hold _state.lock, take it here."""
+    negotiation and process_sets' passes, which hold _state.lock, take it here.
+    beside_joined: the caller is an allreduce that runs the ring next (agree)."""
     held = ring if ring is not None else _state.ring
     with held.lock if held is not None else contextlib.nullcontext():
         blobs = (_state.usable_comm() if ring is None or ring is _state.ring else ring.comm).exchange_blobs(head, data)
-    agree(blobs, head, fields, what, ring)
+    agree(blobs, head, fields, what, ring, beside_joined)
     return blobs
 
 

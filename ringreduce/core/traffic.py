@@ -1,5 +1,5 @@
 """How many bytes this rank has sent, counted in C where every exchange
-passes (csrc/transport.h), so compression savings are measured, not worked
+passes (csrc/transport/transport.h), so compression savings are measured, not worked
 out on paper.
 
     rr.reset_stats()

@@ -22,9 +22,10 @@ MismatchError; compressed tensors with the same compressor fuse into
 buckets of their own.
 
 A rank that calls join() goes on negotiating with nothing of its own: it
-adds zeros to every allreduce the others run (so avg still divides by every
-rank, as Horovod's), until every rank has joined; then join() returns the
-rank that joined last, on every rank.
+adds zeros to every allreduce the others run, through their engines or
+directly with rr.allreduce (protocol.negotiation_pass), so avg still
+divides by every rank, as Horovod's, until every rank has joined; then
+join() returns the rank that joined last, on every rank.
 
 Framework-free: the TensorFlow layer calls only enqueue, wait and join.
 """
@@ -41,6 +42,7 @@ import numpy as np
 from .. import core
 from ..core import autotune as _autotune
 from ..core.arrays import DTYPES, HostArrays, arrays_for, op_code
+from ..core.collectives import record_phases
 from ..core.process_sets import ring_of
 from ..core.config import Config
 from ..errors import MismatchError, RingReduceError, WithdrawnError
@@ -393,7 +395,7 @@ class Engine:
                 self._last_joined = agreement.join_done
                 done, self._joining = self._joining, None
             done.set()
-        elif not handles and not agreement.failed:
+        elif not handles and not agreement.failed and not agreement.served:
             # Some rank is still computing: ask again shortly, backing off from
             # a yield to a millisecond (an eager op's partner is often only
             # microseconds late; a rank still in backprop may be seconds away).
@@ -447,10 +449,8 @@ class Engine:
                 flat = families[0].xp.concatenate([h.array.reshape(-1) for h in bucket])
             label = bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors"
             t0 = time.monotonic()
-            result = core.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
-        phases = ring_of(bucket[0].group).comm.last_phases()
-        if phases[0] < t0:  # the one-pass small algorithm ran: no ring phases to show
-            phases = None
+            with record_phases() as phases:  # none when the one-pass small algorithm ran
+                result = core.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
         self.timeline.ring_op([h.name for h in bucket], label, flat.nbytes, t0, time.monotonic(), phases)
         if self.timeline.path:  # bytes this rank has sent on this ring so far (ringreduce/core/traffic.py)
             self.timeline.counter("bytes sent", dict(zip(("ring", "blobs", "alltoall"),
@@ -477,12 +477,14 @@ class Engine:
         # would go out instead of zeros).
         compressor = self._stand_in_compressor(tag)
         t0 = time.monotonic()
-        results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
-                                           bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket],
-                                           [h.extra.get("compression", compressor) for h in bucket])  # whose state
+        with record_phases() as phases:  # of each ring allreduce the compressor runs (top-k's gather: none)
+            results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
+                                               bucket[0].group,
+                                               [h.extra.get("compression_key", h.name) for h in bucket],
+                                               [h.extra.get("compression", compressor) for h in bucket])  # whose state
         label = f"{tag} " + (bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors")
         self.timeline.ring_op([h.name for h in bucket], label, sum(h.array.nbytes for h in bucket), t0,
-                              time.monotonic())
+                              time.monotonic(), phases)
         with self._cond:
             for h, r in zip(bucket, results):
                 h.result = r
@@ -620,10 +622,10 @@ def reset() -> None:
 
 def join() -> int:
     """Horovod's hvd.join(): call it when this rank has run out of data. Until
-    every rank has joined, allreduces the others issue through the engine
-    complete with this rank adding zeros (avg still divides by every rank);
-    other collectives raise MismatchError. Returns, on every rank, the rank
-    that joined last."""
+    every rank has joined, allreduces the others issue, through the engine or
+    directly (rr.allreduce), complete with this rank adding zeros (avg still
+    divides by every rank); other collectives raise MismatchError on the
+    ranks that issue them. Returns, on every rank, the rank that joined last."""
     # else a fresh engine fails to start: "stopped after an earlier error", misleading
     core.communicator().require_world()
     return engine().join()

@@ -1,4 +1,4 @@
-/* The few CUDA built-ins csrc/cuda/reduce.cu uses, so that g++ compiles its
+/* The few CUDA built-ins csrc/kernels/cuda/reduce.cu uses, so that g++ compiles its
  * kernels for the host (tests/hostcuda/driver.cpp launches them).
  *
  * The kernels share nothing between threads (no shared memory, no

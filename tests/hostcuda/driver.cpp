@@ -1,7 +1,7 @@
 /* A CUDA driver (libcuda.so.1) over host memory, so that the code written
- * for a GPU runs, and is checked, on machines without one: csrc/cuda_device.c
+ * for a GPU runs, and is checked, on machines without one: csrc/device/cuda_device.c
  * through the driver API it opens at run time, and the kernels of
- * csrc/cuda/reduce.cu compiled for the host (cuda_builtins.h). The tests
+ * csrc/kernels/cuda/reduce.cu compiled for the host (cuda_builtins.h). The tests
  * build it (tests/hostcuda.py) and put its folder on LD_LIBRARY_PATH.
  *
  * Strict where CUDA is strict, and stricter where a mistake would show only
@@ -240,7 +240,7 @@ size_t dtype_size(const std::string &name)
     return it == sizes.end() ? 0 : it->second;
 }
 
-/* The kernel's signature from its name (csrc/cuda/reduce.cu's convention). */
+/* The kernel's signature from its name (csrc/kernels/cuda/reduce.cu's convention). */
 bool describe(const std::string &name, CUfunc_st *f)
 {
     auto starts = [&](const char *p) { return name.compare(0, strlen(p), p) == 0; };
