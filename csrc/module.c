@@ -881,9 +881,18 @@ static PyObject *Comm_bytes(CommObject *self, PyObject *Py_UNUSED(ignored))
     return Py_BuildValue("(KKK)", s[RR_SENT_RING], s[RR_SENT_BLOBS], s[RR_SENT_ALLTOALL]);
 }
 
+static PyObject *Comm_bytes_via(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    const unsigned long long *v = self->ring && self->ring->transport ? self->ring->transport->via : NULL;
+    if (!v) return Py_BuildValue("(KKKKK)", 0ULL, 0ULL, 0ULL, 0ULL, 0ULL);
+    return Py_BuildValue("(KKKKK)", v[RR_VIA_TCP], v[RR_VIA_SHM], v[RR_VIA_CMA], v[RR_VIA_ARENA], v[RR_VIA_MPI]);
+}
+
 static PyMethodDef Comm_methods[] = {
     {"bytes", (PyCFunction)Comm_bytes, METH_NOARGS,
      "bytes sent to the next rank so far: (ring data steps, blob exchanges, alltoall)"},
+    {"bytes_via", (PyCFunction)Comm_bytes_via, METH_NOARGS,
+     "the same bytes by how they went: (tcp, shm, cma, arena, mpi); both tuples sum alike"},
     {"set_segment", (PyCFunction)Comm_set_segment, METH_VARARGS,
      "set_segment(bytes): the ring's pipeline segment from the next operation on (rounded up to 64); returns it"},
     {"set_small_algorithm", (PyCFunction)Comm_set_small_algorithm, METH_VARARGS,
