@@ -27,10 +27,11 @@ fail again.
 
 Once a worker exits 0 the job is finishing: nothing is restarted, and
 ringrun exits 0 when the last worker is done. Workers still in the last
-generation, and those that left the rendezvous (their connection closed,
-e.g. while they save a model), are waited for however long their work after
-`run` takes; only workers waiting to join a ring that will not form again
-are stopped.
+generation, and those that closed their connection to the rendezvous (while
+they save a model, or exit), are waited for however long their work after
+`run` takes; only workers waiting to join a ring that will not form again,
+and those cut off from the rendezvous (dropped, or their host stopped
+answering), are stopped.
 
 While it waits, ringrun sleeps (on its workers' exits, signals, and the
 next thing due), and so does the rendezvous: a job waiting for minutes
@@ -322,10 +323,11 @@ class ElasticJob:
 
     def stop_joiners(self, running: list[Worker]) -> None:
         """Training is over: the workers still waiting to join a ring that
-        will not form again, and those the rendezvous dropped, are stopped
-        once no worker of the last generation is running. Every other worker
-        (in that generation, or one that left the rendezvous itself:
-        finished, saving, exiting) is waited for."""
+        will not form again, and those cut off from the rendezvous (dropped,
+        or their host stopped answering), are stopped once no worker of the last
+        generation is running. Every other worker (in that generation, or one
+        that closed its connection itself: finished, saving, exiting) is
+        waited for."""
         ids = {w.id for w in running}
         if self.server.members() & ids:
             return
@@ -335,7 +337,7 @@ class ElasticJob:
             return
         left = len(ids - joiners - dropped - self.stopped_joiners)
         why = " and ".join(([f"{len(joiners)} worker(s) still waited to join"] if joiners else []) +
-                           ([f"{len(dropped)} dropped worker(s) still ran"] if dropped else []))
+                           ([f"{len(dropped)} worker(s) cut off from the rendezvous still ran"] if dropped else []))
         _run.say(f"training finished; {why}; stopping them"
                  + (f" (waiting for {left} finishing worker(s) to exit)" if left else ""))
         self.stopped_joiners |= joiners | dropped

@@ -38,6 +38,7 @@ long (elastic_launcher.py).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -61,6 +62,8 @@ class RendezvousLostError(RingReduceError):
 
 
 MALFORMED = (ValueError, TypeError, AttributeError, KeyError)  # what a message that makes no sense raises
+# how a connection ends when the worker's host, not the worker, went away (keepalive unanswered, no route)
+CUT_OFF = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
 ELASTIC_CONNECT_TIMEOUT = 30.0  # seconds a worker may take to connect its ring of one generation
 
 
@@ -104,7 +107,7 @@ class RendezvousServer:
         self.events: list[str] = []  # what happened, for the launcher's log and the tests
         self.failures: dict[str, str] = {}  # worker id -> the exception its training function raised
         self.registered: set = set()  # ids of every worker that ever registered
-        self.dropped: set = set()  # ids of the workers this server dropped
+        self.dropped: set = set()  # ids of the workers dropped, or whose host stopped answering
         self.committed = False  # some worker has committed (told us, or registered again with a commit)
         self.thread = threading.Thread(target=self._loop, name="ringreduce-rendezvous", daemon=True)
         self.thread.start()
@@ -132,8 +135,9 @@ class RendezvousServer:
                     or i not in self.registered}
 
     def dropped_of(self, ids) -> set:
-        """Those of `ids` this server dropped (too late to come back, or
-        malformed): no longer part of the job, whether or not they noticed."""
+        """Those of `ids` cut off from the job: dropped by this server (too
+        late to come back, or malformed), or whose host stopped answering
+        (keepalive probes unanswered, no route), whether or not they noticed."""
         with self.lock:
             return set(ids) & self.dropped
 
@@ -225,9 +229,13 @@ class RendezvousServer:
     def _read(self, w: _Worker) -> None:
         try:
             data = w.conn.recv(65536)
-        except OSError:
-            data = b""
-        if not data:
+        except OSError as exc:
+            with self.lock:
+                if exc.errno in CUT_OFF:  # its host stopped answering: lost, though it may still run there
+                    self.dropped.add(w.id)
+                self._gone(w)  # else reset: a worker that exits with messages unread closes that way
+            return
+        if not data:  # the worker closed its end (it exits, or left the rendezvous)
             with self.lock:
                 self._gone(w)
             return

@@ -128,4 +128,5 @@ def test_a_worker_still_waiting_to_join_when_training_ends_is_stopped(tmp_path):
     run = ElasticRun(["-np", "3", "--min-np", "2", sys.executable, str(job)], timeout=90)
     assert run.proc.returncode == 0, run.stderr[-3000:]
     assert sum(line.endswith("] finished") for line in run.lines) == 2, run.stderr[-3000:]
+    # the one waiting to join, and not the members that finished (closing their connections, exiting)
     assert "training finished; 1 worker(s) still waited to join; stopping them" in run.stderr, run.stderr[-3000:]
