@@ -19,6 +19,8 @@
 static PyMethodDef Comm_methods[] = {
     {"bytes", (PyCFunction)Comm_bytes, METH_NOARGS,
      "bytes sent to the next rank so far: (ring data steps, blob exchanges, alltoall)"},
+    {"bytes_via", (PyCFunction)Comm_bytes_via, METH_NOARGS,
+     "the same bytes by how they went: (tcp, shm, cma, arena, mpi); both tuples sum alike"},
     {"set_segment", (PyCFunction)Comm_set_segment, METH_VARARGS,
      "set_segment(bytes): the ring's pipeline segment from the next operation on (rounded up to 64); returns it"},
     {"set_small_algorithm", (PyCFunction)Comm_set_small_algorithm, METH_VARARGS,

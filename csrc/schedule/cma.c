@@ -146,7 +146,8 @@ int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, c
     for (int c = 0; c < N; c++) if (off[c] + len[c] > extent) extent = off[c] + len[c];
     int rc = put_token(t, g0, src, buf, extent, err);
     if (rc != RR_OK) return fail(ring, rc, err);
-    t->sent[RR_SENT_RING] += len[mod(r - g0 - 1, N)]; /* what next reads from us, as the other paths count */
+    /* what next reads from us, as the other paths count (the tokens, control records, are not counted) */
+    rr_count_sent(t, RR_SENT_RING, RR_VIA_CMA, len[mod(r - g0 - 1, N)]);
     uintptr_t peer_src = 0, peer_buf = 0;
     const char *map_src = NULL, *map_buf = NULL; /* the same buffers mapped here, or NULL */
     int took_map = 0;
@@ -191,7 +192,7 @@ int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, c
         }
         if (g + 1 < g1) {
             if ((rc = put_token(t, g + 1, NULL, NULL, 0, err)) != RR_OK) return fail(ring, rc, err);
-            t->sent[RR_SENT_RING] += len[c];
+            rr_count_sent(t, RR_SENT_RING, RR_VIA_CMA, len[c]);
         }
     }
     /* next may still be reading our buffers: they go back to the caller

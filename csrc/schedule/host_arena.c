@@ -220,6 +220,8 @@ int rr_arena_round(rr_arena *a, rr_transport *t, const void *head, size_t hlen, 
         memcpy(mine + 8, head, hlen);
         if (dlen) memcpy(mine + 8 + hlen, data, dlen);
     }
+    /* what every other rank of the host reads from us: the length word, and the blob if it fits */
+    rr_count_sent(t, RR_SENT_BLOBS, RR_VIA_ARENA, 8 + (len <= a->slot ? len : 0));
     publish(a, round);
     a->current = round;
     *all_fit = 1;
@@ -321,6 +323,7 @@ int rr_arena_allreduce_split(rr_arena *a, rr_transport *t, size_t hlen, const vo
     memcpy(next, &len, 8);
     const int bad = n ? rr_reduce_in_order(next + 8 + hlen + lo * esize, in, N, n, dtype, op) : 0;
     free(in);
+    rr_count_sent(t, RR_SENT_BLOBS, RR_VIA_ARENA, 8 + n * esize); /* our reduced slice, for the others to copy */
     publish(a, round); /* even after a failed fold, so that nobody waits for us */
     a->current = round;
     if (bad) {

@@ -498,6 +498,7 @@ rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s, const int *pids)
     MPI_Comm_set_errhandler(t->comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(t->comm, &t->base.rank);
     MPI_Comm_size(t->comm, &t->base.size);
+    t->base.tx_via = RR_VIA_MPI;
     t->base.ops = &mpi_ops;
     t->next = (t->base.rank + 1) % t->base.size;
     t->prev = (t->base.rank + t->base.size - 1) % t->base.size;

@@ -502,6 +502,7 @@ rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
     t->tx_most = SIZE_MAX;
     int ok = 1;
     if (tx_shm_fd >= 0) ok = (t->tx_shm = rr_shm_link_map(tx_shm_fd, err)) != NULL;
+    t->base.tx_via = t->tx_shm ? RR_VIA_SHM : RR_VIA_TCP; /* what goes to next goes there (tcp_exchange) */
     if (rx_shm_fd >= 0) {
         if (ok) ok = (t->rx_shm = rr_shm_link_map(rx_shm_fd, err)) != NULL;
         else close(rx_shm_fd);

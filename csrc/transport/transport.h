@@ -101,6 +101,13 @@ typedef int (*rr_interrupt_hook)(void *arg);
  * allreduces), alltoall. */
 enum { RR_SENT_RING = 0, RR_SENT_BLOBS = 1, RR_SENT_ALLTOALL = 2, RR_SENT_KINDS = 3 };
 
+/* How the bytes went: a TCP socket, a shared-memory link (csrc/shm_link.c),
+ * read by next out of this process by Cross Memory Attach (csrc/cma.c),
+ * written once into this rank's host arena slot for every rank of the host
+ * to read (csrc/host_arena.c), MPI point-to-point. Every byte counted in
+ * sent[] is counted once in via[] too, so the two sum alike. */
+enum { RR_VIA_TCP = 0, RR_VIA_SHM = 1, RR_VIA_CMA = 2, RR_VIA_ARENA = 3, RR_VIA_MPI = 4, RR_VIA_KINDS = 5 };
+
 struct rr_transport {
     const rr_transport_ops *ops;
     int rank;
@@ -111,7 +118,19 @@ struct rr_transport {
      * what sent them (RR_SENT_*); only rr_transport_exchange and
      * rr_transport_sendrecv add to it. Transports allocate zeroed. */
     unsigned long long sent[RR_SENT_KINDS];
+    /* The same bytes by how they went (RR_VIA_*), and how exchange, the
+     * zero-copy windows and sendrecv send: set by the transport when it is
+     * made (0: TCP). */
+    unsigned long long via[RR_VIA_KINDS];
+    int tx_via;
 };
+
+/* n bytes sent for `kind`, by way of `via`: the one place sent[] and via[] grow. */
+static inline void rr_count_sent(rr_transport *t, int kind, int via, unsigned long long n)
+{
+    t->sent[kind] += n;
+    t->via[via] += n;
+}
 
 /* Every exchange goes through here, so what a rank sends is counted in one
  * place, whatever the transport (ringreduce.stats() reads it). */
@@ -119,7 +138,7 @@ static inline int rr_transport_exchange(rr_transport *t, int kind, const void *s
                                         void *rbuf, size_t rlen, size_t *rcvd, rr_error *err)
 {
     int rc = t->ops->exchange(t, sbuf, slen, sent, rbuf, rlen, rcvd, err);
-    t->sent[kind] += *sent;
+    rr_count_sent(t, kind, t->tx_via, *sent);
     return rc;
 }
 
@@ -127,7 +146,7 @@ static inline int rr_transport_exchange(rr_transport *t, int kind, const void *s
 static inline void rr_transport_commit(rr_transport *t, int kind, size_t n)
 {
     t->ops->tx_commit(t, n);
-    t->sent[kind] += n;
+    rr_count_sent(t, kind, t->tx_via, n);
 }
 
 /* sendrecv's counterpart of rr_transport_exchange: what was sent is counted. */
@@ -137,7 +156,7 @@ static inline int rr_transport_sendrecv(rr_transport *t, int kind, int peer, int
 {
     int rc = t->ops->sendrecv(t, peer, depth, sbufs, slens, nsend, rbufs, rlens, nrecv, err);
     if (rc == RR_OK)
-        for (int i = 0; i < nsend; i++) t->sent[kind] += slens[i];
+        for (int i = 0; i < nsend; i++) rr_count_sent(t, kind, t->tx_via, slens[i]);
     return rc;
 }
 

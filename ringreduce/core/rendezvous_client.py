@@ -37,6 +37,7 @@ class _Client:
         self.update_pending = False
         self.generation = 0  # the last generation this worker was given
         self.pid = os.getpid()
+        self.told_commit = False  # report_commit sent
 
     def _connect(self, port: int, host: str, commit: int, deadline: float) -> None:
         self.sock = _world.dial(self.addr, deadline, self.key, "ringrun's elastic rendezvous")
@@ -83,6 +84,18 @@ class _Client:
                 return None
             if msg.get("abort") == generation:
                 return f"generation {generation} was called off ({msg.get('why')})"
+
+    def report_commit(self, commits: int) -> None:
+        """Tells ringrun this worker committed (its first commit only): a job
+        that has trained restarts lost workers; one whose every worker failed
+        alike before any commit ends instead (ringreduce/launch/elastic_launcher.py)."""
+        if self.told_commit or self.sock is None:
+            return
+        self.told_commit = True
+        try:
+            _world.send_msg(self.sock, {"committed": commits})
+        except OSError:
+            pass  # its loss shows on the next read
 
     def report_failure(self, text: str) -> None:
         """Tells ringrun the training function raised: the job ends, nothing is restarted."""

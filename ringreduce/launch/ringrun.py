@@ -70,6 +70,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
     secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
     job = Job()
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
+    job.waker.catch_signals()
     pumps = []
     try:
         for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout))):
@@ -90,6 +91,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
                 pumps.append(t)
         ending = watch(job)
     finally:
+        job.waker.close()
         for s, h in old.items():
             signal.signal(s, h)
         for t in pumps:
@@ -140,7 +142,8 @@ def watch(job: Job) -> Ending:
             job.signals[1:] = []
         if not running:
             return ending or Ending(0)
-        time.sleep(0.05)
+        # asleep until a rank ends, a signal comes or output closes (then the loop looks again)
+        job.waker.wait(1.0 if ending is None else max(0.05, min(1.0, kill_at - time.monotonic())))
 
 
 def end_by_signal(sig: int) -> None:
