@@ -26,7 +26,20 @@ int rr_device_reserve(rr_device *d, size_t mirror_bytes, rr_error *err)
 
 int rr_device_bounce(rr_device *d, size_t bytes, rr_error *err)
 {
-    return grow(d, &d->bounce, &d->bounce_bytes, bytes, "bounce buffer", err);
+    int slot = -1;
+    for (int i = 0; i < RR_BOUNCE_SLOTS; i++) {
+        if (d->bounce[i].busy) continue;
+        if (slot < 0 || (d->bounce[slot].bytes < bytes && d->bounce[i].bytes > d->bounce[slot].bytes)) slot = i;
+    }
+    if (slot < 0) return -2;
+    if (grow(d, &d->bounce[slot].buf, &d->bounce[slot].bytes, bytes ? bytes : 1, "bounce buffer", err)) return -1;
+    d->bounce[slot].busy = 1;
+    return slot;
+}
+
+void rr_device_bounce_release(rr_device *d, int slot)
+{
+    if (slot >= 0 && slot < RR_BOUNCE_SLOTS) d->bounce[slot].busy = 0;
 }
 
 void rr_device_destroy(rr_device *d)
@@ -35,7 +48,7 @@ void rr_device_destroy(rr_device *d)
     rr_error ignored;
     if (d->ops->begin(d, &ignored) == RR_OK) rr_device_sync(d, &ignored);
     d->ops->host_free(d, d->mirror);
-    d->ops->host_free(d, d->bounce);
+    for (int i = 0; i < RR_BOUNCE_SLOTS; i++) d->ops->host_free(d, d->bounce[i].buf);
     d->ops->destroy(d);
 }
 

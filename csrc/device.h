@@ -65,21 +65,32 @@ typedef struct rr_device_counts {
     unsigned long long waits;   /* done(wait = 1): the host blocked on a ticket */
 } rr_device_counts;
 
+/* Small messages in flight at once through one device (threads, process
+ * sets); one more waits its turn elsewhere (the caller's fallback). */
+#define RR_BOUNCE_SLOTS 8
+
 struct rr_device {
     const rr_device_ops *ops;
     /* Kept between operations, grown on demand, pinned. */
     char *mirror;         /* the host copy the ring runs on (rr_device_reserve) */
     size_t mirror_bytes;
-    char *bounce;         /* small messages' trip through the host (rr_device_bounce) */
-    size_t bounce_bytes;
+    struct {              /* small messages' trip through the host (rr_device_bounce) */
+        char *buf;
+        size_t bytes;
+        int busy;
+    } bounce[RR_BOUNCE_SLOTS];
     rr_device_counts counts;
 };
 
 /* Makes the mirror hold at least mirror_bytes. */
 int rr_device_reserve(rr_device *d, size_t mirror_bytes, rr_error *err);
-/* Makes the bounce buffer hold at least bytes (grown only: a small message
- * allocates nothing once one of its size has passed). */
+/* Takes a free bounce buffer holding at least bytes (grown only: small
+ * messages allocate nothing once one of their size has passed) and returns
+ * its slot, until rr_device_bounce_release; -1 with err filled when out of
+ * memory, -2 when every slot is taken. Not thread safe: the caller
+ * serializes calls on one device. */
 int rr_device_bounce(rr_device *d, size_t bytes, rr_error *err);
+void rr_device_bounce_release(rr_device *d, int slot);
 /* Frees the buffers, then the device. */
 void rr_device_destroy(rr_device *d);
 
