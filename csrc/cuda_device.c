@@ -191,8 +191,10 @@ static uint64_t mark(rr_device *d, rr_error *err)
 /* Pinned host memory that other processes can still read: plain anonymous
  * pages, registered with the driver. The ring's Cross Memory Attach path
  * reads a peer's mirror with process_vm_readv, which fails (EFAULT) on the
- * driver's own mappings that cuMemHostAlloc hands out. A page in front
- * keeps the mapping's length for the unmap. */
+ * driver's own mappings that cuMemHostAlloc hands out. Not inherited by a
+ * fork: copy-on-write could otherwise move this process's pages away from
+ * the ones the GPU copies to. A page in front keeps the mapping's length for
+ * the unmap. */
 static void *host_alloc(rr_device *d, size_t n)
 {
     (void)d;
@@ -200,6 +202,7 @@ static void *host_alloc(rr_device *d, size_t n)
     char *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) return NULL;
     memcpy(base, &len, sizeof len);
+    madvise(base, len, MADV_DONTFORK);
     if (cu.cuMemHostRegister_v2(base + page, len - page, CU_MEMHOSTREGISTER_PORTABLE) != CUDA_SUCCESS) {
         munmap(base, len);
         return NULL;
