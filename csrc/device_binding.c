@@ -140,7 +140,8 @@ static PyObject *raise_device_error(const rr_error *err)
  * messages' path (ringreduce/cuda.py): nbytes at device pointer ptr copied
  * into a free pinned bounce buffer the device keeps (one copy, waited for),
  * seen as a writable memoryview that is valid until bounce_up or
- * bounce_release hands the slot back. None when every slot is taken. */
+ * bounce_release hands the slot back. None, with nothing done, when every
+ * slot is taken or another thread's collective holds the device. */
 static PyObject *Device_bounce_down(DeviceObject *self, PyObject *args)
 {
     PyObject *ptr;
@@ -153,18 +154,21 @@ static PyObject *Device_bounce_down(DeviceObject *self, PyObject *args)
         return NULL;
     }
     rr_error err = {0};
-    int slot, rc = RR_OK;
+    int slot = -2, rc = RR_OK;
     rr_device *d = self->dev;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&self->mu);
-    slot = rr_device_bounce(d, (size_t)n, &err);
-    if (slot >= 0 && n) {
-        rc = d->ops->begin(d, &err);
-        if (rc == RR_OK) rc = rr_dev_to_host(d, d->bounce[slot].buf, p, (size_t)n, &err);
-        if (rc == RR_OK) rc = rr_device_sync(d, &err);
-        if (rc != RR_OK) rr_device_bounce_release(d, slot);
+    /* Never waits for another thread's collective on this device: that one
+     * may wait on peers that wait on this very message. */
+    if (pthread_mutex_trylock(&self->mu) == 0) {
+        slot = rr_device_bounce(d, (size_t)n, &err);
+        if (slot >= 0 && n) {
+            rc = d->ops->begin(d, &err);
+            if (rc == RR_OK) rc = rr_dev_to_host(d, d->bounce[slot].buf, p, (size_t)n, &err);
+            if (rc == RR_OK) rc = rr_device_sync(d, &err);
+            if (rc != RR_OK) rr_device_bounce_release(d, slot);
+        }
+        pthread_mutex_unlock(&self->mu);
     }
-    pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
     if (slot == -2) Py_RETURN_NONE;
     if (slot < 0 || rc != RR_OK) return raise_device_error(&err);
@@ -266,7 +270,7 @@ static PyMethodDef Device_methods[] = {
     {"read", (PyCFunction)Device_read, METH_VARARGS, "read(pointer, nbytes) -> bytes (emulated device)"},
     {"bounce_down", (PyCFunction)Device_bounce_down, METH_VARARGS,
      "bounce_down(pointer, nbytes) -> (slot, memoryview) or None: device bytes in a pinned bounce buffer (one copy); "
-     "the view is valid until bounce_up/bounce_release; None when every slot is taken"},
+     "the view is valid until bounce_up/bounce_release; None when every slot is taken or the device is busy"},
     {"bounce_up", (PyCFunction)Device_bounce_up, METH_VARARGS,
      "bounce_up(slot, pointer, nbytes): the bounce buffer's bytes back to device memory (one copy); frees the slot"},
     {"bounce_release", (PyCFunction)Device_bounce_release, METH_VARARGS,

@@ -730,7 +730,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
             allreduce(host, op, out=host, name=name, process_set=process_set)
         with g.on(x):
             got = g.allreduce_small(x, out, reduce)
-            if got is None:  # every bounce buffer taken by other threads: through pageable memory
+            if got is None:  # the device busy with other threads: through pageable memory
                 got = g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x)
             return _deliver(got, out, g.xp)
     with ring.lock, g.on(x):

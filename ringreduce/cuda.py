@@ -158,8 +158,10 @@ def through_bounce(device, src_ptr: int, dst_ptr: int, nbytes: int, work) -> boo
     memoryview, valid only during the call), and the buffer goes up into
     dst_ptr (one copy): two device operations, nothing allocated once a
     message of the size has passed. False, with nothing done, when other
-    threads hold every bounce buffer; if work raises, the buffer is handed
-    back and nothing goes up."""
+    threads hold every bounce buffer or run a collective on the device (a
+    small message never waits for one: it may wait on peers that wait on
+    this message); if work raises, the buffer is handed back and nothing
+    goes up."""
     got = device.bounce_down(src_ptr, nbytes)
     if got is None:
         return False
@@ -228,8 +230,8 @@ class DeviceArrays:
     def allreduce_small(self, x, out, reduce):
         """x's allreduce through a pinned bounce buffer (through_bounce):
         reduce(host) reduces a numpy array in place there. The result is out
-        where it is C-contiguous, else a new array; None when every bounce
-        buffer is taken (the caller goes through pageable memory)."""
+        where it is C-contiguous, else a new array; None when no bounce buffer
+        can be had now (the caller goes through pageable memory)."""
         device = self._ready(x)
         src = self.xp.ascontiguousarray(x)
         dst = out if out is not None and out.flags.c_contiguous else self.xp.empty_like(src)

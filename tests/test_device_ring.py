@@ -418,3 +418,35 @@ def test_small_messages_bounce_through_cached_pinned_buffers(tmp_path, device):
     assert out["ops"]["copies"] == 2, out["ops"]
     assert out["new_blocks"] == 0
     assert out["ninth"] is False and out["after_failures"] is True
+
+
+def test_a_small_message_never_waits_for_another_threads_collective(tmp_path, device):
+    """Rank 0's thread holds the device in an allreduce that waits for rank 1;
+    meanwhile rank 0's small message must not wait for it (rank 1 could be
+    waiting on that very message elsewhere): through_bounce says False at
+    once, and works again once the device is free."""
+    ranks = run_ranks(2, job("""
+        import threading, time
+        from ringreduce.cuda import through_bounce
+        x = np.ones(1 << 20, dtype=np.float32)
+        big, small = Buf(x), Buf(x[:16])
+        out = {}
+        if rr.rank() == 0:
+            t = threading.Thread(target=lambda: comm.allreduce_device(dev, big.ptr, big.ptr, x.nbytes,
+                                                                       codes["float32"], opcodes["sum"]))
+            t.start()
+            time.sleep(0.5)  # the thread holds the device, waiting for rank 1
+            start = time.monotonic()
+            out["busy"] = through_bounce(dev, small.ptr, small.ptr, 64, lambda view: None)
+            out["waited"] = time.monotonic() - start
+            t.join()
+            out["free"] = through_bounce(dev, small.ptr, small.ptr, 64, lambda view: None)
+        else:
+            time.sleep(3)
+            comm.allreduce_device(dev, big.ptr, big.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+        out["sum"] = float(big.get(np.float32)[-1])
+        result = out
+    """, kind=device[0]), tmp_path, env=env_for(device, 2), timeout=60)
+    out = ranks[0].result
+    assert out["busy"] is False and out["waited"] < 1.0, out
+    assert out["free"] is True and out["sum"] == 2.0 and ranks[1].result["sum"] == 2.0
