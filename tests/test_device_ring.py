@@ -450,3 +450,56 @@ def test_a_small_message_never_waits_for_another_threads_collective(tmp_path, de
     out = ranks[0].result
     assert out["busy"] is False and out["waited"] < 1.0, out
     assert out["free"] is True and out["sum"] == 2.0 and ranks[1].result["sum"] == 2.0
+
+
+def test_a_small_device_allreduce_goes_through_a_bounce_buffer_beside_host_ranks(tmp_path):
+    """rr.allreduce of a small GPU array (collectives._allreduce_device): the
+    device family's allreduce_small runs the host's small path in place in
+    a bounce buffer (here: through_bounce on the emulated device, as
+    ringreduce.cuda.DeviceArrays does with cupy pointers), beside host ranks,
+    repeated so the planned fast path runs too; with no bounce buffer to be
+    had it goes through the host instead. The sums are right either way."""
+    ranks = run_ranks(3, job("""
+        import contextlib
+        from ringreduce import cuda
+        from ringreduce.cuda import through_bounce
+
+        class Dev(np.ndarray):
+            pass
+
+        class Family:
+            xp = np
+            busy = False
+            calls = 0
+            asarray = staticmethod(lambda x: x)
+            on = staticmethod(lambda x: contextlib.nullcontext())
+            to_host = staticmethod(lambda x: np.asarray(x).copy())
+            from_host = staticmethod(lambda a, like: np.asarray(a).view(Dev))
+
+            def allreduce_small(self, x, out, reduce):
+                Family.calls += 1
+                if Family.busy:
+                    return None
+                a = np.asarray(x)
+                src, dst = Buf(a), Buf(np.zeros_like(a))
+                work = lambda view: reduce(np.frombuffer(view, dtype=a.dtype).reshape(a.shape))
+                return dst.get(a.dtype).reshape(a.shape).view(Dev) \\
+                    if through_bounce(dev, src.ptr, dst.ptr, a.nbytes, work) else None
+
+        family = Family()
+        cuda.is_device_array = lambda x: isinstance(x, Dev)
+        collectives._cuda.is_device_array = cuda.is_device_array
+        collectives._device_arrays = lambda: family
+        r = rr.rank()
+        got = []
+        for busy in (False, False, False, True):
+            Family.busy = busy
+            x = (np.arange(1000) % 7 + r).astype(np.float32)
+            y = rr.allreduce(x.view(Dev) if r % 2 == 0 else x, op="sum")
+            got.append(bool(np.array_equal(np.asarray(y), (np.arange(1000) % 7 * 3 + 3).astype(np.float32))))
+        result = got, Family.calls
+    """), tmp_path, env=env_for(("emulated", {}), 2), timeout=60)
+    for r in ranks:
+        sums, calls = r.result
+        assert sums == [True] * 4, (r.rank, sums)
+        assert calls == (4 if r.rank % 2 == 0 else 0), (r.rank, calls)
