@@ -405,7 +405,9 @@ def _native(a: np.ndarray) -> np.ndarray:
 
 def _header(kind, op, dtype, shape, name, root=0, inline=False, descr=None, splits=(), device=False) -> bytes:
     """descr: the numpy dtype; None takes the name of code `dtype`. device: this
-    rank runs the operation on a device (the inline byte's bit 1, see _byte_order)."""
+    rank runs the operation on a device (the inline byte's bit 1). It changes
+    nothing on the wire: a device rank runs the host ring on a pinned mirror
+    (csrc/ring.c, the staged path), with the same paths and byte order."""
     return _header_of(_state.generation, kind, op, dtype, shape, name, root, int(inline) | (2 if device else 0),
                       descr, splits)
 
@@ -439,23 +441,6 @@ def _parse(blob: bytes) -> dict:
     return {"kind": kind, "op": op, "dtype": described, "code": dtype, "root": root, "shape": shape, "name": name,
             "splits": splits, "inline": bool(inline & 1), "device": bool(inline & 2),
             "payload": memoryview(blob)[at + dlen:]}
-
-
-@contextlib.contextmanager
-def _byte_order(comm, blobs):
-    """The ring operation inside runs on every rank in one byte order. The
-    zero-copy path (csrc/schedule/ring.c ring_steps_zero_copy) sends slice-major, the
-    staged device path step-major: when any rank's header says it runs on a
-    device, every rank takes the copying path this once (decided from the
-    agreed headers, alike everywhere)."""
-    if not comm.zero_copy or not any(_parse(b)["device"] for b in blobs):
-        yield
-        return
-    comm.set_zero_copy(False)
-    try:
-        yield
-    finally:
-        comm.set_zero_copy(True)
 
 
 def _describe(field, value):
@@ -622,8 +607,7 @@ def _allreduce_beside_joined(blobs, live, ring) -> None:
             fill = np.iinfo(dtype).max if op == "min" else np.iinfo(dtype).min
     src = np.full(live["shape"], fill, dtype=dtype)
     dst = np.empty_like(src)
-    with _byte_order(ring.comm, blobs):
-        ring.comm.allreduce(_raw(src), _raw(dst), code, live["op"])
+    ring.comm.allreduce(_raw(src), _raw(dst), code, live["op"])
 
 
 def _rank_names(ring: _Ring | None) -> list | None:
@@ -822,8 +806,7 @@ def _allreduce_ring(blobs, ring, src, dst, out, code, opc):
     """The ring allreduce of src into dst, after the header pass agreed."""
     if dst is not src and np.may_share_memory(dst, src):
         src = src.copy()
-    with _byte_order(ring.comm, blobs):
-        ring.comm.allreduce(_raw(src), _raw(dst), code, opc)
+    ring.comm.allreduce(_raw(src), _raw(dst), code, opc)
     _note_phases(ring.comm)
     return _deliver(dst, out)
 
@@ -865,11 +848,15 @@ def _allreduce_device(x, op, out, name, process_set=None):
         raise
     ring = _lookup(process_set)
     if x.nbytes <= ring.allreduce_limit:  # outside the ring's lock, which allreduce() takes after _state.lock
-        # Latency-bound: one copy each way and the host path, whose
-        # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
+        # Latency-bound: one copy each way through a pinned bounce buffer and
+        # the host path in place there (host kernels: the host ring's bits).
+        def reduce(host):
+            allreduce(host, op, out=host, name=name, process_set=process_set)
         with g.on(x):
-            return _deliver(g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x),
-                            out, g.xp)
+            got = g.allreduce_small(x, out, reduce)
+            if got is None:  # the device busy with other threads: through pageable memory
+                got = g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x)
+            return _deliver(got, out, g.xp)
     with ring.lock, g.on(x):
         head = _header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
         blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
@@ -877,8 +864,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
         dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
         if dst is not src and g.xp.may_share_memory(dst, src):
             src = src.copy()
-        with _byte_order(ring.comm, blobs):
-            g.allreduce(ring.comm, src, dst, code, opc)
+        g.allreduce(ring.comm, src, dst, code, opc)
         _note_phases(ring.comm)
         return _deliver(dst, out, g.xp)
 
@@ -910,8 +896,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
             mine = _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
             return g.from_host(mine, like=x)
         work = g.xp.empty(x.size, dtype=x.dtype)
-        with _byte_order(w.comm, blobs):
-            g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
+        g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
         return work[lo:hi].copy()
 
 
@@ -943,8 +928,7 @@ def allgather(x, name: str | None = None, process_set=None):
         nbytes = [r * row_bytes for r in rows]
         at = sum(nbytes[:w.rank])
         flat[at:at + nbytes[w.rank]] = _bytes(g.xp.ascontiguousarray(x))
-        with _byte_order(w.comm, blobs):
-            g.allgather(w.comm, flat, nbytes)
+        g.allgather(w.comm, flat, nbytes)
         return out
 
 
