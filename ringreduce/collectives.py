@@ -859,7 +859,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
             return _deliver(got, out, g.xp)
     with ring.lock, g.on(x):
         head = _header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
-        blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+        _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
         src = g.xp.ascontiguousarray(x)
         dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
         if dst is not src and g.xp.may_share_memory(dst, src):
