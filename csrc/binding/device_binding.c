@@ -128,6 +128,126 @@ static PyObject *Device_read(DeviceObject *self, PyObject *args)
     return PyBytes_FromStringAndSize(rr_emulated_host_view(p), n);
 }
 
+/* The device's error as a RingReduceError. */
+static PyObject *raise_device_error(const rr_error *err)
+{
+    PyObject *cls = error_class("RingReduceError");
+    if (cls) { PyErr_SetString(cls, err->msg); Py_DECREF(cls); }
+    return NULL;
+}
+
+/* Device.bounce_down(ptr, nbytes) -> (slot, memoryview) or None: the small
+ * messages' path (ringreduce/cuda.py): nbytes at device pointer ptr copied
+ * into a free pinned bounce buffer the device keeps (one copy, waited for),
+ * seen as a writable memoryview that is valid until bounce_up or
+ * bounce_release hands the slot back. None, with nothing done, when every
+ * slot is taken or another thread's collective holds the device. */
+static PyObject *Device_bounce_down(DeviceObject *self, PyObject *args)
+{
+    PyObject *ptr;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On", &ptr, &n)) return NULL;
+    void *p = PyLong_AsVoidPtr(ptr);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "nbytes must not be negative");
+        return NULL;
+    }
+    rr_error err = {0};
+    int slot = -2, rc = RR_OK;
+    rr_device *d = self->dev;
+    Py_BEGIN_ALLOW_THREADS
+    /* Never waits for another thread's collective on this device: that one
+     * may wait on peers that wait on this very message. */
+    if (pthread_mutex_trylock(&self->mu) == 0) {
+        slot = rr_device_bounce(d, (size_t)n, &err);
+        if (slot >= 0 && n) {
+            rc = d->ops->begin(d, &err);
+            if (rc == RR_OK) rc = rr_dev_to_host(d, d->bounce[slot].buf, p, (size_t)n, &err);
+            if (rc == RR_OK) rc = rr_device_sync(d, &err);
+            if (rc != RR_OK) rr_device_bounce_release(d, slot);
+        }
+        pthread_mutex_unlock(&self->mu);
+    }
+    Py_END_ALLOW_THREADS
+    if (slot == -2) Py_RETURN_NONE;
+    if (slot < 0 || rc != RR_OK) return raise_device_error(&err);
+    PyObject *view = PyMemoryView_FromMemory(d->bounce[slot].buf, n, PyBUF_WRITE);
+    if (!view) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&self->mu);
+        rr_device_bounce_release(d, slot);
+        pthread_mutex_unlock(&self->mu);
+        Py_END_ALLOW_THREADS
+        return NULL;
+    }
+    return Py_BuildValue("(iN)", slot, view);
+}
+
+static int bounce_slot(int slot)
+{
+    if (slot >= 0 && slot < RR_BOUNCE_SLOTS) return 0;
+    PyErr_SetString(PyExc_ValueError, "no such bounce slot");
+    return -1;
+}
+
+/* Device.bounce_up(slot, ptr, nbytes): the slot's first nbytes copied to
+ * device pointer ptr (one copy, waited for); the slot goes back either way. */
+static PyObject *Device_bounce_up(DeviceObject *self, PyObject *args)
+{
+    PyObject *ptr;
+    Py_ssize_t n;
+    int slot;
+    if (!PyArg_ParseTuple(args, "iOn", &slot, &ptr, &n) || bounce_slot(slot)) return NULL;
+    void *p = PyLong_AsVoidPtr(ptr);
+    if (PyErr_Occurred()) return NULL;
+    rr_device *d = self->dev;
+    if (n < 0 || (size_t)n > d->bounce[slot].bytes) {
+        PyErr_SetString(PyExc_ValueError, "nbytes out of the bounce buffer's range");
+        return NULL;
+    }
+    rr_error err = {0};
+    int rc = RR_OK;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    if (n) {
+        rc = d->ops->begin(d, &err);
+        if (rc == RR_OK) rc = rr_dev_to_device(d, p, d->bounce[slot].buf, (size_t)n, &err);
+        if (rc == RR_OK) rc = rr_device_sync(d, &err);
+    }
+    rr_device_bounce_release(d, slot);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc != RR_OK) return raise_device_error(&err);
+    Py_RETURN_NONE;
+}
+
+/* Device.bounce_release(slot): hands a slot back unused (the host work failed). */
+static PyObject *Device_bounce_release(DeviceObject *self, PyObject *args)
+{
+    int slot;
+    if (!PyArg_ParseTuple(args, "i", &slot) || bounce_slot(slot)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    rr_device_bounce_release(self->dev, slot);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* Device.counts() -> dict: the device operations queued since the device was
+ * made (rr_device_counts): a testing hook for what a collective costs. */
+static PyObject *Device_counts(DeviceObject *self, PyObject *Py_UNUSED(ignored))
+{
+    rr_device_counts c;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    c = self->dev->counts;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("{sKsKsK}", "copies", c.copies, "events", c.events, "waits", c.waits);
+}
+
 static void Device_dealloc(DeviceObject *self)
 {
     if (self->dev) {
@@ -148,6 +268,15 @@ static PyMethodDef Device_methods[] = {
     {"free", (PyCFunction)Device_free, METH_VARARGS, "free(pointer) (emulated device)"},
     {"write", (PyCFunction)Device_write, METH_VARARGS, "write(pointer, bytes) (emulated device)"},
     {"read", (PyCFunction)Device_read, METH_VARARGS, "read(pointer, nbytes) -> bytes (emulated device)"},
+    {"bounce_down", (PyCFunction)Device_bounce_down, METH_VARARGS,
+     "bounce_down(pointer, nbytes) -> (slot, memoryview) or None: device bytes in a pinned bounce buffer (one copy); "
+     "the view is valid until bounce_up/bounce_release; None when every slot is taken or the device is busy"},
+    {"bounce_up", (PyCFunction)Device_bounce_up, METH_VARARGS,
+     "bounce_up(slot, pointer, nbytes): the bounce buffer's bytes back to device memory (one copy); frees the slot"},
+    {"bounce_release", (PyCFunction)Device_bounce_release, METH_VARARGS,
+     "bounce_release(slot): frees a bounce slot without copying"},
+    {"counts", (PyCFunction)Device_counts, METH_NOARGS,
+     "counts() -> {'copies', 'events', 'waits'}: device operations queued since the device was made (testing hook)"},
     {NULL, NULL, 0, NULL},
 };
 

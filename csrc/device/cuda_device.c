@@ -9,6 +9,9 @@
  */
 #include <dlfcn.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "device/device.h"
 
@@ -24,7 +27,7 @@ typedef struct CUfunc_st *CUfunction;
 #define CUDA_ERROR_NOT_READY 600
 #define CU_STREAM_NON_BLOCKING 1
 #define CU_EVENT_DISABLE_TIMING 2
-#define CU_MEMHOSTALLOC_PORTABLE 1
+#define CU_MEMHOSTREGISTER_PORTABLE 1
 
 #define DRIVER_FUNCTIONS(X)                                                                     \
     X(cuInit, (unsigned))                                                                       \
@@ -44,8 +47,8 @@ typedef struct CUfunc_st *CUfunction;
     X(cuMemcpyDtoHAsync_v2, (void *, CUdeviceptr, size_t, CUstream))                            \
     X(cuMemcpyHtoDAsync_v2, (CUdeviceptr, const void *, size_t, CUstream))                      \
     X(cuMemcpyDtoDAsync_v2, (CUdeviceptr, CUdeviceptr, size_t, CUstream))                       \
-    X(cuMemHostAlloc, (void **, size_t, unsigned))                                              \
-    X(cuMemFreeHost, (void *))                                                                  \
+    X(cuMemHostRegister_v2, (void *, size_t, unsigned))                                         \
+    X(cuMemHostUnregister, (void *))                                                            \
     X(cuMemAlloc_v2, (CUdeviceptr *, size_t))                                                   \
     X(cuMemFree_v2, (CUdeviceptr))                                                              \
     X(cuLaunchKernel, (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, \
@@ -185,14 +188,38 @@ static uint64_t mark(rr_device *d, rr_error *err)
     return c->marked = t;
 }
 
+/* Pinned host memory that other processes can still read: plain anonymous
+ * pages, registered with the driver. The ring's Cross Memory Attach path
+ * reads a peer's mirror with process_vm_readv, which fails (EFAULT) on the
+ * driver's own mappings that cuMemHostAlloc hands out. Not inherited by a
+ * fork: copy-on-write could otherwise move this process's pages away from
+ * the ones the GPU copies to. A page in front keeps the mapping's length for
+ * the unmap. */
 static void *host_alloc(rr_device *d, size_t n)
 {
     (void)d;
-    void *p = NULL;
-    return cu.cuMemHostAlloc(&p, n ? n : 1, CU_MEMHOSTALLOC_PORTABLE) == CUDA_SUCCESS ? p : NULL;
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE), len = page + (n ? n : 1);
+    char *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return NULL;
+    memcpy(base, &len, sizeof len);
+    madvise(base, len, MADV_DONTFORK);
+    if (cu.cuMemHostRegister_v2(base + page, len - page, CU_MEMHOSTREGISTER_PORTABLE) != CUDA_SUCCESS) {
+        munmap(base, len);
+        return NULL;
+    }
+    return base + page;
 }
 
-static void host_free(rr_device *d, void *p) { (void)d; if (p) cu.cuMemFreeHost(p); }
+static void host_free(rr_device *d, void *p)
+{
+    (void)d;
+    if (!p) return;
+    char *base = (char *)p - (size_t)sysconf(_SC_PAGESIZE);
+    size_t len;
+    memcpy(&len, base, sizeof len);
+    cu.cuMemHostUnregister(p);
+    munmap(base, len);
+}
 
 static void *dev_alloc(rr_device *d, size_t n)
 {

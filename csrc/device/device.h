@@ -1,13 +1,16 @@
 /* What the ring needs from an accelerator to run on buffers in its memory.
  *
- * The ring schedule (ring.c) stays the same for device buffers; only where
- * bytes sit changes. Sends leave from a pinned host mirror, received
- * segments land in pinned staging slots, and everything between host and
- * device is queued here: copies both ways and the reduction kernels, in
- * order on one stream. A ticket marks the work queued so far; asking whether
- * a ticket is done (or waiting for it) is how the ring learns that a segment
- * may be sent or a slot reused. The network moves one segment while the
- * device copies and reduces the one before it.
+ * The ring stays the host ring for device buffers: it runs in place on a
+ * pinned host mirror of the buffer (ring.c, "the staged path"), so it keeps
+ * every host path (copying, zero-copy, Cross Memory Attach) and the host
+ * kernels' bits. The device only moves whole chunks: each comes down to the
+ * mirror once, in the order the ring first needs it (a ticket each), and
+ * each final chunk goes back up as soon as the ring has finished it; one
+ * wait at the end. All of that is queued here, in order on one stream: a
+ * ticket marks the work queued so far, and asking whether a ticket is done
+ * (or waiting for it) is how the ring learns that a chunk is on the host.
+ * Small messages go through a pinned bounce buffer kept per device
+ * (rr_device_bounce): one copy down, one copy up.
  *
  * Two implementations: CUDA through the driver API (cuda_device.c, loaded at
  * run time, so the package needs no CUDA to build or import), and an emulated
@@ -53,25 +56,74 @@ typedef struct rr_device_ops {
     void (*destroy)(rr_device *d);
 } rr_device_ops;
 
-#define RR_DEVICE_SLOTS 4
+/* What a device has been asked to do since it was made: every call below
+ * that queues work counts (a testing hook, ringreduce._core.Device.counts,
+ * and how tests bound the operations a collective costs). */
+typedef struct rr_device_counts {
+    unsigned long long copies;  /* to_host, to_device, copy: the work the ring queues */
+    unsigned long long events;  /* mark: a ticket (an event recorded) */
+    unsigned long long waits;   /* done(wait = 1): the host blocked on a ticket */
+} rr_device_counts;
+
+/* Small messages in flight at once through one device (threads, process
+ * sets); one more waits its turn elsewhere (the caller's fallback). */
+#define RR_BOUNCE_SLOTS 8
 
 struct rr_device {
     const rr_device_ops *ops;
-    /* Kept between operations, grown on demand (rr_device_reserve). */
-    char *mirror;         /* pinned: the host copy sends leave from */
+    /* Kept between operations, grown on demand, pinned. */
+    char *mirror;         /* the host copy the ring runs on (rr_device_reserve) */
     size_t mirror_bytes;
-    char *staging;        /* pinned: RR_DEVICE_SLOTS receive slots */
-    char *scratch;        /* device: where a slot goes up to be reduced */
-    size_t slot_bytes;
+    struct {              /* small messages' trip through the host (rr_device_bounce) */
+        char *buf;
+        size_t bytes;
+        int busy;
+    } bounce[RR_BOUNCE_SLOTS];
+    rr_device_counts counts;
 };
 
-/* Makes the mirror hold at least mirror_bytes and the slots slot_bytes each. */
-int rr_device_reserve(rr_device *d, size_t mirror_bytes, size_t slot_bytes, rr_error *err);
+/* Makes the mirror hold at least mirror_bytes. */
+int rr_device_reserve(rr_device *d, size_t mirror_bytes, rr_error *err);
+/* Takes a free bounce buffer holding at least bytes (grown only: small
+ * messages allocate nothing once one of their size has passed) and returns
+ * its slot, until rr_device_bounce_release; -1 with err filled when out of
+ * memory, -2 when every slot is taken. Not thread safe: the caller
+ * serializes calls on one device. */
+int rr_device_bounce(rr_device *d, size_t bytes, rr_error *err);
+void rr_device_bounce_release(rr_device *d, int slot);
 /* Frees the buffers, then the device. */
 void rr_device_destroy(rr_device *d);
 
 /* Waits for everything queued so far. */
 int rr_device_sync(rr_device *d, rr_error *err);
+
+/* The ops, counted (rr_device_counts). Everything outside the device
+ * implementations queues work through these. */
+static inline int rr_dev_to_host(rr_device *d, void *host, const void *dev, size_t n, rr_error *err)
+{
+    d->counts.copies++;
+    return d->ops->to_host(d, host, dev, n, err);
+}
+static inline int rr_dev_to_device(rr_device *d, void *dev, const void *host, size_t n, rr_error *err)
+{
+    d->counts.copies++;
+    return d->ops->to_device(d, dev, host, n, err);
+}
+static inline int rr_dev_copy(rr_device *d, void *dst, const void *src, size_t n, rr_error *err)
+{
+    d->counts.copies++;
+    return d->ops->copy(d, dst, src, n, err);
+}
+static inline uint64_t rr_dev_mark(rr_device *d, rr_error *err)
+{
+    d->counts.events++;
+    return d->ops->mark(d, err);
+}
+static inline int rr_dev_done(rr_device *d, uint64_t ticket, int wait, rr_error *err)
+{
+    if (wait) d->counts.waits++;
+    return d->ops->done(d, ticket, wait, err);
+}
 
 /* patience: how many times a ticket is asked about before its work runs
  * (0: only when waited for); see device_emulated.c. */

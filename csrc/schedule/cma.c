@@ -144,7 +144,10 @@ int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, c
     char *staging = ring->staging;
     size_t extent = 0; /* every rank's chunk tables are alike: prev's buffers span as many bytes */
     for (int c = 0; c < N; c++) if (off[c] + len[c] > extent) extent = off[c] + len[c];
-    int rc = put_token(t, g0, src, buf, extent, err);
+    /* Staged (ring.c): next may read our first chunk the moment the token is out. */
+    int rc = ring->stage ? rr_stage_need(ring->stage, mod(r - g0 - 1, N), err) : RR_OK;
+    if (rc != RR_OK) return fail(ring, rc, err);
+    rc = put_token(t, g0, src, buf, extent, err);
     if (rc != RR_OK) return fail(ring, rc, err);
     /* what next reads from us, as the other paths count (the tokens, control records, are not counted) */
     rr_count_sent(t, RR_SENT_RING, RR_VIA_CMA, len[mod(r - g0 - 1, N)]);
@@ -166,6 +169,7 @@ int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, c
         const char *map = g == g0 ? map_src : map_buf;
         if (map) { map += off[c]; took_map = 1; }
         const int final = g == reduce_until - 1;
+        if (ring->stage && (rc = rr_stage_need(ring->stage, c, err)) != RR_OK) return fail(ring, rc, err);
         for (size_t at = 0; at < len[c]; at += slice) {
             const size_t n = len[c] - at < slice ? len[c] - at : slice, count = n / esize;
             char *dst = buf + off[c] + at;
@@ -185,6 +189,9 @@ int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, c
          * was in the operation while we read, so the bytes were its data. */
         if ((rc = t->ops->prev_alive(t, NULL, err)) != RR_OK) return fail(ring, rc, err);
         t->ops->rx_consume(t, TOKEN);
+        /* Staged: a chunk final here goes up while the ring goes on. */
+        if (ring->stage && g >= reduce_until - 1 && (rc = rr_stage_final(ring->stage, c, err)) != RR_OK)
+            return fail(ring, rc, err);
         if (g + 1 == reduce_until) { /* the owned chunk is final (ring->phase_times, ring.h) */
             struct timespec ts;
             clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -31,6 +31,9 @@
  * same bits. Each rank sends and receives 2(N-1)/N of the buffer.
  *
  * Extra memory: one staging segment, whatever the tensor's size.
+ *
+ * Buffers in a device's memory take the same schedule on a pinned host
+ * mirror ("the staged path", below ring_steps).
  */
 #include "schedule/ring.h"
 
@@ -120,60 +123,6 @@ int rr_ring_begin(rr_ring *ring, rr_error *err)
     const rr_transport_ops *ops = ring->transport->ops;
     int rc = ops->begin ? ops->begin(ring->transport, err) : RR_OK;
     return rc == RR_OK ? RR_OK : fail(ring, rc, err);
-}
-
-/* Work queued on the device that the schedule waits for, oldest first:
- * completion comes in queue order, since the device runs one stream. */
-enum { STAGED_FIRST, STAGED_REDUCED };
-typedef struct {
-    rr_device *dev;
-    struct { uint64_t ticket; int kind; size_t end; } item[2 * RR_DEVICE_SLOTS];
-    int head, len;
-} device_queue;
-
-static int queue_push(device_queue *q, int kind, size_t end, rr_error *err)
-{
-    uint64_t t = q->dev->ops->mark(q->dev, err);
-    if (!t) return err->code;
-    int at = (q->head + q->len++) % (2 * RR_DEVICE_SLOTS);
-    q->item[at].ticket = t;
-    q->item[at].kind = kind;
-    q->item[at].end = end;
-    return RR_OK;
-}
-
-/* Retires finished work (waiting for the oldest item when `wait`): the first
- * step's mirror is ready up to *first_ready, the received chunk can be
- * forwarded up to *rdone. */
-static int queue_retire(device_queue *q, int wait, size_t *first_ready, size_t *rdone, rr_error *err)
-{
-    while (q->len) {
-        int rc = q->dev->ops->done(q->dev, q->item[q->head].ticket, wait, err);
-        if (rc < 0) return -rc;
-        if (rc == 0) return RR_OK;
-        if (q->item[q->head].kind == STAGED_FIRST) *first_ready = q->item[q->head].end;
-        else *rdone = q->item[q->head].end;
-        q->head = (q->head + 1) % (2 * RR_DEVICE_SLOTS);
-        q->len--;
-        wait = 0;
-    }
-    return RR_OK;
-}
-
-/* Queues the next segments of a device buffer (bytes [*queued, total) of
- * dev_src) for the trip down to host, a few ahead of the sender: their items
- * retire into *first_ready. */
-static int queue_download(device_queue *q, char *host, const char *dev_src, size_t total, size_t *queued,
-                          size_t seg, rr_error *err)
-{
-    while (*queued < total && q->len < RR_DEVICE_SLOTS) {
-        size_t n = total - *queued < seg ? total - *queued : seg;
-        int rc = q->dev->ops->to_host(q->dev, host + *queued, dev_src + *queued, n, err);
-        if (rc != RR_OK) return rc;
-        *queued += n;
-        if ((rc = queue_push(q, STAGED_FIRST, *queued, err)) != RR_OK) return rc;
-    }
-    return RR_OK;
 }
 
 /* What a received run of n bytes at byte `at` of the buffer becomes at
@@ -282,7 +231,7 @@ static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const
     const rr_transport_ops *ops = t->ops;
     const size_t slices = (longest_chunk(len, N) + slice - 1) / slice;
     zc_cursor snd = {0, g0, 0}, rcv = {0, g0, 0};
-    int reduced = 0;
+    int reduced = 0, need_rc;
     for (;;) {
         zc_advance(&snd, r - 1, N, len, slices, slice, g0, g1);
         zc_advance(&rcv, r - 2, N, len, slices, slice, g0, g1);
@@ -299,6 +248,8 @@ static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const
 
         /* Not fused: send what is ready, from src (first step) or buf. */
         if (snd.s < slices && !fused) {
+            if (ring->stage && snd.g == g0 && (need_rc = rr_stage_need(ring->stage, sc, err)) != RR_OK)
+                return fail(ring, need_rc, err);
             /* A forwarded piece is ready as far as it has been received:
              * the receiver may still be on an earlier slice. */
             const int received = rcv.s > snd.s || (rcv.s == snd.s && rcv.g >= snd.g);
@@ -318,6 +269,8 @@ static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const
         }
 
         if (rcv.s < slices) {
+            if (ring->stage && (need_rc = rr_stage_need(ring->stage, rc, err)) != RR_OK)
+                return fail(ring, need_rc, err);
             const void *in;
             size_t n = ops->rx_window(t, &in), rest = piece(len, rc, rcv.s, slice) - rcv.at;
             if (n > rest) n = rest;
@@ -357,87 +310,70 @@ static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const
 /* Runs steps g0 .. g1-1 of the schedule above over chunks at byte offsets
  * off[] with byte lengths len[]. Steps below `reduce_until` reduce, later
  * steps copy; for avg, each segment of the owned chunk is divided the moment
- * it is final (16-bit floats: every fold is a running mean, nothing to divide). The input is read from src (which may be buf): the first step
+ * it is final (16-bit floats: every fold is a running mean, nothing to
+ * divide). The input is read from src (which may be buf): the first step
  * sends from it and each reduction reads its own chunk from it, so every
  * byte of buf is written exactly once and out of place costs no copy.
  *
- * With a device (dev != NULL) src and buf are device memory and the same
- * schedule runs staged (device.h): the first step's chunk goes down to the
- * host mirror segment by segment; a reducing receive lands in a pinned slot,
- * goes up, is reduced on the device and, unless it is final, comes back down
- * into the mirror, from where the next step sends it; a copying receive lands
- * in the mirror and goes up. Up to RR_DEVICE_SLOTS segments are in flight on
- * the device while the sockets carry the next ones. The bytes on the wire
- * are the same either way, so host and device ranks share one ring. */
-static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf, const size_t *off,
-                      const size_t *len, int g0, int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
+ * During a staged operation (ring->stage, the staged path below) src and
+ * buf are a device's pinned mirror: before a chunk is first read or written
+ * its trip down must be done (rr_stage_need), and the moment a chunk is
+ * final it goes back up (rr_stage_final), while the ring goes on. */
+static int ring_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, const size_t *len, int g0,
+                      int g1, int reduce_until, rr_dtype dtype, rr_op op, rr_error *err)
 {
     const int N = ring->size, r = ring->rank;
     const size_t seg = ring->segment, esize = rr_dtype_size(dtype);
-    const int slots = dev ? RR_DEVICE_SLOTS : 1;
     const int mean = op == RR_AVG && rr_avg_is_mean(dtype); /* a running mean: no division at the end */
     rr_transport *t = ring->transport;
-    char *host = dev ? dev->mirror : buf;              /* where sends leave from and copies land */
-    char *staging = dev ? dev->staging : ring->staging; /* where reducing receives land */
-    const int c0 = mod(r - g0 - 1, N);                 /* the chunk the first step sends */
-    const char *first = dev ? dev->mirror : src;
-    size_t first_ready = dev ? 0 : len[c0], first_queued = first_ready;
-    device_queue q = {.dev = dev};
-    int sg = g0, rg = g0;        /* the steps being sent and received */
-    size_t soff = 0;             /* bytes of step sg's chunk sent */
-    size_t roff = 0, rdone = 0;  /* bytes of step rg's chunk received; of those, ready to forward */
+    rr_stage *stage = ring->stage;
+    char *staging = ring->staging; /* where reducing receives land */
+    int sg = g0, rg = g0;          /* the steps being sent and received */
+    size_t soff = 0;               /* bytes of step sg's chunk sent */
+    size_t roff = 0, rdone = 0;    /* bytes of step rg's chunk received; of those, ready to forward */
     int rc_ = RR_OK;
     if (t->ops->align) t->ops->align(t);
-    if (!dev && rr_cma_wanted(ring, len) && ++ring->cma_ops)
+    if (rr_cma_wanted(ring, len) && ++ring->cma_ops)
         return rr_cma_steps(ring, src, buf, off, len, g0, g1, reduce_until, dtype, op, err);
-    if (!dev && ring->zero_copy && t->ops->rx_window && zero_copy_pays(len, N) && ++ring->zero_copy_ops)
+    if (ring->zero_copy && t->ops->rx_window && zero_copy_pays(len, N) && ++ring->zero_copy_ops)
         return ring_steps_zero_copy(ring, src, buf, off, len, g0, g1, reduce_until, dtype, op, err);
-#define DEV(CALL) do { if ((rc_ = (CALL)) != RR_OK) return fail(ring, rc_, err); } while (0)
+#define STAGE(CALL) do { if (stage && (rc_ = (CALL)) != RR_OK) return fail(ring, rc_, err); } while (0)
+    STAGE(rr_stage_need(stage, mod(r - g0 - 1, N), err)); /* the chunk the first step sends */
 
     for (;;) {
         while (sg < g1 && soff == len[mod(r - sg - 1, N)]) { sg++; soff = 0; }
         while (rg < g1 && rdone == len[mod(r - rg - 2, N)]) {
+            if (rg >= reduce_until - 1) STAGE(rr_stage_final(stage, mod(r - rg - 2, N), err));
             rg++;
             roff = rdone = 0;
             if (rg == reduce_until) ring->phase_times[1] = monotonic_s(); /* owned chunk final */
         }
         if (sg >= g1 && rg >= g1) break;
-        if (dev) {
-            /* The first step's chunk goes down ahead of the sender. */
-            DEV(queue_download(&q, dev->mirror + off[c0], src + off[c0], len[c0], &first_queued, seg, err));
-            DEV(queue_retire(&q, 0, &first_ready, &rdone, err));
-        }
 
         /* Send window: the rest of the current segment, but never past what
-         * is ready: the first step's mirror, or the chunk still being received. */
+         * is ready: the chunk still being received is forwarded as it comes. */
         const char *sp = NULL;
         size_t sl = 0;
         if (sg < g1) {
             const int sc = mod(r - sg - 1, N);
-            size_t limit = sg == g0 ? first_ready : sg - 1 == rg ? rdone : len[sc];
+            size_t limit = sg != g0 && sg - 1 == rg ? rdone : len[sc];
             size_t seg_end = (soff / seg + 1) * seg;
             if (seg_end > limit) seg_end = limit;
-            sp = (sg == g0 ? first : host) + off[sc] + soff;
+            sp = (sg == g0 ? src : buf) + off[sc] + soff;
             sl = seg_end > soff ? seg_end - soff : 0;
         }
-        /* Receive window: the rest of the current segment, into a staging
-         * slot when it must be reduced (if one is free), else into place. */
+        /* Receive window: the rest of the current segment, into the staging
+         * segment when it must be reduced, else into place. */
         const int rc = mod(r - rg - 2, N);
         const int reducing = rg < reduce_until;
         const size_t rseg_start = roff / seg * seg;
-        const size_t slot = rseg_start / seg % (size_t)slots * seg;
         char *rp = NULL;
         size_t rl = 0, rseg_end = 0;
-        if (rg < g1 && roff < len[rc] && (!reducing || rseg_start / seg - rdone / seg < (size_t)slots)) {
+        if (rg < g1 && roff < len[rc]) {
+            STAGE(rr_stage_need(stage, rc, err));
             rseg_end = rseg_start + seg < len[rc] ? rseg_start + seg : len[rc];
-            rp = reducing ? staging + slot + (roff - rseg_start) : host + off[rc] + roff;
+            rp = reducing ? staging + (roff - rseg_start) : buf + off[rc] + roff;
             rl = rseg_end - roff;
-        }
-        /* A window the device holds shut opens once its work is done: wait
-         * for that rather than for the sockets, which may wait on us. */
-        if (q.len && ((sg < g1 && sl == 0) || (rg < g1 && rl == 0))) {
-            DEV(queue_retire(&q, 1, &first_ready, &rdone, err));
-            continue;
         }
 
         size_t sent = 0, rcvd = 0;
@@ -446,35 +382,20 @@ static int ring_steps(rr_ring *ring, rr_device *dev, const char *src, char *buf,
         soff += sent;
         roff += rcvd;
         if (rl && roff == rseg_end) {
-            const size_t bytes = rseg_end - rseg_start, n = bytes / esize;
+            const size_t n = (rseg_end - rseg_start) / esize;
             char *dst = buf + off[rc] + rseg_start;
             const char *mine = src + off[rc] + rseg_start;
-            /* The received partial holds rg + 1 contributions; ours makes rg + 2. */
-            const int k = rg + 2, last = op == RR_AVG && !mean && rg == N - 2;
-            if (!dev) {
-                if (reducing && mean) {
-                    rr_mean_fold(dst, mine, staging + slot, n, dtype, k);
-                } else if (reducing) {
-                    rr_reduce3(dst, mine, staging + slot, n, dtype, op);
-                    if (last) rr_divide(dst, n, dtype, N);
-                }
-                rdone = rseg_end;
+            if (reducing && mean) {
+                /* The received partial holds rg + 1 contributions; ours makes rg + 2. */
+                rr_mean_fold(dst, mine, staging, n, dtype, rg + 2);
             } else if (reducing) {
-                DEV(dev->ops->to_device(dev, dev->scratch + slot, staging + slot, bytes, err));
-                if (mean) DEV(dev->ops->mean_fold(dev, dst, mine, dev->scratch + slot, n, dtype, k, err));
-                else DEV(dev->ops->reduce3(dev, dst, mine, dev->scratch + slot, n, dtype, op, err));
-                if (last) DEV(dev->ops->divide(dev, dst, n, dtype, N, err));
-                if (rg + 1 < g1) /* forwarded next step */
-                    DEV(dev->ops->to_host(dev, host + off[rc] + rseg_start, dst, bytes, err));
-                DEV(queue_push(&q, STAGED_REDUCED, rseg_end, err));
-            } else {
-                DEV(dev->ops->to_device(dev, dst, host + off[rc] + rseg_start, bytes, err));
-                rdone = rseg_end;
+                rr_reduce3(dst, mine, staging, n, dtype, op);
+                if (op == RR_AVG && rg == N - 2) rr_divide(dst, n, dtype, N);
             }
+            rdone = rseg_end;
         }
     }
-    if (dev) DEV(rr_device_sync(dev, err));
-#undef DEV
+#undef STAGE
     return RR_OK;
 }
 
@@ -493,12 +414,110 @@ static int chunk_table(int N, size_t count, size_t esize, size_t **off, size_t *
     return 0;
 }
 
-/* Readies the device for an operation over `bytes` bytes. */
-static int device_begin(rr_ring *ring, rr_device *dev, size_t bytes, rr_error *err)
+/* The staged path: a collective on a device's buffers is the host ring run
+ * in place on the device's pinned mirror (device.h).
+ *
+ *   down  every chunk whose input the ring reads is copied down once, in
+ *         the order the ring first needs it (the chunk the first step sends,
+ *         then the one each step reduces into), a ticket after each;
+ *   ring  the host ring runs on the mirror, any of its paths (copying,
+ *         zero-copy, Cross Memory Attach) as on a host rank, waiting for a
+ *         chunk's ticket only when it first touches that chunk;
+ *   up    each chunk the operation finishes is copied up the moment the
+ *         ring has made it final (after the ring, for the zero-copy path,
+ *         whose chunks all become final in its last slices);
+ *   wait  once, for the last trip up.
+ *
+ * So an allreduce costs N copies down, N up and N + 1 tickets, whatever its
+ * size, while the device's copies overlap the network; the bytes on the
+ * wire, the kernels and their order are the host ring's, so device and host
+ * ranks share one ring, every path included, and get the same bits. */
+struct rr_stage {
+    rr_device *dev;
+    int n;                  /* chunks */
+    char *host;             /* the mirror */
+    char *dst;              /* device: where final chunks go */
+    const size_t *off, *len;
+    uint64_t *down;         /* per chunk: its trip down's ticket; 0 once waited for, or none */
+    unsigned char *up;      /* per chunk: 1 while it still has to go up */
+};
+
+int rr_stage_need(rr_stage *s, int c, rr_error *err)
 {
-    if (!dev) return RR_OK;
+    const uint64_t ticket = s->down[c];
+    if (!ticket) return RR_OK;
+    int rc = rr_dev_done(s->dev, ticket, 1, err);
+    if (rc < 0) return -rc;
+    /* One stream runs in order: every trip queued before this one is done too. */
+    for (int i = 0; i < s->n; i++) if (s->down[i] <= ticket) s->down[i] = 0;
+    return RR_OK;
+}
+
+int rr_stage_final(rr_stage *s, int c, rr_error *err)
+{
+    if (!s->up[c]) return RR_OK;
+    s->up[c] = 0;
+    return rr_dev_to_device(s->dev, s->dst + s->off[c], s->host + s->off[c], s->len[c], err);
+}
+
+enum { UP_ALL, UP_OWN, UP_OTHERS }; /* the chunks an operation finishes */
+
+/* Queues the trips down (all chunks, or only this rank's when own_down) of
+ * src into the mirror and installs the stage on the ring. On failure the
+ * ring is failed (the other ranks learn it) and nothing is left installed. */
+static int stage_begin(rr_ring *ring, rr_stage *s, rr_device *dev, const char *src, char *dst, size_t bytes,
+                       const size_t *off, const size_t *len, int own_down, int up, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank;
+    *s = (rr_stage){.dev = dev, .n = N, .dst = dst, .off = off, .len = len};
     int rc = dev->ops->begin(dev, err);
-    return rc ? rc : rr_device_reserve(dev, bytes, ring->segment, err);
+    if (rc == RR_OK) rc = rr_device_reserve(dev, bytes, err);
+    if (rc == RR_OK) {
+        s->host = dev->mirror;
+        s->down = calloc((size_t)N, sizeof *s->down);
+        s->up = calloc((size_t)N, 1);
+        if (!s->down || !s->up) {
+            rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+            rc = err->code;
+        }
+    }
+    /* In the order the ring first needs them: step g sends chunk r - g - 1
+     * and reduces chunk r - g - 2 into ours, so r - 1, r - 2, ..., r. */
+    for (int k = 1; rc == RR_OK && k <= N; k++) {
+        const int c = mod(r - k, N);
+        if (!len[c] || (own_down && c != r)) continue;
+        rc = rr_dev_to_host(dev, s->host + off[c], src + off[c], len[c], err);
+        if (rc == RR_OK && !(s->down[c] = rr_dev_mark(dev, err))) rc = err->code;
+    }
+    if (rc != RR_OK) {
+        rr_error ignored;
+        if (s->down) rr_device_sync(dev, &ignored); /* nothing left in flight on the mirror */
+        free(s->down);
+        free(s->up);
+        return fail(ring, rc, err);
+    }
+    for (int c = 0; c < N; c++) s->up[c] = len[c] && (up == UP_ALL || (up == UP_OWN) == (c == r));
+    ring->stage = s;
+    return RR_OK;
+}
+
+/* After the host ring returned rc: what is still to go up goes, then the
+ * one wait. A ring that failed has failed already; the device is drained
+ * either way, so the mirror is free for the next operation. */
+static int stage_end(rr_ring *ring, rr_stage *s, int rc, rr_error *err)
+{
+    ring->stage = NULL;
+    if (rc == RR_OK) {
+        for (int c = 0; c < s->n && rc == RR_OK; c++) rc = rr_stage_final(s, c, err);
+        if (rc == RR_OK) rc = rr_device_sync(s->dev, err);
+        if (rc != RR_OK) fail(ring, rc, err);
+    } else {
+        rr_error ignored;
+        rr_device_sync(s->dev, &ignored);
+    }
+    free(s->down);
+    free(s->up);
+    return rc;
 }
 
 static int reduce_phases(rr_ring *ring, rr_device *dev, const void *src, void *buf, size_t count,
@@ -514,17 +533,23 @@ static int reduce_phases(rr_ring *ring, rr_device *dev, const void *src, void *b
         if (src == buf || bytes == 0) return RR_OK;
         if (!dev) { memmove(buf, src, bytes); return RR_OK; }
         int rc = dev->ops->begin(dev, err);
-        if (rc == RR_OK) rc = dev->ops->copy(dev, buf, src, bytes, err);
+        if (rc == RR_OK) rc = rr_dev_copy(dev, buf, src, bytes, err);
         return rc == RR_OK ? rr_device_sync(dev, err) : rc;
     }
-    int rc = device_begin(ring, dev, bytes, err);
-    if (rc) return fail(ring, rc, err);
     size_t *off, *len;
     if (chunk_table(N, count, rr_dtype_size(dtype), &off, &len)) {
         rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
         return err->code;
     }
-    rc = ring_steps(ring, dev, src, buf, off, len, 0, g1, N - 1, dtype, op, err);
+    int rc;
+    if (!dev) {
+        rc = ring_steps(ring, src, buf, off, len, 0, g1, N - 1, dtype, op, err);
+    } else {
+        rr_stage s;
+        rc = stage_begin(ring, &s, dev, src, buf, bytes, off, len, 0, g1 == 2 * N - 2 ? UP_ALL : UP_OWN, err);
+        if (rc == RR_OK)
+            rc = stage_end(ring, &s, ring_steps(ring, s.host, s.host, off, len, 0, g1, N - 1, dtype, op, err), err);
+    }
     free(off);
     free(len);
     return rc;
@@ -555,57 +580,63 @@ int rr_allgather(rr_ring *ring, rr_device *dev, void *buf, const size_t *nbytes,
         return err->code;
     }
     for (int i = 0; i < N; i++) { off[i] = at; at += nbytes[i]; }
-    int rc = device_begin(ring, dev, at, err);
-    /* The AllGather steps of the schedule; uint8 so no reduction applies. */
-    if (rc == RR_OK) rc = ring_steps(ring, dev, buf, buf, off, nbytes, N - 1, 2 * N - 2, 0, RR_UINT8, RR_SUM, err);
-    else fail(ring, rc, err);
+    /* The AllGather steps of the schedule; uint8 so no reduction applies.
+     * Staged, only this rank's block goes down and every other one up. */
+    int rc;
+    if (!dev) {
+        rc = ring_steps(ring, buf, buf, off, nbytes, N - 1, 2 * N - 2, 0, RR_UINT8, RR_SUM, err);
+    } else {
+        rr_stage s;
+        rc = stage_begin(ring, &s, dev, buf, buf, at, off, nbytes, 1, UP_OTHERS, err);
+        if (rc == RR_OK)
+            rc = stage_end(ring, &s, ring_steps(ring, s.host, s.host, off, nbytes, N - 1, 2 * N - 2, 0, RR_UINT8,
+                                                RR_SUM, err), err);
+    }
     free(off);
     return rc;
 }
 
 /* Broadcast is a pipelined chain root -> root+1 -> ... -> root-1: each rank
- * forwards every segment the moment it has it. With a device, bytes travel
- * through the host mirror: the root's go down a few segments ahead of the
- * sender, every other rank's go up as each segment arrives. */
-int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int root, rr_error *err)
+ * forwards every segment the moment it has it. */
+static int broadcast_steps(rr_ring *ring, char *buf, size_t nbytes, int root, rr_error *err)
 {
     const int N = ring->size, r = ring->rank;
     const size_t seg = ring->segment;
-    if (N == 1 || nbytes == 0) return RR_OK;
-    int rc = device_begin(ring, dev, nbytes, err);
-    if (rc) return fail(ring, rc, err);
     rr_transport *t = ring->transport;
-    char *host = dev ? dev->mirror : buf;
     const int receives = r != root, forwards = mod(r + 1, N) != root;
     size_t sent = 0, rcvd = receives ? 0 : nbytes;
-    size_t ready = receives || !dev ? nbytes : 0, queued = ready, up = 0, unused = 0;
-    device_queue q = {.dev = dev};
-#define DEV(CALL) do { if ((rc = (CALL)) != RR_OK) return fail(ring, rc, err); } while (0)
     while ((forwards && sent < nbytes) || rcvd < nbytes) {
-        if (dev && !receives) {
-            DEV(queue_download(&q, host, buf, nbytes, &queued, seg, err));
-            DEV(queue_retire(&q, sent == ready, &ready, &unused, err));
-            if (sent == ready) continue;
-        }
-        const size_t avail = receives ? rcvd : ready;
         size_t s_end = (sent / seg + 1) * seg;
-        if (s_end > avail) s_end = avail;
+        if (s_end > rcvd) s_end = rcvd;
         size_t r_end = (rcvd / seg + 1) * seg;
         if (r_end > nbytes) r_end = nbytes;
         size_t ds = 0, dr = 0;
-        rc = rr_transport_exchange(t, RR_SENT_RING, host + sent, forwards ? s_end - sent : 0, &ds, host + rcvd, r_end - rcvd, &dr, err);
+        int rc = rr_transport_exchange(t, RR_SENT_RING, buf + sent, forwards ? s_end - sent : 0, &ds, buf + rcvd,
+                                       r_end - rcvd, &dr, err);
         if (rc != RR_OK) return fail(ring, rc, err);
         sent += ds;
         rcvd += dr;
-        while (dev && receives && up < rcvd && (rcvd - up >= seg || rcvd == nbytes)) {
-            size_t n = rcvd - up < seg ? rcvd - up : seg;
-            DEV(dev->ops->to_device(dev, (char *)buf + up, host + up, n, err));
-            up += n;
-        }
     }
-    if (dev) DEV(rr_device_sync(dev, err));
-#undef DEV
     return RR_OK;
+}
+
+/* With a device the chain runs on the mirror: the root's bytes come down
+ * in one copy first, every other rank's go up in one copy after. */
+int rr_broadcast(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int root, rr_error *err)
+{
+    if (ring->size == 1 || nbytes == 0) return RR_OK;
+    if (!dev) return broadcast_steps(ring, buf, nbytes, root, err);
+    const int is_root = ring->rank == root;
+    int rc = dev->ops->begin(dev, err);
+    if (rc == RR_OK) rc = rr_device_reserve(dev, nbytes, err);
+    if (rc == RR_OK && is_root) rc = rr_dev_to_host(dev, dev->mirror, buf, nbytes, err);
+    if (rc == RR_OK && is_root) rc = rr_device_sync(dev, err);
+    if (rc != RR_OK) return fail(ring, rc, err);
+    if ((rc = broadcast_steps(ring, dev->mirror, nbytes, root, err)) != RR_OK) return rc;
+    if (is_root) return RR_OK;
+    rc = rr_dev_to_device(dev, buf, dev->mirror, nbytes, err);
+    if (rc == RR_OK) rc = rr_device_sync(dev, err);
+    return rc == RR_OK ? RR_OK : fail(ring, rc, err);
 }
 
 /* A ring allgather of variable-length blobs: at step k rank r forwards the

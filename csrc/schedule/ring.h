@@ -16,6 +16,12 @@
  * (recursive_doubling.h), else the ring; RING forces the ring's N-1 hops. */
 typedef enum { RR_SMALL_AUTO = 0, RR_SMALL_RING = 1 } rr_small_algorithm;
 
+/* A staged operation's chunks (ring.c): the host ring runs on a device's
+ * pinned mirror and tells the stage when it first touches a chunk
+ * (rr_stage_need: its trip down must be done) and when a chunk is final
+ * (rr_stage_final: it goes back up). */
+typedef struct rr_stage rr_stage;
+
 typedef struct rr_ring {
     rr_transport *transport; /* owned */
     int rank, size;
@@ -34,6 +40,7 @@ typedef struct rr_ring {
     unsigned long long cma_ops; /* ring operations that took the CMA path */
     rr_peer_maps peer_maps;  /* prev's shared regions mapped here (peer_map.h), for the CMA path */
     unsigned long long mapped_ops; /* CMA operations that read prev's data out of such a mapping */
+    rr_stage *stage;         /* during a staged operation on a device's buffers (ring.c), else NULL */
 } rr_ring;
 
 /* Takes ownership of the transport. NULL on out-of-memory. */
@@ -57,7 +64,16 @@ int rr_ring_begin(rr_ring *ring, rr_error *err);
 size_t rr_chunk_count(size_t count, int size, int i);
 
 /* The collectives below take buffers in host memory (dev NULL) or in a
- * device's memory (device.h); ranks of either kind share one ring. */
+ * device's memory (device.h); ranks of either kind share one ring. On a
+ * device the host ring runs in place on the device's pinned mirror, each
+ * chunk going down once and up once (ring.c, "the staged path"): the same
+ * paths, kernels and bits as on the host, and O(N) device operations. */
+
+/* Before the host ring first reads or writes chunk c of the mirror: waits
+ * for that chunk's trip down. After chunk c is final in the mirror: queues
+ * its trip up. Both do nothing for chunks the operation does not move. */
+int rr_stage_need(rr_stage *s, int c, rr_error *err);
+int rr_stage_final(rr_stage *s, int c, rr_error *err);
 
 /* dst ends with the reduction of every rank's src, bit-identical on all
  * ranks. dst may be src (in place); src is only read. */

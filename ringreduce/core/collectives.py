@@ -18,7 +18,7 @@ from .arrays import (DTYPES, OPS, HostArrays, arrays_for, as_bytes, as_raw, chec
 from .communicator import MAX_PLANS, Plan, Ring, communicator, current as _state  # noqa: F401  (Ring: callers)
 from .process_sets import lookup, ring_of
 from .protocol import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES, REDUCE_SCATTER,
-                       REFUSED_PREFIX, agree, all_inline, byte_order, exchange, header, parse, payloads)
+                       REFUSED_PREFIX, agree, all_inline, exchange, header, parse, payloads)
 
 
 def refuse(kind: int, problem: Exception, process_set=None) -> None:
@@ -148,8 +148,7 @@ def _allreduce_ring(blobs, ring, src, dst, out, code, opc):
     """The ring allreduce of src into dst, after the header pass agreed."""
     if dst is not src and np.may_share_memory(dst, src):
         src = src.copy()
-    with byte_order(ring.comm, blobs):
-        ring.comm.allreduce(as_raw(src), as_raw(dst), code, opc)
+    ring.comm.allreduce(as_raw(src), as_raw(dst), code, opc)
     _note_phases(ring.comm)
     return deliver(dst, out)
 
@@ -191,20 +190,23 @@ def _allreduce_device(x, op, out, name, process_set=None):
         raise
     ring = lookup(process_set)
     if x.nbytes <= ring.allreduce_limit:  # outside the ring's lock, which allreduce() takes after _state.lock
-        # Latency-bound: one copy each way and the host path, whose
-        # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
+        # Latency-bound: one copy each way through a pinned bounce buffer and
+        # the host path in place there (host kernels: the host ring's bits).
+        def reduce(host):
+            allreduce(host, op, out=host, name=name, process_set=process_set)
         with g.on(x):
-            return deliver(g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x),
-                            out, g.xp)
+            got = g.allreduce_small(x, out, reduce)
+            if got is None:  # the device busy with other threads: through pageable memory
+                got = g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x)
+            return deliver(got, out, g.xp)
     with ring.lock, g.on(x):
         head = header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
-        blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+        exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
         src = g.xp.ascontiguousarray(x)
         dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
         if dst is not src and g.xp.may_share_memory(dst, src):
             src = src.copy()
-        with byte_order(ring.comm, blobs):
-            g.allreduce(ring.comm, src, dst, code, opc)
+        g.allreduce(ring.comm, src, dst, code, opc)
         _note_phases(ring.comm)
         return deliver(dst, out, g.xp)
 
@@ -229,8 +231,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
             mine = _reduce_blobs(payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
             return g.from_host(mine, like=x)
         work = g.xp.empty(x.size, dtype=x.dtype)
-        with byte_order(w.comm, blobs):
-            g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
+        g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
         return work[lo:hi].copy()
 
 
@@ -262,8 +263,7 @@ def allgather(x, name: str | None = None, process_set=None):
         nbytes = [r * row_bytes for r in rows]
         at = sum(nbytes[:w.rank])
         flat[at:at + nbytes[w.rank]] = as_bytes(g.xp.ascontiguousarray(x))
-        with byte_order(w.comm, blobs):
-            g.allgather(w.comm, flat, nbytes)
+        g.allgather(w.comm, flat, nbytes)
         return out
 
 

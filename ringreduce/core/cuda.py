@@ -155,6 +155,35 @@ def kernel_table(handle):
     return reduce, divide, mean
 
 
+def through_bounce(device, src_ptr: int, dst_ptr: int, nbytes: int, work) -> bool:
+    """The small messages' path on a GPU: nbytes at device pointer src_ptr go
+    down into one of the device's cached pinned bounce buffers (one copy),
+    work(view) runs on the host in place in that buffer (a writable
+    memoryview, valid only during the call), and the buffer goes up into
+    dst_ptr (one copy): two device operations, nothing allocated once a
+    message of the size has passed. False, with nothing done, when other
+    threads hold every bounce buffer or run a collective on the device (a
+    small message never waits for one: it may wait on peers that wait on
+    this message); if work raises, the buffer is handed back and nothing
+    goes up."""
+    got = device.bounce_down(src_ptr, nbytes)
+    if got is None:
+        return False
+    slot, view = got
+    try:
+        work(view)
+    except BaseException:
+        try:
+            view.release()
+        except BufferError:  # the traceback still holds an array over it: nothing reads it again
+            pass
+        device.bounce_release(slot)
+        raise
+    view.release()
+    device.bounce_up(slot, dst_ptr, nbytes)
+    return True
+
+
 class DeviceArrays:
     """What the collectives need to run on GPU arrays (cupy): allocate like
     numpy, copy to and from the host for the small-message path, and call the
@@ -201,6 +230,20 @@ class DeviceArrays:
         under on(array)) must be done first."""
         self.xp.cuda.get_current_stream().synchronize()
         return ring_device(array.device.id)
+
+    def allreduce_small(self, x, out, reduce):
+        """x's allreduce through a pinned bounce buffer (through_bounce):
+        reduce(host) reduces a numpy array in place there. The result is out
+        where it is C-contiguous, else a new array; None when no bounce buffer
+        can be had now (the caller goes through pageable memory)."""
+        device = self._ready(x)
+        src = self.xp.ascontiguousarray(x)
+        dst = out if out is not None and out.flags.c_contiguous else self.xp.empty_like(src)
+
+        def work(view):
+            reduce(np.frombuffer(view, dtype=src.dtype).reshape(src.shape))
+
+        return dst if through_bounce(device, src.data.ptr, dst.data.ptr, src.nbytes, work) else None
 
     def allreduce(self, comm, src, dst, code, opc):
         comm.allreduce_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)

@@ -42,7 +42,9 @@ _KIND_AT = 8  # the kind's byte in a header (after magic and generation)
 
 def header(kind, op, dtype, shape, name, root=0, inline=False, descr=None, splits=(), device=False) -> bytes:
     """descr: the numpy dtype; None takes the name of code `dtype`. device: this
-    rank runs the operation on a device (the inline byte's bit 1, see byte_order)."""
+    rank runs the operation on a device (the inline byte's bit 1). It changes
+    nothing on the wire: a device rank runs the host ring on a pinned mirror
+    (csrc/schedule/ring.c, the staged path), with the same paths and byte order."""
     return _header_of(_state.generation, kind, op, dtype, shape, name, root, int(inline) | (2 if device else 0),
                       descr, splits)
 
@@ -76,23 +78,6 @@ def parse(blob: bytes) -> dict:
     return {"kind": kind, "op": op, "dtype": described, "code": dtype, "root": root, "shape": shape, "name": name,
             "splits": splits, "inline": bool(inline & 1), "device": bool(inline & 2),
             "payload": memoryview(blob)[at + dlen:]}
-
-
-@contextlib.contextmanager
-def byte_order(comm, blobs):
-    """The ring operation inside runs on every rank in one byte order. The
-    zero-copy path (csrc/schedule/ring.c ring_steps_zero_copy) sends slice-major, the
-    staged device path step-major: when any rank's header says it runs on a
-    device, every rank takes the copying path this once (decided from the
-    agreed headers, alike everywhere)."""
-    if not comm.zero_copy or not any(parse(b)["device"] for b in blobs):
-        yield
-        return
-    comm.set_zero_copy(False)
-    try:
-        yield
-    finally:
-        comm.set_zero_copy(True)
 
 
 def _describe(field, value):
@@ -236,8 +221,7 @@ def _allreduce_beside_joined(blobs, live, ring) -> None:
             fill = np.iinfo(dtype).max if op == "min" else np.iinfo(dtype).min
     src = np.full(live["shape"], fill, dtype=dtype)
     dst = np.empty_like(src)
-    with byte_order(ring.comm, blobs):
-        ring.comm.allreduce(as_raw(src), as_raw(dst), code, live["op"])
+    ring.comm.allreduce(as_raw(src), as_raw(dst), code, live["op"])
 
 
 def _rank_names(ring: Ring | None) -> list | None:

@@ -14,6 +14,14 @@
 #define RR_DEVICE __host__ __device__
 #include "../reduce_math.h"
 
+/* float32 division as the GPU does it, which gives the canonical NaN for a
+ * NaN operand (x86 keeps the operand's payload). The host build of these
+ * kernels (tests/hostcuda/cuda_builtins.h) defines it to do the same, so a
+ * kernel that counts on the payload fails there as it would on a GPU. */
+#ifndef RR_CUDA_FDIV
+#define RR_CUDA_FDIV(a, b) ((a) / (b))
+#endif
+
 namespace {
 
 struct Sum { template <class T> __device__ static T apply(T a, T b) { return a + b; } };
@@ -132,13 +140,17 @@ __device__ void convert(To *dst, const From *src, size_t count)
         dst[i] = F::apply(src[i]);
 }
 
-/* 16-bit floats divide in float32 and round once, as reduce.c does. */
+/* 16-bit floats divide in float32 and round once, as reduce.c does. A NaN
+ * stays the operand's NaN, as on the CPU: the GPU's division returns the
+ * canonical NaN instead (RR_CUDA_FDIV), and narrowing quiets either alike. */
 template <class Widen, class Narrow>
 __device__ void divide16(uint16_t *buf, size_t count, int n)
 {
     const size_t stride = (size_t)blockDim.x * gridDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
-        buf[i] = Narrow::apply(Widen::apply(buf[i]) / (float)n);
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+        const float x = Widen::apply(buf[i]);
+        buf[i] = Narrow::apply(RR_NAN_FIRST(x, RR_CUDA_FDIV(x, (float)n)));
+    }
 }
 
 template <class T>
