@@ -189,8 +189,8 @@ class Emulated:
 
 cuda.is_device_array = lambda x: isinstance(x, Dev)
 C.cuda.is_device_array = cuda.is_device_array
-import ringreduce.core.arrays
-ringreduce.core.arrays.device_arrays = Emulated
+from ringreduce.core import arrays as core_arrays
+core_arrays.device_arrays = Emulated
 """
 
 
