@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,6 +315,41 @@ def async_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
         weakref.finalize(graph, _forget, tokens)
     tokens.append(token)
     return ops.ringreduce_async_call(inputs=inputs, Tout=out_dtypes, token=token, name=name)
+
+
+_unavailable: list = []  # why the op could not be loaded, once known
+
+
+def available() -> bool:
+    """Whether the op can be used here: built (or buildable) and loaded.
+    Where it cannot (no C++ compiler), a tf.function runs the collectives as
+    numpy_functions instead, warned once; TF1 graphs need the op."""
+    if _ops is not None:
+        return True
+    if _unavailable:
+        return False
+    try:
+        load()
+        return True
+    except rr.RingReduceError as e:
+        _unavailable.append(str(e))
+        warnings.warn("ringreduce's TensorFlow op is not available, so collectives in a tf.function run as "
+                      "numpy_functions: a mismatch between ranks there arrives as tf.errors.UnknownError "
+                      f"(hvd.is_mismatch(e) recognises it). Why: {e}", RuntimeWarning, stacklevel=3)
+        return False
+
+
+@tf.autograph.experimental.do_not_convert
+def stateful_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
+    """fn(*numpy inputs) as a stateful op of the graph being built (a TF1
+    graph or a tf.function): the asynchronous op, whose failure is a real
+    status (ValueError/TypeError: INVALID_ARGUMENT; a mismatch:
+    FAILED_PRECONDITION, see _status); in a tf.function where the op is not
+    available, a numpy_function. Returns a list of outputs."""
+    if in_tf1_graph() or available():
+        return async_call(fn, inputs, out_dtypes, name=name)
+    out = tf.numpy_function(fn, inputs, list(out_dtypes), stateful=True, name=name)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def in_tf1_graph() -> bool:
