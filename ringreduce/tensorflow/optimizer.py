@@ -216,6 +216,14 @@ def _unpickle_distributed(plain, reduction, passes, average_passes):
     return optimizer
 
 
+def local_variable_ids(opt) -> frozenset:
+    """ids of the variables a DistributedOptimizer keeps local (none for
+    any other optimizer)."""
+    if not hasattr(type(opt), "_rr_reduction"):
+        return frozenset()
+    return _local_variables(opt).ids()
+
+
 def _local_variables(opt) -> _LocalVariables:
     if "_rr_local" not in opt.__dict__:
         opt.__dict__["_rr_local"] = _LocalVariables()  # past Keras' attribute tracking: not state to save
