@@ -1,4 +1,11 @@
-"""Collectives in TF1 graphs (a tf.compat.v1 Session): an asynchronous op.
+"""Collectives in graphs (a tf.compat.v1 Session, and tf.function): an
+asynchronous op.
+
+In a tf.function it is used for what it is besides asynchronous: a real op,
+whose failure is a TensorFlow status with the code of its error (a
+mismatch: FAILED_PRECONDITION; a refused argument: INVALID_ARGUMENT), where
+a numpy_function would turn every Python exception into UnknownError
+(stateful_call; without a compiler it falls back to one, warned once).
 
 A collective in a TF1 graph must not block the thread it runs on. The
 Session runs independent ops on a few inter-op threads in no fixed order; a
@@ -180,9 +187,10 @@ _UNKNOWN, _INVALID_ARGUMENT, _FAILED_PRECONDITION, _UNIMPLEMENTED, _INTERNAL = 2
 
 
 def _status(exc: BaseException) -> tuple[int, str]:
-    """The TF error code and message a Python exception becomes. A mismatch's
-    message starts `ringreduce.MismatchError: `, which errors.py turns back
-    into a MismatchError on the caller's side."""
+    """The TF error code and message a Python exception becomes: a mismatch
+    FAILED_PRECONDITION, its message starting `ringreduce.MismatchError: `
+    (errors.is_mismatch reads it); a refused argument (ValueError, TypeError)
+    INVALID_ARGUMENT; a TensorFlow error its own code."""
     if isinstance(exc, rr.MismatchError):
         return _FAILED_PRECONDITION, f"ringreduce.MismatchError: {exc}"
     if isinstance(exc, tf.errors.OpError):
@@ -307,8 +315,11 @@ def async_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
     out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
     _calls[token] = _Call(fn, [np.dtype(d.as_numpy_dtype) for d in out_dtypes])
     graph = tf.compat.v1.get_default_graph()
-    while getattr(graph, "outer_graph", None) is not None:  # a tf.cond branch's or tf.function's graph lives
-        graph = graph.outer_graph                            # in the outermost one, which the Session runs
+    # A tf.cond branch's or tf.function's graph lives in the outermost one, which the Session runs; a
+    # tf.function traced in eager code lives in the process's default graph: its calls stay registered
+    # for the process (one small entry per op per trace).
+    while getattr(graph, "outer_graph", None) is not None:
+        graph = graph.outer_graph
     tokens = _graph_tokens.get(graph)
     if tokens is None:
         tokens = _graph_tokens[graph] = []
