@@ -7,8 +7,9 @@ ValueError and tf.errors.InvalidArgumentError: eagerly, and when a graph op
 is built; a refusal only the op's run finds in a graph is the op's
 INVALID_ARGUMENT status (tf.errors.InvalidArgumentError). Ranks that
 disagree: hvd.MismatchError eagerly, the op's FAILED_PRECONDITION status in
-graphs, and hvd.is_mismatch(e) says so for each. Every rank ends with the
-ring usable."""
+graphs (UnknownError where a tf.function falls back to numpy_functions),
+and hvd.is_mismatch(e) says so for each. Every rank ends with the ring
+usable."""
 import pytest
 
 from ranks import run_ranks
@@ -121,6 +122,23 @@ with tf.Graph().as_default():
 if not (isinstance(e, tf.errors.FailedPreconditionError) and hvd.is_mismatch(e)):
     bad.append(f"mismatch TF1 graph: {type(e).__mro__}: {e}")
 ring_works("mismatch TF1 graph")
+
+# Where the op cannot be built (no compiler), a tf.function's collectives are numpy_functions:
+# they still work, and a mismatch arrives as TensorFlow's UnknownError, which is_mismatch recognises.
+import warnings
+from ringreduce.tensorflow import async_op
+built = async_op.available
+async_op.available = lambda: False
+try:
+    got = tf.function(lambda: hvd.allreduce(tf.constant([2.0]), op=hvd.Sum))().numpy()
+    if got.tolist() != [2.0 * n]:
+        bad.append(f"numpy_function fallback: {got}")
+    e = error_of("mismatch, numpy_function fallback", tf.function(mismatch))
+    if not (isinstance(e, tf.errors.UnknownError) and hvd.is_mismatch(e)):
+        bad.append(f"mismatch, numpy_function fallback: {type(e).__mro__}: {e}")
+finally:
+    async_op.available = built
+ring_works("mismatch, numpy_function fallback")
 
 # Not a mismatch: is_mismatch says no.
 for e in (tf.errors.UnknownError(None, None, "RuntimeError: not ringreduce"), ValueError("x"),

@@ -1,8 +1,9 @@
 """alltoall as a TensorFlow op, as hvd.alltoall: eager and inside tf.function,
 on any process set, with Horovod's gradient, through the background engine
-(paired by name, as every op of ops.py). Tensors go through the host (in
-graphs, the asynchronous op of async_op.py), GPU tensors included: alltoall
-moves rows, it has no arithmetic to keep on a GPU. Bad splits (their dtype,
+(paired by name, as every op of ops.py). Tensors go through the host, GPU
+tensors included: alltoall
+moves rows, it has no arithmetic to keep on a GPU (async_op.stateful_call).
+Bad splits (their dtype,
 their count, their sum, a negative entry) raise InvalidArgumentError
 (errors.py): eagerly and, for a dtype, when the op is built, as that class;
 when only the op's run sees them in a graph, as the op's INVALID_ARGUMENT
@@ -30,7 +31,7 @@ def _alltoall_op(x, splits, name, ps):
     if tf.executing_eagerly():
         received, received_splits = run(*[t.numpy() for t in inputs])
         return tf.convert_to_tensor(received), tf.convert_to_tensor(received_splits)
-    # An asynchronous op: no thread held while it waits, its errors a real status (async_op.py).
+    # Its errors a real status; in a TF1 graph no thread held while it waits (async_op.py).
     received, received_splits = stateful_call(run, inputs, [x.dtype, tf.int32], name="RingAlltoall")
     received.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
     received_splits.set_shape([ps.size()])

@@ -1,11 +1,10 @@
-"""Collectives in graphs (a tf.compat.v1 Session, and tf.function): an
-asynchronous op.
+"""Collectives in TF1 graphs (a tf.compat.v1 Session): an asynchronous op.
 
-In a tf.function it is used for what it is besides asynchronous: a real op,
-whose failure is a TensorFlow status with the code of its error (a
-mismatch: FAILED_PRECONDITION; a refused argument: INVALID_ARGUMENT), where
-a numpy_function would turn every Python exception into UnknownError
-(stateful_call; without a compiler it falls back to one, warned once).
+The same library holds RingreduceStatus, which a tf.function's collective
+(a numpy_function, which TensorFlow would fail with UnknownError whatever
+the Python exception) uses to fail with the code of its error instead: a
+mismatch FAILED_PRECONDITION, a refused argument INVALID_ARGUMENT
+(stateful_call; without a compiler, a bare numpy_function, warned once).
 
 A collective in a TF1 graph must not block the thread it runs on. The
 Session runs independent ops on a few inter-op threads in no fixed order; a
@@ -332,9 +331,9 @@ _unavailable: list = []  # why the op could not be loaded, once known
 
 
 def available() -> bool:
-    """Whether the op can be used here: built (or buildable) and loaded.
-    Where it cannot (no C++ compiler), a tf.function runs the collectives as
-    numpy_functions instead, warned once; TF1 graphs need the op."""
+    """Whether the op library can be used here: built (or buildable) and
+    loaded. Where it cannot (no C++ compiler), a tf.function's collectives
+    are bare numpy_functions, warned once; TF1 graphs need the op."""
     if _ops is not None:
         return True
     if _unavailable:
@@ -344,23 +343,46 @@ def available() -> bool:
         return True
     except rr.RingReduceError as e:
         _unavailable.append(str(e))
-        warnings.warn("ringreduce's TensorFlow op is not available, so collectives in a tf.function run as "
-                      "numpy_functions: a mismatch between ranks there arrives as tf.errors.UnknownError "
+        warnings.warn("ringreduce's TensorFlow ops are not available, so collectives in a tf.function fail as "
+                      "numpy_functions do: a mismatch between ranks there arrives as tf.errors.UnknownError "
                       f"(hvd.is_mismatch(e) recognises it). Why: {e}", RuntimeWarning, stacklevel=3)
         return False
 
 
 @tf.autograph.experimental.do_not_convert
 def stateful_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
-    """fn(*numpy inputs) as a stateful op of the graph being built (a TF1
-    graph or a tf.function): the asynchronous op, whose failure is a real
-    status (ValueError/TypeError: INVALID_ARGUMENT; a mismatch:
-    FAILED_PRECONDITION, see _status); in a tf.function where the op is not
-    available, a numpy_function. Returns a list of outputs."""
-    if in_tf1_graph() or available():
+    """fn(*numpy inputs) as a stateful op of the graph being built, whose
+    failure is a real status with its error's code (_status: a mismatch
+    FAILED_PRECONDITION, ValueError/TypeError INVALID_ARGUMENT). In a TF1
+    graph, the asynchronous op. In a tf.function, a blocking numpy_function
+    (cheaper there, docs/performance.md) that returns its error instead of
+    raising it, then RingreduceStatus, which passes the results on or fails
+    with that error; where the op library is not available, the
+    numpy_function alone (its errors then UnknownError). Returns a list of
+    outputs."""
+    if in_tf1_graph():
         return async_call(fn, inputs, out_dtypes, name=name)
-    out = tf.numpy_function(fn, inputs, list(out_dtypes), stateful=True, name=name)
-    return list(out) if isinstance(out, (list, tuple)) else [out]
+    out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
+    if not available():
+        out = tf.numpy_function(fn, inputs, out_dtypes, stateful=True, name=name)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+    empty = [np.zeros(0, d.as_numpy_dtype) for d in out_dtypes]
+
+    def run(*arrays):
+        try:
+            results = fn(*arrays)
+            results = [results] if len(out_dtypes) == 1 else list(results)
+            return [np.int32(0), np.array(b"", dtype=object)] + results
+        except Exception as exc:  # noqa: BLE001 - it becomes the op's status
+            try:
+                code, message = _status(exc)
+            except Exception:  # noqa: BLE001 - an exception whose str() fails
+                code, message = _INTERNAL, f"ringreduce: the op failed with {type(exc).__name__}"
+            return [np.int32(code), np.array(message.encode(errors="replace"), dtype=object)] + empty
+
+    outs = tf.numpy_function(run, inputs, [tf.int32, tf.string] + out_dtypes, stateful=True, name=name)
+    return list(_ops.ringreduce_status(code=outs[0], message=outs[1], values=list(outs[2:]),
+                                       name=f"{name or 'Ring'}Status"))
 
 
 def in_tf1_graph() -> bool:

@@ -4,11 +4,12 @@ process set or any other (process_set=: sizes, ranks, Average and gradients
 are the set's). Every op hands its array to the background engine
 (ringreduce/engine.py), which pairs collectives across ranks BY NAME
 (naming.py says which name an op gets), and waits for the result. Eagerly
-the op body runs at once; in a tf.function or a TF1 graph it is ringreduce's
-asynchronous op (async_op.py), whose failures are real error statuses;
-where TensorFlow sees a GPU, a tf.py_function instead in a tf.function,
-which leaves tensors where they are: GPU tensors cross to cupy and back
-through DLPack and are reduced on the GPU. Refused arguments raise
+the op body runs at once; in a tf.function it is a tf.numpy_function, whose
+wait releases the GIL, followed by ringreduce's status op, so its failures
+are real error statuses; in a TF1 graph, ringreduce's asynchronous op
+(async_op.py); where TensorFlow sees a GPU, a tf.py_function instead in a
+tf.function, which leaves tensors where they are: GPU tensors cross to cupy
+and back through DLPack and are reduced on the GPU. Refused arguments raise
 InvalidArgumentError, mismatches between ranks MismatchError (errors.py)."""
 from __future__ import annotations
 
@@ -35,10 +36,10 @@ _REDUCE_OPS = (Average, Sum, Min, Max, Product)
 def _numpy_op(fn, inputs, dtype, shape, name):
     """Runs fn (numpy/cupy arrays in, one array out) as a TF op. Eagerly it is
     called directly, so its exceptions (MismatchError, InvalidArgumentError)
-    reach the caller as they are; in a tf.function or a TF1 graph it is the
-    asynchronous op (async_op.py), stateful, so it runs in program order,
-    holds no thread while it waits for its partners, and fails with the
-    status of its error; on GPU hosts in a tf.function, a py_function."""
+    reach the caller as they are; in a graph it is async_op.stateful_call's
+    op (stateful, so it runs in program order; failing with the code of its
+    error; in a TF1 graph holding no thread while it waits for its
+    partners); on GPU hosts in a tf.function, a py_function."""
     fn = raising_tf_errors(fn)
     if tf.executing_eagerly():
         return tf.convert_to_tensor(_to_tf(fn(*[_from_tf(t) for t in inputs])))

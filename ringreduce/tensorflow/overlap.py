@@ -250,7 +250,7 @@ def _hand_over_as_ready(dense, out, op, compression, groups, process_set):
         for j, ((i, g, _), (wire, ctx)) in enumerate(zip(unit, wires)):
             handles.append((i, g, keys[j], wire.dtype, ctx))
     for i, g, key, wire_dtype, ctx in handles:
-        # The asynchronous op: a failure is its status (a mismatch: FailedPreconditionError).
+        # A failure is the op's status (a mismatch: FailedPreconditionError), async_op.stateful_call.
         (reduced,) = stateful_call(lambda k: hand_overs().wait(k), [key], [wire_dtype], name="RingWait")
         reduced.set_shape(g.shape)
         out[i] = compression.decompress(reduced, ctx)
