@@ -123,6 +123,29 @@ if not (isinstance(e, tf.errors.FailedPreconditionError) and hvd.is_mismatch(e))
     bad.append(f"mismatch TF1 graph: {type(e).__mro__}: {e}")
 ring_works("mismatch TF1 graph")
 
+# A tape's gradients, overlapped with backprop and reduced all at once (RINGREDUCE_OVERLAP=0),
+# one or two of them: right, and a mismatch between ranks there is FailedPreconditionError.
+for overlap in ("1", "0"):
+    os.environ["RINGREDUCE_OVERLAP"] = overlap
+    for case, shapes in enumerate(([[2]], [[2], [3]], [[2 + r]])):
+        vs = [tf.Variable(tf.ones(s)) for s in shapes]
+        def tape_step():
+            with tf.GradientTape() as tape:
+                loss = sum(tf.reduce_sum(v) * (r + 1.0) for v in vs)
+            return hvd.DistributedGradientTape(tape).gradient(loss, vs)
+        # Collectives in a tf.function are named after the function: each its own here.
+        tape_step.__name__ = f"tape{case}overlap{overlap}step"
+        if case == 2:  # the shapes differ between ranks
+            e = error_of(f"tape mismatch, overlap {overlap}", tf.function(tape_step))
+            if not (isinstance(e, tf.errors.FailedPreconditionError) and hvd.is_mismatch(e)):
+                bad.append(f"tape mismatch, overlap {overlap}: {type(e).__mro__}: {e}")
+            ring_works(f"tape mismatch, overlap {overlap}")
+            continue
+        got = [g.numpy().tolist() for g in tf.function(tape_step)()]
+        if got != [[(n + 1) / 2] * s[0] for s in shapes]:
+            bad.append(f"tape, overlap {overlap}, shapes {shapes}: {got}")
+del os.environ["RINGREDUCE_OVERLAP"]
+
 # Where the op cannot be built (no compiler), a tf.function's collectives are numpy_functions:
 # they still work, and a mismatch arrives as TensorFlow's UnknownError, which is_mismatch recognises.
 import warnings

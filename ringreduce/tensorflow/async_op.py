@@ -227,7 +227,7 @@ def _finish(call: int, results=None, exc: BaseException | None = None) -> None:
 def _run(entry: _Call, call: int, arrays: list) -> None:
     try:
         results = entry.fn(*arrays)
-        if len(entry.out_dtypes) == 1:
+        if len(entry.out_dtypes) == 1 and not isinstance(results, (list, tuple)):  # one array for one output
             results = [results]
         results = [np.require(np.asarray(r), requirements="C") for r in results]  # 0-d stays 0-d
         for i, (r, dt) in enumerate(zip(results, entry.out_dtypes)):
@@ -308,7 +308,8 @@ _graph_tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def async_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
     """Graph tensors: fn(*numpy inputs) run without holding a TensorFlow
     thread; it returns one array (one output) or a sequence of them, of
-    exactly out_dtypes. Shapes are unknown: set them on the outputs."""
+    exactly out_dtypes (one output: the array, or a sequence of one). Shapes
+    are unknown: set them on the outputs."""
     ops = load()
     token = f"ringreduce-call-{next(_tokens)}"
     out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
@@ -371,7 +372,7 @@ def stateful_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
     def run(*arrays):
         try:
             results = fn(*arrays)
-            results = [results] if len(out_dtypes) == 1 else list(results)
+            results = [results] if len(out_dtypes) == 1 and not isinstance(results, (list, tuple)) else list(results)
             return [np.int32(0), np.array(b"", dtype=object)] + results
         except Exception as exc:  # noqa: BLE001 - it becomes the op's status
             try:
