@@ -315,11 +315,8 @@ def async_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
     out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
     _calls[token] = _Call(fn, [np.dtype(d.as_numpy_dtype) for d in out_dtypes])
     graph = tf.compat.v1.get_default_graph()
-    # A tf.cond branch's or tf.function's graph lives in the outermost one, which the Session runs; a
-    # tf.function traced in eager code lives in the process's default graph: its calls stay registered
-    # for the process (one small entry per op per trace).
-    while getattr(graph, "outer_graph", None) is not None:
-        graph = graph.outer_graph
+    while getattr(graph, "outer_graph", None) is not None:  # a tf.cond branch's or tf.function's graph lives
+        graph = graph.outer_graph                            # in the outermost one, which the Session runs
     tokens = _graph_tokens.get(graph)
     if tokens is None:
         tokens = _graph_tokens[graph] = []
