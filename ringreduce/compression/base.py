@@ -3,7 +3,7 @@ name, the reduction of a whole bucket at once (so compressed tensors fuse),
 and the plain path for what is not worth compressing.
 
 A compressor reduces a bucket of named tensors over the ring with the
-public collectives (ringreduce.collectives): it runs on the caller's thread
+public collectives (ringreduce.core.collectives): it runs on the caller's thread
 (`compressor.allreduce(...)`) or on the engine's (engine().enqueue(...,
 compression=...)), every rank calling the same collectives in the same order.
 Only sum and avg are meaningful for a lossy reduction.

@@ -13,7 +13,7 @@ from .communicator import Ring, current as _state
 
 
 def init(backend: str | None = None, comm=None) -> None:
-    """Joins the ring. See ringreduce.world for how the world is found.
+    """Joins the ring. See ringreduce.core.world for how the world is found.
 
     backend: "socket" (TCP, the default outside mpirun), "mpi" (the default
     under mpirun when the MPI transport is built), or None to choose.

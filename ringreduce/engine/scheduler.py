@@ -27,7 +27,9 @@ directly with rr.allreduce (protocol.negotiation_pass), so avg still
 divides by every rank, as Horovod's, until every rank has joined; then
 join() returns the rank that joined last, on every rank.
 
-Framework-free: the TensorFlow layer calls only enqueue, wait and join.
+Framework-free: the TensorFlow layer calls only enqueue, wait, withdraw,
+refuse (a bad argument it found itself, so the other ranks fail at once
+instead of waiting for it), join and start_timeline.
 """
 from __future__ import annotations
 
@@ -182,6 +184,15 @@ class Engine:
         except (TypeError, ValueError) as exc:
             self._refuse(name, kind, process_set, group, exc)
             raise
+
+    def refuse(self, name: str, problem: Exception, kind: str = "allreduce", process_set=None) -> None:
+        """For a caller that found this rank's input to collective `name` bad
+        before enqueueing it: the others' request of that name fails on
+        every rank with MismatchError naming this rank (and the problem), at
+        once, instead of waiting RINGREDUCE_TIMEOUT. process_set as
+        enqueue's. Returns once negotiated; the caller then raises."""
+        group, set_id = _resolve(process_set)
+        self._refuse(name, kind, set_id, group, problem)
 
     def _refuse(self, name, kind, process_set, group, problem) -> None:
         """This rank's bad input still meets the others' request of that name,
