@@ -314,3 +314,21 @@ def test_rewrapping_a_loaded_optimizer_keeps_its_state(tmp_path):
         assert res["iterations after"] == 32 // 8 + 16 // 4
         assert res["identical"]
         assert res["rewrapped"] == (True, "Adam", "sum", 8)
+
+
+# docs/horovod.md: "op=Adasum raises NotImplementedError"; the ops did, but
+# DistributedOptimizer and DistributedGradientTape raised ValueError, so
+# Horovod code that catches NotImplementedError to fall back missed it.
+@pytest.mark.parametrize("make", ["optimizer", "tape"])
+def test_adasum_in_the_optimizer_and_tape_is_not_implemented_as_documented(make):
+    pytest.importorskip("tensorflow")
+    import keras
+    import tensorflow as tf
+    import ringreduce.tensorflow as hvd
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        if make == "optimizer":
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
+        else:
+            hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="not gradient reductions"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Max)

@@ -352,3 +352,47 @@ result["source"] = _state.world.source
     results = [pickle.loads(open(f"{out}.rank{r}.pkl", "rb").read()) for r in range(4)]
     assert {res["source"] for res in results} == {"MPI communicator"}
     _assert_sets_correct(results)
+
+
+# Two threads on each rank, one running collectives on the world's ring, the
+# other on a process set's. Each ring's collectives are issued in the same
+# order on every rank; the two rings' interleave differs by rank. With one
+# Python lock for every ring, rank 0 held it in a world collective waiting
+# for rank 1, while rank 1 held it in a set collective waiting for rank 0: a
+# hang until RINGREDUCE_TIMEOUT, then a PeerLostError blaming a live rank.
+# Each ring has its own lock now: the two run at once, as the docs say sets do.
+TWO_RINGS = """
+import threading
+r = rr.rank()
+ps = rr.add_process_set([0, 1])
+out = {}
+def run(key, process_set):
+    try:
+        got = set()
+        for i in range(120):
+            n = [4, 4000, 70000, 300000][i % 4]  # the fast path, the arena, the ring
+            y = rr.allreduce(np.full(n, r + 1.0, np.float32), name=f"{key}{i}", process_set=process_set)
+            got.add((n, float(y[0]), float(y[-1])))
+            if i % 10 == 0:
+                got.add(tuple(rr.allgather(np.array([r]), name=f"{key}g{i}", process_set=process_set).tolist()))
+        out[key] = sorted(got)
+    except BaseException as e:
+        out[key] = repr(e)[:300]
+threads = [threading.Thread(target=run, args=("world", None))]
+if r < 2:
+    threads.append(threading.Thread(target=run, args=("set", ps)))
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+result = out
+"""
+
+
+def test_a_world_collective_and_a_set_collective_on_two_threads_run_at_once(tmp_path):
+    ranks = run_ranks(3, TWO_RINGS, tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "10"})
+    sums = lambda total: [(n, total, total) for n in (4, 4000, 70000, 300000)]  # noqa: E731
+    for x in ranks:
+        assert x.result["world"] == sorted(sums(6.0) + [(0, 1, 2)]), (x.rank, x.result["world"])
+        if x.rank < 2:
+            assert x.result["set"] == sorted(sums(3.0) + [(0, 1)]), (x.rank, x.result["set"])

@@ -439,3 +439,26 @@ def test_collectives_pair_by_name_threads_sets_and_clashes(tmp_path):
     ranks = run_ranks(3, BY_NAME, tmp_path, timeout=600, init=False)
     for r in ranks:
         assert r.result == [], f"rank {r.rank}: {r.result}"
+
+
+# RINGREDUCE_OVERLAP=off (or false, no) left the overlap on, silently: only
+# "0" turned it off. Now anything but 0 or 1 is a ValueError naming it, at
+# rrtf.init() (before joining any ring) as rr.init does with its settings.
+@pytest.mark.parametrize("text", ["off", "false", "no", "2"])
+def test_a_nonsense_ringreduce_overlap_is_refused_at_tf_init(monkeypatch, text):
+    pytest.importorskip("tensorflow")
+    import ringreduce as rr
+    import ringreduce.tensorflow as rrtf
+    from ringreduce.tensorflow.overlap import overlap_enabled
+    monkeypatch.setenv("RINGREDUCE_OVERLAP", text)
+    with pytest.raises(ValueError, match=f"RINGREDUCE_OVERLAP='{text}' makes no sense: use 0 or 1"):
+        overlap_enabled()
+    was = rr.is_initialized()
+    with pytest.raises(ValueError, match="RINGREDUCE_OVERLAP"):
+        rrtf.init()
+    assert rr.is_initialized() == was  # refused before joining anything
+    for ok, on in [("0", False), ("1", True), (" 1 ", True)]:
+        monkeypatch.setenv("RINGREDUCE_OVERLAP", ok)
+        assert overlap_enabled() is on
+    monkeypatch.delenv("RINGREDUCE_OVERLAP")
+    assert overlap_enabled() is True
