@@ -16,6 +16,17 @@ def hostcuda_dir(tmp_path_factory):
     return hostcuda.build(tmp_path_factory.mktemp("hostcuda"))
 
 
+@pytest.fixture(scope="session")
+def world_pool(tmp_path_factory):
+    """Initialized worlds reused across tests (tests/world_pool.py):
+    `world_pool.run(n, snippet, timeout=..., env=...)` in place of
+    run_ranks for a test that only runs collectives on a healthy world."""
+    import world_pool as wp
+    pool = wp.WorldPool(tmp_path_factory.mktemp("world_pool"))
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(autouse=True)
 def _no_rank_outlives_its_test():
     yield
