@@ -53,10 +53,10 @@ def test_init_refuses_a_bad_setting_on_every_rank_before_connecting(tmp_path):
         assert "RINGREDUCE_SMALL_BYTES" in r.result and "makes no sense" in r.result, r.result
 
 
-# RINGREDUCE_START_TIMEOUT=inf (or 1e300) passed the config's check; at
-# init() the rank that dialled rank 0 died of an OverflowError naming no
-# setting, and rank 0 then waited for it forever. Refused at init() now,
-# naming the variable, on every rank alike (all read the same setting).
+# RINGREDUCE_START_TIMEOUT=inf (or 1e300, or beyond a week) is refused at
+# init(), naming the variable, on every rank alike (all read the same
+# setting): no rank may die of an OverflowError naming no setting while
+# rank 0 waits for it for ever.
 @pytest.mark.parametrize("value", ["inf", "1e300", "604801"])
 def test_an_endless_start_timeout_is_refused_naming_it(value):
     from ringreduce.config import Config

@@ -312,8 +312,8 @@ C._device_arrays = Emulated
 def test_a_device_rank_beside_host_ranks_on_zero_copy_links_gets_the_right_sums(tmp_path):
     # Host and device ranks share one ring (docs/architecture.md), but the
     # zero-copy path sends slice-major and the staged device path
-    # step-major: before, a large allreduce on one device rank and one host
-    # rank over shared-memory links gave wrong sums on both, silently.
+    # step-major: a large allreduce with one device rank beside host ranks
+    # over shared-memory links must still give the right sums on every rank.
     ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
         from ringreduce import collectives as C
         r = rr.rank()

@@ -289,8 +289,9 @@ RAISES = """
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("who", ["rr.rank()", "1"], ids=["every-rank", "one-rank"])
 def test_an_exception_in_the_training_function_ends_the_job(tmp_path, who):
-    """A program error is not a lost worker: restarting it would loop (the
-    old code restarted it with back-off, up to 100 times, for ~50 minutes)."""
+    """A program error is not a lost worker: the job ends at once with the
+    error, never restarts it (with back-off, up to 100 times, it would loop
+    for ~50 minutes)."""
     job = tmp_path / "raises.py"
     job.write_text(textwrap.dedent(RAISES.replace("{who}", who)))
     started = time.monotonic()
@@ -304,7 +305,7 @@ def test_an_exception_in_the_training_function_ends_the_job(tmp_path, who):
 def test_a_malformed_message_on_the_rendezvous_port_harms_no_one():
     """An authenticated peer that sends nonsense (a bad port, bytes that are
     not JSON, a frame larger than any message) is dropped; the rendezvous
-    goes on forming generations (the old code's thread died: a hung job)."""
+    goes on forming generations (its thread never dies: that would hang the job)."""
     from ringreduce import world as _world
     from ringreduce.rendezvous import RendezvousServer
 
@@ -341,8 +342,8 @@ def test_a_malformed_message_on_the_rendezvous_port_harms_no_one():
 @pytest.mark.timeout(60)
 def test_elastic_run_outside_an_elastic_job_fails_fast(tmp_path):
     """Without ringrun --elastic nothing changes: a lost peer inside
-    @elastic.run is the PeerLostError of today, not an attempt to re-form a
-    ring (the old code re-ran init and waited for the dead rank, again and again)."""
+    @elastic.run is a PeerLostError, fast, never an attempt to re-form a
+    ring (re-running init and waiting for the dead rank, again and again)."""
     from ranks import collect, start_ranks
     body = """
     from ringreduce import elastic
@@ -372,10 +373,9 @@ def test_elastic_run_outside_an_elastic_job_fails_fast(tmp_path):
 @pytest.mark.timeout(120)
 def test_keras_callbacks_in_horovods_order_commit_the_epoch_and_batch_they_saved(tmp_path):
     """Horovod's documented order is [CommitStateCallback, UpdateBatchStateCallback,
-    UpdateEpochStateCallback]: Keras calls them in that order, so the old
-    CommitStateCallback saved each batch's weights with the batch count of the
-    batch before, and an epoch's weights with the epoch not yet counted (a
-    restore then trained that epoch twice)."""
+    UpdateEpochStateCallback]: Keras calls them in that order, and each commit
+    must hold each batch's weights with that batch counted, and an epoch's
+    weights with that epoch counted (else a restore trains that epoch twice)."""
     from ranks import run_ranks
     body = """
     import keras
@@ -453,8 +453,8 @@ KILLED_IN_RESET = """
 @pytest.mark.timeout(90)
 def test_a_loss_during_a_reset_callback_resets_again(tmp_path):
     """A peer lost while the reset callbacks run (the TensorFlow layer's is a
-    collective) is one more lost peer: the old code let its PeerLostError out
-    of run(), so every survivor died and the state in memory was lost."""
+    collective) is one more lost peer: run() resets again, never lets its
+    PeerLostError out (every survivor would die, the state in memory lost)."""
     job = tmp_path / "killed_in_reset.py"
     job.write_text(textwrap.dedent(KILLED_IN_RESET))
     run = ElasticRun(["-np", "4", "--min-np", "2", sys.executable, str(job), str(tmp_path)], timeout=80)
@@ -492,9 +492,9 @@ RARE_COMMITS = """
 @pytest.mark.timeout(90)
 def test_a_newcomer_waits_for_the_next_commit_however_far(tmp_path):
     """A newcomer queued behind a running ring waits for its next commit,
-    however long that is: the old code gave it RINGREDUCE_START_TIMEOUT, then
-    it failed, was restarted, and failed again (its host left out) while the
-    ring committed less often than that."""
+    however long that is, not RINGREDUCE_START_TIMEOUT (it would fail, be
+    restarted, and fail again, its host left out, while the ring commits less
+    often than that)."""
     job = tmp_path / "rare_commits.py"
     job.write_text(textwrap.dedent(RARE_COMMITS))
     hosts = tmp_path / "hosts"
@@ -513,10 +513,9 @@ def test_a_newcomer_waits_for_the_next_commit_however_far(tmp_path):
 
 
 def test_a_malformed_host_list_is_a_message_not_a_traceback(tmp_path):
-    """`host:two` from the discovery script crashed ringrun's watch loop with
-    a ValueError (the whole job ended for one bad line of a script that is
-    run every second); with -H it was a traceback. Now the script's bad
-    output is said and skipped (the last good list kept), and -H is refused."""
+    """`host:two` from the discovery script (run every second) is said and
+    skipped, the last good list kept, never a ValueError ending ringrun's
+    watch loop and the whole job; with -H it is refused, not a traceback."""
     from ringreduce import elastic_launcher as el
 
     script = tmp_path / "hosts.sh"

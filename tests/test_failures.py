@@ -566,10 +566,9 @@ def test_a_zero_length_frame_allocates_once(tmp_path):
 
 
 def test_a_peer_lost_in_the_zero_copy_vote_leaves_init_undone(tmp_path):
-    # Before: the vote ran outside init's clean-up, so the survivors kept a
-    # half-made ring: is_initialized() said True, init() again did nothing,
-    # and every call then said "not initialized" (an elastic job could never
-    # re-form). Now init() leaves, as it does when the arena agreement fails.
+    # A peer lost during init's zero-copy vote: the survivors' init() raises
+    # PeerLostError and leaves nothing half-made (is_initialized() is False,
+    # so an elastic job can re-form), as when the arena agreement fails.
     ranks = run_ranks(3, """
         from ringreduce import shm
         r = int(os.environ["RINGREDUCE_RANK"])
@@ -591,9 +590,8 @@ def test_a_peer_lost_in_the_zero_copy_vote_leaves_init_undone(tmp_path):
         assert k.result == (2, False), k.result
 
 
-# Rank 0 died: the others' PeerLostError said "lost rank 0 (reported through
-# rank 0)", a dead rank reporting its own death. Their own star saw rank 0's
-# connection close; the message now says so.
+# Rank 0 dies: the others' PeerLostError names rank 0 as lost, and never as
+# the rank that reported it (their own star saw its connection close).
 RANK0_DIES = """
 r = rr.rank()
 rr.allreduce(np.ones(4))

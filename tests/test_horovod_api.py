@@ -628,9 +628,8 @@ def test_ops_on_process_sets_against_numpy_eager_and_in_tf_function(tmp_path, n)
         assert r.result == [], f"rank {r.rank}: {r.result[:10]}"
 
 
-# hvd.broadcast / allgather of a tf.string tensor failed in numpy with "Cannot
-# change data-type for array of references.", naming neither ringreduce nor
-# what to use instead. Now a TypeError says both.
+# hvd.broadcast / allgather of a tf.string tensor: a TypeError naming
+# ringreduce and what to use instead (broadcast_object), not numpy's error.
 @pytest.mark.parametrize("op", ["broadcast(t, 0)", "allgather(t)"])
 def test_a_string_tensor_is_refused_saying_what_to_use(op):
     pytest.importorskip("tensorflow")

@@ -316,9 +316,9 @@ def test_rewrapping_a_loaded_optimizer_keeps_its_state(tmp_path):
         assert res["rewrapped"] == (True, "Adam", "sum", 8)
 
 
-# docs/horovod.md: "op=Adasum raises NotImplementedError"; the ops did, but
-# DistributedOptimizer and DistributedGradientTape raised ValueError, so
-# Horovod code that catches NotImplementedError to fall back missed it.
+# docs/horovod.md: "op=Adasum raises NotImplementedError", in the ops and in
+# DistributedOptimizer and DistributedGradientTape alike, so Horovod code that
+# catches NotImplementedError to fall back works.
 @pytest.mark.parametrize("make", ["optimizer", "tape"])
 def test_adasum_in_the_optimizer_and_tape_is_not_implemented_as_documented(make):
     pytest.importorskip("tensorflow")

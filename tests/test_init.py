@@ -49,9 +49,8 @@ def test_a_single_process_is_a_world_of_one_without_a_launcher():
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
 
 
-# Rank 0 of a world of 3 whose other ranks never came said only "rank 0:
-# timed out waiting for every rank to join": not which ranks, nor which
-# setting waited. Now it names both.
+# Rank 0 of a world of 3 whose other ranks never come names the ranks that
+# never joined and the setting that waited for them.
 def test_rank_0_names_the_ranks_that_never_joined(tmp_path):
     from ranks import free_port, rank_env
     import subprocess

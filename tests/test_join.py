@@ -1,6 +1,9 @@
 """rr.join(), Horovod's hvd.join(): a rank out of data joins; the others'
 allreduces go on with it adding zeros (avg still divides by every rank);
-join() returns, on every rank, the rank that joined last."""
+join() returns, on every rank, the rank that joined last. The joined rank's
+stand-in zeros stay zeros when fused with tensors of its own and under
+compression (TopK's error feedback, PowerSGD's warm-up), and requests every
+member refuses while it has joined leave its engine working."""
 import os
 
 import numpy as np
@@ -79,9 +82,8 @@ def test_a_direct_collective_against_a_joined_rank_fails_both_and_the_engine_goe
         assert after == [2.0, 2.0] and last in (0, 1)
 
 
-# rr.join() before init() said "the engine stopped after an earlier error:
-# ringreduce is not initialized", as if something had failed before. Now it
-# says what every other call says before init.
+# rr.join() before init() says what every other call says before init, not
+# that the engine stopped after an earlier error.
 def test_join_before_init_says_call_init_first():
     import subprocess
     import sys
@@ -124,8 +126,9 @@ result = out
 
 def test_joined_rank_stand_in_in_a_bucket_with_its_own_tensor_adds_zeros(tmp_path):
     """A joined rank's stand-in for b, fused with a tensor of its own (a),
-    reduced through its own compressor's state for b: it sent b's old
-    error feedback (5 at index 0) instead of zeros."""
+    adds zeros: it goes through the fresh stand-in compressor's state, never
+    its own compressor's state for b (that would send b's old error
+    feedback, 5 at index 0)."""
     res = ranks.run_ranks(2, JOINED_STAND_IN_STATE, tmp_path, timeout=90)
     assert res[0].result["b"] == [0, 0, 0, 1], res[0].result
     assert res[0].result["a"] == res[1].result["a"] == [0, 0, 0, 6]
@@ -157,9 +160,10 @@ result = out
 
 
 def test_joined_rank_hand_over_during_a_pass_is_not_run_unnegotiated(tmp_path):
-    """A joined rank's tensor handed over while a pass agreed on that name
-    (without it: the others' request) ran in place of the stand-in zeros,
-    with its own shape and data: rank 0's (4,) got 101s."""
+    """A joined rank's tensor handed over while a pass agrees on that name
+    (without it: the others' request) waits for a pass of its own: only
+    what a rank offered in the pass runs, so the others get the stand-in
+    zeros in their shape, not its data in its shape (rank 0's (4,) as 101s)."""
     res = ranks.run_ranks(2, LATE_HAND_OVER_WHILE_JOINED, tmp_path, timeout=90)
     assert res[0].result["x"] == [1, 1, 1, 1], res[0].result
     assert res[0].result["again"] == res[1].result["late"] == [[101, 101], [101, 101]]
@@ -182,9 +186,9 @@ result = out
 
 
 def test_request_refused_by_every_member_while_a_rank_has_joined(tmp_path):
-    """Every rank with data refused a request (bad dtype) alike while one
-    had joined: its engine made stand-in zeros of the refusal's 'dtype' (the
-    problem text), died with KeyError, and the job was lost."""
+    """Every rank with data refuses a request (bad dtype) alike while one
+    has joined: the joined rank's engine goes on (it must not make stand-in
+    zeros of the refusal's 'dtype', the problem text, and die of KeyError)."""
     res = ranks.run_ranks(3, REFUSED_WHILE_JOINED, tmp_path, timeout=90)
     for r in (0, 2):
         assert res[r].result["bad"] in ("TypeError", "ValueError")
@@ -221,9 +225,10 @@ result = out
 
 
 def test_powersgd_past_warm_up_with_a_stand_in_fused_to_an_own_tensor(tmp_path):
-    """A joined rank reduced its stand-in (fresh state, step 1) with its own
-    compressor's warmup_steps: the plain path, while the others (past their
-    warm-up) sent factors: the ranks ran different collectives."""
+    """A joined rank's stand-in (fresh state, step 1) runs as the compressor
+    made from the negotiated tag does on every rank: factors, as the others
+    past their warm-up send, never its own compressor's warm-up plain path
+    (the ranks would run different collectives)."""
     res = ranks.run_ranks(2, POWERSGD_WARM_UP_OVER_WHILE_JOINED, tmp_path, timeout=90)
     b = res[0].result["expect"]
     assert np.allclose(res[0].result["b"], b, rtol=1e-4, atol=1e-4)  # rank 1 adds zeros
@@ -263,8 +268,9 @@ result = out
 
 def test_two_powersgd_of_one_tag_fused_with_a_stand_in(tmp_path):
     """Two compressors of one tag (a's past its warm-up, b's without one)
-    fuse; the ranks with data ran the bucket with a's warmup_steps (b, at
-    its step 2, plain), the joined one with the tag's (b as factors)."""
+    fuse: every rank runs the bucket with the compressor made from the tag,
+    the joined one and the ranks with data alike (never a's warmup_steps on
+    some, b plain at its step 2, and the tag's on the joined one)."""
     res = ranks.run_ranks(2, TWO_POWERSGD_ONE_TAG_WHILE_JOINED, tmp_path, timeout=90)
     m = res[0].result["expect"]
     assert np.allclose(res[0].result["b"], m, rtol=1e-4, atol=1e-4)

@@ -277,8 +277,8 @@ def test_ranks_over_ssh_end_with_ringrun(tmp_path, sig):
     assert leftovers(marker) == []
 
 
-# ringrun --elastic-timeout nan was accepted (nan < 0 is false), a deadline
-# no comparison ever passes, where --timeout nan is refused. Now refused too.
+# ringrun --elastic-timeout nan (a deadline no comparison ever passes; nan < 0
+# is false) is refused, as --timeout nan is.
 def test_ringrun_refuses_an_elastic_timeout_of_nan():
     import subprocess
     import sys
@@ -297,8 +297,9 @@ def test_ringrun_refuses_an_elastic_timeout_of_nan():
     (["--elastic", "-np", "2", "--max-restarts", "-1", "true"], "must not be negative"),
 ])
 def test_elastic_flags_are_checked(args, says):
-    """An elastic flag without --elastic was silently ignored (--max-restarts,
-    --elastic-timeout): the user believed the job elastic."""
+    """An elastic flag without --elastic (--max-restarts, --elastic-timeout)
+    is refused, never silently ignored (the user would believe the job
+    elastic); values out of range too."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-m", "ringreduce.run", *args], capture_output=True, text=True,
                          env=env, timeout=30)

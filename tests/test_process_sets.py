@@ -356,11 +356,10 @@ result["source"] = _state.world.source
 
 # Two threads on each rank, one running collectives on the world's ring, the
 # other on a process set's. Each ring's collectives are issued in the same
-# order on every rank; the two rings' interleave differs by rank. With one
-# Python lock for every ring, rank 0 held it in a world collective waiting
-# for rank 1, while rank 1 held it in a set collective waiting for rank 0: a
-# hang until RINGREDUCE_TIMEOUT, then a PeerLostError blaming a live rank.
-# Each ring has its own lock now: the two run at once, as the docs say sets do.
+# order on every rank; the two rings' interleave differs by rank. Each ring
+# has its own lock, so the two run at once, as the docs say sets do (one lock
+# for every ring would deadlock: rank 0 holding it in a world collective
+# waiting for rank 1, rank 1 in a set collective waiting for rank 0).
 TWO_RINGS = """
 import threading
 r = rr.rank()

@@ -9,12 +9,11 @@ import pytest
 from ranks import run_ranks
 
 
-# One rank passes a name that is not a str (or cannot be sent): it used to
-# raise AttributeError / UnicodeEncodeError on that rank alone, after its
-# checks and before sending anything, so the others paired this collective
-# with its next one (by arrival, not by name): every later collective was
-# one off. Now the rank refuses it, and every rank raises naming it; the
-# collective after that pairs as written.
+# One rank passes a name that is not a str (or cannot be sent: a lone
+# surrogate, over 1 MiB): that rank refuses it (its own TypeError or
+# ValueError), every other rank raises naming it, and the collective after
+# that pairs as written (never one rank's next collective paired with the
+# others' current one, every later collective one off).
 BAD_NAMES = """
 r = rr.rank()
 good = np.ones(4, np.float32)
@@ -53,12 +52,9 @@ def test_a_bad_name_on_one_rank_is_refused_on_every_rank(tmp_path, bad):
             assert after == [6.0] * 3, (x.rank, kind, after)
 
 
-# broadcast(root=0.0): `0.0 in ranks` passed the root check, then struct.pack
-# raised struct.error (neither TypeError nor ValueError, so no refusal was
-# sent) on a rank that had no header for root 0 cached, while a rank that had
-# one (_header_of's lru_cache: 0.0 == 0) went on and paired its broadcast with
-# the other's next collective: every later collective one off. Now a root
-# that is not an integer is a TypeError on every rank, the next call pairs.
+# broadcast(root=0.0): a root that is not an integer is a TypeError on every
+# rank, whether or not a rank has a header for root 0 cached (0.0 == 0 as a
+# cache key), and the next call pairs; numpy integers stay welcome.
 FLOAT_ROOT = """
 r = rr.rank()
 x = np.full(3, r, np.float32)
@@ -93,12 +89,10 @@ def test_a_float_root_is_a_type_error_on_every_rank_and_the_next_call_pairs(tmp_
         assert x.result["bcast_np_int"] == [1.0] * 3
 
 
-# alltoall splits of uint64 holding 2**63 on one rank (an integer dtype, so
-# it passed the integer check): struct.pack refused it with a struct.error on
-# that rank alone, after the point where a rank refuses its own input, so the
-# others paired their alltoall with its next collective: every later one one
-# off (two unnamed allreduces of one shape silently swapped). Now it is that
-# rank's ValueError and the others' MismatchError naming it.
+# alltoall splits of uint64 holding 2**63 on one rank (an integer dtype, yet
+# beyond int64): that rank's ValueError and the others' MismatchError naming
+# it, and the next calls pair (never two unnamed allreduces of one shape
+# silently swapped).
 HUGE_SPLITS = """
 r = rr.rank()
 result = {}
@@ -125,9 +119,8 @@ def test_alltoall_splits_beyond_int64_on_one_rank_are_refused_and_the_next_calls
 
 
 # A structured dtype too long to describe in a header (over 64 KiB of text)
-# on one rank: _header_of raised its TypeError after that rank had stopped
-# pairing, so the others' allgather met its next collective. Now the rank
-# refuses it up front and the others raise MismatchError naming it.
+# on one rank: that rank refuses it up front (TypeError), the others raise
+# MismatchError naming it, and the next calls pair.
 HUGE_DTYPE = """
 r = rr.rank()
 huge = np.dtype([(f"field{i}", "u1") for i in range(6000)])
@@ -155,12 +148,12 @@ def test_a_dtype_too_long_for_the_header_on_one_rank_is_refused_and_the_next_cal
         assert x.result["next"] == [30.0, 30.0] and x.result["next2"] == [300.0, 300.0], (x.rank, x.result)
 
 
-# An unnamed eager TF collective refused on one rank before the op was made
-# (root_rank not a rank, op=Adasum, splits of floats) left that rank's
-# per-kind numbering (naming.collective_name) one behind the others': its
-# next broadcast met the others' previous one, and returned the wrong tensor
-# without an error ([21] where [11] was sent). Now the rank takes the number
-# and refuses under it: the others raise MismatchError naming it at once.
+# An unnamed eager TF collective refused on one rank before the op is made
+# (root_rank not a rank, op=Adasum, splits of floats) still takes its number
+# in that rank's per-kind numbering (naming.collective_name) and is refused
+# under it: the others raise MismatchError naming it at once, and the next
+# broadcast pairs with the others' next one (never returning the wrong
+# tensor without an error).
 TF_EAGER_REFUSAL = """
 import threading
 import tensorflow as tf

@@ -8,6 +8,10 @@ arrays, of zero copy through the links and of the copying path, on every
 rank alike, and the mapped read must really run (Comm.mapped_ops). Each
 reader decides per token, so mixed jobs (one rank's arrays shared, or only
 src) work too. Chunks pass RR_CMA_MIN_CHUNK (1 MiB) where the path must run.
+
+Hostile neighbours and lifetimes too: a region's fd number naming something
+else, a forked child's region ids, the reader's cache of freed regions, a
+region larger than memory, freeing a region whose fd number was reused.
 """
 import gc
 import os
@@ -370,6 +374,10 @@ def test_ctrl_c_then_reuse_of_the_shared_buffer_never_gives_a_neighbour_wrong_da
                                                   "mapped_ops", CMA_ON)
 
 
+# Rank 0 puts something else at its region's fd number (its array's own
+# mapping does not need the fd), as a confused or hostile process would: its
+# neighbour must never map that thing (wrong data, SIGBUS on a shrink) nor
+# block opening it; it reads by process_vm_readv instead, the same bits.
 REPLACED = """
 import os, tempfile
 comm = C._state.comm
@@ -423,11 +431,11 @@ def test_a_region_fd_naming_something_else_is_never_mapped(tmp_path, n, replace_
 
 
 def test_a_forked_child_draws_region_ids_of_its_own():
-    # A neighbour caches its mappings by (pid, region id). A child of fork()
-    # inherited its parent's id counter and handed out the parent's next
-    # ids: two siblings forked from one parent, the second given the
-    # first's pid once it died, named their first regions alike, and the
-    # neighbour read the dead sibling's region from its cache.
+    # A neighbour caches its mappings by (pid, region id): a child of fork()
+    # draws ids of its own (new random high bits), so two siblings forked
+    # from one parent, the second given the first's pid once it died, never
+    # name their regions alike (the neighbour would read the dead sibling's
+    # region from its cache).
     import ringreduce as rr
     a = rr.shared_empty(4)  # the parent has drawn its ids
     r, w = os.pipe()
@@ -448,11 +456,10 @@ def test_a_forked_child_draws_region_ids_of_its_own():
 
 
 def test_a_neighbour_allocating_a_new_array_each_step_is_not_held_sixteen_times(tmp_path):
-    # The reader's cache (16 mappings a ring) only dropped an entry when it
-    # was the least recently used one: a neighbour that allocates a fresh
-    # shared array every step (shared_empty_like(grad)) had its last 16
-    # dead arrays kept alive here, 16 times the memory. A miss now drops
-    # the entries whose region that neighbour has freed.
+    # The reader's cache (16 mappings a ring) drops, on a miss, the entries
+    # whose region the neighbour has freed: a neighbour that allocates a
+    # fresh shared array every step (shared_empty_like(grad)) must not have
+    # its last 16 dead arrays kept alive here, 16 times the memory.
     ranks = run(2, """
 import gc
 comm = C._state.comm
@@ -480,9 +487,9 @@ result = (ok, held)
 
 
 def test_a_region_larger_than_memory_and_swap_is_a_memory_error():
-    # A memfd's pages come at first touch: twice memory and swap was handed
-    # out as an array (np.empty refuses it), and writing it killed the
-    # process or another.
+    # A memfd's pages come at first touch: twice memory and swap is a
+    # MemoryError up front, as np.empty's (handed out, writing it would kill
+    # this process or another).
     import numpy as np
 
     import ringreduce as rr
@@ -497,7 +504,7 @@ def test_a_region_larger_than_memory_and_swap_is_a_memory_error():
 def test_freeing_an_array_never_closes_a_file_that_took_its_fd_number(tmp_path):
     # A forked child that closes what it inherited (os.closerange) and
     # opens its own files (its ring's sockets) gets the regions' fd numbers
-    # back; freeing the inherited array then closed that file.
+    # back: freeing the inherited array must leave that file open.
     import gc
 
     import numpy as np

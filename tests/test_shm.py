@@ -199,9 +199,9 @@ def test_connect_agrees_on_both_links_of_a_ring_of_two(monkeypatch):
 
 def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path):
     # A rank SIGKILLed after offering its link file and before its neighbour
-    # answered leaves the file under its name (elastic jobs left such files
-    # on this host). Before: it stayed in /dev/shm for good; now the next rank
-    # to make a file on this host sees its maker is gone and removes it.
+    # answered leaves the file under its name (elastic jobs leave such files
+    # on their hosts): the next rank to make a file on this host sees its
+    # maker is gone and removes it, so none stays in /dev/shm for good.
     from ringreduce import shm
     record = tmp_path / "made"
     ranks = run_ranks(2, f"""

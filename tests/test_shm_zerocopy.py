@@ -253,9 +253,9 @@ def test_a_rank_killed_mid_transfer_is_named_without_a_hang(tmp_path, n):
 
 
 def test_an_odd_shm_size_on_one_rank_keeps_zero_copy_and_the_right_sums(tmp_path):
-    # Before: RINGREDUCE_SHM_BYTES=1000 on one rank made a link of 1000
-    # bytes, not a multiple of the 64 the windows need, and the whole ring
-    # silently lost the zero-copy path. Now the size is rounded up to 1024.
+    # RINGREDUCE_SHM_BYTES=1000 on one rank (not a multiple of the 64 the
+    # windows need) is rounded up to 1024: the whole ring keeps the
+    # zero-copy path and the right sums.
     ranks = run_ranks(3, """
         r = int(os.environ["RINGREDUCE_RANK"])
         os.environ["RINGREDUCE_SHM_BYTES"] = "1000" if r == 1 else str(1 << 20)

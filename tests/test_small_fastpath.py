@@ -283,10 +283,9 @@ def test_fast_path_in_a_process_set_plans_on_the_sets_ring_and_names_world_ranks
 # allreduce (a header pass, then the ring: two C calls under the Python
 # lock). On rank 0 a second thread's planned small allreduce is started
 # between A's two calls; on rank 1 after A ends. Each rank runs the two
-# collectives in the same order (A, then the small one) if the small one
-# waits for the lock, as it did before the fast path; the fast path ran it
-# inside A, so rank 0's small round met rank 1's ring steps: a hang until
-# RINGREDUCE_TIMEOUT, or worse.
+# collectives in the same order (A, then the small one) only if the fast
+# path, too, waits for the lock: run inside A, rank 0's small round would
+# meet rank 1's ring steps (a hang until RINGREDUCE_TIMEOUT, or worse).
 INTERLEAVED = """
 import threading
 from ringreduce import collectives as C

@@ -261,8 +261,9 @@ def mpirun(n: int, body: str, tmp_path: Path, timeout: float = 60) -> list[str]:
 
 @pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
 def test_small_algorithm_differing_across_mpi_ranks_raises_on_every_rank(tmp_path):
-    # Before: rank 0 ran the ring's passes, the others recursive doubling,
-    # each waiting for messages never sent: the job hung.
+    # RINGREDUCE_SMALL_ALGORITHM differing across ranks is a ValueError on
+    # every rank naming each rank's choice, never ranks running different
+    # algorithms and waiting for messages never sent.
     lines = mpirun(3, """
         os.environ["RINGREDUCE_SMALL_ALGORITHM"] = "ring" if R == 0 else "doubling"
         import ringreduce as rr

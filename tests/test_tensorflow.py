@@ -441,9 +441,9 @@ def test_collectives_pair_by_name_threads_sets_and_clashes(tmp_path):
         assert r.result == [], f"rank {r.rank}: {r.result}"
 
 
-# RINGREDUCE_OVERLAP=off (or false, no) left the overlap on, silently: only
-# "0" turned it off. Now anything but 0 or 1 is a ValueError naming it, at
-# rrtf.init() (before joining any ring) as rr.init does with its settings.
+# RINGREDUCE_OVERLAP takes 0 or 1: anything else (off, false, no, 2) is a
+# ValueError naming it at rrtf.init(), before joining any ring, as rr.init
+# does with its settings (never an overlap left on silently).
 @pytest.mark.parametrize("text", ["off", "false", "no", "2"])
 def test_a_nonsense_ringreduce_overlap_is_refused_at_tf_init(monkeypatch, text):
     pytest.importorskip("tensorflow")

@@ -9,9 +9,9 @@ import pytest
 import ringreduce as rr
 
 
-# Launched the Horovod or torch way (horovodrun's gloo mode, torchrun), each
-# process found no ringreduce world and trained alone as a world of one:
-# N ranks were meant, so it raises, naming the launcher and what to use.
+# Launched the Horovod or torch way (horovodrun's gloo mode, torchrun) with
+# N ranks meant, each process finds no ringreduce world: it raises, naming
+# the launcher and what to use, instead of training alone as a world of one.
 @pytest.mark.parametrize("env", [
     {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "4",
      "HOROVOD_CONTROLLER": "gloo", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"},
@@ -37,10 +37,9 @@ def test_a_launcher_variable_that_is_not_an_integer_is_named(name):
         discover(env)
 
 
-# RINGREDUCE_ADDR with port 99999 died of an OverflowError naming no setting
-# ("bind(): port must be 0-65535"); port 0 had rank 0 listen on a random
-# port no rank knew, so every rank waited out RINGREDUCE_START_TIMEOUT; a
-# local rank past the local size was taken as it came (GPU picking uses it).
+# RINGREDUCE_ADDR needs a port of 1 .. 65535 (99999 would be an OverflowError
+# naming no setting, 0 a random port no rank knows), and a local rank must lie
+# in 0 .. local size - 1 (GPU picking uses it): each is refused, named.
 @pytest.mark.parametrize("env, says", [
     ({"RINGREDUCE_ADDR": "127.0.0.1:99999"}, "RINGREDUCE_ADDR must be host:port with a port of 1 .. 65535"),
     ({"RINGREDUCE_ADDR": "127.0.0.1:0"}, "RINGREDUCE_ADDR must be host:port with a port of 1 .. 65535"),
