@@ -1,3 +1,15 @@
+"""Fixtures for every test.
+
+The whole suite runs by default (`scripts/test.sh`, CI). For a quick loop,
+`.venv/bin/python -m pytest -q -m "not slow"` leaves out the tests marked
+slow (each over 20 s alone: TensorFlow jobs, elastic jobs, the wheel, the
+examples); `-m slow` runs only those.
+
+Multi-rank tests start their ranks with tests/ranks.py run_ranks (fresh
+processes) or, when they only run collectives on a healthy world, take the
+`world_pool` fixture (tests/world_pool.py: initialized worlds reused while
+they stay fit).
+"""
 import sys
 from pathlib import Path
 
