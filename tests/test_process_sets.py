@@ -91,24 +91,24 @@ LINKS = {"shm": {"RINGREDUCE_SHM_BYTES": "65536"}, "tcp": {"RINGREDUCE_SHM_BYTES
 
 
 @pytest.mark.parametrize("links", list(LINKS))
-def test_every_collective_on_each_set_matches_numpy(tmp_path, links):
-    ranks = run_ranks(4, check_sets(SETS) + """
+def test_every_collective_on_each_set_matches_numpy(world_pool, links):
+    ranks = world_pool.run(4, check_sets(SETS) + """
     from ringreduce.collectives import _state
     result["links"] = [_state.sets[ps.process_set_id].comm.links for ps in sets if ps.included() and ps.size() > 1]
-""", tmp_path, timeout=240, env=LINKS[links])
+""", timeout=240, env=LINKS[links])
     _assert_sets_correct([r.result for r in ranks])
     for r in ranks:  # every sub-ring link of these local ranks is of the kind asked for
         assert r.result["links"] and all(k == {"next": links, "prev": links} for k in r.result["links"]), r.result
 
 
 @pytest.mark.parametrize("n, sets", [(2, [[0], [1]]), (3, [[0, 2], [1], [1, 2]])])
-def test_sets_on_smaller_worlds(tmp_path, n, sets):
-    ranks = run_ranks(n, check_sets(sets), tmp_path, timeout=180)
+def test_sets_on_smaller_worlds(world_pool, n, sets):
+    ranks = world_pool.run(n, check_sets(sets), timeout=180)
     _assert_sets_correct([r.result for r in ranks], sets)
 
 
-def test_errors_of_sets_on_every_rank(tmp_path):
-    ranks = run_ranks(4, """
+def test_errors_of_sets_on_every_rank(world_pool):
+    ranks = world_pool.run(4, """
         r = rr.rank()
         out = {}
         pair = rr.add_process_set([0, 2])
@@ -161,7 +161,7 @@ def test_errors_of_sets_on_every_rank(tmp_path):
         rr.shutdown()
         out["after_shutdown"] = (pair.process_set_id, solo.process_set_id)
         result = out
-    """, tmp_path, timeout=120)
+    """, timeout=120)
     for r, res in enumerate(x.result for x in ranks):
         kind, message = res["nonmember"]
         assert kind == "ValueError" and f"rank {r} is not a member" in message, message

@@ -88,3 +88,9 @@ def test_worlds_with_other_settings_are_other_worlds(pool):
     plain, ring = pool.run(2, body), pool.run(2, body, env={"RINGREDUCE_SMALL_BYTES": "0"})
     assert [r.result for r in plain] == [None] * 2 and [r.result for r in ring] == ["0"] * 2
     assert pids(pool.run(2, body)) == pids(plain) and pool.started == 2
+
+
+def test_a_large_result_comes_back_whole(pool):
+    ranks = pool.run(2, "result = np.full(4 << 20, rr.rank(), np.float64)", timeout=60)  # 32 MiB a rank
+    for r in ranks:
+        assert r.result.shape == (4 << 20,) and (r.result == r.rank).all()
