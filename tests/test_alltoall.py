@@ -156,6 +156,7 @@ result = out
         assert rk.result["local"] == {"scalar": "ValueError", "float splits": "TypeError", "objects": "TypeError"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_tensorflow_alltoall_values_and_gradient(tmp_path, n):
     """As hvd.alltoall: (received, received_splits) with splits, received

@@ -180,6 +180,7 @@ result = bad
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_ops_values_against_numpy_eager_and_in_tf_function(tmp_path, n):
     ranks = run_ranks(n, OPS, tmp_path, timeout=420, init=False)
@@ -317,6 +318,7 @@ os.environ["RINGREDUCE_LOCAL_RANK"], os.environ["RINGREDUCE_LOCAL_SIZE"] = [("0"
 """
 
 
+@pytest.mark.slow
 def test_gradients_errors_objects_and_basics_on_three_ranks(tmp_path):
     ranks = run_ranks(3, LAYOUT + GRADIENTS_ERRORS_BASICS, tmp_path, timeout=420, init=False)
     for r in ranks:
@@ -329,6 +331,7 @@ def test_gradients_errors_objects_and_basics_on_three_ranks(tmp_path):
     assert [r.result["layout"] for r in ranks] == [(0, 0, 2, False), (0, 1, 2, False), (1, 0, 1, False)]
 
 
+@pytest.mark.slow
 def test_two_ranks_gradients_and_errors(tmp_path):
     ranks = run_ranks(2, GRADIENTS_ERRORS_BASICS, tmp_path, timeout=420, init=False)
     for r in ranks:
@@ -621,6 +624,7 @@ result = bad
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [3, 4])
 def test_ops_on_process_sets_against_numpy_eager_and_in_tf_function(tmp_path, n):
     ranks = run_ranks(n, PROCESS_SETS, tmp_path, timeout=600, init=False)

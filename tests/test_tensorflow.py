@@ -44,6 +44,7 @@ if r == 0:  # one process, the concatenated batches, the same start
 """
 
 
+@pytest.mark.slow
 def test_four_ranks_train_like_one_process_on_the_whole_batch(tmp_path):
     ranks = run_ranks(4, EQUIVALENCE, tmp_path, timeout=240, init=False)
     single = ranks[0].result["single"]
@@ -100,6 +101,7 @@ def test_tape_compression_accumulation_root_and_mismatch(tmp_path):
         assert "MismatchError" in res["mismatch"] and "differs between ranks" in res["mismatch"], res["mismatch"]
 
 
+@pytest.mark.slow
 def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
     ranks = run_ranks(2, """
         import os, time
@@ -190,6 +192,7 @@ def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
         assert first_at_end, f"rank {r.rank}: the first layer's gradient was handed over before it could exist?"
 
 
+@pytest.mark.slow
 def test_ops_as_py_functions_the_path_tensorflow_takes_with_a_gpu(tmp_path):
     """With a GPU visible the ops are py_functions handing tensors over as they
     are (DLPack for GPU ones). Forced here on CPU tensors: values, shapes and
