@@ -2,7 +2,7 @@
 found, and lists the packages and their data. Metadata lives in pyproject.toml.
 
 The CUDA kernels are optional too: RINGREDUCE_CUDA=1 compiles
-csrc/cuda/reduce.cu with nvcc into ringreduce/reduce_kernels.fatbin (sm_80,
+csrc/kernels/cuda/reduce.cu with nvcc into ringreduce/reduce_kernels.fatbin (sm_80,
 sm_90; RINGREDUCE_CUDA_ARCHS to change), which ringreduce.cuda loads through
 cupy. Without it cupy compiles the same source at run time.
 
@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
 
@@ -23,11 +24,21 @@ from setuptools import Extension, find_packages, setup
 # blends, so the portable float16 loops would stay scalar. Results are the same.
 FLAGS = ["-O3", "-std=gnu11", "-fno-trapping-math", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
          "-Wno-cast-function-type"]
-CORE_SOURCES = ["csrc/module.c", "csrc/device_binding.c", "csrc/ring.c", "csrc/cma.c", "csrc/peer_map.c", "csrc/shared_region.c", "csrc/shared_region_binding.c", "csrc/recursive_doubling.c", "csrc/alltoall.c", "csrc/reduce.c", "csrc/reduce16_x86.c", "csrc/tcp.c", "csrc/control_star.c", "csrc/shm_link.c", "csrc/host_arena.c",
-                "csrc/error.c", "csrc/device.c", "csrc/device_emulated.c", "csrc/cuda_device.c"]
-HEADERS = ["csrc/reduce_math.h", "csrc/reduce.h", "csrc/reduce16.h", "csrc/ring.h", "csrc/cma.h", "csrc/peer_map.h", "csrc/shared_region.h", "csrc/shared_region_binding.h", "csrc/recursive_doubling.h", "csrc/tcp.h", "csrc/control_star.h", "csrc/shm_link.h", "csrc/host_arena.h", "csrc/transport.h", "csrc/error.h",
-           "csrc/device.h",
-           "csrc/device_binding.h"]
+# csrc/ in its layers, each folder leaning only on the ones listed before it
+# (docs/architecture.md, "The C core"); includes name paths from csrc/.
+CORE_SOURCES = ["csrc/common/error.c",
+                "csrc/kernels/reduce.c", "csrc/kernels/reduce16_x86.c",
+                "csrc/device/device.c", "csrc/device/device_emulated.c", "csrc/device/cuda_device.c",
+                "csrc/transport/tcp.c", "csrc/transport/control_star.c", "csrc/transport/shm_link.c",
+                "csrc/memory/shared_region.c", "csrc/memory/peer_map.c",
+                "csrc/schedule/ring.c", "csrc/schedule/recursive_doubling.c", "csrc/schedule/alltoall.c",
+                "csrc/schedule/host_arena.c", "csrc/schedule/cma.c",
+                "csrc/binding/module.c", "csrc/binding/comm.c", "csrc/binding/errors.c", "csrc/binding/signals.c",
+                "csrc/binding/collectives.c", "csrc/binding/tuning.c", "csrc/binding/counters.c",
+                "csrc/binding/kernels.c", "csrc/binding/device_binding.c", "csrc/binding/shared_region_binding.c"]
+MPI_SOURCES = ["csrc/binding/mpi_module.c", "csrc/transport/mpi_transport.c", "csrc/common/error.c"]
+INCLUDE_DIRS = ["csrc"]
+HEADERS = sorted(str(p) for p in Path("csrc").rglob("*.h"))
 
 
 def find_mpicc():
@@ -54,20 +65,21 @@ def mpi_extension():
     libs = [a[2:] for a in show if a.startswith("-l")]
     link = [a for a in show if a.startswith("-Wl,")] + [f"-Wl,-rpath,{d}" for d in libdirs]
     print(f"ringreduce: building the MPI transport with {mpicc}: {shlex.join(show)}", file=sys.stderr)
-    return Extension("ringreduce._mpi", sources=["csrc/mpi_module.c", "csrc/mpi_transport.c", "csrc/error.c"],
-                     depends=HEADERS + ["csrc/mpi_transport.h"], include_dirs=inc, library_dirs=libdirs,
+    return Extension("ringreduce._mpi", sources=MPI_SOURCES,
+                     depends=HEADERS, include_dirs=INCLUDE_DIRS + inc, library_dirs=libdirs,
                      libraries=libs, extra_compile_args=FLAGS, extra_link_args=link)
 
 
 def cuda_fatbin():
-    """ringreduce/reduce_kernels.fatbin from csrc/cuda/reduce.cu, when asked for."""
+    """ringreduce/reduce_kernels.fatbin from csrc/kernels/cuda/reduce.cu, when asked for."""
     if os.environ.get("RINGREDUCE_CUDA", "0") in ("", "0"):
         return []
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not os.path.exists(nvcc):
         sys.exit("ringreduce: RINGREDUCE_CUDA=1 but nvcc is not on PATH")
     archs = os.environ.get("RINGREDUCE_CUDA_ARCHS", "80,90").split(",")
-    cmd = [nvcc, "-std=c++17", "-O3", "-fatbin", "-o", "ringreduce/reduce_kernels.fatbin", "csrc/cuda/reduce.cu"]
+    cmd = [nvcc, "-std=c++17", "-O3", "-fatbin", "-o", "ringreduce/reduce_kernels.fatbin",
+           "csrc/kernels/cuda/reduce.cu"]
     cmd += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     cmd += [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]  # PTX: newer GPUs compile it at load
     print("ringreduce: " + shlex.join(cmd), file=sys.stderr)
@@ -75,7 +87,8 @@ def cuda_fatbin():
     return ["reduce_kernels.fatbin"]
 
 
-core = Extension("ringreduce._core", sources=CORE_SOURCES, depends=HEADERS, extra_compile_args=FLAGS,
+core = Extension("ringreduce._core", sources=CORE_SOURCES, depends=HEADERS, include_dirs=INCLUDE_DIRS,
+                 extra_compile_args=FLAGS,
                  libraries=["pthread", "dl"])
 
 # Every subpackage, and the sources compiled at run time: the CUDA kernels
@@ -84,9 +97,10 @@ core = Extension("ringreduce._core", sources=CORE_SOURCES, depends=HEADERS, extr
 # which pip's isolated build cannot import). csrc/ ships as ringreduce/csrc/
 # holding those files only (an editable install reads ./csrc itself).
 setup(ext_modules=[core] + [e for e in [mpi_extension()] if e is not None],
-      packages=find_packages(include=["ringreduce", "ringreduce.*"]) + ["ringreduce.csrc", "ringreduce.csrc.cuda",
+      packages=find_packages(include=["ringreduce", "ringreduce.*"]) + ["ringreduce.csrc.kernels",
+                                                                        "ringreduce.csrc.kernels.cuda",
                                                                         "ringreduce.csrc.tf"],
       package_dir={"ringreduce.csrc": "csrc"},
       include_package_data=False,
-      package_data={"ringreduce": cuda_fatbin(), "ringreduce.csrc": ["reduce_math.h"],
-                    "ringreduce.csrc.cuda": ["reduce.cu"], "ringreduce.csrc.tf": ["async_call.cc"]})
+      package_data={"ringreduce": cuda_fatbin(), "ringreduce.csrc.kernels": ["reduce_math.h"],
+                    "ringreduce.csrc.kernels.cuda": ["reduce.cu"], "ringreduce.csrc.tf": ["async_call.cc"]})

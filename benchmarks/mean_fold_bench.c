@@ -1,5 +1,5 @@
 /* The 16-bit mean folds on random data: float16's double fold against its
- * float32 one (csrc/reduce16_x86.c, "float16 mean fold in float32"),
+ * float32 one (csrc/kernels/reduce16_x86.c, "float16 mean fold in float32"),
  * interleaved in one process, the float16 sum for scale, and the bfloat16
  * fold and sum.
  *
@@ -14,7 +14,7 @@
  * worst of ROUNDS (default 7), k = 2..KMAX (default 8). The bfloat16 double
  * fold is the one before the float32 fold, for comparison.
  */
-#include "reduce16_x86.c"
+#include "kernels/reduce16_x86.c"
 
 #include <math.h>
 #include <stdio.h>

@@ -4,7 +4,7 @@
     ringrun -np 2 python benchmarks/shared_many_bench.py --arrays 8,16,17,32 --mib 16 --repeats 5
 
 A reader keeps RR_PEER_MAPS (16) of its neighbour's regions mapped per ring
-(csrc/peer_map.h). With more live shared arrays than that allreduced in
+(csrc/memory/peer_map.h). With more live shared arrays than that allreduced in
 turn, every operation misses: the reader maps the region afresh and takes a
 page fault per page it reads, which costs more than the copy the mapped read
 saves. Each row: K arrays of --mib MiB (float32, sum, in place), shared and

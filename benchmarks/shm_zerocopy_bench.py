@@ -1,4 +1,4 @@
-"""Zero-copy shared-memory ring (issue 17) against the copying path, in one run.
+"""Zero-copy shared-memory ring against the copying path, in one run.
 
     ringrun -np 2 python benchmarks/shm_zerocopy_bench.py
     ringrun -np 4 python benchmarks/shm_zerocopy_bench.py --mib 1,4,16,64,256
@@ -36,21 +36,21 @@ zero-copy (above 1: zero copy costs less).
 
 CMA columns (where the ranks agreed on Cross Memory Attach at init,
 RINGREDUCE_SHM_CMA=1, the default): the same operations with each rank
-reading its neighbour's chunks by process_vm_readv (csrc/cma.c), a third
+reading its neighbour's chunks by process_vm_readv (csrc/schedule/cma.c), a third
 path interleaved with the other two; cma/copy and cma/zc are busbw ratios.
 
 Mapped columns (with the CMA path): the CMA path once more, on arrays
 allocated by rr.shared_empty (input and output): each rank maps its
 neighbour's arrays and reduces straight out of them, no kernel copy
-(csrc/peer_map.h); a fourth path interleaved with the others, the same
+(csrc/memory/peer_map.h); a fourth path interleaved with the others, the same
 repeats. mapped/copy and mapped/cma are busbw ratios; a run where the
 mapped read did not serve every CMA operation there stops with an error
-(below 1 MiB a chunk no path reads by CMA: csrc/cma.h).
+(below 1 MiB a chunk no path reads by CMA: csrc/schedule/cma.h).
 
 Waits columns: voluntary context switches (getrusage ru_nvcsw: a rank
 slept in poll for a peer) per operation, summed over the ranks, median over
 repeats: how often the ring stalled on a neighbour, the thing running ahead
-(ZC_SLICE in csrc/ring.c) is meant to cut.
+(ZC_SLICE in csrc/schedule/ring.c) is meant to cut.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ from ringreduce import collectives  # noqa: E402
 
 MIB = 1 << 20
 PATHS = (("zero-copy", True), ("copying", False))
-CMA = "cma"  # a third column where RINGREDUCE_SHM_CMA=1 was agreed at init (csrc/cma.h)
+CMA = "cma"  # a third column where RINGREDUCE_SHM_CMA=1 was agreed at init (csrc/schedule/cma.h)
 MAPPED = "mapped"  # and a fourth: CMA on shared arrays (ringreduce/shared.py)
 
 

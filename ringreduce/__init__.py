@@ -3,7 +3,15 @@
     import ringreduce as rr
     rr.init()
     grads = rr.allreduce(grads, op="avg")
+
+Subpackages and submodules load on first use, as numpy's do:
+`rr.elastic.run`, `rr.compression.PowerSGD`, `rr.tensorflow` work without an
+import of their own. `import ringreduce` itself never imports TensorFlow; only
+touching `rr.tensorflow` does.
 """
+import importlib as _importlib
+import importlib.util as _importlib_util
+
 from .errors import MismatchError, PeerLostError, RingReduceError, StaleGenerationError, WithdrawnError
 from .collectives import (
     allgather,
@@ -35,3 +43,21 @@ __all__ = [
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "RingReduceError", "MismatchError", "PeerLostError", "StaleGenerationError", "WithdrawnError",
 ]
+
+
+def __getattr__(name: str):
+    """PEP 562: `rr.elastic` & co. import the submodule of that name on first
+    use (it is then an attribute of the package, so this runs once per name).
+    Names that are no submodule raise AttributeError as usual."""
+    if not name.startswith("_"):
+        try:
+            found = _importlib_util.find_spec(f"{__name__}.{name}") is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"compression", "elastic", "tensorflow"})

@@ -8,9 +8,9 @@ Every rank then holds every header, so a disagreement raises MismatchError on
 all of them alike. Small allreduces finish right there, reducing the blobs in
 rank order (N-1 hops instead of the ring's 3(N-1)); large ones run the ring.
 Over MPI both passes run by recursive doubling instead (log2 N rounds, the
-small allreduce reducing as it goes: csrc/recursive_doubling.c).
+small allreduce reducing as it goes: csrc/schedule/recursive_doubling.c).
 When every rank shares one host the pass is no ring at all: the blobs meet in
-a shared arena (csrc/host_arena.h), each written once and read in place.
+a shared arena (csrc/schedule/host_arena.h), each written once and read in place.
 """
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ _DTYPE_NAMES = {v: str(k) for k, v in _DTYPES.items()}
 
 ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, BARRIER = range(5)
 ALLTOALL = 6  # 5 is the engine's negotiation
+NEGOTIATE = 5  # the engine's negotiation pass (ringreduce/negotiation.py): its blob's first byte after the header
+_JOINED, _LEFT = 1, 4  # holds its flags, negotiation.JOINED and negotiation.LEFT among them
 _KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "engine negotiation", "alltoall"]
 
 # magic, generation, kind, op, dtype code, inline?, root, ndim, name length,
@@ -58,6 +60,7 @@ _KIND_NAMES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier
 # operation of an old ring from ever pairing with one of the new.
 _HEAD = struct.Struct("<4sIBBBBiIIHI")
 _MAGIC = b"RRH3"
+_KIND_AT = 8  # the kind's byte in a header (after magic and generation)
 
 
 @dataclass
@@ -402,7 +405,9 @@ def _native(a: np.ndarray) -> np.ndarray:
 
 def _header(kind, op, dtype, shape, name, root=0, inline=False, descr=None, splits=(), device=False) -> bytes:
     """descr: the numpy dtype; None takes the name of code `dtype`. device: this
-    rank runs the operation on a device (the inline byte's bit 1, see _byte_order)."""
+    rank runs the operation on a device (the inline byte's bit 1). It changes
+    nothing on the wire: a device rank runs the host ring on a pinned mirror
+    (csrc/ring.c, the staged path), with the same paths and byte order."""
     return _header_of(_state.generation, kind, op, dtype, shape, name, root, int(inline) | (2 if device else 0),
                       descr, splits)
 
@@ -436,23 +441,6 @@ def _parse(blob: bytes) -> dict:
     return {"kind": kind, "op": op, "dtype": described, "code": dtype, "root": root, "shape": shape, "name": name,
             "splits": splits, "inline": bool(inline & 1), "device": bool(inline & 2),
             "payload": memoryview(blob)[at + dlen:]}
-
-
-@contextlib.contextmanager
-def _byte_order(comm, blobs):
-    """The ring operation inside runs on every rank in one byte order. The
-    zero-copy path (csrc/ring.c ring_steps_zero_copy) sends slice-major, the
-    staged device path step-major: when any rank's header says it runs on a
-    device, every rank takes the copying path this once (decided from the
-    agreed headers, alike everywhere)."""
-    if not comm.zero_copy or not any(_parse(b)["device"] for b in blobs):
-        yield
-        return
-    comm.set_zero_copy(False)
-    try:
-        yield
-    finally:
-        comm.set_zero_copy(True)
 
 
 def _describe(field, value):
@@ -519,14 +507,107 @@ def _usable_comm():
     return _state.comm
 
 
-def _agree(blobs, head: bytes, fields, what, ring: _Ring | None = None) -> None:
+def _agree(blobs, head: bytes, fields, what, ring: _Ring | None = None, beside_joined: bool = False) -> None:
     """Raises MismatchError when ranks disagree on a field, on every rank
     alike (all hold the same blobs). Headers that differ only in the inline
     flag (RINGREDUCE_SMALL_BYTES differs between ranks) agree: the caller
     then takes the ring, as every rank does. The communicator stays usable:
-    no data has moved."""
+    no data has moved. A pass that met joined ranks (rr.join) agrees only
+    for an allreduce (beside_joined: the caller then runs the ring, the
+    joined ranks adding zeros, _allreduce_beside_joined); anything else
+    raises here on every rank that called it, and the joined ranks stay
+    joined."""
     if "trailing" in fields or any(b[:len(head)] != head for b in blobs):
+        found = _joined_in(blobs) if ring is None or ring is _state.ring else None
+        if found is not None:
+            problem = _beside_joined(*found)
+            if problem is not None:
+                raise problem
+            if not beside_joined:  # every allreduce header is sent by a caller that runs the ring after it
+                raise RingReduceError(f"{what} met joined ranks where only an allreduce can go on")
+            return
         _check_agreement([_parse(b) for b in blobs], fields, what, _rank_names(ring))
+
+
+def _joined_in(blobs):
+    """(the joined ranks, every rank's parsed header) when this pass of the
+    world's ring paired a collective with the engine negotiation of ranks
+    that have called rr.join(), and with nothing else; None otherwise (a rank
+    whose engine negotiates without having joined makes it a plain mismatch).
+    Decided from the blobs alone: alike on every rank."""
+    if not any(len(b) > _KIND_AT and b[_KIND_AT] == NEGOTIATE for b in blobs):  # the usual case, unparsed
+        return None
+    heads = [_parse(b) for b in blobs]
+    joined = [r for r, h in enumerate(heads) if h["kind"] == NEGOTIATE and len(h["payload"])
+              and h["payload"][0] & _JOINED]
+    if not joined or len(joined) == len(heads) or any(
+            h["kind"] == NEGOTIATE for r, h in enumerate(heads) if r not in joined):
+        return None
+    return joined, heads
+
+
+def _beside_joined(joined, heads):
+    """What the ranks that have not joined asked for beside the joined ones:
+    None for an allreduce they all agree on (it runs on the ring, the joined
+    ranks adding zeros: Horovod's join, avg still dividing by every rank),
+    else the MismatchError those ranks raise (the joined ranks do nothing)."""
+    live = [r for r in range(len(heads)) if r not in joined]
+    left = [r for r in joined if heads[r]["payload"][0] & _LEFT]
+    kind = heads[live[0]]["kind"]
+    what = _KIND_NAMES[kind] if kind < len(_KIND_NAMES) else f"collective {kind}"
+    whose = ", ".join(map(str, joined))
+    try:
+        _check_agreement([heads[r] for r in live], ("name",) if kind != ALLREDUCE else
+                         ("op", "dtype", "shape", "name"), what, [f"rank {r}" for r in live])
+    except MismatchError as exc:
+        return MismatchError(f"{exc} (beside rank(s) {whose}, joined)")
+    name = heads[live[0]]["name"]
+    if left:
+        return MismatchError(f"{what} cannot run: rank(s) {', '.join(map(str, left))} have shut down")
+    if kind != ALLREDUCE:
+        return MismatchError(f"{what} cannot run while rank(s) {whose} have joined (rr.join): until every "
+                             "rank has joined only allreduce goes on")
+    if name.startswith((REFUSED_PREFIX, _AUTOTUNE_PREFIX)):  # every live rank refused alike: nothing runs
+        return MismatchError(f"every rank with data refused this allreduce beside rank(s) {whose}, joined: {name}")
+    return None
+
+
+def _negotiation_pass(head: bytes, blob: bytes):
+    """The engine's negotiation pass on the world's ring (its caller holds
+    _state.lock): every rank's blob, or None when this joined rank's pass met
+    the other ranks' direct allreduce instead, which it then ran with them,
+    adding zeros (or, for anything else, let them raise: _beside_joined)."""
+    ring = _state.ring
+    if ring is None:
+        _usable_comm()  # raises: not initialized
+    with ring.lock:
+        blobs = _usable_comm().exchange_blobs(head, blob)
+        found = _joined_in(blobs) if any(b[:len(head)] != head for b in blobs) else None
+        if found is None:
+            _agree(blobs, head, ("name",), "engine negotiation")
+            return blobs
+        if _beside_joined(*found) is None:
+            _allreduce_beside_joined(blobs, found[1][[r for r in range(len(blobs)) if r not in found[0]][0]], ring)
+        return None
+
+
+def _allreduce_beside_joined(blobs, live, ring) -> None:
+    """A joined rank's share of the allreduce the others run (live: one of
+    their headers), reduced on the ring like any rank's data: zeros for sum
+    and avg (Horovod's join: avg still divides by every rank), the op's
+    identity for min, max and prod (those of the ranks with data), as the
+    engine's stand-ins (engine._stand_in)."""
+    code, op = live["code"], _OP_NAMES[live["op"]]
+    dtype = next(d for d, c in _DTYPES.items() if c == code)
+    fill = 1 if op == "prod" else 0
+    if op in ("min", "max"):
+        if dtype.kind == "f" or dtype == _BFLOAT16:
+            fill = np.inf if op == "min" else -np.inf
+        else:
+            fill = np.iinfo(dtype).max if op == "min" else np.iinfo(dtype).min
+    src = np.full(live["shape"], fill, dtype=dtype)
+    dst = np.empty_like(src)
+    ring.comm.allreduce(_raw(src), _raw(dst), code, live["op"])
 
 
 def _rank_names(ring: _Ring | None) -> list | None:
@@ -538,15 +619,16 @@ def _rank_names(ring: _Ring | None) -> list | None:
     return [f"world rank {w} (rank {i} of set {set_id})" for i, w in enumerate(ring.ranks)]
 
 
-def _exchange(head: bytes, data, fields, what, ring: _Ring | None = None):
+def _exchange(head: bytes, data, fields, what, ring: _Ring | None = None, beside_joined: bool = False):
     """The header pass that starts every operation (data rides along when
     small): returns every rank's blob (of ring's members; default the world).
     Under the ring's lock: the collectives hold it already; the engine's
-    negotiation and process_sets' passes, which hold _state.lock, take it here."""
+    negotiation and process_sets' passes, which hold _state.lock, take it here.
+    beside_joined: the caller is an allreduce that runs the ring next (_agree)."""
     held = ring if ring is not None else _state.ring
     with held.lock if held is not None else contextlib.nullcontext():
         blobs = (_usable_comm() if ring is None or ring is _state.ring else ring.comm).exchange_blobs(head, data)
-    _agree(blobs, head, fields, what, ring)
+    _agree(blobs, head, fields, what, ring, beside_joined)
     return blobs
 
 
@@ -613,7 +695,7 @@ def _payloads(blobs, head_len):
     return [memoryview(b)[head_len:] for b in blobs]
 
 
-# Averaged as running means, never as sums that could overflow (csrc/reduce_math.h).
+# Averaged as running means, never as sums that could overflow (csrc/kernels/reduce_math.h).
 _MEAN_CODES = (_core.FLOAT16, _core.BFLOAT16)
 
 
@@ -706,16 +788,17 @@ def _allreduce_checked(x, op, out, name, process_set):
                     ring.plans[(x.shape, x.dtype, op, name)] = _Plan(head, x.shape, code, opc, rounds)
                 return dst if out is None or dst is out else _deliver(dst, out)
             return _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc)
-        blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
+        blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
         return _allreduce_ring(blobs, ring, src, dst, out, code, opc)
 
 
 def _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc):
     """A small allreduce's headers differed: MismatchError on every rank, or,
-    when only the path differs (RINGREDUCE_SMALL_BYTES differs between ranks),
-    the ring, as every rank takes it. src and dst are C-contiguous; called
-    with the lock held."""
-    _agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce", ring)
+    when only the path differs (RINGREDUCE_SMALL_BYTES differs between ranks)
+    or the others are joined ranks' negotiation (rr.join: _agree), the ring,
+    as every rank takes it. src and dst are C-contiguous; called with the
+    lock held."""
+    _agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
     return _allreduce_ring(blobs, ring, src, dst, out, code, opc)
 
 
@@ -723,9 +806,34 @@ def _allreduce_ring(blobs, ring, src, dst, out, code, opc):
     """The ring allreduce of src into dst, after the header pass agreed."""
     if dst is not src and np.may_share_memory(dst, src):
         src = src.copy()
-    with _byte_order(ring.comm, blobs):
-        ring.comm.allreduce(_raw(src), _raw(dst), code, opc)
+    ring.comm.allreduce(_raw(src), _raw(dst), code, opc)
+    _note_phases(ring.comm)
     return _deliver(dst, out)
+
+
+_phase_log = threading.local()  # .log: the list record_phases() collects in on this thread, or None
+
+
+@contextlib.contextmanager
+def record_phases():
+    """Collects the phases of every ring allreduce this thread runs inside:
+    (start, ScatterReduce done, end), CLOCK_MONOTONIC seconds as the C core
+    timed them (comm.last_phases), one per ring op, read under the ring's
+    lock right after the op. The small one-pass allreduces (arena, recursive
+    doubling, the blob pass) have no such phases and add nothing. The
+    engine's timeline shows them (ringreduce/timeline.py)."""
+    log, outer = [], getattr(_phase_log, "log", None)
+    _phase_log.log = log
+    try:
+        yield log
+    finally:
+        _phase_log.log = outer
+
+
+def _note_phases(comm) -> None:
+    log = getattr(_phase_log, "log", None)
+    if log is not None:
+        log.append(comm.last_phases())
 
 
 def _allreduce_device(x, op, out, name, process_set=None):
@@ -740,25 +848,29 @@ def _allreduce_device(x, op, out, name, process_set=None):
         raise
     ring = _lookup(process_set)
     if x.nbytes <= ring.allreduce_limit:  # outside the ring's lock, which allreduce() takes after _state.lock
-        # Latency-bound: one copy each way and the host path, whose
-        # arithmetic is the GPU's (reduce_math.h), so the bits are the same.
+        # Latency-bound: one copy each way through a pinned bounce buffer and
+        # the host path in place there (host kernels: the host ring's bits).
+        def reduce(host):
+            allreduce(host, op, out=host, name=name, process_set=process_set)
         with g.on(x):
-            return _deliver(g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x),
-                            out, g.xp)
+            got = g.allreduce_small(x, out, reduce)
+            if got is None:  # the device busy with other threads: through pageable memory
+                got = g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x)
+            return _deliver(got, out, g.xp)
     with ring.lock, g.on(x):
         head = _header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
-        blobs = _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring)
+        _exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
         src = g.xp.ascontiguousarray(x)
         dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
         if dst is not src and g.xp.may_share_memory(dst, src):
             src = src.copy()
-        with _byte_order(ring.comm, blobs):
-            g.allreduce(ring.comm, src, dst, code, opc)
+        g.allreduce(ring.comm, src, dst, code, opc)
+        _note_phases(ring.comm)
         return _deliver(dst, out, g.xp)
 
 
 def _chunk_bounds(count: int, n: int, i: int) -> tuple[int, int]:
-    """Chunk i of count elements over n ranks, as csrc/ring.c cuts it."""
+    """Chunk i of count elements over n ranks, as csrc/schedule/ring.c cuts it."""
     base, extra = divmod(count, n)
     start = i * base + min(i, extra)
     return start, start + base + (1 if i < extra else 0)
@@ -784,8 +896,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
             mine = _reduce_blobs(_payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
             return g.from_host(mine, like=x)
         work = g.xp.empty(x.size, dtype=x.dtype)
-        with _byte_order(w.comm, blobs):
-            g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
+        g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
         return work[lo:hi].copy()
 
 
@@ -817,8 +928,7 @@ def allgather(x, name: str | None = None, process_set=None):
         nbytes = [r * row_bytes for r in rows]
         at = sum(nbytes[:w.rank])
         flat[at:at + nbytes[w.rank]] = _bytes(g.xp.ascontiguousarray(x))
-        with _byte_order(w.comm, blobs):
-            g.allgather(w.comm, flat, nbytes)
+        g.allgather(w.comm, flat, nbytes)
         return out
 
 

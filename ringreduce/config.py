@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 
-# Largest blob of the header pass (csrc/ring.c MAX_BLOB is 64 MiB): the small
+# Largest blob of the header pass (csrc/schedule/ring.c MAX_BLOB is 64 MiB): the small
 # path sends header + tensor in one blob, so its limit stays well below.
 MAX_SMALL_BYTES = 32 << 20
 MAX_SEGMENT_BYTES = 64 << 20
@@ -16,12 +16,12 @@ MAX_SEGMENT_BYTES = 64 << 20
 # on one rank while rank 0 waited for it forever)
 MAX_START_TIMEOUT = 7 * 24 * 3600
 MAX_SHM_BYTES = 1 << 30  # what a taker accepts (ringreduce/shm.py)
-MAX_ARENA_BYTES = 16 << 20  # per rank, twice over (csrc/host_arena.h)
+MAX_ARENA_BYTES = 16 << 20  # per rank, twice over (csrc/schedule/host_arena.h)
 ARENA_HEADER_ROOM = 4096  # an arena slot holds arena_bytes of data plus the operation's header
 BACKENDS = ("", "socket", "mpi")
 SMALL_ALGORITHMS = ("", "doubling", "ring")
-ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/host_arena.h rr_arena_mode
-SHM_CMA_MODES = ("auto", "0", "1", "refused")  # csrc/cma.h
+ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/schedule/host_arena.h rr_arena_mode
+SHM_CMA_MODES = ("auto", "0", "1", "refused")  # csrc/schedule/cma.h
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 
 
@@ -40,7 +40,7 @@ class Config:
     arena_bytes: int = 256 << 10    # RINGREDUCE_ARENA_BYTES: largest tensor of the host arena, the small
                                     # path when all ranks share one host (either backend); 0: none
     arena_reduce: str = "auto"      # RINGREDUCE_ARENA_REDUCE: how the host arena reduces: "auto" (by size
-                                    # and N, csrc/host_arena.c's cost model), "direct" (each rank folds all
+                                    # and N, csrc/schedule/host_arena.c's cost model), "direct" (each rank folds all
                                     # N), "split" (each its 1/N, then a second round), "copy" (the first
                                     # version); the same bits every way
     shm_zerocopy: bool = True       # RINGREDUCE_SHM_ZEROCOPY: 1 (default): where both of a rank's links

@@ -1,4 +1,4 @@
-"""ringreduce's CUDA kernels (csrc/cuda/reduce.cu), loaded through cupy.
+"""ringreduce's CUDA kernels (csrc/kernels/cuda/reduce.cu), loaded through cupy.
 
 The kernels come from a fatbin that setup.py builds with nvcc when asked
 (RINGREDUCE_CUDA=1, for sm_80 and sm_90), or else are compiled at run time
@@ -19,7 +19,8 @@ from .errors import RingReduceError
 
 PACKAGE = Path(__file__).resolve().parent
 FATBIN = PACKAGE / "reduce_kernels.fatbin"
-SOURCE_DIRS = [PACKAGE / "csrc", PACKAGE.parent / "csrc"]  # a wheel's copy (setup.py), then the source tree
+# a wheel's copy (setup.py), then the source tree
+SOURCE_DIRS = [PACKAGE / "csrc" / "kernels", PACKAGE.parent / "csrc" / "kernels"]
 
 # In the C core's code order (rr_dtype, rr_op): the ring's device takes its kernels so.
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "int16", "uint16")
@@ -63,13 +64,13 @@ def _module():
 
 
 def kernel_source() -> Path:
-    """csrc/cuda/reduce.cu (next to the reduce_math.h it includes), which cupy
+    """csrc/kernels/cuda/reduce.cu (next to the reduce_math.h it includes), which cupy
     compiles where no fatbin was built."""
     for d in SOURCE_DIRS:
         src = d / "cuda" / "reduce.cu"
         if src.exists():
             return src
-    raise RingReduceError("csrc/cuda/reduce.cu not found: reinstall ringreduce, or build with RINGREDUCE_CUDA=1")
+    raise RingReduceError("csrc/kernels/cuda/reduce.cu not found: reinstall ringreduce, or build with RINGREDUCE_CUDA=1")
 
 
 def _dtype_name(dtype) -> str:
@@ -151,6 +152,35 @@ def kernel_table(handle):
     return reduce, divide, mean
 
 
+def through_bounce(device, src_ptr: int, dst_ptr: int, nbytes: int, work) -> bool:
+    """The small messages' path on a GPU: nbytes at device pointer src_ptr go
+    down into one of the device's cached pinned bounce buffers (one copy),
+    work(view) runs on the host in place in that buffer (a writable
+    memoryview, valid only during the call), and the buffer goes up into
+    dst_ptr (one copy): two device operations, nothing allocated once a
+    message of the size has passed. False, with nothing done, when other
+    threads hold every bounce buffer or run a collective on the device (a
+    small message never waits for one: it may wait on peers that wait on
+    this message); if work raises, the buffer is handed back and nothing
+    goes up."""
+    got = device.bounce_down(src_ptr, nbytes)
+    if got is None:
+        return False
+    slot, view = got
+    try:
+        work(view)
+    except BaseException:
+        try:
+            view.release()
+        except BufferError:  # the traceback still holds an array over it: nothing reads it again
+            pass
+        device.bounce_release(slot)
+        raise
+    view.release()
+    device.bounce_up(slot, dst_ptr, nbytes)
+    return True
+
+
 class DeviceArrays:
     """What the collectives need to run on GPU arrays (cupy): allocate like
     numpy, copy to and from the host for the small-message path, and call the
@@ -197,6 +227,20 @@ class DeviceArrays:
         under on(array)) must be done first."""
         self.xp.cuda.get_current_stream().synchronize()
         return ring_device(array.device.id)
+
+    def allreduce_small(self, x, out, reduce):
+        """x's allreduce through a pinned bounce buffer (through_bounce):
+        reduce(host) reduces a numpy array in place there. The result is out
+        where it is C-contiguous, else a new array; None when no bounce buffer
+        can be had now (the caller goes through pageable memory)."""
+        device = self._ready(x)
+        src = self.xp.ascontiguousarray(x)
+        dst = out if out is not None and out.flags.c_contiguous else self.xp.empty_like(src)
+
+        def work(view):
+            reduce(np.frombuffer(view, dtype=src.dtype).reshape(src.shape))
+
+        return dst if through_bounce(device, src.data.ptr, dst.data.ptr, src.nbytes, work) else None
 
     def allreduce(self, comm, src, dst, code, opc):
         comm.allreduce_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)

@@ -18,8 +18,24 @@ BLACKLIST_SECONDS. With --host-discovery-script (prints `host` or
 workers, up to --max-np, and workers on hosts that disappear are stopped.
 While fewer than --min-np workers run, ringrun waits up to
 --elastic-timeout seconds, then stops the rest and exits 1 saying why.
+
+When every worker of the first -np fails the same way (the same exit code,
+or killed by the same signal) before any worker committed its state, the
+script is at fault, not a host: ringrun ends the job as a plain ringrun
+does, with that exit code, instead of restarting workers that would only
+fail again.
+
 Once a worker exits 0 the job is finishing: nothing is restarted, and
-ringrun exits 0 when the last worker is done.
+ringrun exits 0 when the last worker is done. Workers still in the last
+generation, and those that closed their connection to the rendezvous (while
+they save a model, or exit), are waited for however long their work after
+`run` takes; only workers waiting to join a ring that will not form again,
+and those cut off from the rendezvous (dropped, or their host stopped
+answering), are stopped.
+
+While it waits, ringrun sleeps (on its workers' exits, signals, and the
+next thing due), and so does the rendezvous: a job waiting for minutes
+takes no CPU.
 """
 from __future__ import annotations
 
@@ -148,6 +164,7 @@ class ElasticJob:
         self.pending: list[tuple[float, str]] = []  # (when, preferred host) of restarts due
         self.pumps: list[threading.Thread] = []
         self.finishing = False
+        self.stopped_joiners: set = set()  # ids of the joiners stopped once training finished
         self.below_since: float | None = None
         self.last_discovery = time.monotonic()
 
@@ -182,11 +199,29 @@ class ElasticJob:
             return False
         self.job.ranks.append(_run.Rank(self.serial, host in _run.LOCAL_HOSTS, p))
         self.workers.append(Worker(self.serial, wid, host, p, time.monotonic()))
+        threading.Thread(target=self._wake_on_exit, args=(p,), daemon=True).start()
         for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
             t = threading.Thread(target=self.job.pump, args=(wid, stream, sink, name), daemon=True)
             t.start()
             self.pumps.append(t)
         return True
+
+    def _wake_on_exit(self, proc: subprocess.Popen) -> None:
+        proc.wait()
+        self.job.waker.poke()
+
+    def failed_alike_at_start(self) -> int | None:
+        """The exit code every worker of the first -np ended with, if each
+        failed, all alike, and no worker ever committed (the script fails at
+        start: a restart would fail again); None otherwise."""
+        first = self.workers[:self.opts.np]
+        if len(first) < self.opts.np or self.server.has_committed():
+            return None
+        codes = {w.proc.poll() for w in first}
+        if len(codes) != 1:
+            return None
+        code = codes.pop()
+        return code if code is not None and code != 0 else None
 
     def failed(self, w: Worker, code: int, now: float) -> None:
         host = self.hosts.get(w.host)
@@ -241,13 +276,17 @@ class ElasticJob:
                     if raised is not None:  # the program's error: a restart would only raise it again
                         return self.stop(_run.Ending(code if code > 0 else 1),
                                          f"worker {w.id} raised {raised} in its training function")
+                    alike = None if self.finishing else self.failed_alike_at_start()
+                    if alike is not None:  # the script fails at start: end as a plain ringrun would
+                        return self.stop(_run.Ending(alike if alike > 0 else 128 - alike),
+                                         f"every worker (all {self.opts.np}) {_run.describe(alike)} before any "
+                                         f"commit: not restarted, each would fail the same way")
                     self.failed(w, code, now)
             running = self.running()
             if self.finishing and not running:
                 return _run.Ending(0)
-            if self.finishing and not self.server.members() & {w.id for w in running}:
-                # training is over: those left were waiting to join a ring that will not form again
-                return self.stop(_run.Ending(0), f"training finished; {len(running)} worker(s) still waited to join")
+            if self.finishing:
+                self.stop_joiners(running)
             if not self.finishing:
                 self.discover(now)
                 self.start_due(now)
@@ -265,7 +304,46 @@ class ElasticJob:
                                          f"{self.opts.min_np}, {'with no restart left' if hopeless else waited}")
                 else:
                     self.below_since = None
-            time.sleep(0.05)
+            self.job.waker.wait(self.sleep_for(time.monotonic()))
+
+    def sleep_for(self, now: float) -> float:
+        """Seconds until something is due: a restart, a discovery run, the
+        --elastic-timeout; at most 1 s (the rendezvous's news, read each
+        turn), at least 10 ms. Exits and signals wake the loop sooner."""
+        due = [now + 1.0]
+        if self.finishing:
+            due.append(now + 0.2)  # finished workers leave the rendezvous: look again soon
+        else:
+            due += [when for when, _ in self.pending]
+            if self.opts.discovery_script:
+                due.append(self.last_discovery + DISCOVERY_INTERVAL)
+            if self.below_since is not None:
+                due.append(self.below_since + self.opts.elastic_timeout + 0.01)
+        return max(0.01, min(due) - now)
+
+    def stop_joiners(self, running: list[Worker]) -> None:
+        """Training is over: the workers still waiting to join a ring that
+        will not form again, and those cut off from the rendezvous (dropped,
+        or their host stopped answering), are stopped once no worker of the last
+        generation is running. Every other worker (in that generation, or one
+        that closed its connection itself: finished, saving, exiting) is
+        waited for."""
+        ids = {w.id for w in running}
+        if self.server.members() & ids:
+            return
+        joiners = self.server.joiners(ids) - self.stopped_joiners
+        dropped = self.server.dropped_of(ids) - joiners - self.stopped_joiners
+        if not joiners and not dropped:
+            return
+        left = len(ids - joiners - dropped - self.stopped_joiners)
+        why = " and ".join(([f"{len(joiners)} worker(s) still waited to join"] if joiners else []) +
+                           ([f"{len(dropped)} worker(s) cut off from the rendezvous still ran"] if dropped else []))
+        _run.say(f"training finished; {why}; stopping them"
+                 + (f" (waiting for {left} finishing worker(s) to exit)" if left else ""))
+        self.stopped_joiners |= joiners | dropped
+        for w in running:
+            if w.id in joiners | dropped:
+                _stop_one(w)
 
     def start_due(self, now: float) -> None:
         due = [p for p in self.pending if p[0] <= now]
@@ -312,13 +390,13 @@ class ElasticJob:
             if time.monotonic() > kill_at or len(self.job.signals) > 1:
                 self.job.stop_all(signal.SIGKILL)
                 kill_at = float("inf")
-            time.sleep(0.05)
+            self.job.waker.wait(0.2)
         return ending
 
 
 def _stop_one(w: Worker) -> None:
     try:
-        w.proc.stdin.close()  # its guard stops it
+        w.proc.stdin.close()  # its guard stops it (SIGTERM, SIGKILL after the grace)
     except OSError:
         pass
 
@@ -327,6 +405,7 @@ def run(opts: Options, command: list[str]) -> _run.Ending:
     opts.verbose = opts.verbose or os.environ.get("RINGRUN_VERBOSE", "") not in ("", "0")
     ej = ElasticJob(opts, command)
     old = {s: signal.signal(s, lambda signum, frame: ej.job.signals.append(signum)) for s in _run.STOP_SIGNALS}
+    ej.job.waker.catch_signals()
     try:
         for _ in range(opts.np):
             host = ej.free_host(None, time.monotonic())
@@ -336,6 +415,7 @@ def run(opts: Options, command: list[str]) -> _run.Ending:
                 return ej.stop(_run.Ending(127), "cannot start the workers")
         return ej.watch()
     finally:
+        ej.job.waker.close()
         for s, h in old.items():
             signal.signal(s, h)
         for t in ej.pumps:

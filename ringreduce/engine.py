@@ -22,11 +22,14 @@ MismatchError; compressed tensors with the same compressor fuse into
 buckets of their own.
 
 A rank that calls join() goes on negotiating with nothing of its own: it
-adds zeros to every allreduce the others run (so avg still divides by every
-rank, as Horovod's), until every rank has joined; then join() returns the
-rank that joined last, on every rank.
+adds zeros to every allreduce the others run, through their engines or
+directly with rr.allreduce (collectives._negotiation_pass), so avg still
+divides by every rank, as Horovod's, until every rank has joined; then
+join() returns the rank that joined last, on every rank.
 
-Framework-free: the TensorFlow layer calls only enqueue, wait and join.
+Framework-free: the TensorFlow layer calls only enqueue, wait, withdraw,
+refuse (a bad argument it found itself, so the other ranks fail at once
+instead of waiting for it), join and start_timeline.
 """
 from __future__ import annotations
 
@@ -177,6 +180,15 @@ class Engine:
         except (TypeError, ValueError) as exc:
             self._refuse(name, kind, process_set, group, exc)
             raise
+
+    def refuse(self, name: str, problem: Exception, kind: str = "allreduce", process_set=None) -> None:
+        """For a caller that found this rank's input to collective `name` bad
+        before enqueueing it: the others' request of that name fails on
+        every rank with MismatchError naming this rank (and the problem), at
+        once, instead of waiting RINGREDUCE_TIMEOUT. process_set as
+        enqueue's. Returns once negotiated; the caller then raises."""
+        group, set_id = _resolve(process_set)
+        self._refuse(name, kind, set_id, group, problem)
 
     def _refuse(self, name, kind, process_set, group, problem) -> None:
         """This rank's bad input still meets the others' request of that name,
@@ -390,7 +402,7 @@ class Engine:
                 self._last_joined = agreement.join_done
                 done, self._joining = self._joining, None
             done.set()
-        elif not handles and not agreement.failed:
+        elif not handles and not agreement.failed and not agreement.served:
             # Some rank is still computing: ask again shortly, backing off from
             # a yield to a millisecond (an eager op's partner is often only
             # microseconds late; a rank still in backprop may be seconds away).
@@ -444,10 +456,8 @@ class Engine:
                 flat = families[0].xp.concatenate([h.array.reshape(-1) for h in bucket])
             label = bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors"
             t0 = time.monotonic()
-            result = _c.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
-        phases = _c._ring(bucket[0].group).comm.last_phases()
-        if phases[0] < t0:  # the one-pass small algorithm ran: no ring phases to show
-            phases = None
+            with _c.record_phases() as phases:  # none when the one-pass small algorithm ran
+                result = _c.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
         self.timeline.ring_op([h.name for h in bucket], label, flat.nbytes, t0, time.monotonic(), phases)
         if self.timeline.path:  # bytes this rank has sent on this ring so far (ringreduce/traffic.py)
             self.timeline.counter("bytes sent", dict(zip(("ring", "blobs", "alltoall"),
@@ -474,12 +484,14 @@ class Engine:
         # would go out instead of zeros).
         compressor = self._stand_in_compressor(tag)
         t0 = time.monotonic()
-        results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
-                                           bucket[0].group, [h.extra.get("compression_key", h.name) for h in bucket],
-                                           [h.extra.get("compression", compressor) for h in bucket])  # whose state
+        with _c.record_phases() as phases:  # of each ring allreduce the compressor runs (top-k's gather: none)
+            results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
+                                               bucket[0].group,
+                                               [h.extra.get("compression_key", h.name) for h in bucket],
+                                               [h.extra.get("compression", compressor) for h in bucket])  # whose state
         label = f"{tag} " + (bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors")
         self.timeline.ring_op([h.name for h in bucket], label, sum(h.array.nbytes for h in bucket), t0,
-                              time.monotonic())
+                              time.monotonic(), phases)
         with self._cond:
             for h, r in zip(bucket, results):
                 h.result = r
@@ -612,9 +624,9 @@ def reset() -> None:
 
 def join() -> int:
     """Horovod's hvd.join(): call it when this rank has run out of data. Until
-    every rank has joined, allreduces the others issue through the engine
-    complete with this rank adding zeros (avg still divides by every rank);
-    other collectives raise MismatchError. Returns, on every rank, the rank
-    that joined last."""
+    every rank has joined, allreduces the others issue, through the engine or
+    directly (rr.allreduce), complete with this rank adding zeros (avg still
+    divides by every rank); other collectives raise MismatchError on the
+    ranks that issue them. Returns, on every rank, the rank that joined last."""
     _c._require_world()  # else a fresh engine fails to start: "stopped after an earlier error", misleading
     return engine().join()

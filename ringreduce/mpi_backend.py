@@ -66,12 +66,12 @@ def connect(config: Config, comm=None, tag: str = "world"):
 
 
 def attach_arena(ring, comm, tag: str, config: Config) -> bool:
-    """The host arena (csrc/host_arena.h) for a ring over MPI whose ranks
+    """The host arena (csrc/schedule/host_arena.h) for a ring over MPI whose ranks
     all share one host, as the socket backend's (ringreduce/shm.py): agreed
     with an allgather over `comm`, the communicator the ring was made from
     (its transport runs on a duplicate, so these never meet its messages).
     Small operations then take the arena before recursive doubling, and the
-    transport's stalled() judges the arena's waits (csrc/mpi_transport.c).
+    transport's stalled() judges the arena's waits (csrc/transport/mpi_transport.c).
     Every rank of comm calls it at the same point."""
     from . import shm
     return shm.attach_arena(ring, comm.Get_rank(), comm.Get_size(), tag, config.arena_slot, config.spin,

@@ -5,11 +5,15 @@ Each cycle every rank sends one message in one header pass of the ring
 
     flags (u8: bit 0 = this rank has called join; bit 1 = a stall verdict
     follows; bit 3 = a fusion threshold follows; bit 4 = a cache capacity
-    follows), n (u32),
+    follows; bit 5 = a served count follows), n (u32),
     [with bit 3: this rank's fusion threshold (u64), sent when it differs
     from the one agreed: rank 0's holds on every rank, so all fuse alike]
     [with bit 4: this rank's response cache capacity (u32), sent in the first
     pass only: rank 0's holds on every rank, so every cache stays identical]
+    [with bit 5: how many of the other ranks' direct allreduces this joined
+    rank has served since it joined (u32; collectives._negotiation_pass):
+    of ranks whose join is first seen in one cycle, the one that served
+    fewest joined last]
     n bytes: a bit per response-cache slot whose request is ready here,
     JSON: the full key of every ready request the cache does not hold (with a
     stall verdict: {"full": those keys, "stalled": [[process_set, name, why]]})
@@ -41,9 +45,10 @@ from dataclasses import dataclass, field
 from . import collectives as _c
 from .response_cache import ResponseCache
 
-NEGOTIATE = 5  # header kind of a negotiation pass (see collectives._KIND_NAMES)
+NEGOTIATE = _c.NEGOTIATE  # header kind of a negotiation pass (see collectives._KIND_NAMES)
 _FLAGS = struct.Struct("<BI")
-JOINED, STALL_VERDICT, LEFT, FUSION, CAPACITY = 1, 2, 4, 8, 16
+JOINED, STALL_VERDICT, LEFT, FUSION, CAPACITY, SERVED = _c._JOINED, 2, _c._LEFT, 8, 16, 32  # collectives reads
+# JOINED and LEFT (a direct collective's pass that met joined ranks)
 _FUSION = struct.Struct("<Q")
 _CAPACITY = struct.Struct("<I")
 
@@ -60,6 +65,7 @@ class Message:
     left: bool = False  # this rank is shutting down (Engine.leave): joined, and runs nothing more
     fusion: int | None = None  # this rank's fusion threshold, when it differs from the agreed one
     capacity: int | None = None  # this rank's response cache capacity, in the first pass
+    served: int = 0  # direct allreduces this joined rank served since it joined
 
 
 @dataclass
@@ -70,6 +76,9 @@ class Agreement:
     join_done: int | None = None  # every rank has joined and nothing is left: the last to join
     waiting: dict = field(default_factory=dict)  # (process_set, name) -> (ranks that have it, ranks that do not)
     left: list = field(default_factory=list)  # ranks shutting down (also in joined)
+    # this joined rank's pass met the others' direct collective instead (collectives._negotiation_pass):
+    # no negotiation took place, nothing changed; the engine asks again at once
+    served: bool = False
 
 
 @dataclass
@@ -81,7 +90,7 @@ class Stats:
 
 
 def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = (), left: bool = False,
-           fusion: int | None = None, capacity: int | None = None) -> bytes:
+           fusion: int | None = None, capacity: int | None = None, served: int = 0) -> bytes:
     bits, full = 0, []
     for key in keys:
         slot = cache.slot(key)
@@ -91,10 +100,11 @@ def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = (), l
             bits |= 1 << slot
     vector = bits.to_bytes((bits.bit_length() + 7) // 8, "little")
     flags = (JOINED if joined or left else 0) | (STALL_VERDICT if stalled else 0) | (LEFT if left else 0) | (
-        FUSION if fusion is not None else 0) | (CAPACITY if capacity is not None else 0)
+        FUSION if fusion is not None else 0) | (CAPACITY if capacity is not None else 0) | (SERVED if served else 0)
     body = {"full": full, "stalled": list(stalled)} if stalled else full
     return (_FLAGS.pack(flags, len(vector)) + (_FUSION.pack(fusion) if fusion is not None else b"")
-            + (_CAPACITY.pack(capacity) if capacity is not None else b"") + vector
+            + (_CAPACITY.pack(capacity) if capacity is not None else b"")
+            + (_CAPACITY.pack(served) if served else b"") + vector
             + (json.dumps(body).encode() if body else b""))
 
 
@@ -107,6 +117,9 @@ def decode(blob) -> Message:
     capacity = None
     if flags & CAPACITY:
         (capacity,), at = _CAPACITY.unpack_from(blob, at), at + _CAPACITY.size
+    served = 0
+    if flags & SERVED:
+        (served,), at = _CAPACITY.unpack_from(blob, at), at + _CAPACITY.size
     bits = int.from_bytes(bytes(blob[at:at + n]), "little")
     rest = bytes(blob[at + n:])
     body = json.loads(rest) if rest else []
@@ -117,7 +130,7 @@ def decode(blob) -> Message:
     for e in body:
         key = (e[0], e[1], e[2], tuple(e[3]), e[4], e[5], e[6])
         entries[(key[PROCESS_SET], key[NAME])] = key
-    return Message(bool(flags & JOINED), bits, entries, stalled, bool(flags & LEFT), fusion, capacity)
+    return Message(bool(flags & JOINED), bits, entries, stalled, bool(flags & LEFT), fusion, capacity, served)
 
 
 def _set_bits(bits: int):
@@ -252,7 +265,8 @@ class Negotiator:
         self.cache = ResponseCache(capacity)
         self.stats = Stats()
         self._cycle = 0
-        self._joined_at: dict[int, int] = {}  # rank -> cycle its join was first seen
+        self._joined_at: dict[int, tuple] = {}  # rank -> (cycle its join was first seen, -passes it served then)
+        self._served = 0  # the others' direct allreduces this rank served since it joined
         self.stall_seconds = stall_seconds
         self._waiting_since: dict[tuple, float] = {}  # (process_set, name) -> when first seen on some ranks only
         self._stalled: list = []  # rank 0's verdict, sent with its next message
@@ -265,11 +279,16 @@ class Negotiator:
         """fusion: this rank's fusion threshold now; self.fusion is rank 0's after the pass."""
         t0 = time.perf_counter()
         first = self._cycle == 0  # every cache is empty yet: each rank says its capacity
+        if not (joined or left):
+            self._served = 0
         blob = encode(keys, joined, self.cache, self._stalled, left, fusion if fusion != self.fusion else None,
-                      self.cache.capacity if first else None)
+                      self.cache.capacity if first else None, min(self._served, 0xFFFFFFFF))
         head = _c._header(NEGOTIATE, 0, 0, (), "", 0, False)
         with _c._state.lock:
-            blobs = _c._exchange(head, blob, ("name",), "engine negotiation")
+            blobs = _c._negotiation_pass(head, blob)
+            if blobs is None:
+                self._served += 1
+                return Agreement(served=True)
             me = _c._state.world.rank
             # Sets are added and removed by passes of the world's ring, so every
             # rank holds the same registry at the same negotiation pass.
@@ -285,12 +304,14 @@ class Negotiator:
         self._stalled = self._judge_stalls(out.waiting) if me == 0 else []
         self._cycle += 1
         for r in out.joined:
-            self._joined_at.setdefault(r, self._cycle)
+            self._joined_at.setdefault(r, (self._cycle, -messages[r].served))
         if len(out.joined) == len(messages) and not out.run and not out.failed and not any(
                 m.bits or m.entries for m in messages):
-            # the rank that joined last; ranks that joined in the same cycle: the highest
+            # the rank that joined last; ranks first seen in the same cycle: the one that served the fewest
+            # direct allreduces (it joined after those), then the highest
             out.join_done = max(self._joined_at, key=lambda r: (self._joined_at[r], r))
             self._joined_at.clear()
+            self._served = 0
         self.stats.cycles += 1
         self.stats.bytes_sent += sum(len(b) + 8 for b in blobs) - (len(blobs[(me + 1) % len(blobs)]) + 8)
         self.stats.seconds += time.perf_counter() - t0

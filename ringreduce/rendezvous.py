@@ -19,6 +19,7 @@ generation is ever taken), then say ready.
     server -> worker : {"update": generation}  new workers wait: re-form at the next commit
     server -> worker : {"queued": generation}  (to a newcomer) a ring runs: wait for its next commit, untimed
     worker -> server : {"failed": text}        its training function raised (not a lost peer): ringrun ends the job
+    worker -> server : {"committed": n}        its first commit (once per process): the job has trained
 
 When a generation is formed:
   * at the start: once all `expected` workers registered (or, after
@@ -37,6 +38,7 @@ long (elastic_launcher.py).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -60,6 +62,8 @@ class RendezvousLostError(RingReduceError):
 
 
 MALFORMED = (ValueError, TypeError, AttributeError, KeyError)  # what a message that makes no sense raises
+# how a connection ends when the worker's host, not the worker, went away (keepalive unanswered, no route)
+CUT_OFF = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
 ELASTIC_CONNECT_TIMEOUT = 30.0  # seconds a worker may take to connect its ring of one generation
 
 
@@ -102,6 +106,9 @@ class RendezvousServer:
         self.closed = False
         self.events: list[str] = []  # what happened, for the launcher's log and the tests
         self.failures: dict[str, str] = {}  # worker id -> the exception its training function raised
+        self.registered: set = set()  # ids of every worker that ever registered
+        self.dropped: set = set()  # ids of the workers dropped, or whose host stopped answering
+        self.committed = False  # some worker has committed (told us, or registered again with a commit)
         self.thread = threading.Thread(target=self._loop, name="ringreduce-rendezvous", daemon=True)
         self.thread.start()
 
@@ -117,6 +124,27 @@ class RendezvousServer:
         with self.lock:
             return {w.id for w in self.workers.values()
                     if w.generation == self.generation and w.state in ("assigned", "member")}
+
+    def joiners(self, ids) -> set:
+        """Those of `ids` that wait to join a ring: registered and waiting for
+        a generation (queued ones too), or not registered yet. A worker that
+        registered and closed its connection since is not one: it has left
+        (finished, or exiting) and is left to end by itself."""
+        with self.lock:
+            return {i for i in ids if (i in self.workers and self.workers[i].state == "waiting")
+                    or i not in self.registered}
+
+    def dropped_of(self, ids) -> set:
+        """Those of `ids` cut off from the job: dropped by this server (too
+        late to come back, or malformed), or whose host stopped answering
+        (keepalive probes unanswered, no route), whether or not they noticed."""
+        with self.lock:
+            return set(ids) & self.dropped
+
+    def has_committed(self) -> bool:
+        """Whether any worker of this job has committed its state yet."""
+        with self.lock:
+            return self.committed
 
     def failure_of(self, wid: str, wait: float = 1.0) -> str | None:
         """The exception worker `wid` reported before it exited, if any; waits
@@ -139,12 +167,19 @@ class RendezvousServer:
     # -- the loop
 
     def _loop(self) -> None:
+        """Sleeps in select() on the workers' connections (waking every 50 ms
+        for new ones), or on the acceptor's queue while none is connected:
+        a rendezvous with nobody to talk to takes no CPU."""
         while not self.closed:
-            self._take_new()
+            with self.lock:
+                idle = not self.workers
+            self._take_new(block=0.2 if idle else 0.0)
             with self.lock:
                 conns = {w.conn.fileno(): w for w in self.workers.values()}
+            if not conns:
+                continue
             try:
-                readable, _, _ = select.select(list(conns), [], [], 0.05) if conns else ([], [], [])
+                readable, _, _ = select.select(list(conns), [], [], 0.05)
             except (OSError, ValueError):
                 readable = []
             for fd in readable:
@@ -155,12 +190,16 @@ class RendezvousServer:
             with self.lock:
                 self._decide()
 
-    def _take_new(self) -> None:
+    def _take_new(self, block: float = 0.0) -> None:
+        """Takes the connections the acceptor has checked; waits up to `block`
+        seconds for the first."""
         while True:
             try:
-                conn, peer, hello = self.acceptor.ready.get_nowait()
+                conn, peer, hello = self.acceptor.ready.get(timeout=block) if block else \
+                    self.acceptor.ready.get_nowait()
             except queue.Empty:
                 return
+            block = 0.0
             wid = hello.get("register")
             if not isinstance(wid, str) or wid in self.workers:
                 log.warning("ringreduce: rendezvous refused %s: bad or duplicate worker id %r", peer, wid)
@@ -171,6 +210,7 @@ class RendezvousServer:
             w = _Worker(wid, conn, peer[0])
             with self.lock:
                 self.workers[wid] = w
+                self.registered.add(wid)
                 self.first_seen = self.first_seen or time.monotonic()
                 try:
                     self._register(w, hello)
@@ -179,6 +219,7 @@ class RendezvousServer:
 
     def _drop_malformed(self, w: _Worker, exc: Exception, locked: bool = False) -> None:
         log.warning("ringreduce: rendezvous dropped worker %s: malformed message (%s)", w.id, exc)
+        self.dropped.add(w.id)
         if locked:
             self._gone(w)
             return
@@ -188,9 +229,13 @@ class RendezvousServer:
     def _read(self, w: _Worker) -> None:
         try:
             data = w.conn.recv(65536)
-        except OSError:
-            data = b""
-        if not data:
+        except OSError as exc:
+            with self.lock:
+                if exc.errno in CUT_OFF:  # its host stopped answering: lost, though it may still run there
+                    self.dropped.add(w.id)
+                self._gone(w)  # else reset: a worker that exits with messages unread closes that way
+            return
+        if not data:  # the worker closed its end (it exits, or left the rendezvous)
             with self.lock:
                 self._gone(w)
             return
@@ -211,6 +256,10 @@ class RendezvousServer:
                 elif "failed" in msg:
                     self.failures[w.id] = str(msg["failed"])[:500]
                     self.events.append(f"worker {w.id} failed: {self.failures[w.id]}")
+                elif "committed" in msg:
+                    if not self.committed:
+                        self.events.append(f"worker {w.id} committed: the job has trained")
+                    self.committed = True
                 elif msg.get("ready") == w.generation and w.state == "assigned":
                     w.state = "member"
                     if not any(x.state == "assigned" for x in self.workers.values()):
@@ -224,6 +273,8 @@ class RendezvousServer:
         left_forming = w.state in ("assigned", "member") and w.generation == self.generation and self.forming
         self.events.append(f"worker {w.id} registered")
         w.state, w.port, w.host = "waiting", int(msg.get("port", 0)), str(msg.get("host", ""))
+        if int(msg.get("commit", 0)) > 0:
+            self.committed = True
         w.since = time.monotonic()
         if left_forming:
             self._abort(f"worker {w.id} left while generation {self.generation} was connecting")
@@ -268,6 +319,7 @@ class RendezvousServer:
                     log.warning("ringreduce: elastic: worker %s did not come back within %g s: dropped",
                                 w.id, self.rejoin_timeout)
                     self.workers.pop(w.id, None)
+                    self.dropped.add(w.id)
                     w.conn.close()
                 self._decide()
                 return
@@ -334,6 +386,7 @@ class _Client:
         self.update_pending = False
         self.generation = 0  # the last generation this worker was given
         self.pid = os.getpid()
+        self.told_commit = False  # report_commit sent
 
     def _connect(self, port: int, host: str, commit: int, deadline: float) -> None:
         self.sock = _world._dial(self.addr, deadline, self.key, "ringrun's elastic rendezvous")
@@ -380,6 +433,18 @@ class _Client:
                 return None
             if msg.get("abort") == generation:
                 return f"generation {generation} was called off ({msg.get('why')})"
+
+    def report_commit(self, commits: int) -> None:
+        """Tells ringrun this worker committed (its first commit only): a job
+        that has trained restarts lost workers; one whose every worker failed
+        alike before any commit ends instead (elastic_launcher.py)."""
+        if self.told_commit or self.sock is None:
+            return
+        self.told_commit = True
+        try:
+            _world.send_msg(self.sock, {"committed": commits})
+        except OSError:
+            pass  # its loss shows on the next read
 
     def report_failure(self, text: str) -> None:
         """Tells ringrun the training function raised: the job ends, nothing is restarted."""

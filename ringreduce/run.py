@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import select
 import shlex
 import signal
 import subprocess
@@ -98,6 +99,61 @@ def say(message: str) -> None:
         pass
 
 
+class Waker:
+    """What a waiting ringrun sleeps on: a pipe that a rank's exit, a closed
+    output or a signal (signal.set_wakeup_fd) writes a byte to. `wait` blocks
+    in select() until then or its timeout, so a waiting ringrun takes no CPU
+    however long it waits."""
+
+    def __init__(self):
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+        os.set_blocking(self.w, False)
+        self.old_wakeup: int | None = None
+        self.lock = threading.Lock()  # a poke never writes to a descriptor close() gave back
+        self.closed = False
+
+    def poke(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                os.write(self.w, b"!")
+            except OSError:
+                pass  # the pipe is full: a wake-up is pending anyway
+
+    def wait(self, timeout: float) -> None:
+        try:
+            select.select([self.r], [], [], max(0.0, timeout))
+            while os.read(self.r, 4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        except (OSError, ValueError):
+            time.sleep(max(0.0, timeout))  # closed: sleep instead, never spin
+
+    def catch_signals(self) -> None:
+        """Signals wake `wait` at once (the main thread only; elsewhere the timeout does)."""
+        try:
+            self.old_wakeup = signal.set_wakeup_fd(self.w)
+        except ValueError:
+            self.old_wakeup = None
+
+    def close(self) -> None:
+        if self.old_wakeup is not None:
+            try:
+                signal.set_wakeup_fd(self.old_wakeup)
+            except ValueError:
+                pass
+            self.old_wakeup = None
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            os.close(self.r)
+            os.close(self.w)
+
+
 @dataclass
 class Rank:
     index: int
@@ -118,6 +174,7 @@ class Job:
         self.signals: list[int] = []         # signals ringrun got, in order (from the handler)
         self.closed_sink: str | None = None  # "stdout"/"stderr" once writing to it failed
         self.ended: list[int] = []           # ranks in the order they ended: the first failure is the cause
+        self.waker = Waker()                 # woken by each of the above
 
     def wait_for(self, rank: "Rank"):
         """Records when a rank ends, so ringrun blames the first to fail (its
@@ -125,6 +182,7 @@ class Job:
         rank.proc.wait()
         with self.lock:
             self.ended.append(rank.index)
+        self.waker.poke()
 
     def pump(self, rank: int, stream, sink, sink_name: str):
         """Copies one rank's output to ours, line by line, each line prefixed.
@@ -144,6 +202,7 @@ class Job:
                 except (OSError, ValueError):  # BrokenPipeError: `| head` is done with us
                     self.closed_sink = sink_name
                     _silence(sink)
+                    self.waker.poke()
         stream.close()
 
     def running(self) -> list[Rank]:
@@ -182,6 +241,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
     secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
     job = Job()
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
+    job.waker.catch_signals()
     pumps = []
     try:
         for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout))):
@@ -202,6 +262,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
                 pumps.append(t)
         ending = watch(job)
     finally:
+        job.waker.close()
         for s, h in old.items():
             signal.signal(s, h)
         for t in pumps:
@@ -252,7 +313,8 @@ def watch(job: Job) -> Ending:
             job.signals[1:] = []
         if not running:
             return ending or Ending(0)
-        time.sleep(0.05)
+        # asleep until a rank ends, a signal comes or output closes (then the loop looks again)
+        job.waker.wait(1.0 if ending is None else max(0.05, min(1.0, kill_at - time.monotonic())))
 
 
 def end_by_signal(sig: int) -> None:

@@ -3,7 +3,7 @@ shared_empty_like, the user-buffer registration of NCCL's ncclMemAlloc +
 ncclCommRegister, MPI_Alloc_mem or XPMEM, for the ring on one host.
 
 An array from here lives in a memfd mapped MAP_SHARED by this process
-(csrc/shared_region.h) and registered with the C core. Where the ring reads
+(csrc/memory/shared_region.h) and registered with the C core. Where the ring reads
 its neighbour's chunks by Cross Memory Attach (RINGREDUCE_SHM_CMA), a rank
 whose buffer lies in such a region says so in its token, and the neighbour
 maps the region read-only and reduces straight out of it instead of copying

@@ -9,12 +9,12 @@ the file and finds the nonce there. Both sides then know the answer, and
 the file is unlinked at once: the two mappings keep it alive, and once the
 links are agreed nothing is left in /dev/shm, however the job ends.
 
-The file's layout is csrc/shm_link.h's: the magic and nonce at the start,
-the data from RR_SHM_DATA_OFFSET on. After this, csrc/tcp.c moves the data
+The file's layout is csrc/transport/shm_link.h's: the magic and nonce at the start,
+the data from RR_SHM_DATA_OFFSET on. After this, csrc/transport/tcp.c moves the data
 through the mapping and uses the socket only to wake a sleeping side.
 
 When every rank of a ring is on one host, they also share one arena
-(csrc/host_arena.h) for small operations: attach_arena() below, agreed the
+(csrc/schedule/host_arena.h) for small operations: attach_arena() below, agreed the
 same way (the offer travels in a ring pass of blobs, or in an MPI allgather
 over MPI) and unlinked at once.
 """
@@ -36,11 +36,11 @@ from . import _core
 log = logging.getLogger("ringreduce")
 
 MAGIC = b"RRSHM1\0\0"
-ARENA_MAGIC = b"RRARENA1"  # csrc/host_arena.h
-# RINGREDUCE_ARENA_REDUCE's names for Comm.use_arena's modes (csrc/host_arena.h rr_arena_mode).
+ARENA_MAGIC = b"RRARENA1"  # csrc/schedule/host_arena.h
+# RINGREDUCE_ARENA_REDUCE's names for Comm.use_arena's modes (csrc/schedule/host_arena.h rr_arena_mode).
 ARENA_MODES = {"auto": 1, "copy": 2, "direct": 3, "split": 4}
 DATA_OFFSET = 4096
-ALIGN = 64  # csrc/shm_link.h RR_SHM_ALIGN
+ALIGN = 64  # csrc/transport/shm_link.h RR_SHM_ALIGN
 SHM_DIR = "/dev/shm"
 MAX_BYTES = 1 << 30  # largest link buffer offered or taken
 
@@ -147,9 +147,9 @@ def connect(to_next: socket.socket, from_prev: socket.socket, tag: str, capacity
     """
     rx_fd, tx_fd, path = -1, -1, None
     offer: dict = {"path": None}
-    # A whole number of RR_SHM_ALIGN (64) bytes: the zero-copy windows need it (csrc/tcp.c), and a
+    # A whole number of RR_SHM_ALIGN (64) bytes: the zero-copy windows need it (csrc/transport/tcp.c), and a
     # RINGREDUCE_SHM_BYTES of, say, 1000 would otherwise turn that path off for the whole ring.
-    # And at least two: a Cross Memory Attach token (csrc/cma.c) must fit after the alignment gap
+    # And at least two: a Cross Memory Attach token (csrc/schedule/cma.c) must fit after the alignment gap
     # the operation before leaves; one alone deadlocked every rank in put_token.
     capacity = min(max(-(-capacity // ALIGN) * ALIGN, 2 * ALIGN), MAX_BYTES) if capacity > 0 else 0
     if capacity > 0:
@@ -257,7 +257,7 @@ def attach_arena(comm, rank: int, size: int, tag: str, slot_bytes: int, spin: in
 
 def agree_zero_copy(comm, wanted: bool) -> bool:
     """Lets comm's ring reduce straight in the shared-memory mappings
-    (csrc/ring.c, ring_steps_zero_copy) if every rank wants it
+    (csrc/schedule/ring.c, ring_steps_zero_copy) if every rank wants it
     (RINGREDUCE_SHM_ZEROCOPY) and has both its links through shared memory.
     That path sends bytes in another order than the copying one, so it is
     all ranks or none. Collective: every rank of comm calls it at the same
@@ -272,7 +272,7 @@ def agree_zero_copy(comm, wanted: bool) -> bool:
 
 def agree_cma(comm, me: int, n: int, mode: str) -> bool:
     """Lets comm's ring read each previous neighbour's buffers by Cross
-    Memory Attach (csrc/cma.h) if every rank wants it (RINGREDUCE_SHM_CMA=1, or
+    Memory Attach (csrc/schedule/cma.h) if every rank wants it (RINGREDUCE_SHM_CMA=1, or
     auto in a ring of two),
     zero copy is on (agree_zero_copy first) and every rank's probe passes:
     process_vm_readv of a random canary in its previous neighbour, refused
@@ -290,7 +290,7 @@ def agree_cma(comm, me: int, n: int, mode: str) -> bool:
     comm.allreduce(table, every, _core.INT64, _core.SUM)
     pid, addr, value = (int(v) for v in every[(me - 1) % n])
     # auto: rings of two only. With more ranks the kernel's copy (slower than memcpy here) does more
-    # work than the mappings' path (docs/performance.md, "Issue 17's cells on a quiet machine").
+    # work than the mappings' path (docs/performance.md, "Plain arrays: zero copy against CMA").
     wanted = mode == "1" or (mode == "auto" and n == 2)
     able = wanted and zero_copy and n > 1 and _core.Comm.cma_probe(pid, addr, np.int64(value).tobytes())
     vote = np.array([int(able)], np.int32)

@@ -2,8 +2,9 @@
 
 RINGREDUCE_TIMELINE=trace.json: one process row per rank, one thread row
 per tensor, with its QUEUE (handed over, waiting for every rank), the fused
-ring op it travelled in (split into its ScatterReduce and AllGather phases
-where the core reports them) and the caller's WAIT.
+ring op it travelled in (split into the ScatterReduce and AllGather phases
+of each ring allreduce it ran, compressed or not; the one-pass small
+allreduces have none) and the caller's WAIT.
 """
 from __future__ import annotations
 
@@ -58,15 +59,19 @@ class Timeline:
             self._emit({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": self._us(), "pid": self._pid,
                         "tid": 0, "args": {"requests": n_run}})
 
-    def ring_op(self, names, label: str, nbytes: int, t0: float, t1: float, phases=None) -> None:
+    def ring_op(self, names, label: str, nbytes: int, t0: float, t1: float, phases=()) -> None:
+        """One (fused) allreduce; phases: the (start, ScatterReduce done,
+        end) of each ring op it ran (collectives.record_phases: a compressed
+        bucket may run several), none when only one-pass small allreduces
+        ran, or a compressor that gathers (args.path says which)."""
         if not self._file:
             return
+        path = "ring" if phases else "no ring phases (one-pass small allreduces, or a gather)"
         for name in names:
             tid = self._tid(name)
             self._emit({"name": "ALLREDUCE", "ph": "X", "ts": self._us(t0), "dur": self._us(t1) - self._us(t0),
-                        "pid": self._pid, "tid": tid, "args": {"op": label, "bytes": nbytes}})
-            if phases:
-                start, middle, end = phases
+                        "pid": self._pid, "tid": tid, "args": {"op": label, "bytes": nbytes, "path": path}})
+            for start, middle, end in phases:
                 self._emit({"name": "ScatterReduce", "ph": "X", "ts": self._us(start),
                             "dur": self._us(middle) - self._us(start), "pid": self._pid, "tid": tid})
                 self._emit({"name": "AllGather", "ph": "X", "ts": self._us(middle),

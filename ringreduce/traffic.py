@@ -1,18 +1,25 @@
 """How many bytes this rank has sent, counted in C where every exchange
-passes (csrc/transport.h), so compression savings are measured, not worked
+passes (csrc/transport/transport.h), so compression savings are measured, not worked
 out on paper.
 
     rr.reset_stats()
     ... train a step ...
-    rr.stats()  # {'bytes_sent': ..., 'ring': ..., 'blobs': ..., 'alltoall': ...}
+    rr.stats()  # {'bytes_sent': ..., 'ring': ..., 'blobs': ..., 'alltoall': ...,
+                #  'tcp': ..., 'shm': ..., 'cma': ..., 'arena': ..., 'mpi': ...}
 
-bytes_sent is everything this rank sent to its ring neighbours, on the
-world's ring and on every process set's it belongs to: 'ring' the data steps
-of allreduce, reduce_scatter, allgather and broadcast; 'blobs' whole-frame
-exchanges (the engine's negotiation and small allreduces); 'alltoall'.
-Headers and framing are included; the control star's notices are not. A
-removed process set's bytes keep counting until the next reset; shutdown()
-starts afresh.
+bytes_sent is everything this rank sent, on the world's ring and on every
+process set's it belongs to, counted twice over: by what it was for, 'ring'
+the data steps of allreduce, reduce_scatter, allgather and broadcast, 'blobs'
+whole-frame exchanges (headers, the engine's negotiation, small allreduces),
+'alltoall'; and by how it went, 'tcp' (a socket to the next rank), 'shm' (a
+shared-memory link to the next rank, on one host), 'cma' (read by the next
+rank straight out of this process, Cross Memory Attach, on one host), 'arena'
+(written once into this rank's slot of the host arena, for every rank of the
+host to read: on one host, headers and small allreduces), 'mpi' (MPI
+point-to-point). Each set of keys sums to bytes_sent. Headers and framing
+are included; the control star's notices and the CMA path's tokens (a
+64-byte control record per ring step) are not. A removed process set's bytes
+keep counting until the next reset; shutdown() starts afresh.
 """
 from __future__ import annotations
 
@@ -21,12 +28,13 @@ import threading
 from . import collectives as _c
 
 KINDS = ("ring", "blobs", "alltoall")  # the order of _core.Comm.bytes()
+VIAS = ("tcp", "shm", "cma", "arena", "mpi")  # the order of _core.Comm.bytes_via()
 
 _lock = threading.Lock()
 _baseline: dict[int, tuple[object, tuple]] = {}  # id(comm) -> (comm, its counts at the last reset)
 # what removed process sets' rings sent since the last reset, and the world's
 # communicator then: a new world (shutdown, init) starts afresh
-_retired: dict = {"world": None, "counts": [0] * len(KINDS)}
+_retired: dict = {"world": None, "counts": [0] * (len(KINDS) + len(VIAS))}
 
 
 def _comms() -> list:
@@ -35,8 +43,13 @@ def _comms() -> list:
     return [comm for comm in comms if comm is not None]
 
 
+def _counts(comm) -> tuple:
+    """KINDS then VIAS: what comm's transport has sent so far."""
+    return tuple(comm.bytes()) + tuple(comm.bytes_via())
+
+
 def _since_reset(comm) -> tuple:
-    now = comm.bytes()
+    now = _counts(comm)
     held = _baseline.get(id(comm))
     if held is None or held[0] is not comm:  # a communicator made since the last reset
         return now
@@ -44,8 +57,9 @@ def _since_reset(comm) -> tuple:
 
 
 def stats(reset: bool = False) -> dict:
-    """Bytes this rank sent since init() or the last reset_stats(), by kind
-    and in all ('bytes_sent'). reset=True starts counting afresh after reading."""
+    """Bytes this rank sent since init() or the last reset_stats(), by kind,
+    by way (tcp, shm, cma, arena, mpi) and in all ('bytes_sent').
+    reset=True starts counting afresh after reading."""
     comms = _comms()  # before _lock: remove_process_set holds the state's lock when it calls retire()
     with _lock:
         counts = [_since_reset(comm) for comm in comms]
@@ -53,6 +67,7 @@ def stats(reset: bool = False) -> dict:
             counts.append(tuple(_retired["counts"]))
         out = {kind: sum(c[i] for c in counts) for i, kind in enumerate(KINDS)}
         out["bytes_sent"] = sum(out.values())
+        out.update({via: sum(c[len(KINDS) + i] for c in counts) for i, via in enumerate(VIAS)})
         if reset:
             _reset(comms)
         return out
@@ -71,13 +86,13 @@ def retire(comm) -> None:
     with _lock:
         world = _c._state.comm
         if _retired["world"] is not world:
-            _retired.update(world=world, counts=[0] * len(KINDS))
+            _retired.update(world=world, counts=[0] * (len(KINDS) + len(VIAS)))
         _retired["counts"] = [a + b for a, b in zip(_retired["counts"], _since_reset(comm))]
         _baseline.pop(id(comm), None)
 
 
 def _reset(comms) -> None:
     _baseline.clear()
-    _retired.update(world=None, counts=[0] * len(KINDS))
+    _retired.update(world=None, counts=[0] * (len(KINDS) + len(VIAS)))
     for comm in comms:
-        _baseline[id(comm)] = (comm, comm.bytes())
+        _baseline[id(comm)] = (comm, _counts(comm))

@@ -16,7 +16,7 @@ RINGREDUCE_ADDR and gets everyone's listening address back, connects to its
 next neighbour and accepts its previous one. Every connection first proves it
 belongs to the job (see `handshake`); strays are logged and dropped. The
 connections to rank 0 stay open as the control star that spreads failure
-notices (csrc/tcp.c).
+notices (csrc/transport/tcp.c).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 /* Every pair of bfloat16 bit patterns through the vector mean folds of
- * csrc/reduce16_x86.c, against the scalar definition rr_mean16_bf16
+ * csrc/kernels/reduce16_x86.c, against the scalar definition rr_mean16_bf16
  * (reduce_math.h: the mean in double, rounded once).
  *
  *     cc -O2 -Icsrc -o /tmp/bf16_mean_exhaustive tests/bf16_mean_exhaustive.c
@@ -12,7 +12,7 @@
  * equal whatever their payloads (docs/architecture.md, "16-bit kernels"), and
  * are counted apart.
  */
-#include "reduce16_x86.c"
+#include "kernels/reduce16_x86.c"
 
 #include <stdio.h>
 #include <stdlib.h>

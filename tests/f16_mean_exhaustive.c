@@ -1,5 +1,5 @@
 /* Every pair of float16 bit patterns through the vector mean folds of
- * csrc/reduce16_x86.c, against the scalar definition rr_mean16_f16
+ * csrc/kernels/reduce16_x86.c, against the scalar definition rr_mean16_f16
  * (reduce_math.h: the mean in double, rounded once).
  *
  *     cc -O2 -Icsrc -o /tmp/f16_mean_exhaustive tests/f16_mean_exhaustive.c
@@ -12,7 +12,7 @@
  * (level, k) and exits 1 on any difference; two NaN results count as equal
  * whatever their payloads, and are counted apart.
  */
-#include "reduce16_x86.c"
+#include "kernels/reduce16_x86.c"
 
 #include <stdio.h>
 #include <stdlib.h>

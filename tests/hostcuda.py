@@ -1,9 +1,9 @@
-"""A CUDA driver over host memory, with csrc/cuda/reduce.cu's kernels compiled
+"""A CUDA driver over host memory, with csrc/kernels/cuda/reduce.cu's kernels compiled
 for the host (tests/hostcuda/driver.cpp): the code written for a GPU runs here.
 
 Built once per test session into a folder as libcuda.so.1. A rank whose
 LD_LIBRARY_PATH holds that folder gets it when the ring's CUDA device
-(csrc/cuda_device.c) opens the driver; `HostCuda` drives it from Python:
+(csrc/device/cuda_device.c) opens the driver; `HostCuda` drives it from Python:
 device memory, kernel launches through cuLaunchKernel, and counts of what is
 alive. The driver's rules (strict contexts, bounds, late work) are in its
 source.
@@ -30,7 +30,7 @@ def build(folder: Path) -> Path:
     """Compiles the driver and the kernels into folder/libcuda.so.1; returns folder."""
     cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Wno-unknown-pragmas", "-Werror",
            "-Wl,-soname,libcuda.so.1", "-include", str(SOURCES / "cuda_builtins.h"),
-           "-x", "c++", str(REPO / "csrc" / "cuda" / "reduce.cu"), "-x", "none", str(SOURCES / "driver.cpp"),
+           "-x", "c++", str(REPO / "csrc" / "kernels" / "cuda" / "reduce.cu"), "-x", "none", str(SOURCES / "driver.cpp"),
            "-o", str(folder / "libcuda.so.1"), "-ldl", "-pthread"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if out.returncode:
@@ -58,7 +58,7 @@ class HostCuda:
         return handle
 
     def ring_device(self, ordinal: int = 0):
-        """The ring's CUDA device (csrc/cuda_device.c) on this driver, with the
+        """The ring's CUDA device (csrc/device/cuda_device.c) on this driver, with the
         kernels ringreduce.cuda would hand it on a GPU."""
         from ringreduce import _core, cuda
         return _core.Device.cuda(ordinal, *cuda.kernel_table(self.function))

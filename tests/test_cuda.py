@@ -1,4 +1,4 @@
-"""The CUDA kernels (csrc/cuda/reduce.cu): every dtype and op against the CPU
+"""The CUDA kernels (csrc/kernels/cuda/reduce.cu): every dtype and op against the CPU
 kernels, bit for bit, since both compile the same arithmetic (reduce_math.h).
 They run on a GPU where cupy has one, and always on the host: g++ compiles the
 same source and the host CUDA driver (tests/hostcuda.py) launches it, thread
@@ -20,6 +20,8 @@ from ranks import REPO
 from ringreduce import _core
 from ringreduce import cuda
 
+KERNEL = REPO / "csrc" / "kernels" / "cuda" / "reduce.cu"
+
 DTYPES = list(cuda.DTYPES)
 CODES = {name: getattr(_core, name.upper()) for name in DTYPES}
 OPS = {"sum": _core.SUM, "prod": _core.PROD, "min": _core.MIN, "max": _core.MAX}
@@ -35,14 +37,14 @@ def dt(name):
 def test_kernels_compile_with_nvcc_for_sm80_and_sm90(tmp_path):
     out = subprocess.run(["nvcc", "-std=c++17", "-O3", "-fatbin", "-gencode=arch=compute_80,code=sm_80",
                           "-gencode=arch=compute_90,code=sm_90", "-Werror", "all-warnings",
-                          "-o", str(tmp_path / "k.fatbin"), str(REPO / "csrc" / "cuda" / "reduce.cu")],
+                          "-o", str(tmp_path / "k.fatbin"), str(KERNEL)],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "k.fatbin").stat().st_size > 10_000
     # Every kernel the loader asks for is there (a cubin is plain ELF: the names are in it).
     cubin = tmp_path / "k.cubin"
     subprocess.run(["nvcc", "-std=c++17", "-cubin", "-arch=sm_80", "-o", str(cubin),
-                    str(REPO / "csrc" / "cuda" / "reduce.cu")], check=True, capture_output=True, timeout=240)
+                    str(KERNEL)], check=True, capture_output=True, timeout=240)
     symbols = cubin.read_bytes()
     for dtype in DTYPES:
         for op in cuda.OPS:
@@ -74,10 +76,10 @@ def test_kernels_compile_at_run_time_with_nvrtc():
     which has no C library headers: the source must build there as it is,
     with the include path cupy gives it (CUDA's C++ library)."""
     lib, cccl = nvrtc()
-    src = (REPO / "csrc" / "cuda" / "reduce.cu").read_bytes()
+    src = KERNEL.read_bytes()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"reduce.cu", 0, None, None) == 0
-    opts = [b"-std=c++17", b"-arch=sm_90", f"-I{REPO / 'csrc'}".encode(), f"-I{REPO / 'csrc' / 'cuda'}".encode(),
+    opts = [b"-std=c++17", b"-arch=sm_90", f"-I{KERNEL.parent.parent}".encode(), f"-I{KERNEL.parent}".encode(),
             f"-I{cccl}".encode()]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()

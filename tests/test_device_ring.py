@@ -1,4 +1,4 @@
-"""The ring's staged path for device memory (csrc/device.h), on the emulated
+"""The ring's staged path for device memory (csrc/device/device.h), on the emulated
 device: its pointers fault when the host touches them and its queued work runs
 late, so a segment sent before its copy finished, a slot reused too early or a
 result read before the device is done shows up as wrong bits or a crash.
@@ -9,8 +9,8 @@ must equal, bit for bit, what the host ring gives for the same inputs. A small
 segment (RINGREDUCE_SEGMENT_BYTES) makes every chunk many segments, so all
 staging slots turn over many times.
 
-Each case runs on two devices: the emulated one (csrc/device_emulated.c) and
-the CUDA one (csrc/cuda_device.c) over the host CUDA driver (tests/hostcuda.py),
+Each case runs on two devices: the emulated one (csrc/device/device_emulated.c) and
+the CUDA one (csrc/device/cuda_device.c) over the host CUDA driver (tests/hostcuda.py),
 whose kernels are reduce.cu compiled for the host and whose streams also run
 late: the code that drives a GPU runs here, kernels and all.
 """
@@ -218,7 +218,8 @@ def test_the_cuda_device_uses_its_driver_as_a_gpu_needs(tmp_path, hostcuda_dir):
         same, during, after = r.result
         assert same
         assert during["pageable_copies"] == 0 and during["sticky_error"] == 0
-        assert during["launches"] > 0 and during["contexts"] == 1 and during["pinned_blocks"] > 0
+        # The host's kernels reduce in the pinned mirror: the device only copies.
+        assert during["launches"] == 0 and during["contexts"] == 1 and during["pinned_blocks"] > 0
         assert {k: after[k] for k in ("contexts", "streams", "events", "device_blocks", "pinned_blocks")} == \
             dict(contexts=0, streams=0, events=0, device_blocks=0, pinned_blocks=0), after
 
@@ -271,7 +272,7 @@ def test_16_bit_average_on_device_keeps_the_range(tmp_path, device, mode):
 
 
 # A device array family (as ringreduce/cuda.py DeviceArrays) over the emulated
-# device (csrc/device_emulated.c): the public collectives then run this
+# device (csrc/device/device_emulated.c): the public collectives then run this
 # rank's large operations on the ring's staged device path.
 EMULATED_FAMILY = """
 import contextlib
@@ -329,3 +330,237 @@ def test_a_device_rank_beside_host_ranks_on_zero_copy_links_gets_the_right_sums(
         """), tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "20"})
     for k in ranks:
         assert k.result == (True, True, True, True), (k.rank, k.result)
+
+
+PATHS = """
+def on_path(path):
+    # Every rank takes the same host path from the next operation on (csrc/ring.c).
+    pid = comm.cma_pid
+    comm.set_zero_copy(path != "copy")
+    comm.set_cma(pid if path == "cma" else 0)
+
+def path_ops():
+    return comm.cma_ops() + comm.zero_copy_ops()
+"""
+
+
+@pytest.mark.parametrize("mode", ["device", "mixed"])
+@pytest.mark.parametrize("patience", [0, 2])
+def test_staged_ranks_take_every_host_path_with_the_host_bits(tmp_path, device, mode, patience):
+    """A device rank runs the host ring on its pinned mirror, so with chunks
+    big enough for zero copy (2 MiB) and Cross Memory Attach (1 MiB) every
+    rank, device or host, takes that path, and the bits are the host ring's.
+    Patience 0: no trip down runs until the ring waits for it, so a chunk read
+    before its ticket would give stale bytes."""
+    ranks = run_ranks(3, job(PATHS + textwrap.dedent("""
+        assert comm.zero_copy and comm.cma_pid, "the ranks should agree on zero copy and CMA"
+        N, r = rr.size(), rr.rank()
+        bad = []
+        for path in ["cma", "zc", "copy"]:
+            for dtype, op in [("float32", "sum"), ("float16", "avg"), ("int32", "max"), ("float64", "avg")]:
+                count = N * (2_400_000 // np_dtype(dtype).itemsize + 7) + 1  # chunks of about 2.3 MiB, uneven
+                x = make_input(r, (count,), dtype, op)
+                on_path(path)
+                want = host_allreduce(x, dtype, op)
+                before = path_ops()
+                if on_device(mode):
+                    src, dst = Buf(x), Buf(np.zeros_like(x))
+                    comm.allreduce_device(dev, src.ptr, dst.ptr, x.nbytes, codes[dtype], opcodes[op])
+                    got = dst.get(x.dtype)
+                else:
+                    got = host_allreduce(x, dtype, op)
+                if got.tobytes() != want.tobytes():
+                    bad.append(("allreduce", path, dtype, op))
+                if path_ops() - before != (path != "copy"):
+                    bad.append(("path not taken", path, dtype, op))
+            count = N * (600_000 + 7) + 1
+            x = make_input(r, (count,), "float32", "sum")
+            lo, hi = collectives._chunk_bounds(count, N, r)
+            want = host_allreduce(x, "float32", "sum")[lo:hi]
+            if on_device(mode):
+                src, dst = Buf(x), Buf(np.zeros_like(x))
+                comm.reduce_scatter_device(dev, src.ptr, dst.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+                got = dst.get(x.dtype)[lo:hi]
+            else:
+                got = np.zeros_like(x)
+                comm.reduce_scatter(x, got, codes["float32"], opcodes["sum"])
+                got = got[lo:hi]
+            if got.tobytes() != want.tobytes():
+                bad.append(("reduce_scatter", path))
+            rows = [1_100_000 + 3 * k for k in range(N)]  # int16 blocks over 2 MiB
+            full = np.zeros(sum(rows), dtype=np.int16)
+            at = sum(rows[:r])
+            full[at:at + rows[r]] = np.arange(rows[r], dtype=np.int16) + r
+            nbytes = [k * 2 for k in rows]
+            if on_device(mode):
+                buf = Buf(full)
+                comm.allgather_device(dev, buf.ptr, nbytes)
+                full = buf.get(np.int16)
+            else:
+                comm.allgather(full.view(np.uint8), nbytes)
+            want = np.concatenate([np.arange(k, dtype=np.int16) + i for i, k in enumerate(rows)])
+            if not np.array_equal(full, want):
+                bad.append(("allgather", path))
+        on_path("cma")
+        result = bad
+    """), mode, patience, device[0]), tmp_path, env=env_for(device, patience, RINGREDUCE_SHM_CMA="1"),
+        timeout=300)
+    for r in ranks:
+        assert r.result == [], f"rank {r.rank}: {r.result[:5]}"
+
+
+def test_a_64_mib_allreduce_costs_a_few_device_operations_per_chunk(tmp_path):
+    """The staged path moves whole chunks: N copies down, N up and N + 1
+    tickets per rank, whatever the size, not a few per 256 KiB segment. A
+    64 MiB allreduce at N = 4 stays within 4N + 8 device operations (copies
+    and tickets) on every rank, and gives the exact sum."""
+    n = 4
+    ranks = run_ranks(n, job(PATHS + textwrap.dedent("""
+        N, r = rr.size(), rr.rank()
+        count = (64 << 20) // 4
+        x = (np.arange(count, dtype=np.int64) % 251 + r).astype(np.float32)
+        src = Buf(x)
+        del x
+        before, paths = dev.counts(), path_ops()
+        comm.allreduce_device(dev, src.ptr, src.ptr, count * 4, codes["float32"], opcodes["sum"])
+        after = dev.counts()
+        want = (np.arange(count, dtype=np.int64) % 251 * N + N * (N - 1) // 2).astype(np.float32)
+        right = bool(np.array_equal(src.get(np.float32), want))
+        result = {k: after[k] - before[k] for k in after}, path_ops() - paths, right
+    """)), tmp_path, env=env_for(("emulated", {}), 2), timeout=300)
+    for r in ranks:
+        counts, paths, right = r.result
+        assert right, f"rank {r.rank}: wrong sum"
+        assert counts["copies"] == 2 * n and counts["copies"] + counts["events"] <= 4 * n + 8, (r.rank, counts)
+        assert paths == 1, "a device rank takes the host ring's zero-copy or CMA path"
+
+
+def test_small_messages_bounce_through_cached_pinned_buffers(tmp_path, device):
+    """The GPU small-message path (ringreduce.cuda.through_bounce): one copy
+    down into a pinned bounce buffer the device keeps, the host work in place
+    there, one copy up: two device operations, and after the first message
+    of a size no new pinned memory. Every slot taken: False, nothing done; a
+    failing host step hands its slot back."""
+    [rank] = run_ranks(1, job("""
+        from ringreduce.cuda import through_bounce
+        x = np.arange(1000, dtype=np.float32)
+        src, dst = Buf(x), Buf(np.zeros_like(x))
+        def double(view):
+            a = np.frombuffer(view, dtype=np.float32)
+            a *= 2
+        out = {}
+        pinned = lambda: memory.stats()["pinned_blocks"] if kind == "hostcuda" else 0
+        assert through_bounce(dev, src.ptr, dst.ptr, x.nbytes, double)
+        out["first"] = dst.get(np.float32)
+        before, blocks = dev.counts(), pinned()
+        assert through_bounce(dev, dst.ptr, dst.ptr, x.nbytes, double)
+        after = dev.counts()
+        out["second"] = dst.get(np.float32)
+        out["ops"] = {k: after[k] - before[k] for k in after}
+        out["new_blocks"] = pinned() - blocks
+        held = [dev.bounce_down(src.ptr, 16) for _ in range(8)]
+        out["ninth"] = through_bounce(dev, src.ptr, dst.ptr, 16, double)
+        for slot, view in held:
+            view.release()
+            dev.bounce_release(slot)
+        def fails(view):
+            raise ValueError("host step failed")
+        for _ in range(9):
+            try:
+                through_bounce(dev, src.ptr, dst.ptr, x.nbytes, fails)
+            except ValueError:
+                pass
+        out["after_failures"] = through_bounce(dev, src.ptr, dst.ptr, x.nbytes, double)
+        result = out
+    """, kind=device[0]), tmp_path, env=env_for(device, 2))
+    out = rank.result
+    x = np.arange(1000, dtype=np.float32)
+    assert np.array_equal(out["first"], 2 * x) and np.array_equal(out["second"], 4 * x)
+    assert out["ops"]["copies"] == 2, out["ops"]
+    assert out["new_blocks"] == 0
+    assert out["ninth"] is False and out["after_failures"] is True
+
+
+def test_a_small_message_never_waits_for_another_threads_collective(tmp_path, device):
+    """Rank 0's thread holds the device in an allreduce that waits for rank 1;
+    meanwhile rank 0's small message must not wait for it (rank 1 could be
+    waiting on that very message elsewhere): through_bounce says False at
+    once, and works again once the device is free."""
+    ranks = run_ranks(2, job("""
+        import threading, time
+        from ringreduce.cuda import through_bounce
+        x = np.ones(1 << 20, dtype=np.float32)
+        big, small = Buf(x), Buf(x[:16])
+        out = {}
+        if rr.rank() == 0:
+            t = threading.Thread(target=lambda: comm.allreduce_device(dev, big.ptr, big.ptr, x.nbytes,
+                                                                       codes["float32"], opcodes["sum"]))
+            t.start()
+            time.sleep(0.5)  # the thread holds the device, waiting for rank 1
+            start = time.monotonic()
+            out["busy"] = through_bounce(dev, small.ptr, small.ptr, 64, lambda view: None)
+            out["waited"] = time.monotonic() - start
+            t.join()
+            out["free"] = through_bounce(dev, small.ptr, small.ptr, 64, lambda view: None)
+        else:
+            time.sleep(3)
+            comm.allreduce_device(dev, big.ptr, big.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+        out["sum"] = float(big.get(np.float32)[-1])
+        result = out
+    """, kind=device[0]), tmp_path, env=env_for(device, 2), timeout=60)
+    out = ranks[0].result
+    assert out["busy"] is False and out["waited"] < 1.0, out
+    assert out["free"] is True and out["sum"] == 2.0 and ranks[1].result["sum"] == 2.0
+
+
+def test_a_small_device_allreduce_goes_through_a_bounce_buffer_beside_host_ranks(tmp_path):
+    """rr.allreduce of a small GPU array (collectives._allreduce_device): the
+    device family's allreduce_small runs the host's small path in place in
+    a bounce buffer (here: through_bounce on the emulated device, as
+    ringreduce.cuda.DeviceArrays does with cupy pointers), beside host ranks,
+    repeated so the planned fast path runs too; with no bounce buffer to be
+    had it goes through the host instead. The sums are right either way."""
+    ranks = run_ranks(3, job("""
+        import contextlib
+        from ringreduce import cuda
+        from ringreduce.cuda import through_bounce
+
+        class Dev(np.ndarray):
+            pass
+
+        class Family:
+            xp = np
+            busy = False
+            calls = 0
+            asarray = staticmethod(lambda x: x)
+            on = staticmethod(lambda x: contextlib.nullcontext())
+            to_host = staticmethod(lambda x: np.asarray(x).copy())
+            from_host = staticmethod(lambda a, like: np.asarray(a).view(Dev))
+
+            def allreduce_small(self, x, out, reduce):
+                Family.calls += 1
+                if Family.busy:
+                    return None
+                a = np.asarray(x)
+                src, dst = Buf(a), Buf(np.zeros_like(a))
+                work = lambda view: reduce(np.frombuffer(view, dtype=a.dtype).reshape(a.shape))
+                return dst.get(a.dtype).reshape(a.shape).view(Dev) \\
+                    if through_bounce(dev, src.ptr, dst.ptr, a.nbytes, work) else None
+
+        family = Family()
+        cuda.is_device_array = lambda x: isinstance(x, Dev)
+        collectives._cuda.is_device_array = cuda.is_device_array
+        collectives._device_arrays = lambda: family
+        r = rr.rank()
+        got = []
+        for busy in (False, False, False, True):
+            Family.busy = busy
+            x = (np.arange(1000) % 7 + r).astype(np.float32)
+            y = rr.allreduce(x.view(Dev) if r % 2 == 0 else x, op="sum")
+            got.append(bool(np.array_equal(np.asarray(y), (np.arange(1000) % 7 * 3 + 3).astype(np.float32))))
+        result = got, Family.calls
+    """), tmp_path, env=env_for(("emulated", {}), 2), timeout=60)
+    for r in ranks:
+        sums, calls = r.result
+        assert sums == [True] * 4, (r.rank, sums)
+        assert calls == (4 if r.rank % 2 == 0 else 0), (r.rank, calls)

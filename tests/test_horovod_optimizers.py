@@ -24,11 +24,11 @@ import ringreduce.tensorflow.overlap as ov
 from ringreduce.tensorflow.optimizer import Average, Sum
 out = {}
 handed = []  # what each rank hands to the engine: (name, op, array)
-real_enqueue = ov._enqueue
-def spying_enqueue(name, op, array, process_set=None):
-    handed.append((name.decode(), op.decode(), np.array(array)))
-    return real_enqueue(name, op, array, process_set)
-ov._enqueue = spying_enqueue
+real_submit = ov.HandOvers.submit
+def spying_submit(self, name, op, array, process_set=None, compression=None):
+    handed.append((name, op, np.array(array)))
+    return real_submit(self, name, op, array, process_set, compression)
+ov.HandOvers.submit = spying_submit
 
 vs = [tf.Variable(np.zeros(k + 2, dtype=np.float32), name=f"v{k}") for k in range(4)]
 def tape_grads(local=False, **options):
@@ -332,3 +332,123 @@ def test_adasum_in_the_optimizer_and_tape_is_not_implemented_as_documented(make)
             hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum)
     with pytest.raises(ValueError, match="not gradient reductions"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Max)
+
+
+# Horovod's Keras-2 tests of aggregation and local variables (they read
+# optimizer._compute_gradients, var.ref() and _agg_helper.counter), by their
+# intent, on Keras 3's public API.
+AGGREGATION = PRELUDE + """
+out = {}
+
+# Accumulation inside a compiled step: backward_passes_per_step=2 sums two passes
+# (not averaged), communicates and applies on every second; iterations counts each pass.
+w = tf.Variable(np.zeros(3, np.float32))
+opt = rrtf.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+@tf.function
+def step(i):
+    opt.apply([tf.fill([3], tf.cast(i, tf.float32) + r + 1.0)], [w])
+trace = []
+for i in range(4):
+    step(tf.constant(i))
+    trace.append((w.numpy().copy(), int(opt.iterations.numpy())))
+out["accumulated in tf.function"] = trace
+
+# An infinite gradient in one pass of one rank: the aggregated, reduced gradient is
+# infinite there and nowhere else, on every rank alike (no error, no NaN elsewhere).
+w = tf.Variable(np.zeros(2, np.float32))
+opt = rrtf.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+opt.apply([tf.constant(np.array([np.inf if r == 0 else 1.0, 1.0], np.float32))], [w])
+opt.apply([tf.constant(np.ones(2, np.float32))], [w])
+out["inf"] = w.numpy()
+
+# sparse_as_dense with aggregation: an Embedding's IndexedSlices, summed over two passes
+# as dense tensors, then averaged over ranks.
+emb = keras.layers.Embedding(5, 2, embeddings_initializer="zeros")
+emb.build((None,))
+opt = rrtf.DistributedOptimizer(keras.optimizers.SGD(1.0), sparse_as_dense=True, backward_passes_per_step=2)
+sparse = []
+for i in range(2):
+    with tf.GradientTape() as t:
+        loss = tf.reduce_sum(emb(tf.constant([r, 2 + i])) * (r + 1.0))
+    g = t.gradient(loss, emb.trainable_weights)
+    sparse.append(isinstance(g[0], tf.IndexedSlices))
+    opt.apply(g, emb.trainable_weights)
+out["sparse"] = (sparse, emb.embeddings.numpy())
+
+# Local variables (register_local_var, or a Partial optimizer's local layers) are left out
+# of BroadcastGlobalVariablesCallback: each rank keeps its own; the rest is root's.
+model = keras.Sequential([keras.Input((2,)),
+                          keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(r + 1.0)),
+                          keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(10.0 * (r + 1)))])
+opt = rrtf.DistributedOptimizer(keras.optimizers.SGD(0.0))  # lr 0: only the broadcast changes weights
+for v in model.layers[1].trainable_weights:
+    opt.register_local_var(v)
+model.compile(optimizer=opt, loss="mse")
+model.fit(np.ones((4, 2), np.float32), np.zeros((4, 1), np.float32), batch_size=2, epochs=1, verbose=0,
+          callbacks=[rrtf.BroadcastGlobalVariablesCallback(0)])
+partial_model = keras.Sequential([keras.Input((2,)),
+                                  keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(r + 1.0)),
+                                  keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(10.0 * (r + 1)))])
+popt = rrtf.PartialDistributedOptimizer(keras.optimizers.SGD(0.0), local_layers=[partial_model.layers[1]])
+partial_model.compile(optimizer=popt, loss="mse")
+partial_model.fit(np.ones((4, 2), np.float32), np.zeros((4, 1), np.float32), batch_size=2, epochs=1, verbose=0,
+                  callbacks=[rrtf.BroadcastGlobalVariablesCallback(0)])
+out["broadcast"] = [(m.layers[0].kernel.numpy(), m.layers[1].kernel.numpy()) for m in (model, partial_model)]
+
+# PartialDistributedGradientTape.get_local_and_global_gradients: (local, global) lists of
+# (gradient, variable), in the order of the sources; local ones this rank's own / size.
+local_layer = keras.layers.Dense(2, kernel_initializer="ones", use_bias=False)
+shared = tf.Variable(np.ones(2, np.float32))
+x = tf.constant(np.full((1, 3), r + 1.0, np.float32))
+def local_and_global():
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(local_layer(x)) + tf.reduce_sum(shared) * (r + 1.0)
+    lg, gg = rrtf.PartialDistributedGradientTape(tape, local_layers=local_layer).get_local_and_global_gradients(
+        loss, [shared] + local_layer.trainable_weights)
+    which.append(([v is local_layer.kernel for _, v in lg], [v is shared for _, v in gg]))  # when traced
+    return [g for g, _ in lg], [g for g, _ in gg]
+local_layer(x)
+for mode, fn in [("eager", local_and_global), ("tf.function", tf.function(local_and_global))]:
+    which = []
+    lg, gg = fn()
+    out[f"local and global {mode}"] = (list(zip([g.numpy() for g in lg], which[0][0])),
+                                       list(zip([g.numpy() for g in gg], which[0][1])))
+result = out
+"""
+
+
+def test_aggregation_local_variables_and_local_and_global_gradients(tmp_path):
+    n = 2
+    ranks = run_ranks(n, AGGREGATION, tmp_path, timeout=300, init=False)
+    mean_rank = (n + 1) / 2
+    for rk in ranks:
+        res, r = rk.result, rk.rank
+        # Passes i=0..3 give i+r+1; sums of passes (0,1) and (2,3), averaged over ranks.
+        (w0, it0), (w1, it1), (w2, it2), (w3, it3) = res["accumulated in tf.function"]
+        assert (it0, it1, it2, it3) == (1, 2, 3, 4)
+        np.testing.assert_array_equal(w0, np.zeros(3))
+        np.testing.assert_allclose(w1, np.full(3, -(2 * mean_rank + 1)), rtol=1e-6)
+        np.testing.assert_array_equal(w2, w1)
+        np.testing.assert_allclose(w3, w1 - (2 * mean_rank + 5), rtol=1e-6)
+
+        np.testing.assert_array_equal(res["inf"], np.array([-np.inf, -2.0], np.float32))
+
+        sparse, table = res["sparse"]
+        assert sparse == [True, True]
+        want = np.zeros((5, 2))
+        for q in range(n):
+            want[q] -= 2 * (q + 1) / n
+            want[2] -= (q + 1) / n
+            want[3] -= (q + 1) / n
+        np.testing.assert_allclose(table, want, rtol=1e-6)
+
+        for shared_kernel, local_kernel in res["broadcast"]:
+            np.testing.assert_array_equal(shared_kernel, np.full((2, 1), 1.0))  # rank 0's
+            np.testing.assert_array_equal(local_kernel, np.full((1, 1), 10.0 * (r + 1)))  # its own
+
+        for mode in ("eager", "tf.function"):
+            local, global_ = res[f"local and global {mode}"]
+            assert [is_kernel for _, is_kernel in local] == [True], mode
+            assert [is_shared for _, is_shared in global_] == [True], mode
+            np.testing.assert_allclose(local[0][0], np.full((3, 2), (r + 1) / n), rtol=1e-6)
+            np.testing.assert_allclose(global_[0][0], np.full(2, mean_rank), rtol=1e-6)

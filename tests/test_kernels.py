@@ -1,4 +1,4 @@
-"""The reduction kernels (csrc/reduce_math.h, reduce.c) against numpy, in
+"""The reduction kernels (csrc/kernels/reduce_math.h, reduce.c) against numpy, in
 process: the same arithmetic the ring and the CUDA kernels use."""
 import shutil
 import subprocess
@@ -187,7 +187,7 @@ LEVELS16 = ["portable", "avx2", "avx512"]
 @pytest.fixture(params=LEVELS16)
 def kernels16(request):
     """Runs a test on each 16-bit kernel path this CPU has (the vector kernels
-    of csrc/reduce16_x86.c where it has AVX2 and F16C, and AVX-512), then puts
+    of csrc/kernels/reduce16_x86.c where it has AVX2 and F16C, and AVX-512), then puts
     the best back."""
     best = _core.kernels16("avx512")
     if _core.kernels16(request.param) != request.param:
@@ -335,7 +335,7 @@ def test_16_bit_sums_of_two_nans_keep_the_first_payload_on_every_path(name, op):
 
 def bf16_hard_pairs(seed):
     """(x, mean) bit patterns where a float32 fold of bfloat16 means goes
-    wrong unless it takes care (csrc/reduce16_x86.c, "bfloat16 mean fold"):
+    wrong unless it takes care (csrc/kernels/reduce16_x86.c, "bfloat16 mean fold"):
     means on or next to a bfloat16 midpoint (x a few ulps from the mean, or
     mean and x equal), a tiny x against a huge mean and the reverse (the
     double fold's sum drops x: a tie where the exact mean has none), sums

@@ -256,7 +256,7 @@ def test_a_sets_errors_name_every_rank_in_world_terms(said):
     from ringreduce.process_sets import _SetComm
 
     class Failing:
-        broken = said  # why the ring is unusable, as module.c reads it
+        broken = said  # why the ring is unusable, as Comm.broken (csrc/binding/comm.c) reads it
 
         def allreduce(self, *args):
             raise PeerLostError(said, 1)

@@ -1,5 +1,5 @@
-"""Arrays in shared memory (ringreduce.shared_empty; csrc/shared_region.h)
-and the CMA reader's mapped read (csrc/peer_map.h, csrc/cma.c): a rank whose
+"""Arrays in shared memory (ringreduce.shared_empty; csrc/memory/shared_region.h)
+and the CMA reader's mapped read (csrc/memory/peer_map.h, csrc/schedule/cma.c): a rank whose
 buffer lies in a shared region says so in its Cross Memory Attach token, and
 its neighbour reduces straight out of a read-only mapping of it.
 

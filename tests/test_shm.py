@@ -1,5 +1,5 @@
 """Shared-memory links between neighbours on one host (ringreduce/shm.py,
-csrc/shm_link.c): which links use them, results on rings that mix them
+csrc/transport/shm_link.c): which links use them, results on rings that mix them
 with TCP links, nothing left in /dev/shm, and offers that must be declined."""
 import os
 import signal

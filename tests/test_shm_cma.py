@@ -1,4 +1,4 @@
-"""The ring by Cross Memory Attach (csrc/cma.c; RINGREDUCE_SHM_CMA): each
+"""The ring by Cross Memory Attach (csrc/schedule/cma.c; RINGREDUCE_SHM_CMA): each
 rank reads its previous neighbour's chunk straight out of that process's
 buffers. It must give numpy's results, bit for bit those of the copying path
 and of zero copy through the mappings, on every rank alike; fall back (all

@@ -1,4 +1,4 @@
-"""The ring's zero-copy path over shared memory (csrc/ring.c,
+"""The ring's zero-copy path over shared memory (csrc/schedule/ring.c,
 ring_steps_zero_copy): it must give numpy's results, bit for bit
 those of the copying path, on every rank alike.
 
@@ -214,7 +214,7 @@ result = (C._state.comm.zero_copy_ops(), ok)
 @pytest.mark.parametrize("env, taken", [
     ({}, True),
     ({"RINGREDUCE_SHM_ZEROCOPY": "0"}, False),
-    # not a multiple of 64: shm.py rounds it up, so windows are still offered (csrc/tcp.c
+    # not a multiple of 64: shm.py rounds it up, so windows are still offered (csrc/transport/tcp.c
     # refuses a link file of any other size)
     ({"RINGREDUCE_SHM_BYTES": str((1 << 20) + 8)}, True),
 ])

@@ -1,4 +1,4 @@
-"""Small allreduces over MPI by recursive doubling (csrc/recursive_doubling.c),
+"""Small allreduces over MPI by recursive doubling (csrc/schedule/recursive_doubling.c),
 under mpirun -np 2, 3, 4, 5 (3 and 5: the fold of the extra ranks), with the
 host arena off (RINGREDUCE_ARENA_BYTES=0; the arena: tests/test_mpi_arena.py).
 

@@ -1,4 +1,4 @@
-"""The host arena (csrc/host_arena.c): small allreduces and header passes
+"""The host arena (csrc/schedule/host_arena.c): small allreduces and header passes
 among ranks of one host meet in one shared mapping instead of going around
 the ring. Results against numpy and bit-identical to the ring's small path
 (the same rank-order reduction), across ranks too; mismatches named; a rank
@@ -35,9 +35,9 @@ CORRECTNESS = """
         for op in ["sum", "prod", "min", "max", "avg"]:
             for n in sizes:
                 x = inputs(r, n, dtype)
-                before = comm.bytes()[1]
+                before = comm.bytes_via()[:3]  # over sockets, shared-memory links, CMA: not the arena
                 got = rr.allreduce(x, op=op)
-                if comm.bytes()[1] != before:
+                if comm.bytes_via()[:3] != before:
                     problems.append(f"{dtype} {op} {n}: the data went around the ring")
                 comm.use_arena(False)
                 ring = rr.allreduce(x, op=op)
@@ -74,7 +74,7 @@ def test_arena_matches_numpy_and_the_ring_bit_for_bit(tmp_path, n):
     _assert_no_problems_and_the_same_bits(ranks)
 
 
-# The arena's ways of reducing (Comm.use_arena's modes, csrc/host_arena.h):
+# The arena's ways of reducing (Comm.use_arena's modes, csrc/schedule/host_arena.h):
 # copy (the first version), direct (straight into the output, the rank's own
 # term from its input), split (each rank folds its 1/N slice, a second round
 # shares it), auto. Every dtype and op, odd sizes (slices of uneven length,
@@ -281,9 +281,9 @@ def test_ranks_on_different_hosts_keep_the_ring(tmp_path):
         if os.environ["RINGREDUCE_RANK"] == "1":
             shm.host_identity = lambda: "elsewhere/0"
         rr.init()
-        before = c._state.comm.bytes()[1]
+        before = sum(c._state.comm.bytes_via()[:3])  # over sockets, shared-memory links, CMA: not the arena
         out = rr.allreduce(np.arange(5.0) * (rr.rank() + 1))
-        result = (c._state.comm.arena_slot, c._state.comm.bytes()[1] > before, out.tolist())
+        result = (c._state.comm.arena_slot, sum(c._state.comm.bytes_via()[:3]) > before, out.tolist())
     """, tmp_path, timeout=60, init=False)
     for r in ranks:
         assert r.result == (0, True, [0.0, 6.0, 12.0, 18.0, 24.0])

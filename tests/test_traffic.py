@@ -1,4 +1,4 @@
-"""Bytes sent, counted in C (csrc/transport.h) and read by rr.stats()."""
+"""Bytes sent, counted in C (csrc/transport/transport.h) and read by rr.stats()."""
 import json
 
 import pytest
@@ -65,17 +65,59 @@ def test_the_engine_counts_negotiation_as_blobs_and_the_timeline_shows_a_counter
 def test_stats_before_init_is_zero():
     import ringreduce as rr
     assert not rr.is_initialized()
-    assert rr.stats() == {"ring": 0, "blobs": 0, "alltoall": 0, "bytes_sent": 0}
+    assert rr.stats() == {"ring": 0, "blobs": 0, "alltoall": 0, "bytes_sent": 0,
+                          "tcp": 0, "shm": 0, "cma": 0, "arena": 0, "mpi": 0}
+
+
+ONE_HOST_JOB = """
+count = 262_147                      # odd: chunks of unequal size
+x = np.ones(count, dtype=np.float32)
+rr.allreduce(np.ones(8, dtype=np.float32))   # warm: whatever a first call exchanges
+rr.reset_stats()
+rr.allreduce(x)
+big = rr.stats(reset=True)
+rr.allreduce(np.ones(10, dtype=np.float32))  # small: meets in the host arena when there is one
+small = rr.stats(reset=True)
+result = dict(big=big, small=small, nbytes=x.nbytes)
+"""
+WAYS = ("tcp", "shm", "cma", "arena", "mpi")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("setting", ["default", "tcp-only"])
+def test_a_one_host_job_counts_what_the_ring_sends_by_the_way_it_went(tmp_path, n, setting):
+    """On one host the ring's data goes by shared memory (or CMA), headers and
+    small allreduces meet in the host arena: all counted, by way, and the
+    data bytes are what the ring schedule must send, 2 (N - 1) / N of the tensor."""
+    env = {"RINGREDUCE_SHM_BYTES": "0", "RINGREDUCE_ARENA_BYTES": "0"} if setting == "tcp-only" else {}
+    ranks = run_ranks(n, ONE_HOST_JOB, tmp_path, timeout=90, env=env)
+    for r in ranks:
+        big, small, nbytes = r.result["big"], r.result["small"], r.result["nbytes"]
+        for s in (big, small):  # the two ways of counting hold the same bytes
+            assert sum(s[w] for w in WAYS) == s["bytes_sent"] == s["ring"] + s["blobs"] + s["alltoall"], s
+            assert s["mpi"] == 0 and s["alltoall"] == 0, s
+        expected = 2 * (n - 1) / n * nbytes
+        # the data, within one element per chunk of rounding; the header pass: a few hundred bytes at most
+        assert abs(big["ring"] - expected) <= 4 * n, (r.rank, big, expected)
+        assert 0 < big["blobs"] < 512 and expected - 4 * n <= big["bytes_sent"] <= expected + 4 * n + 512, big
+        assert 0 < small["bytes_sent"] < 512, small  # a header and 40 bytes of data, not nothing
+        if setting == "default":
+            assert big["tcp"] == small["tcp"] == 0, (big, small)  # nothing crossed a socket
+            assert big["shm"] + big["cma"] == big["ring"] and big["arena"] == big["blobs"], big
+            assert small["arena"] == small["bytes_sent"], small
+        else:
+            assert big["tcp"] == big["bytes_sent"] and small["tcp"] == small["bytes_sent"], (big, small)
 
 
 MPI_SNIPPET = """
+import json
 import numpy as np, ringreduce as rr
 rr.init(backend="mpi")
 x = np.ones(262_147, np.float32)
 rr.allreduce(np.ones(8, np.float32))
 rr.reset_stats()
 rr.allreduce(x)
-open(f"{OUT}.{rr.rank()}", "w").write(str(rr.stats()["ring"]))
+open(f"{OUT}.{rr.rank()}", "w").write(json.dumps(rr.stats()))
 """
 
 
@@ -93,8 +135,10 @@ def test_the_mpi_transport_is_counted_alike(tmp_path):
                           timeout=90, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(3):
-        s = int((tmp_path / f"sent.{r}").read_text())
-        assert abs(s - 2 * 2 / 3 * 262_147 * 4) <= 12
+        s = json.loads((tmp_path / f"sent.{r}").read_text())
+        assert abs(s["ring"] - 2 * 2 / 3 * 262_147 * 4) <= 12, s
+        assert s["mpi"] >= s["ring"] and s["tcp"] == s["shm"] == s["cma"] == 0, s
+        assert s["mpi"] + s["arena"] == s["bytes_sent"], s
 
 
 SET_JOB = """

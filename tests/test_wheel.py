@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # building the wheel'
 
 WHEEL_MUST_HOLD = ["ringreduce/__init__.py", "ringreduce/__main__.py", "ringreduce/cuda.py",
                    "ringreduce/tensorflow/__init__.py", "ringreduce/tensorflow/optimizer.py",
-                   "ringreduce/csrc/cuda/reduce.cu", "ringreduce/csrc/reduce_math.h",
+                   "ringreduce/csrc/kernels/cuda/reduce.cu", "ringreduce/csrc/kernels/reduce_math.h",
                    "ringreduce/csrc/tf/async_call.cc", "ringreduce/tensorflow/async_op.py"]
 
 

@@ -193,3 +193,44 @@ REGISTER_OP("RingreduceAsyncCall")
     .Doc("Runs the Python function registered as `token` (ringreduce) without holding the thread.");
 
 REGISTER_KERNEL_BUILDER(Name("RingreduceAsyncCall").Device(DEVICE_CPU), RingreduceAsyncCallOp);
+
+// RingreduceStatus: passes `values` through, or fails with the status a
+// Python function reported as (code, message). Inside a tf.function the
+// collectives run as numpy_functions (cheaper there than the asynchronous
+// op), and TensorFlow reports every Python exception of one as UnknownError;
+// they return their error as (code, message) instead, and this op makes it
+// the error of that code (a mismatch: FAILED_PRECONDITION; a refused
+// argument: INVALID_ARGUMENT). Stateful, so it runs even where nobody reads
+// the values: a failed collective is never silently dropped.
+class RingreduceStatusOp : public OpKernel {
+ public:
+  explicit RingreduceStatusOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& code = ctx->input(0);
+    const Tensor& message = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(code.shape()) && TensorShapeUtils::IsScalar(message.shape()),
+                absl::InternalError("RingreduceStatus: code and message must be scalars"));
+    const int c = code.scalar<int32>()();
+    if (c != 0) {
+      ctx->SetStatus(absl::Status(static_cast<absl::StatusCode>(c), std::string(message.scalar<tstring>()())));
+      return;
+    }
+    for (int i = 2; i < ctx->num_inputs(); ++i) ctx->set_output(i - 2, ctx->input(i));
+  }
+};
+
+REGISTER_OP("RingreduceStatus")
+    .Input("code: int32")
+    .Input("message: string")
+    .Input("values: T")
+    .Output("outputs: T")
+    .Attr("T: list(type) >= 0")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      for (int i = 2; i < c->num_inputs(); ++i) c->set_output(i - 2, c->input(i));
+      return absl::OkStatus();
+    })
+    .Doc("Its values, or the error (code, message) that a ringreduce collective reported.");
+
+REGISTER_KERNEL_BUILDER(Name("RingreduceStatus").Device(DEVICE_CPU), RingreduceStatusOp);

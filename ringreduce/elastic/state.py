@@ -65,6 +65,9 @@ class State:
         self.save()
         self.commits += 1
         _rendezvous.commit_counter = self.commits
+        client = _rendezvous.client()
+        if client is not None:
+            client.report_commit(self.commits)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:

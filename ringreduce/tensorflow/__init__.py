@@ -8,7 +8,8 @@ written for horovod.tensorflow runs after one changed line,
 
 This layer uses only ringreduce's public API and its background engine.
 basics.py: who am I and what is built; ops.py: the collectives as TF ops;
-functions.py: Python objects; errors.py: the errors TF code expects;
+functions.py: Python objects; errors.py: the errors TF code expects
+(MismatchError, InvalidArgumentError, is_mismatch);
 async_op.py: the asynchronous op collectives use in TF1 graphs; hooks.py: TF1's
 session hook.
 """
@@ -24,7 +25,7 @@ from .callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, L
                         LearningRateWarmupCallback, MetricAverageCallback)
 from .compression import Compression
 from . import elastic  # hvd.elastic.run, hvd.elastic.TensorFlowKerasState, ... (docs/elastic.md)
-from .errors import MismatchError
+from .errors import InvalidArgumentError, MismatchError, is_mismatch
 from .functions import allgather_object, broadcast_object, broadcast_object_fn
 from .hooks import BroadcastGlobalVariablesHook
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, broadcast, broadcast_,
@@ -44,6 +45,7 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
     "broadcast_variables", "broadcast_global_variables", "reducescatter", "grouped_reducescatter", "alltoall", "join",
     "broadcast_object", "broadcast_object_fn", "allgather_object", "MismatchError",
+    "InvalidArgumentError", "is_mismatch",
     "DistributedOptimizer", "DistributedGradientTape", "Compression",
     "PartialDistributedOptimizer", "PartialDistributedGradientTape", "SyncBatchNormalization",
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",

@@ -1,13 +1,18 @@
 """alltoall as a TensorFlow op, as hvd.alltoall: eager and inside tf.function,
 on any process set, with Horovod's gradient, through the background engine
-(paired by name, as every op of ops.py). Tensors go through the host
-(tf.numpy_function; in TF1 graphs the asynchronous op of async_op.py), GPU
-tensors included: alltoall moves rows, it has no arithmetic to keep on a GPU."""
+(paired by name, as every op of ops.py). Tensors go through the host, GPU
+tensors included: alltoall
+moves rows, it has no arithmetic to keep on a GPU (async_op.stateful_call).
+Bad splits (their dtype,
+their count, their sum, a negative entry) raise InvalidArgumentError
+(errors.py): eagerly and, for a dtype, when the op is built, as that class;
+when only the op's run sees them in a graph, as the op's INVALID_ARGUMENT
+status (tf.errors.InvalidArgumentError)."""
 from __future__ import annotations
 
 import tensorflow as tf
 
-from .async_op import async_call, in_tf1_graph
+from .async_op import stateful_call
 from .basics import check_process_set, global_process_set
 from .errors import raising_tf_errors
 from .naming import collective_name
@@ -26,16 +31,14 @@ def _alltoall_op(x, splits, name, ps):
     if tf.executing_eagerly():
         received, received_splits = run(*[t.numpy() for t in inputs])
         return tf.convert_to_tensor(received), tf.convert_to_tensor(received_splits)
-    if in_tf1_graph():  # an asynchronous op: no thread held while it waits (async_op.py)
-        received, received_splits = async_call(run, inputs, [x.dtype, tf.int32], name="RingAlltoall")
-    else:
-        received, received_splits = tf.numpy_function(run, inputs, [x.dtype, tf.int32], stateful=True,
-                                                      name="RingAlltoall")
+    # Its errors a real status; in a TF1 graph no thread held while it waits (async_op.py).
+    received, received_splits = stateful_call(run, inputs, [x.dtype, tf.int32], name="RingAlltoall")
     received.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
     received_splits.set_shape([ps.size()])
     return received, received_splits
 
 
+@raising_tf_errors
 def alltoall(tensor, splits=None, name: str | None = None, process_set=global_process_set):
     """Scatters tensor's rows to every rank (of the set) and gathers what each sent here.
 

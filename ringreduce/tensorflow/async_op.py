@@ -1,5 +1,11 @@
 """Collectives in TF1 graphs (a tf.compat.v1 Session): an asynchronous op.
 
+The same library holds RingreduceStatus, which a tf.function's collective
+(a numpy_function, which TensorFlow would fail with UnknownError whatever
+the Python exception) uses to fail with the code of its error instead: a
+mismatch FAILED_PRECONDITION, a refused argument INVALID_ARGUMENT
+(stateful_call; without a compiler, a bare numpy_function, warned once).
+
 A collective in a TF1 graph must not block the thread it runs on. The
 Session runs independent ops on a few inter-op threads in no fixed order; a
 blocking hand-over (numpy_function waiting for its partner) holds a thread,
@@ -37,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,9 +186,10 @@ _UNKNOWN, _INVALID_ARGUMENT, _FAILED_PRECONDITION, _UNIMPLEMENTED, _INTERNAL = 2
 
 
 def _status(exc: BaseException) -> tuple[int, str]:
-    """The TF error code and message a Python exception becomes. A mismatch's
-    message starts `ringreduce.MismatchError: `, which errors.py turns back
-    into a MismatchError on the caller's side."""
+    """The TF error code and message a Python exception becomes: a mismatch
+    FAILED_PRECONDITION, its message starting `ringreduce.MismatchError: `
+    (errors.is_mismatch reads it); a refused argument (ValueError, TypeError)
+    INVALID_ARGUMENT; a TensorFlow error its own code."""
     if isinstance(exc, rr.MismatchError):
         return _FAILED_PRECONDITION, f"ringreduce.MismatchError: {exc}"
     if isinstance(exc, tf.errors.OpError):
@@ -219,7 +227,7 @@ def _finish(call: int, results=None, exc: BaseException | None = None) -> None:
 def _run(entry: _Call, call: int, arrays: list) -> None:
     try:
         results = entry.fn(*arrays)
-        if len(entry.out_dtypes) == 1:
+        if len(entry.out_dtypes) == 1 and not isinstance(results, (list, tuple)):  # one array for one output
             results = [results]
         results = [np.require(np.asarray(r), requirements="C") for r in results]  # 0-d stays 0-d
         for i, (r, dt) in enumerate(zip(results, entry.out_dtypes)):
@@ -300,7 +308,8 @@ _graph_tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def async_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
     """Graph tensors: fn(*numpy inputs) run without holding a TensorFlow
     thread; it returns one array (one output) or a sequence of them, of
-    exactly out_dtypes. Shapes are unknown: set them on the outputs."""
+    exactly out_dtypes (one output: the array, or a sequence of one). Shapes
+    are unknown: set them on the outputs."""
     ops = load()
     token = f"ringreduce-call-{next(_tokens)}"
     out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
@@ -314,6 +323,64 @@ def async_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
         weakref.finalize(graph, _forget, tokens)
     tokens.append(token)
     return ops.ringreduce_async_call(inputs=inputs, Tout=out_dtypes, token=token, name=name)
+
+
+_unavailable: list = []  # why the op could not be loaded, once known
+
+
+def available() -> bool:
+    """Whether the op library can be used here: built (or buildable) and
+    loaded. Where it cannot (no C++ compiler), a tf.function's collectives
+    are bare numpy_functions, warned once; TF1 graphs need the op."""
+    if _ops is not None:
+        return True
+    if _unavailable:
+        return False
+    try:
+        load()
+        return True
+    except rr.RingReduceError as e:
+        _unavailable.append(str(e))
+        warnings.warn("ringreduce's TensorFlow ops are not available, so collectives in a tf.function fail as "
+                      "numpy_functions do: a mismatch between ranks there arrives as tf.errors.UnknownError "
+                      f"(hvd.is_mismatch(e) recognises it). Why: {e}", RuntimeWarning, stacklevel=3)
+        return False
+
+
+@tf.autograph.experimental.do_not_convert
+def stateful_call(fn, inputs, out_dtypes, name: str | None = None) -> list:
+    """fn(*numpy inputs) as a stateful op of the graph being built, whose
+    failure is a real status with its error's code (_status: a mismatch
+    FAILED_PRECONDITION, ValueError/TypeError INVALID_ARGUMENT). In a TF1
+    graph, the asynchronous op. In a tf.function, a blocking numpy_function
+    (cheaper there, docs/performance.md) that returns its error instead of
+    raising it, then RingreduceStatus, which passes the results on or fails
+    with that error; where the op library is not available, the
+    numpy_function alone (its errors then UnknownError). Returns a list of
+    outputs."""
+    if in_tf1_graph():
+        return async_call(fn, inputs, out_dtypes, name=name)
+    out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
+    if not available():
+        out = tf.numpy_function(fn, inputs, out_dtypes, stateful=True, name=name)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+    empty = [np.zeros(0, d.as_numpy_dtype) for d in out_dtypes]
+
+    def run(*arrays):
+        try:
+            results = fn(*arrays)
+            results = [results] if len(out_dtypes) == 1 and not isinstance(results, (list, tuple)) else list(results)
+            return [np.int32(0), np.array(b"", dtype=object)] + results
+        except Exception as exc:  # noqa: BLE001 - it becomes the op's status
+            try:
+                code, message = _status(exc)
+            except Exception:  # noqa: BLE001 - an exception whose str() fails
+                code, message = _INTERNAL, f"ringreduce: the op failed with {type(exc).__name__}"
+            return [np.int32(code), np.array(message.encode(errors="replace"), dtype=object)] + empty
+
+    outs = tf.numpy_function(run, inputs, [tf.int32, tf.string] + out_dtypes, stateful=True, name=name)
+    return list(_ops.ringreduce_status(code=outs[0], message=outs[1], values=list(outs[2:]),
+                                       name=f"{name or 'Ring'}Status"))
 
 
 def in_tf1_graph() -> bool:

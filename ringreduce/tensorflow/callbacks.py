@@ -10,13 +10,16 @@ import numpy as np
 import ringreduce as rr
 
 from .ops import broadcast_variables
+from .optimizer import local_variable_ids
 from ..engine import engine
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Starts every rank from root's weights (and optimizer state). A model
     built lazily (no keras.Input) has no weights until its first step builds
-    them: it is broadcast after that step instead, as Horovod does."""
+    them: it is broadcast after that step instead, as Horovod does. Local
+    variables stay each rank's own: local_variables=, and those of a
+    DistributedOptimizer (register_local_var, Partial* local_layers)."""
 
     def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
@@ -38,7 +41,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if opt is not None and not opt.built:
             opt.build(self.model.trainable_variables)
         variables = list(self.model.variables) + (list(opt.variables) if opt is not None else [])
-        broadcast_variables([v for v in variables if id(v) not in self._local], self.root_rank)
+        # The optimizer's local variables (register_local_var, a Partial optimizer's local layers), as Horovod's.
+        local = self._local | (local_variable_ids(opt) if opt is not None else frozenset())
+        broadcast_variables([v for v in variables if id(v) not in local], self.root_rank)
         self._pending = False
 
 

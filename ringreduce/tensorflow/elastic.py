@@ -19,7 +19,7 @@ States keep variables as numpy copies in memory (commit), put them back
 (restore) and sync them from a rank holding the newest commit
 (ringreduce.elastic.State). Inside a tf.function TensorFlow turns a lost
 peer into tf.errors.UnknownError whose text names ringreduce's exception
-(ringreduce/tensorflow/errors.py): run() recognises it there too.
+(the asynchronous op's status, async_op.py): run() recognises it there too.
 """
 from __future__ import annotations
 

@@ -1,10 +1,28 @@
 """The errors the TensorFlow ops raise, as Horovod's callers expect them.
 
-Horovod reports ranks that disagree (shape, dtype, root, op) as
-tf.errors.FailedPreconditionError; ringreduce raises rr.MismatchError. The
-TF ops raise MismatchError below, which is both, so `except
-tf.errors.FailedPreconditionError` and `except rr.MismatchError` catch it
-alike. It is found before any data moves: the communicator stays usable."""
+Two classes, each both a Python and a TensorFlow error, raised by the ops
+themselves (nothing of TensorFlow's is patched):
+
+- MismatchError: ranks called a collective with different shape, dtype, op,
+  root or name. It is rr.MismatchError and tf.errors.FailedPreconditionError
+  (Horovod's error for it). Found before any data moves: the communicator
+  stays usable.
+- InvalidArgumentError: this rank's own bad argument (alltoall splits, a
+  root_rank outside the set, a dtype the ring cannot move, an unknown op, a
+  process set it may not use). It is ValueError (and TypeError, which some
+  of these were) and tf.errors.InvalidArgumentError, what Horovod's callers
+  catch.
+
+Both are raised as such eagerly, and, for what is checked when an op is
+built, at trace time in a tf.function and at graph-building time in a TF1
+graph. What only the op's run can find out inside a graph (splits' values, a
+mismatch with the other ranks) becomes the op's error status, which
+TensorFlow raises as its own class for that status:
+tf.errors.InvalidArgumentError and tf.errors.FailedPreconditionError, the
+same codes. On hosts with a GPU the ops in a tf.function are py_functions,
+whose Python errors TensorFlow reports as UnknownError. is_mismatch(e) tells
+a ringreduce mismatch apart however it arrived.
+"""
 from __future__ import annotations
 
 import functools
@@ -27,92 +45,68 @@ class MismatchError(rr.MismatchError, tf.errors.FailedPreconditionError):
         return type(self), (self.message, self.rank)
 
 
-def as_tf_error(error: rr.MismatchError) -> MismatchError:
-    return error if isinstance(error, MismatchError) else MismatchError(str(error), error.rank)
+class InvalidArgumentError(ValueError, TypeError, tf.errors.InvalidArgumentError):
+    """An argument this rank gave a collective that it refuses (before any
+    data moves; the other ranks of the collective fail with a MismatchError
+    naming this rank instead of waiting for it)."""
 
+    def __init__(self, node_def, op=None, message=None, *args):
+        """InvalidArgumentError(message), or TensorFlow's (node_def, op,
+        message): autograph re-creates an error raised while a tf.function
+        is traced from those three, and keeps its class only if it can."""
+        if message is None and isinstance(node_def, str):
+            node_def, message = None, node_def
+        tf.errors.OpError.__init__(self, node_def, op, message, tf.errors.INVALID_ARGUMENT)
+        self.args = (message,)
 
-def raising_tf_errors(fn):
-    """fn, with rr.MismatchError re-raised as the TF-facing MismatchError."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except rr.MismatchError as e:
-            if isinstance(e, MismatchError):
-                raise
-            raise as_tf_error(e) from e
-    return wrapper
-
-
-# Inside tf.function the ops run as numpy_/py_functions, and TensorFlow turns
-# any Python exception there into UnknownError (py_func.cc maps only ValueError,
-# TypeError, StopIteration, MemoryError and NotImplementedError), keeping the
-# exception's text. The C++ runtime makes that exception by calling the
-# UnknownError class it registered at import (the registry cannot be set
-# twice), and Python insists on an UnknownError instance. So the hook is
-# UnknownError.__new__: when the text says a ringreduce mismatch caused it (an
-# op's, or the background engine's), the caller gets MismatchInFunctionError,
-# which is a MismatchError (so a FailedPreconditionError, as with Horovod) and
-# still an UnknownError. Every other UnknownError is made as before.
-_MISMATCH_TRACE = re.compile(r"\nringreduce\.[\w.]*MismatchError: ")
-
-
-class MismatchInFunctionError(MismatchError, tf.errors.UnknownError):
-    """A MismatchError raised inside a tf.function; its message is TensorFlow's
-    (the op, then ringreduce's own text)."""
-
-    def __init__(self, node_def=None, op=None, message="", *args):
-        tf.errors.OpError.__init__(self, node_def, op, message, tf.errors.FAILED_PRECONDITION)
-        rr.MismatchError.__init__(self, message)
-
-    def __reduce__(self):  # pickled and copied with its message where __init__ expects it
-        return type(self), (None, None, self.message)
-
-
-def _unknown_error_or_mismatch(cls, node_def=None, op=None, message="", *args, **kwargs):
-    if cls is tf.errors.UnknownError and isinstance(message, str) and _MISMATCH_TRACE.search(message):
-        cls = MismatchInFunctionError  # Python then runs its __init__ with the same arguments
-    return Exception.__new__(cls, node_def, op, message, *args, **kwargs)
-
-
-def _surface_mismatches_from_tf_functions() -> None:
-    if "__new__" not in vars(tf.errors.UnknownError):
-        tf.errors.UnknownError.__new__ = _unknown_error_or_mismatch
-
-
-_surface_mismatches_from_tf_functions()
-
-
-# In a TF1 graph (async_op.py) a mismatch fails the op with FAILED_PRECONDITION
-# and a message that starts `ringreduce.MismatchError: `; session.run raises
-# TensorFlow's FailedPreconditionError for it, made, as above, through the
-# class TensorFlow registered. The same hook on its __new__ makes it a
-# MismatchInGraphError: still that FailedPreconditionError, and a MismatchError.
-_MISMATCH_STATUS = re.compile(r"(?:^|\n)ringreduce\.MismatchError: ")
-
-
-class MismatchInGraphError(MismatchError):
-    """A MismatchError raised by session.run in a TF1 graph; its message is
-    TensorFlow's (ringreduce's own text, then the node)."""
-
-    def __init__(self, node_def=None, op=None, message="", *args):
-        tf.errors.OpError.__init__(self, node_def, op, message, tf.errors.FAILED_PRECONDITION)
-        rr.MismatchError.__init__(self, message)
+    def __str__(self):
+        return self.message
 
     def __reduce__(self):
         return type(self), (None, None, self.message)
 
 
-def _failed_precondition_or_mismatch(cls, *args, **kwargs):
-    message = args[2] if len(args) > 2 else kwargs.get("message")
-    if cls is tf.errors.FailedPreconditionError and isinstance(message, str) and _MISMATCH_STATUS.search(message):
-        cls = MismatchInGraphError
-    return Exception.__new__(cls, *args, **kwargs)
+def as_tf_error(error: BaseException) -> BaseException:
+    """The TF-facing class for a ringreduce error: MismatchError for a
+    mismatch, InvalidArgumentError for a refused argument (ValueError,
+    TypeError); anything else as it is."""
+    if isinstance(error, (MismatchError, InvalidArgumentError)):
+        return error
+    if isinstance(error, rr.MismatchError):
+        return MismatchError(str(error), error.rank)
+    if isinstance(error, (ValueError, TypeError)) and not isinstance(error, tf.errors.OpError):
+        return InvalidArgumentError(str(error))
+    return error
 
 
-def _surface_mismatches_from_tf1_graphs() -> None:
-    if "__new__" not in vars(tf.errors.FailedPreconditionError):
-        tf.errors.FailedPreconditionError.__new__ = _failed_precondition_or_mismatch
+def raising_tf_errors(fn):
+    """fn, with ringreduce's mismatches and refused arguments re-raised as
+    MismatchError and InvalidArgumentError (as_tf_error)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (rr.MismatchError, ValueError, TypeError) as e:
+            converted = as_tf_error(e)
+            if converted is e:
+                raise
+            raise converted from e
+    return wrapper
 
 
-_surface_mismatches_from_tf1_graphs()
+# How a ringreduce mismatch reads in the message of an error TensorFlow made
+# from an op's status: the asynchronous op's status text starts
+# `ringreduce.MismatchError: ` (async_op.py); a py_function's UnknownError
+# carries the Python traceback, `ringreduce.tensorflow.errors.MismatchError: ...`.
+_MISMATCH_TEXT = re.compile(r"(?:^|\n|\s)ringreduce\.[\w.]*MismatchError: ")
+
+
+def is_mismatch(error: BaseException) -> bool:
+    """Whether error is ringreduce's verdict that ranks disagreed on a
+    collective: a MismatchError raised eagerly, or the error TensorFlow
+    raised for an op that failed with one inside a tf.function or TF1 graph
+    (FailedPreconditionError; UnknownError on GPU hosts, where the ops are
+    py_functions)."""
+    if isinstance(error, rr.MismatchError):
+        return True
+    return isinstance(error, tf.errors.OpError) and bool(_MISMATCH_TEXT.search(error.message or ""))

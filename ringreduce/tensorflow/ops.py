@@ -5,9 +5,12 @@ are the set's). Every op hands its array to the background engine
 (ringreduce/engine.py), which pairs collectives across ranks BY NAME
 (naming.py says which name an op gets), and waits for the result. Eagerly
 the op body runs at once; in a tf.function it is a tf.numpy_function, whose
-wait releases the GIL; where TensorFlow sees a GPU, a tf.py_function
-instead, which leaves tensors where they are: GPU tensors cross to cupy and
-back through DLPack and are reduced on the GPU."""
+wait releases the GIL, followed by ringreduce's status op, so its failures
+are real error statuses; in a TF1 graph, ringreduce's asynchronous op
+(async_op.py); where TensorFlow sees a GPU, a tf.py_function instead in a
+tf.function, which leaves tensors where they are: GPU tensors cross to cupy
+and back through DLPack and are reduced on the GPU. Refused arguments raise
+InvalidArgumentError, mismatches between ranks MismatchError (errors.py)."""
 from __future__ import annotations
 
 import warnings
@@ -18,7 +21,7 @@ import tensorflow as tf
 import ringreduce as rr
 from ringreduce.engine import engine, register_kind
 
-from .async_op import async_call, in_tf1_graph
+from .async_op import in_tf1_graph, stateful_call
 from .basics import check_process_set, global_process_set
 from .compression import Compression, engine_compressor
 from .errors import raising_tf_errors
@@ -32,19 +35,18 @@ _REDUCE_OPS = (Average, Sum, Min, Max, Product)
 
 def _numpy_op(fn, inputs, dtype, shape, name):
     """Runs fn (numpy/cupy arrays in, one array out) as a TF op. Eagerly it is
-    called directly, so its exceptions (MismatchError) reach the caller as
-    they are; in a tf.function it becomes an op that runs in program order;
-    in a TF1 graph, an asynchronous op (async_op.py) that holds no thread
-    while it waits for its partners."""
+    called directly, so its exceptions (MismatchError, InvalidArgumentError)
+    reach the caller as they are; in a graph it is async_op.stateful_call's
+    op (stateful, so it runs in program order; failing with the code of its
+    error; in a TF1 graph holding no thread while it waits for its
+    partners); on GPU hosts in a tf.function, a py_function."""
     fn = raising_tf_errors(fn)
     if tf.executing_eagerly():
         return tf.convert_to_tensor(_to_tf(fn(*[_from_tf(t) for t in inputs])))
-    if in_tf1_graph():
-        (out,) = async_call(fn, inputs, [dtype], name=name)
-    elif on_gpu_hosts():
+    if not in_tf1_graph() and on_gpu_hosts():
         out = tf.py_function(lambda *ts: _to_tf(fn(*[_from_tf(t) for t in ts])), inputs, dtype, name=name)
     else:
-        out = tf.numpy_function(fn, inputs, dtype, stateful=True, name=name)
+        (out,) = stateful_call(fn, inputs, [dtype], name=name)
     out.set_shape(shape)
     return out
 
@@ -87,13 +89,11 @@ def run_collective(name: str, array, kind: str, process_set, op: str = "sum", ro
 def refuse(label: str, kind: str, ps, problem: Exception) -> None:
     """This rank's own bad argument, found before its request reached the
     engine: it still meets the others' request of that name, as a refusal
-    (Engine._refuse), so they raise MismatchError naming this rank at once
+    (Engine.refuse), so they raise MismatchError naming this rank at once
     instead of waiting RINGREDUCE_TIMEOUT for it. The caller then raises."""
     if not rr.is_initialized():
         return
-    eng = engine()
-    group = None if ps is None or ps.process_set_id == 0 else ps
-    eng._refuse(label, kind, 0 if group is None else group.process_set_id, group, problem)
+    engine().refuse(label, problem, kind=kind, process_set=None if ps is None or ps.process_set_id == 0 else ps)
 
 
 def refuse_eagerly(kind_label: str, kind: str, name, process_set, problem: Exception) -> None:
@@ -192,6 +192,7 @@ def _reduce_array(a, op: str, prescale: float, postscale: float, name, ps, compr
 # --------------------------------------------------------------------------- allreduce
 
 
+@raising_tf_errors
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set):
     """Reduces tensor over all ranks (Horovod's signature; op defaults to
@@ -246,6 +247,7 @@ def _allreduce_sparse(slices: tf.IndexedSlices, op: str, scale: float, ps) -> tf
     return tf.IndexedSlices(values, allgather(slices.indices, process_set=ps), slices.dense_shape)
 
 
+@raising_tf_errors
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
                       op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """allreduce of each tensor of a list, in order; returns a list."""
@@ -256,6 +258,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 # --------------------------------------------------------------------------- allgather
 
 
+@raising_tf_errors
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenates every rank's tensor along axis 0 (ranks may differ in dim 0).
     Gradient, as Horovod's: the incoming gradient averaged over ranks, this
@@ -288,6 +291,7 @@ def _gather_array(a, name, ps):
     return undo(run_collective(name, raw, "allgather", ps))
 
 
+@raising_tf_errors
 def grouped_allgather(tensors, process_set=global_process_set):
     return [allgather(t, process_set=process_set) for t in tensors]
 
@@ -295,6 +299,7 @@ def grouped_allgather(tensors, process_set=global_process_set):
 # --------------------------------------------------------------------------- broadcast
 
 
+@raising_tf_errors
 def broadcast(tensor, root_rank=0, name=None, process_set=global_process_set):
     """Root's tensor on every rank (of the set: root_rank is a world rank,
     one of its members). Gradient, as Horovod's: the incoming gradient
@@ -333,27 +338,37 @@ def _broadcast_array(a, root, name, ps):
     return undo(run_collective(name, raw, "broadcast", ps, root=root)).reshape(shape)
 
 
+@raising_tf_errors
 def broadcast_(variables, root_rank=0, name=None, process_set=global_process_set):
-    """In place: assigns root's value to each variable (one, or a list);
-    returns the variables (in a TF1 graph: the op that assigns them)."""
+    """In place, as Horovod's: assigns root's value to each variable (one, or
+    a list) and returns the updated values, as tensors, in every mode (in a
+    TF1 graph, evaluating one runs its assignment), so `a, b =
+    hvd.broadcast_([a, b], 0)` works everywhere."""
     single = not isinstance(variables, (list, tuple))
-    out = broadcast_variables([variables] if single else variables, root_rank, process_set)
-    return out[0] if single and not in_tf1_graph() else out
+    values = [tf.convert_to_tensor(a) for a in _assign_broadcast([variables] if single else variables, root_rank,
+                                                                  process_set)]
+    return values[0] if single else values
 
 
+@raising_tf_errors
 def broadcast_variables(variables, root_rank=0, process_set=global_process_set, inplace=False):
     """Assigns root's values to every variable, on every rank (in order);
     returns the variables. In a TF1 graph, as Horovod's, returns the op that
     does it (session.run it). inplace (Horovod's) changes nothing: it always is."""
     variables = list(variables)
-    # Named by position in this call, not by variable path: ranks whose Keras
-    # names differ (one built an extra layer first) still pair.
-    base = collective_name("broadcast_variables", None, check_process_set(process_set))
-    assigns = [v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"{base}.{i}", process_set=process_set))
-               for i, v in enumerate(variables)]
+    assigns = _assign_broadcast(variables, root_rank, process_set)
     if in_tf1_graph():  # a Session runs nothing it is not asked for
         return tf.group(*assigns, name="RingBroadcastVariables")
     return variables
+
+
+def _assign_broadcast(variables, root_rank, process_set) -> list:
+    """Root's value assigned to each variable; returns what each assign returns."""
+    # Named by position in this call, not by variable path: ranks whose Keras
+    # names differ (one built an extra layer first) still pair.
+    base = collective_name("broadcast_variables", None, check_process_set(process_set))
+    return [v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"{base}.{i}", process_set=process_set))
+            for i, v in enumerate(variables)]
 
 
 def broadcast_global_variables(root_rank=0):
@@ -413,6 +428,7 @@ def _reducescatter_array(a, op, prescale, postscale, name, ps):
     return _scale(mine, postscale / ps.size() if integer_average else postscale)
 
 
+@raising_tf_errors
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reduces tensor over all ranks and returns this rank's block of rows
@@ -450,6 +466,7 @@ def _reducescatter(tensor, op, prescale, postscale, name, ps):
     return _scatter(tensor)
 
 
+@raising_tf_errors
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     return [reducescatter(t, device_dense, compression, op, None, process_set, prescale_factor, postscale_factor)

@@ -216,6 +216,14 @@ def _unpickle_distributed(plain, reduction, passes, average_passes):
     return optimizer
 
 
+def local_variable_ids(opt) -> frozenset:
+    """ids of the variables a DistributedOptimizer keeps local (none for
+    any other optimizer)."""
+    if not hasattr(type(opt), "_rr_reduction"):
+        return frozenset()
+    return _local_variables(opt).ids()
+
+
 def _local_variables(opt) -> _LocalVariables:
     if "_rr_local" not in opt.__dict__:
         opt.__dict__["_rr_local"] = _LocalVariables()  # past Keras' attribute tracking: not state to save
@@ -275,6 +283,20 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
         flat = self._reduction(tf.nest.flatten(grads), tf.nest.flatten(sources), self._local.ids())
         return tf.nest.pack_sequence_as(grads, flat)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False,
+                                       **kwargs):
+        """The gradients of gradient(), split: (local, global), two lists of
+        (gradient, variable) pairs, each in the order of the flattened
+        sources. local: the registered local sources (register_local_source,
+        local_layers), each this rank's own gradient (divided by size when
+        scale_local_gradients); global: every other source, its gradient
+        combined over the ranks."""
+        variables = tf.nest.flatten(sources)
+        grads = tf.nest.flatten(self.gradient(target, sources, output_gradients, use_generic_names, **kwargs))
+        local = self._local.ids()
+        return ([(g, v) for g, v in zip(grads, variables) if id(v) in local],
+                [(g, v) for g, v in zip(grads, variables) if id(v) not in local])
 
     def __enter__(self):
         self._tape.__enter__()

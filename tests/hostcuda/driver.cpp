@@ -1,7 +1,7 @@
 /* A CUDA driver (libcuda.so.1) over host memory, so that the code written
- * for a GPU runs, and is checked, on machines without one: csrc/cuda_device.c
+ * for a GPU runs, and is checked, on machines without one: csrc/device/cuda_device.c
  * through the driver API it opens at run time, and the kernels of
- * csrc/cuda/reduce.cu compiled for the host (cuda_builtins.h). The tests
+ * csrc/kernels/cuda/reduce.cu compiled for the host (cuda_builtins.h). The tests
  * build it (tests/hostcuda.py) and put its folder on LD_LIBRARY_PATH.
  *
  * Strict where CUDA is strict, and stricter where a mistake would show only
@@ -17,8 +17,9 @@
  * - Queued work runs late: an event is not ready until it has been queried
  *   HOSTCUDA_PATIENCE times (default 2; 0: only when synchronized), and only
  *   then does its stream run up to it. Kernel arguments are copied at launch.
- * - An async copy from or to pageable memory (not cuMemHostAlloc'ed) runs at
- *   once, as CUDA runs it, and is counted: staging must be pinned to overlap.
+ * - An async copy from or to pageable memory (neither cuMemHostAlloc'ed nor
+ *   cuMemHostRegister'ed) runs at once, as CUDA runs it, and is counted:
+ *   staging must be pinned to overlap.
  * - hostcuda_stats() counts what is alive, so tests catch leaks.
  * Every entry point takes one lock: work runs in the order it was queued.
  */
@@ -117,7 +118,8 @@ thread_local CUctx_st *current;
 CUresult sticky; /* a faulted context fails every call after */
 CUstream_st default_stream;
 std::map<uintptr_t, Block> device_blocks;
-std::map<uintptr_t, size_t> pinned_blocks;
+std::map<uintptr_t, size_t> pinned_blocks; /* cuMemHostAlloc'ed and registered */
+std::set<uintptr_t> registered;             /* of those, cuMemHostRegister'ed */
 std::set<CUstream_st *> streams;
 std::set<CUevent_st *> events;
 std::map<std::string, CUfunc_st> functions;
@@ -240,7 +242,7 @@ size_t dtype_size(const std::string &name)
     return it == sizes.end() ? 0 : it->second;
 }
 
-/* The kernel's signature from its name (csrc/cuda/reduce.cu's convention). */
+/* The kernel's signature from its name (csrc/kernels/cuda/reduce.cu's convention). */
 bool describe(const std::string &name, CUfunc_st *f)
 {
     auto starts = [&](const char *p) { return name.compare(0, strlen(p), p) == 0; };
@@ -460,8 +462,31 @@ CUresult cuMemFreeHost(void *p)
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
     if (CUresult r = need_context()) return r;
-    if (!pinned_blocks.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+    if (registered.count((uintptr_t)p) || !pinned_blocks.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
     free(p);
+    return CUDA_SUCCESS;
+}
+
+/* Page-locks the caller's memory: here it only becomes pinned for the
+ * rules above (no pageable copies). CUDA wants it page aligned. */
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    (void)flags;
+    if (CUresult r = need_context()) return r;
+    if (n == 0 || (uintptr_t)p % 4096 || pinned_blocks.count((uintptr_t)p) || touches_device(p, n))
+        return CUDA_ERROR_INVALID_VALUE;
+    pinned_blocks[(uintptr_t)p] = n;
+    registered.insert((uintptr_t)p);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemHostUnregister(void *p)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!registered.erase((uintptr_t)p)) return CUDA_ERROR_INVALID_VALUE;
+    pinned_blocks.erase((uintptr_t)p);
     return CUDA_SUCCESS;
 }
 
@@ -551,7 +576,7 @@ void hostcuda_free(CUdeviceptr p)
 }
 
 /* What is alive and what happened: retained contexts, streams, events,
- * cuMemAlloc blocks, cuMemHostAlloc blocks, pageable async copies, kernel
+ * cuMemAlloc blocks, pinned blocks (allocated or registered), pageable async copies, kernel
  * launches, and the sticky error (0: none). */
 void hostcuda_stats(long long out[8])
 {

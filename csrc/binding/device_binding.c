@@ -1,0 +1,291 @@
+/* ringreduce._core.Device: the CUDA device, or the emulated one that tests
+ * the staged ring without a GPU (device.h). Pointers cross as integers:
+ * cupy arrays give theirs (data.ptr), the emulated device hands out its own. */
+#include "binding/device_binding.h"
+
+#include <string.h>
+
+void *rr_emulated_host_view(const void *dev);
+
+static PyObject *wrap(rr_device *dev, int emulated)
+{
+    DeviceObject *self = PyObject_New(DeviceObject, &DeviceType);
+    if (!self) { rr_device_destroy(dev); return NULL; }
+    self->dev = dev;
+    self->emulated = emulated;
+    pthread_mutex_init(&self->mu, NULL);
+    return (PyObject *)self;
+}
+
+static PyObject *Device_emulated(PyObject *Py_UNUSED(cls), PyObject *args)
+{
+    int patience = 2;
+    if (!PyArg_ParseTuple(args, "|i", &patience)) return NULL;
+    rr_device *dev = rr_emulated_device_create(patience < 0 ? 0 : patience);
+    return dev ? wrap(dev, 1) : PyErr_NoMemory();
+}
+
+static int read_handles(PyObject *seq_obj, void **out, Py_ssize_t n, const char *what)
+{
+    PyObject *seq = PySequence_Fast(seq_obj, what);
+    if (!seq) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd entries", what, n);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, i));
+    Py_DECREF(seq);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Device.cuda(ordinal, reduce, divide, mean): reduce[dtype] is the (sum, prod,
+ * min, max) CUfunction handles for that dtype, divide[dtype] one handle,
+ * mean[dtype] one for each 16-bit float (float16, bfloat16). */
+static PyObject *Device_cuda(PyObject *Py_UNUSED(cls), PyObject *args)
+{
+    int ordinal;
+    PyObject *reduce_obj, *divide_obj, *mean_obj;
+    if (!PyArg_ParseTuple(args, "iOOO", &ordinal, &reduce_obj, &divide_obj, &mean_obj)) return NULL;
+    void *reduce[RR_NUM_DTYPES][4], *divide[RR_NUM_DTYPES], *mean[RR_NUM_MEAN_DTYPES];
+    PyObject *rows = PySequence_Fast(reduce_obj, "reduce must be a sequence");
+    if (!rows) return NULL;
+    int bad = PySequence_Fast_GET_SIZE(rows) != RR_NUM_DTYPES;
+    if (bad) PyErr_SetString(PyExc_ValueError, "reduce needs one row per dtype");
+    for (int t = 0; !bad && t < RR_NUM_DTYPES; t++)
+        bad = read_handles(PySequence_Fast_GET_ITEM(rows, t), reduce[t], 4, "reduce row");
+    Py_DECREF(rows);
+    if (bad || read_handles(divide_obj, divide, RR_NUM_DTYPES, "divide") ||
+        read_handles(mean_obj, mean, RR_NUM_MEAN_DTYPES, "mean"))
+        return NULL;
+    rr_error err = {0};
+    rr_device *dev;
+    Py_BEGIN_ALLOW_THREADS
+    dev = rr_cuda_device_create(ordinal, reduce, divide, mean, &err);
+    Py_END_ALLOW_THREADS
+    if (!dev) {
+        PyObject *cls = error_class("RingReduceError");
+        if (cls) { PyErr_SetString(cls, err.msg); Py_DECREF(cls); }
+        return NULL;
+    }
+    return wrap(dev, 0);
+}
+
+DeviceObject *device_arg(PyObject *obj)
+{
+    if (!PyObject_TypeCheck(obj, &DeviceType) || !((DeviceObject *)obj)->dev) {
+        PyErr_SetString(PyExc_TypeError, "expected a ringreduce._core.Device");
+        return NULL;
+    }
+    return (DeviceObject *)obj;
+}
+
+static int require_emulated(DeviceObject *self)
+{
+    if (self->emulated) return 0;
+    PyErr_SetString(PyExc_TypeError, "only the emulated device hands out memory; use cupy for CUDA");
+    return -1;
+}
+
+/* The emulated device's memory, for tests: alloc, free, write, read. */
+static PyObject *Device_alloc(DeviceObject *self, PyObject *args)
+{
+    Py_ssize_t n;
+    if (require_emulated(self) || !PyArg_ParseTuple(args, "n", &n)) return NULL;
+    void *p = self->dev->ops->dev_alloc(self->dev, (size_t)n);
+    return p ? PyLong_FromVoidPtr(p) : PyErr_NoMemory();
+}
+
+static PyObject *Device_free(DeviceObject *self, PyObject *args)
+{
+    PyObject *ptr;
+    if (require_emulated(self) || !PyArg_ParseTuple(args, "O", &ptr)) return NULL;
+    void *p = PyLong_AsVoidPtr(ptr);
+    if (PyErr_Occurred()) return NULL;
+    self->dev->ops->dev_free(self->dev, p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Device_write(DeviceObject *self, PyObject *args)
+{
+    PyObject *ptr;
+    Py_buffer data;
+    if (require_emulated(self) || !PyArg_ParseTuple(args, "Oy*", &ptr, &data)) return NULL;
+    void *p = PyLong_AsVoidPtr(ptr);
+    if (!PyErr_Occurred()) memcpy(rr_emulated_host_view(p), data.buf, (size_t)data.len);
+    PyBuffer_Release(&data);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Device_read(DeviceObject *self, PyObject *args)
+{
+    PyObject *ptr;
+    Py_ssize_t n;
+    if (require_emulated(self) || !PyArg_ParseTuple(args, "On", &ptr, &n)) return NULL;
+    void *p = PyLong_AsVoidPtr(ptr);
+    if (PyErr_Occurred()) return NULL;
+    return PyBytes_FromStringAndSize(rr_emulated_host_view(p), n);
+}
+
+/* The device's error as a RingReduceError. */
+static PyObject *raise_device_error(const rr_error *err)
+{
+    PyObject *cls = error_class("RingReduceError");
+    if (cls) { PyErr_SetString(cls, err->msg); Py_DECREF(cls); }
+    return NULL;
+}
+
+/* Device.bounce_down(ptr, nbytes) -> (slot, memoryview) or None: the small
+ * messages' path (ringreduce/cuda.py): nbytes at device pointer ptr copied
+ * into a free pinned bounce buffer the device keeps (one copy, waited for),
+ * seen as a writable memoryview that is valid until bounce_up or
+ * bounce_release hands the slot back. None, with nothing done, when every
+ * slot is taken or another thread's collective holds the device. */
+static PyObject *Device_bounce_down(DeviceObject *self, PyObject *args)
+{
+    PyObject *ptr;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On", &ptr, &n)) return NULL;
+    void *p = PyLong_AsVoidPtr(ptr);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "nbytes must not be negative");
+        return NULL;
+    }
+    rr_error err = {0};
+    int slot = -2, rc = RR_OK;
+    rr_device *d = self->dev;
+    Py_BEGIN_ALLOW_THREADS
+    /* Never waits for another thread's collective on this device: that one
+     * may wait on peers that wait on this very message. */
+    if (pthread_mutex_trylock(&self->mu) == 0) {
+        slot = rr_device_bounce(d, (size_t)n, &err);
+        if (slot >= 0 && n) {
+            rc = d->ops->begin(d, &err);
+            if (rc == RR_OK) rc = rr_dev_to_host(d, d->bounce[slot].buf, p, (size_t)n, &err);
+            if (rc == RR_OK) rc = rr_device_sync(d, &err);
+            if (rc != RR_OK) rr_device_bounce_release(d, slot);
+        }
+        pthread_mutex_unlock(&self->mu);
+    }
+    Py_END_ALLOW_THREADS
+    if (slot == -2) Py_RETURN_NONE;
+    if (slot < 0 || rc != RR_OK) return raise_device_error(&err);
+    PyObject *view = PyMemoryView_FromMemory(d->bounce[slot].buf, n, PyBUF_WRITE);
+    if (!view) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&self->mu);
+        rr_device_bounce_release(d, slot);
+        pthread_mutex_unlock(&self->mu);
+        Py_END_ALLOW_THREADS
+        return NULL;
+    }
+    return Py_BuildValue("(iN)", slot, view);
+}
+
+static int bounce_slot(int slot)
+{
+    if (slot >= 0 && slot < RR_BOUNCE_SLOTS) return 0;
+    PyErr_SetString(PyExc_ValueError, "no such bounce slot");
+    return -1;
+}
+
+/* Device.bounce_up(slot, ptr, nbytes): the slot's first nbytes copied to
+ * device pointer ptr (one copy, waited for); the slot goes back either way. */
+static PyObject *Device_bounce_up(DeviceObject *self, PyObject *args)
+{
+    PyObject *ptr;
+    Py_ssize_t n;
+    int slot;
+    if (!PyArg_ParseTuple(args, "iOn", &slot, &ptr, &n) || bounce_slot(slot)) return NULL;
+    void *p = PyLong_AsVoidPtr(ptr);
+    if (PyErr_Occurred()) return NULL;
+    rr_device *d = self->dev;
+    if (n < 0 || (size_t)n > d->bounce[slot].bytes) {
+        PyErr_SetString(PyExc_ValueError, "nbytes out of the bounce buffer's range");
+        return NULL;
+    }
+    rr_error err = {0};
+    int rc = RR_OK;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    if (n) {
+        rc = d->ops->begin(d, &err);
+        if (rc == RR_OK) rc = rr_dev_to_device(d, p, d->bounce[slot].buf, (size_t)n, &err);
+        if (rc == RR_OK) rc = rr_device_sync(d, &err);
+    }
+    rr_device_bounce_release(d, slot);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc != RR_OK) return raise_device_error(&err);
+    Py_RETURN_NONE;
+}
+
+/* Device.bounce_release(slot): hands a slot back unused (the host work failed). */
+static PyObject *Device_bounce_release(DeviceObject *self, PyObject *args)
+{
+    int slot;
+    if (!PyArg_ParseTuple(args, "i", &slot) || bounce_slot(slot)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    rr_device_bounce_release(self->dev, slot);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* Device.counts() -> dict: the device operations queued since the device was
+ * made (rr_device_counts): a testing hook for what a collective costs. */
+static PyObject *Device_counts(DeviceObject *self, PyObject *Py_UNUSED(ignored))
+{
+    rr_device_counts c;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    c = self->dev->counts;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("{sKsKsK}", "copies", c.copies, "events", c.events, "waits", c.waits);
+}
+
+static void Device_dealloc(DeviceObject *self)
+{
+    if (self->dev) {
+        Py_BEGIN_ALLOW_THREADS
+        rr_device_destroy(self->dev);
+        Py_END_ALLOW_THREADS
+        pthread_mutex_destroy(&self->mu);
+    }
+    PyObject_Free(self);
+}
+
+static PyMethodDef Device_methods[] = {
+    {"emulated", (PyCFunction)Device_emulated, METH_VARARGS | METH_STATIC,
+     "emulated(patience=2) -> a device in host memory whose work runs late (tests; csrc/device/device_emulated.c)"},
+    {"cuda", (PyCFunction)Device_cuda, METH_VARARGS | METH_STATIC,
+     "cuda(ordinal, reduce, divide, mean) -> the CUDA device, with the kernels' CUfunction handles"},
+    {"alloc", (PyCFunction)Device_alloc, METH_VARARGS, "alloc(nbytes) -> pointer (emulated device)"},
+    {"free", (PyCFunction)Device_free, METH_VARARGS, "free(pointer) (emulated device)"},
+    {"write", (PyCFunction)Device_write, METH_VARARGS, "write(pointer, bytes) (emulated device)"},
+    {"read", (PyCFunction)Device_read, METH_VARARGS, "read(pointer, nbytes) -> bytes (emulated device)"},
+    {"bounce_down", (PyCFunction)Device_bounce_down, METH_VARARGS,
+     "bounce_down(pointer, nbytes) -> (slot, memoryview) or None: device bytes in a pinned bounce buffer (one copy); "
+     "the view is valid until bounce_up/bounce_release; None when every slot is taken or the device is busy"},
+    {"bounce_up", (PyCFunction)Device_bounce_up, METH_VARARGS,
+     "bounce_up(slot, pointer, nbytes): the bounce buffer's bytes back to device memory (one copy); frees the slot"},
+    {"bounce_release", (PyCFunction)Device_bounce_release, METH_VARARGS,
+     "bounce_release(slot): frees a bounce slot without copying"},
+    {"counts", (PyCFunction)Device_counts, METH_NOARGS,
+     "counts() -> {'copies', 'events', 'waits'}: device operations queued since the device was made (testing hook)"},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject DeviceType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ringreduce._core.Device",
+    .tp_basicsize = sizeof(DeviceObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A device the collectives run on: Device.cuda(...) or Device.emulated()",
+    .tp_dealloc = (destructor)Device_dealloc,
+    .tp_methods = Device_methods,
+};

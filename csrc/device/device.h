@@ -1,0 +1,138 @@
+/* What the ring needs from an accelerator to run on buffers in its memory.
+ *
+ * The ring stays the host ring for device buffers: it runs in place on a
+ * pinned host mirror of the buffer (ring.c, "the staged path"), so it keeps
+ * every host path (copying, zero-copy, Cross Memory Attach) and the host
+ * kernels' bits. The device only moves whole chunks: each comes down to the
+ * mirror once, in the order the ring first needs it (a ticket each), and
+ * each final chunk goes back up as soon as the ring has finished it; one
+ * wait at the end. All of that is queued here, in order on one stream: a
+ * ticket marks the work queued so far, and asking whether a ticket is done
+ * (or waiting for it) is how the ring learns that a chunk is on the host.
+ * Small messages go through a pinned bounce buffer kept per device
+ * (rr_device_bounce): one copy down, one copy up.
+ *
+ * Two implementations: CUDA through the driver API (cuda_device.c, loaded at
+ * run time, so the package needs no CUDA to build or import), and an emulated
+ * device in host memory (device_emulated.c) whose work runs late and whose
+ * pointers fault on the host, so tests here catch any ordering mistake.
+ */
+#ifndef RINGREDUCE_DEVICE_H
+#define RINGREDUCE_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/reduce_math.h"
+#include "common/error.h"
+
+typedef struct rr_device rr_device;
+
+/* All but alloc/free/destroy queue work on the device's stream and return
+ * RR_OK or an error code with err filled. */
+typedef struct rr_device_ops {
+    /* Makes the device usable from the calling thread (CUDA: its context). */
+    int (*begin)(rr_device *d, rr_error *err);
+    int (*to_host)(rr_device *d, void *host, const void *dev, size_t n, rr_error *err);
+    int (*to_device)(rr_device *d, void *dev, const void *host, size_t n, rr_error *err);
+    int (*copy)(rr_device *d, void *dst, const void *src, size_t n, rr_error *err);
+    /* dst = a OP b over count elements (RR_AVG reduces as RR_SUM); dst may be a. */
+    int (*reduce3)(rr_device *d, void *dst, const void *a, const void *b, size_t count, rr_dtype dtype,
+                   rr_op op, rr_error *err);
+    /* dst = running mean of x into mean (k-th contribution), as rr_mean_fold. */
+    int (*mean_fold)(rr_device *d, void *dst, const void *x, const void *mean, size_t count, rr_dtype dtype,
+                     int k, rr_error *err);
+    /* buf /= n, as rr_divide does it. */
+    int (*divide)(rr_device *d, void *buf, size_t count, rr_dtype dtype, int n, rr_error *err);
+    /* A ticket (> 0) for the work queued so far; 0 on error. */
+    uint64_t (*mark)(rr_device *d, rr_error *err);
+    /* 1 when the work up to ticket has finished, 0 when not yet (only if
+     * !wait), or a negative error code. */
+    int (*done)(rr_device *d, uint64_t ticket, int wait, rr_error *err);
+    void *(*host_alloc)(rr_device *d, size_t n); /* pinned */
+    void (*host_free)(rr_device *d, void *p);
+    void *(*dev_alloc)(rr_device *d, size_t n);
+    void (*dev_free)(rr_device *d, void *p);
+    void (*destroy)(rr_device *d);
+} rr_device_ops;
+
+/* What a device has been asked to do since it was made: every call below
+ * that queues work counts (a testing hook, ringreduce._core.Device.counts,
+ * and how tests bound the operations a collective costs). */
+typedef struct rr_device_counts {
+    unsigned long long copies;  /* to_host, to_device, copy: the work the ring queues */
+    unsigned long long events;  /* mark: a ticket (an event recorded) */
+    unsigned long long waits;   /* done(wait = 1): the host blocked on a ticket */
+} rr_device_counts;
+
+/* Small messages in flight at once through one device (threads, process
+ * sets); one more waits its turn elsewhere (the caller's fallback). */
+#define RR_BOUNCE_SLOTS 8
+
+struct rr_device {
+    const rr_device_ops *ops;
+    /* Kept between operations, grown on demand, pinned. */
+    char *mirror;         /* the host copy the ring runs on (rr_device_reserve) */
+    size_t mirror_bytes;
+    struct {              /* small messages' trip through the host (rr_device_bounce) */
+        char *buf;
+        size_t bytes;
+        int busy;
+    } bounce[RR_BOUNCE_SLOTS];
+    rr_device_counts counts;
+};
+
+/* Makes the mirror hold at least mirror_bytes. */
+int rr_device_reserve(rr_device *d, size_t mirror_bytes, rr_error *err);
+/* Takes a free bounce buffer holding at least bytes (grown only: small
+ * messages allocate nothing once one of their size has passed) and returns
+ * its slot, until rr_device_bounce_release; -1 with err filled when out of
+ * memory, -2 when every slot is taken. Not thread safe: the caller
+ * serializes calls on one device. */
+int rr_device_bounce(rr_device *d, size_t bytes, rr_error *err);
+void rr_device_bounce_release(rr_device *d, int slot);
+/* Frees the buffers, then the device. */
+void rr_device_destroy(rr_device *d);
+
+/* Waits for everything queued so far. */
+int rr_device_sync(rr_device *d, rr_error *err);
+
+/* The ops, counted (rr_device_counts). Everything outside the device
+ * implementations queues work through these. */
+static inline int rr_dev_to_host(rr_device *d, void *host, const void *dev, size_t n, rr_error *err)
+{
+    d->counts.copies++;
+    return d->ops->to_host(d, host, dev, n, err);
+}
+static inline int rr_dev_to_device(rr_device *d, void *dev, const void *host, size_t n, rr_error *err)
+{
+    d->counts.copies++;
+    return d->ops->to_device(d, dev, host, n, err);
+}
+static inline int rr_dev_copy(rr_device *d, void *dst, const void *src, size_t n, rr_error *err)
+{
+    d->counts.copies++;
+    return d->ops->copy(d, dst, src, n, err);
+}
+static inline uint64_t rr_dev_mark(rr_device *d, rr_error *err)
+{
+    d->counts.events++;
+    return d->ops->mark(d, err);
+}
+static inline int rr_dev_done(rr_device *d, uint64_t ticket, int wait, rr_error *err)
+{
+    if (wait) d->counts.waits++;
+    return d->ops->done(d, ticket, wait, err);
+}
+
+/* patience: how many times a ticket is asked about before its work runs
+ * (0: only when waited for); see device_emulated.c. */
+rr_device *rr_emulated_device_create(int patience);
+/* ordinal: the CUDA device; functions: CUfunction handles of the kernels in
+ * csrc/kernels/cuda/reduce.cu, reduce[dtype][op] (sum, prod, min, max), divide[dtype]
+ * and mean[dtype] (float16, bfloat16). NULL with err filled when CUDA cannot be loaded. */
+rr_device *rr_cuda_device_create(int ordinal, void *const reduce[RR_NUM_DTYPES][4],
+                                 void *const divide[RR_NUM_DTYPES], void *const mean[RR_NUM_MEAN_DTYPES],
+                                 rr_error *err);
+
+#endif

@@ -1,0 +1,143 @@
+"""rr.join() beside the numpy collectives: ranks with different numbers of
+batches call rr.allreduce directly, then rr.join() (the README's loop); a
+joined rank's engine answers each allreduce with zeros (the op's identity
+for min, max, prod), avg still dividing by every rank (Horovod's join).
+Every other direct collective beside a joined rank raises MismatchError on
+the ranks that called it, and the joined rank stays joined."""
+import pickle
+
+import pytest
+
+from ranks import run_ranks
+
+README_LOOP = """
+STEPS = [int(s) for s in os.environ["STEPS"].split(",")]
+n, me = rr.size(), rr.rank()
+CASES = [("float32", 17, "avg"), ("float32", 17, "sum"), ("int32", 5, "sum"), ("float16", 9, "avg"),
+         ("float64", 3, "max"), ("int64", 4, "min"), ("float32", 400_000, "sum"), ("float64", 200_000, "avg")]
+def batch(rank, step, dt, count, op):
+    sign = -1 if op == "max" else 1      # a joined rank's zeros would win a max of negatives: it adds -inf
+    return np.full(count, sign * (rank + 1) * (step + 1) * 3, dtype=dt)
+got, wrong = [], []
+for step in range(STEPS[me]):
+    for i, (dt, count, op) in enumerate(CASES):
+        r = rr.allreduce(batch(me, step, dt, count, op), op=op, name=f"case{i}")
+        active = [batch(q, step, dt, count, op) for q in range(n) if STEPS[q] > step]
+        total = np.sum(active, axis=0, dtype=np.float64)
+        want = {"sum": total, "avg": total / n if dt[0] == "f" else total // n,
+                "max": np.max(active, axis=0), "min": np.min(active, axis=0)}[op].astype(dt)
+        if not np.array_equal(r, want):
+            wrong.append((step, dt, count, op, r[:3].tolist(), want[:3].tolist()))
+        got.append(r.tobytes())
+last = rr.join()
+result = (wrong, last, got)
+"""
+
+
+# (the small path's pass meets the joined rank's negotiation in the host arena, or around the ring without it)
+@pytest.mark.parametrize("n,steps,last,arena", [(2, "3,1", 0, True), (2, "1,4", 1, True), (3, "2,4,6", 2, True),
+                                                (3, "5,1,3", 0, True), (3, "4,1,2", 0, False)])
+def test_the_readme_loop_of_direct_allreduces_goes_on_past_a_joined_rank(tmp_path, n, steps, last, arena):
+    env = {"STEPS": steps, **({} if arena else {"RINGREDUCE_ARENA_BYTES": "0"})}
+    ranks = run_ranks(n, README_LOOP, tmp_path, env=env, timeout=180)
+    counts = [int(s) for s in steps.split(",")]
+    for r in ranks:
+        wrong, got_last, got = r.result
+        assert wrong == [], f"rank {r.rank}: {wrong}"
+        assert got_last == last, f"rank {r.rank}: join returned {got_last}, the last to join was {last}"
+    for r in ranks:  # bit-identical on every rank that ran the step
+        for q in ranks:
+            k = min(counts[r.rank], counts[q.rank]) * 8
+            assert r.result[2][:k] == q.result[2][:k], f"ranks {r.rank} and {q.rank} differ"
+
+
+def test_other_direct_collectives_beside_a_joined_rank_fail_on_their_callers_and_join_goes_on(tmp_path):
+    ranks = run_ranks(3, """
+        from ringreduce.engine import engine
+        errors = {}
+        if rr.rank() == 0:
+            last = rr.join()
+        else:
+            calls = {
+                "allgather": lambda: rr.allgather(np.ones((rr.rank(), 2))),
+                "broadcast": lambda: rr.broadcast(np.ones(3), root=1),
+                "big broadcast": lambda: rr.broadcast(np.ones(100_000), root=2),
+                "reduce_scatter": lambda: rr.reduce_scatter(np.ones(6)),
+                "alltoall": lambda: rr.alltoall(np.arange(6.0)),
+                "barrier": lambda: rr.barrier(),
+                "unlike allreduces": lambda: rr.allreduce(np.ones(3 + rr.rank())),
+            }
+            for what, call in calls.items():
+                try:
+                    call()
+                    errors[what] = "ran"
+                except rr.MismatchError as e:
+                    errors[what] = str(e)
+            ok = rr.allreduce(np.full(4, 2.0), op="avg").tolist()   # the ring still pairs after every refusal
+            errors["after"] = ok
+            last = rr.join()
+        after = engine().wait(engine().enqueue("x", np.ones(2), op="sum")).tolist()
+        result = (errors, last, after)
+    """, tmp_path, timeout=120)
+    for r in ranks:
+        errors, last, after = r.result
+        assert last in (1, 2) and after == [3.0, 3.0], r.result
+        if r.rank == 0:
+            continue
+        for what in ("allgather", "broadcast", "big broadcast", "reduce_scatter", "alltoall", "barrier"):
+            kind = what.split()[-1]
+            assert f"{kind} cannot run while rank(s) 0 have joined" in errors[what], (what, errors[what])
+        assert "shape" in errors["unlike allreduces"] and "rank 1" in errors["unlike allreduces"], errors
+        assert errors["after"] == [4 / 3] * 4, errors["after"]   # (2 + 2 + 0) / 3: the joined rank's zeros
+
+
+MPI_JOB = """
+import os, pickle, sys
+import numpy as np
+import ringreduce as rr
+rr.init(backend="mpi")
+exec(os.environ["BODY"])
+with open(f"{sys.argv[1]}.rank{rr.rank()}.pkl", "wb") as f:
+    pickle.dump(result, f)
+"""
+
+
+def test_the_readme_loop_over_mpi_where_small_allreduces_double(tmp_path):
+    # Over MPI without the host arena, small allreduces run by recursive doubling: its pass meets the
+    # joined rank's negotiation there, and the others learn of the join from the headers it gathered.
+    import subprocess
+    import sys
+    from test_mpi import MPIRUN, _missing
+    from ranks import REPO
+    if _missing() is not None:
+        pytest.skip(_missing())
+    job = tmp_path / "job.py"
+    job.write_text(MPI_JOB)
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "BODY": README_LOOP, "STEPS": "2,5,3",
+           "RINGREDUCE_ARENA_BYTES": "0"}
+    proc = subprocess.run([MPIRUN, "-np", "3", sys.executable, str(job), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [pickle.loads((tmp_path / f"out.rank{r}.pkl").read_bytes()) for r in range(3)]
+    for r, (wrong, last, got) in enumerate(results):
+        assert wrong == [] and last == 1, (r, wrong, last)
+    assert results[0][2] == results[1][2][:len(results[0][2])] == results[2][2][:len(results[0][2])]
+
+
+def test_a_direct_allreduce_beside_a_rank_that_left_fails_naming_it(tmp_path):
+    # A rank that shuts down (Engine.leave, the TF layer's shutdown) is no joined rank: no zeros stand in for it.
+    ranks = run_ranks(2, """
+        from ringreduce.engine import engine
+        if rr.rank() == 0:
+            engine().leave()
+            result = "left"
+        else:
+            try:
+                rr.allreduce(np.ones(3))
+                result = "ran"
+            except rr.MismatchError as e:
+                result = str(e)
+            rr.join()
+    """, tmp_path, timeout=60)
+    assert ranks[0].result == "left"
+    assert "allreduce cannot run: rank(s) 0 have shut down" in ranks[1].result, ranks[1].result
