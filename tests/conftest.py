@@ -1,3 +1,15 @@
+"""Fixtures for every test.
+
+The whole suite runs by default (`scripts/test.sh`, CI). For a quick loop,
+`.venv/bin/python -m pytest -q -m "not slow"` leaves out the tests marked
+slow (each over 20 s alone: TensorFlow jobs, elastic jobs, the wheel, the
+examples); `-m slow` runs only those.
+
+Multi-rank tests start their ranks with tests/ranks.py run_ranks (fresh
+processes) or, when they only run collectives on a healthy world, take the
+`world_pool` fixture (tests/world_pool.py: initialized worlds reused while
+they stay fit).
+"""
 import sys
 from pathlib import Path
 
@@ -14,6 +26,17 @@ def hostcuda_dir(tmp_path_factory):
     if why:
         pytest.skip(f"the host CUDA driver cannot be built: {why}")
     return hostcuda.build(tmp_path_factory.mktemp("hostcuda"))
+
+
+@pytest.fixture(scope="session")
+def world_pool(tmp_path_factory):
+    """Initialized worlds reused across tests (tests/world_pool.py):
+    `world_pool.run(n, snippet, timeout=..., env=...)` in place of
+    run_ranks for a test that only runs collectives on a healthy world."""
+    import world_pool as wp
+    pool = wp.WorldPool(tmp_path_factory.mktemp("world_pool"))
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,6 @@ import pytest
 
 from cases import DTYPES, OPS, np_dtype
 from ringreduce.core.config import MAX_SMALL_BYTES
-from ranks import run_ranks
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 
@@ -21,15 +20,15 @@ ALGORITHMS = {"ring": {"RINGREDUCE_SMALL_BYTES": "0"}, "small": {"RINGREDUCE_SMA
 
 
 @pytest.fixture(scope="module")
-def world_results(tmp_path_factory):
+def world_results(world_pool):
     cache = {}
 
     def get(n, algorithm):
         if (n, algorithm) not in cache:
-            ranks = run_ranks(n, """
+            ranks = world_pool.run(n, """
                 from cases import check_all_allreduce
                 result = check_all_allreduce(rr)
-            """, tmp_path_factory.mktemp(f"allreduce{n}{algorithm}"), timeout=300, env=ALGORITHMS[algorithm])
+            """, timeout=300, env=ALGORITHMS[algorithm])
             cache[n, algorithm] = [r.result for r in ranks]
         return cache[n, algorithm]
     return get
@@ -52,8 +51,8 @@ def test_allreduce_matches_numpy_on_every_rank(world_results, n, dtype, op, algo
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
-def test_ten_million_elements(tmp_path, n):
-    ranks = run_ranks(n, """
+def test_ten_million_elements(world_pool, n):
+    ranks = world_pool.run(n, """
         from cases import digest
         x = np.arange(10_000_000, dtype=np.float32) % 1000 + rr.rank()
         y = rr.allreduce(x)
@@ -61,22 +60,22 @@ def test_ten_million_elements(tmp_path, n):
         big = np.full(10_000_001, rr.rank() + 1, dtype=np.int64)
         z = rr.allreduce(big, op="max")
         result = (bool(np.array_equal(y, want)), digest(y), bool((z == rr.size()).all()))
-    """, tmp_path, timeout=240)
+    """, timeout=240)
     for r in ranks:
         assert r.result[0], f"rank {r.rank}: 10M float32 sum differs from numpy"
         assert r.result[1] == ranks[0].result[1], f"rank {r.rank}: not bit-identical"
         assert r.result[2], f"rank {r.rank}: 10M int64 max wrong"
 
 
-def test_random_floats_within_rounding(tmp_path):
+def test_random_floats_within_rounding(world_pool):
     """Real-valued inputs: sums agree with numpy to float32 rounding, and bits agree across ranks."""
-    ranks = run_ranks(4, """
+    ranks = world_pool.run(4, """
         from cases import digest
         xs = [np.random.default_rng(i).standard_normal(300_007).astype(np.float32) for i in range(rr.size())]
         y = rr.allreduce(xs[rr.rank()], op="avg")
         want = np.mean(np.stack(xs).astype(np.float64), axis=0)
         result = (float(np.max(np.abs(y - want))), digest(y))
-    """, tmp_path)
+    """)
     for r in ranks:
         assert r.result[0] < 1e-5, f"rank {r.rank}: error {r.result[0]}"
         assert r.result[1] == ranks[0].result[1]
@@ -120,7 +119,7 @@ def ordinal16(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("algorithm", ["ring", "small"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_16_bit_average_keeps_the_range_and_the_mean(tmp_path, n, algorithm):
+def test_16_bit_average_keeps_the_range_and_the_mean(world_pool, n, algorithm):
     """float16/bfloat16 avg never overflows (40000 + 40000 is inf in float16)
     nor flushes subnormals: equal inputs give themselves back, N = 2 gives the
     correctly rounded mean, N > 2 within one ulp of it here (inputs of one
@@ -128,7 +127,7 @@ def test_16_bit_average_keeps_the_range_and_the_mean(tmp_path, n, algorithm):
     every rank, allreduce and reduce_scatter, the same bits."""
     from cases import close_enough
     from test_kernels import nearest16
-    ranks = run_ranks(n, EDGE16_BODY, tmp_path, env=ALGORITHMS[algorithm], timeout=180)
+    ranks = world_pool.run(n, EDGE16_BODY, env=ALGORITHMS[algorithm], timeout=180)
     for (dtype, key), (_, first, _) in ranks[0].result.items():
         inputs = [r.result[dtype, key][0] for r in ranks]
         want = nearest16(np.mean(np.stack([x.astype(np.float64) for x in inputs]), axis=0), dtype)

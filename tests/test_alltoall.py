@@ -59,8 +59,8 @@ def assert_all_ok(ranks):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_alltoall_matches_numpy_for_every_dtype(tmp_path, n):
-    ranks = run_ranks(n, CHECK_CASES + """
+def test_alltoall_matches_numpy_for_every_dtype(world_pool, n):
+    ranks = world_pool.run(n, CHECK_CASES + """
 result = check_cases(MOVABLE, [(), (3, 2)], big_rows=2000)
 # 0-row input on every rank, the default split, and Horovod's (size, 0) empty tensor
 x = np.zeros((0, 4), np.float32)
@@ -68,21 +68,21 @@ got, splits = rr.alltoall(x)
 empty = rr.alltoall(np.zeros((rr.size(), 0), np.int16))
 result["empty"] = (got.shape == (0, 4) and splits.tolist() == [0] * rr.size()
                    and empty[0].shape == (rr.size(), 0) and empty[1].tolist() == [1] * rr.size(), "")
-""", tmp_path, timeout=300)
+""", timeout=300)
     assert_all_ok(ranks)
 
 
 @pytest.mark.parametrize("n", [3, 4])
 @pytest.mark.parametrize("links", ["tcp", "shm"])
-def test_alltoall_ring_pipelines_in_tiny_segments(tmp_path, n, links):
+def test_alltoall_ring_pipelines_in_tiny_segments(world_pool, n, links):
     """Every case on the ring (no inline path) in 64-byte segments, so every
     block is cut in many windows and forwarding wraps across steps."""
     env = {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_SEGMENT_BYTES": "64"}
     if links == "tcp":
         env["RINGREDUCE_SHM_BYTES"] = "0"
-    ranks = run_ranks(n, CHECK_CASES + """
+    ranks = world_pool.run(n, CHECK_CASES + """
 result = check_cases(["float32", "int16", "S4", "[('a', '<i4'), ('b', '<f8')]"], [(), (5,)], big_rows=40)
-""", tmp_path, env=env, timeout=300)
+""", env=env, timeout=300)
     assert_all_ok(ranks)
 
 
@@ -108,8 +108,8 @@ def test_alltoall_over_mpi(tmp_path):
         assert not bad, f"rank {r}: {bad[:5]}"
 
 
-def test_bad_splits_and_mismatches_raise_on_every_rank_and_the_ring_stays_usable(tmp_path):
-    ranks = run_ranks(3, """
+def test_bad_splits_and_mismatches_raise_on_every_rank_and_the_ring_stays_usable(world_pool):
+    ranks = world_pool.run(3, """
 n, r = rr.size(), rr.rank()
 def attempt(x, splits=None):
     try:
@@ -138,7 +138,7 @@ for name, call in [("scalar", lambda: rr.alltoall(np.float32(1))),
         errors[name] = type(exc).__name__
 out["local"] = errors
 result = out
-""", tmp_path, timeout=120)
+""", timeout=120)
     expect = {"dtype": ("MismatchError", ["rank 0: uint16", "rank 1: int16"]),
               "trailing": ("MismatchError", ["shape[1:]", "rank 2: (3,)"]),
               "length": ("ValueError", ["rank 1 passed 2"]),
@@ -156,6 +156,7 @@ result = out
         assert rk.result["local"] == {"scalar": "ValueError", "float splits": "TypeError", "objects": "TypeError"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_tensorflow_alltoall_values_and_gradient(tmp_path, n):
     """As hvd.alltoall: (received, received_splits) with splits, received

@@ -10,8 +10,8 @@ from ranks import REPO, run_ranks
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
-def test_reduce_scatter_chunks_concatenate_to_the_allreduce(tmp_path, n):
-    ranks = run_ranks(n, """
+def test_reduce_scatter_chunks_concatenate_to_the_allreduce(world_pool, n):
+    ranks = world_pool.run(n, """
         out = {}
         for count in [0, 1, rr.size() - 1, 2 * rr.size() + 1, 100_003]:
             for dtype in ["float32", "int64", "float16"]:
@@ -20,7 +20,7 @@ def test_reduce_scatter_chunks_concatenate_to_the_allreduce(tmp_path, n):
         x = np.arange(30, dtype=np.int32).reshape(5, 6) * (rr.rank() + 1)
         out["avg"] = (rr.reduce_scatter(x, op="avg"), rr.allreduce(x, op="avg").reshape(-1))
         result = out
-    """, tmp_path)
+    """)
     for key in ranks[0].result:
         chunks = [r.result[key][0] for r in ranks]
         full = ranks[0].result[key][1].reshape(-1)
@@ -32,8 +32,8 @@ def test_reduce_scatter_chunks_concatenate_to_the_allreduce(tmp_path, n):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
-def test_allgather_concatenates_uneven_rows(tmp_path, n):
-    ranks = run_ranks(n, """
+def test_allgather_concatenates_uneven_rows(world_pool, n):
+    ranks = world_pool.run(n, """
         from cases import DTYPES, np_dtype
         out = {}
         for dtype in DTYPES:
@@ -42,7 +42,7 @@ def test_allgather_concatenates_uneven_rows(tmp_path, n):
         out["big"] = rr.allgather(np.full(70_000 + rr.rank(), rr.rank(), dtype=np.float32))
         out["scalar"] = rr.allgather(np.float64(rr.rank()))
         result = out
-    """, tmp_path)
+    """)
     rows = [[0, 1, 3, 7, 2][r % 5] for r in range(n)]
     for dtype in DTYPES:
         want = np.concatenate([np.full((rows[r], 3, 2), r + 1).astype(np_dtype(dtype)) for r in range(n)])
@@ -55,8 +55,8 @@ def test_allgather_concatenates_uneven_rows(tmp_path, n):
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_broadcast_from_any_root(tmp_path, n):
-    ranks = run_ranks(n, """
+def test_broadcast_from_any_root(world_pool, n):
+    ranks = world_pool.run(n, """
         from cases import DTYPES, np_dtype
         out = {}
         for root in range(rr.size()):
@@ -65,14 +65,14 @@ def test_broadcast_from_any_root(tmp_path, n):
                     x = np.full(count, root + 1 if rr.rank() == root else 99).astype(np_dtype(dtype))
                     out[(root, dtype, count)] = rr.broadcast(x, root=root)
         result = {k: (v.dtype.name, v.shape, bool((v == v.dtype.type(k[0] + 1)).all())) for k, v in out.items()}
-    """, tmp_path)
+    """)
     for r in ranks:
         for (root, dtype, count), (got_dtype, shape, ok) in r.result.items():
             assert ok and shape == (count,) and got_dtype == np_dtype(dtype).name, (r.rank, root, dtype, count)
 
 
-def test_out_argument_and_non_contiguous_inputs(tmp_path):
-    ranks = run_ranks(3, """
+def test_out_argument_and_non_contiguous_inputs(world_pool):
+    ranks = world_pool.run(3, """
         base = np.arange(200_000, dtype=np.float64).reshape(400, 500) + rr.rank()
         want = np.arange(200_000, dtype=np.float64).reshape(400, 500) * 3 + 3
         out = np.empty_like(base)
@@ -90,13 +90,13 @@ def test_out_argument_and_non_contiguous_inputs(tmp_path):
             transposed=np.array_equal(t, want.T), strided=np.array_equal(s, want[::2, ::3]),
             input_untouched=np.array_equal(base, np.arange(200_000, dtype=np.float64).reshape(400, 500) + rr.rank()),
         )
-    """, tmp_path)
+    """)
     for r in ranks:
         assert all(r.result.values()), (r.rank, r.result)
 
 
-def test_bad_out_and_op_raise_locally(tmp_path):
-    ranks = run_ranks(2, """
+def test_bad_out_and_op_raise_locally(world_pool):
+    ranks = world_pool.run(2, """
         errors = []
         for call in [lambda: rr.allreduce(np.ones(3), out=np.ones(4)),
                      lambda: rr.allreduce(np.ones(3), out=np.ones(3, dtype=np.float32)),
@@ -108,15 +108,15 @@ def test_bad_out_and_op_raise_locally(tmp_path):
             except ValueError as e:
                 errors.append(str(e))
         result = (errors, rr.allreduce(np.ones(3)).tolist())
-    """, tmp_path)
+    """)
     for r in ranks:
         errors, after = r.result
         assert all(errors), errors
         assert after == [2.0, 2.0, 2.0]
 
 
-def test_world_info_and_barrier(tmp_path):
-    ranks = run_ranks(4, """
+def test_world_info_and_barrier(world_pool):
+    ranks = world_pool.run(4, """
         import time
         if rr.rank() == 2:
             time.sleep(1.0)
@@ -124,7 +124,7 @@ def test_world_info_and_barrier(tmp_path):
         rr.barrier()
         waited = time.time() - t0
         result = (rr.rank(), rr.size(), rr.local_rank(), rr.local_size(), rr.is_initialized(), waited)
-    """, tmp_path)
+    """)
     for r in ranks:
         rank, size, local_rank, local_size, initialized, waited = r.result
         assert (rank, size, local_rank, local_size, initialized) == (r.rank, 4, r.rank, 4, True)
@@ -258,12 +258,12 @@ result = res
 
 
 @pytest.fixture(scope="module")
-def edge_results(tmp_path_factory):
+def edge_results(world_pool):
     cache = {}
 
     def get(n):
         if n not in cache:
-            ranks = run_ranks(n, EDGE_BODY, tmp_path_factory.mktemp(f"edges{n}"), timeout=240)
+            ranks = world_pool.run(n, EDGE_BODY, timeout=240)
             cache[n] = [r.result for r in ranks]
         return cache[n]
     return get
@@ -389,10 +389,10 @@ def test_broadcast_returns_a_new_array_and_leaves_the_input(edge_results, n):
 
 
 @pytest.mark.parametrize("segment", ["1", "1000", "4099"])
-def test_odd_segment_sizes(tmp_path, segment):
+def test_odd_segment_sizes(world_pool, segment):
     """RINGREDUCE_SEGMENT_BYTES that no itemsize divides: the ring must still
     cut between elements (the ring algorithm forced with SMALL_BYTES=0)."""
-    ranks = run_ranks(3, """
+    ranks = world_pool.run(3, """
         from cases import DTYPES, np_dtype
         res = {}
         for dtype in DTYPES:
@@ -400,7 +400,7 @@ def test_odd_segment_sizes(tmp_path, segment):
             res[dtype] = (rr.allreduce(x), rr.allreduce(x, op="max"), rr.reduce_scatter(x),
                           rr.allgather(x[:1000 * rr.rank() + 7]), rr.broadcast(x, root=2))
         result = res
-    """, tmp_path, timeout=120, env={"RINGREDUCE_SEGMENT_BYTES": segment, "RINGREDUCE_SMALL_BYTES": "0"})
+    """, timeout=120, env={"RINGREDUCE_SEGMENT_BYTES": segment, "RINGREDUCE_SMALL_BYTES": "0"})
     for dtype in DTYPES:
         xs = [(np.arange(20_011) % 13 + i).astype(np_dtype(dtype)) for i in range(3)]
         want_sum = (np.arange(20_011) % 13 * 3 + 3).astype(np_dtype(dtype))
@@ -503,8 +503,8 @@ def test_ranks_with_different_small_limits_agree_on_the_path(tmp_path, n):
         assert all(r.result.values()), (r.rank, r.result)
 
 
-def test_big_endian_arrays_are_reduced_in_native_order(tmp_path):
-    ranks = run_ranks(2, """
+def test_big_endian_arrays_are_reduced_in_native_order(world_pool):
+    ranks = world_pool.run(2, """
         out = {}
         for dt in [">f4", ">i8", ">f8", ">i4"]:
             for count in [5, 300_000]:
@@ -517,7 +517,7 @@ def test_big_endian_arrays_are_reduced_in_native_order(tmp_path):
                                     np.array_equal(rr.broadcast(x, root=1), (np.arange(count) % 100 + 1)),
                                     np.array_equal(rr.allgather(x)[:count], np.arange(count) % 100))
         result = out
-    """, tmp_path, timeout=90)
+    """, timeout=90)
     for r in ranks:
         for key, checks in r.result.items():
             assert all(checks), (r.rank, key, checks)

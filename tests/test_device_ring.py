@@ -272,6 +272,69 @@ def test_16_bit_average_on_device_keeps_the_range(tmp_path, device, mode):
         assert r.result == [], f"rank {r.rank}: {r.result[:5]}"
 
 
+# A device array family (as ringreduce/core/cuda.py DeviceArrays) over the emulated
+# device (csrc/device/device_emulated.c): the public collectives then run this
+# rank's large operations on the ring's staged device path.
+EMULATED_FAMILY = """
+import contextlib
+from ringreduce import _core
+from ringreduce.core import collectives as C, cuda
+device = _core.Device.emulated(0)
+
+class Dev(np.ndarray):
+    pass
+
+def staged(src_nbytes, fill, run, read_into):
+    # device buffers for the C call, the host arrays copied in and out
+    ptrs = [device.alloc(max(n, 1)) for n in src_nbytes]
+    for p, a in zip(ptrs, fill):
+        device.write(p, a.tobytes())
+    run(*ptrs)
+    for p, a in zip(ptrs, read_into):
+        if a is not None:
+            a.view(np.uint8).reshape(-1)[:] = np.frombuffer(device.read(p, a.nbytes), np.uint8)
+
+class Emulated:
+    xp = np
+    asarray = staticmethod(lambda x: x)
+    on = staticmethod(lambda x: contextlib.nullcontext())
+    to_host = staticmethod(lambda x: np.asarray(x))
+    from_host = staticmethod(lambda a, like: a.view(Dev))
+    def allreduce(self, comm, src, dst, code, opc):
+        staged([src.nbytes, dst.nbytes], [src], lambda s, d: comm.allreduce_device(device, s, d, src.nbytes, code, opc),
+               [None, dst])
+    def allgather(self, comm, flat, nbytes):
+        staged([flat.nbytes], [flat], lambda b: comm.allgather_device(device, b, nbytes), [flat])
+
+cuda.is_device_array = lambda x: isinstance(x, Dev)
+C.cuda.is_device_array = cuda.is_device_array
+from ringreduce.core import arrays as core_arrays
+core_arrays.device_arrays = Emulated
+"""
+
+
+def test_a_device_rank_beside_host_ranks_on_zero_copy_links_gets_the_right_sums(tmp_path):
+    # Host and device ranks share one ring (docs/architecture.md), but the
+    # zero-copy path sends slice-major and the staged device path
+    # step-major: a large allreduce with one device rank beside host ranks
+    # over shared-memory links must still give the right sums on every rank.
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        from ringreduce.core import collectives as C
+        r = rr.rank()
+        base = (np.arange((3 << 20) + 5) % 11).astype(np.float32)
+        x = base * (r + 1)
+        y = rr.allreduce(x.view(Dev) if r == 1 else x)
+        g = rr.allgather((np.arange((3 << 20) + 1) + r).astype(np.float32).view(Dev if r == 1 else np.ndarray))
+        ok_g = all(np.array_equal(g[k * ((3 << 20) + 1):(k + 1) * ((3 << 20) + 1)], np.arange((3 << 20) + 1) + k)
+                   for k in range(3))
+        z = rr.allreduce(x)  # all on the host again: the zero-copy path is back
+        result = (bool(np.array_equal(np.asarray(y), base * 6)), bool(ok_g), bool(np.array_equal(z, base * 6)),
+                  C.communicator().comm.zero_copy)
+        """), tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "20"})
+    for k in ranks:
+        assert k.result == (True, True, True, True), (k.rank, k.result)
+
+
 PATHS = """
 def on_path(path):
     # Every rank takes the same host path from the next operation on (csrc/ring.c).

@@ -31,9 +31,9 @@ def test_16_bit_integer_kernels_wrap_like_numpy(name, op):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 @pytest.mark.parametrize("path", ["auto", "ring"])
-def test_16_bit_integers_reduce_on_every_path(tmp_path, n, path):
+def test_16_bit_integers_reduce_on_every_path(world_pool, n, path):
     env = {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_SEGMENT_BYTES": "64"} if path == "ring" else {}
-    ranks = run_ranks(n, """
+    ranks = world_pool.run(n, """
 from cases import OPS, make_input, reference, digest
 n, r = rr.size(), rr.rank()
 out = {}
@@ -50,15 +50,15 @@ for dtype in ["int16", "uint16"]:
             ok = got.tobytes() == want.tobytes() and mine.tobytes() == want[lo:lo + mine.size].tobytes()
             out[(dtype, op, count)] = (ok, digest(got))
 result = out
-""", tmp_path, env=env, timeout=240)
+""", env=env, timeout=240)
     for rk in ranks:
         bad = [k for k, (ok, _) in rk.result.items() if not ok]
         assert not bad, f"rank {rk.rank}: {bad[:5]}"
         assert rk.result == ranks[0].result, "every rank bit-identical"
 
 
-def test_byte_moving_ops_take_every_fixed_size_dtype(tmp_path):
-    ranks = run_ranks(3, """
+def test_byte_moving_ops_take_every_fixed_size_dtype(world_pool):
+    ranks = world_pool.run(3, """
 from cases import MOVABLE, any_bytes, digest
 n, r = rr.size(), rr.rank()
 out = {}
@@ -73,14 +73,14 @@ for dtype in MOVABLE:
         out[(dtype, rows)] = (got.dtype == mine.dtype and got.shape == (3 * rows + 3, 2) and got.tobytes() == want
                               and b.dtype == mine.dtype and b.shape == want_b.shape and b.tobytes() == want_b.tobytes())
 result = out
-""", tmp_path, timeout=240)
+""", timeout=240)
     for rk in ranks:
         bad = [k for k, ok in rk.result.items() if not ok]
         assert not bad, f"rank {rk.rank}: {bad[:5]}"
 
 
-def test_dtype_mismatch_on_byte_moving_ops_names_both_dtypes(tmp_path):
-    ranks = run_ranks(2, """
+def test_dtype_mismatch_on_byte_moving_ops_names_both_dtypes(world_pool):
+    ranks = world_pool.run(2, """
 r = rr.rank()
 out = {}
 for name, mine, theirs in [("strings", "S4", "S5"), ("ints", "int16", "uint16"), ("bool", "bool", "uint8"),
@@ -95,7 +95,7 @@ for name, mine, theirs in [("strings", "S4", "S5"), ("ints", "int16", "uint16"),
             out[(name, op)] = str(exc)
 out["after"] = rr.allgather(np.array([r], np.uint64)).tolist()  # the ring stays usable
 result = out
-""", tmp_path, timeout=120)
+""", timeout=120)
     pairs = {"strings": ("|S4", "|S5"), "ints": ("int16", "uint16"), "bool": ("bool", "uint8"),
              "complex": ("complex64", "float64")}
     for rk in ranks:
@@ -105,8 +105,8 @@ result = out
         assert rk.result["after"] == [0, 1]
 
 
-def test_reductions_refuse_what_they_cannot_reduce(tmp_path):
-    ranks = run_ranks(2, """
+def test_reductions_refuse_what_they_cannot_reduce(world_pool):
+    ranks = world_pool.run(2, """
 from cases import MOVABLE_ONLY, np_dtype
 out = {}
 for dtype in MOVABLE_ONLY:
@@ -127,7 +127,7 @@ for op, call in [("allgather", lambda: rr.allgather(np.array([None, 1]))),
         out[("object", op)] = str(exc)
 out["after"] = rr.allreduce(np.array([1, 2], np.int16)).tolist()
 result = out
-""", tmp_path, timeout=120)
+""", timeout=120)
     for rk in ranks:
         for (dtype, op), msg in [(k, v) for k, v in rk.result.items() if k != "after"]:
             shown = "object" if dtype == "object" else str(np_dtype(dtype))

@@ -332,3 +332,23 @@ def test_process_set_requests_wait_for_members_only_and_run_on_the_sets_ring(tmp
         for r in ranks:
             if name in r.result[1]:
                 assert r.result[1][name] == digest, (name, r.rank)
+
+
+# RINGREDUCE_TIMELINE: the trace is valid JSON (json.load reads it, as
+# benchmarks/overlap_bench.py does) even when the script simply ends without
+# shutting the engine down.
+TIMELINE = """
+from ringreduce.engine import engine
+h = engine().enqueue("g", np.ones(4, np.float32) * (rr.rank() + 1), op="sum")
+result = engine().wait(h).tolist()
+"""
+
+
+def test_a_timeline_is_valid_json_when_the_script_just_ends(tmp_path):
+    import json
+    trace = tmp_path / "trace.json"
+    ranks = run_ranks(2, TIMELINE, tmp_path, timeout=60, env={"RINGREDUCE_TIMELINE": str(trace)})
+    assert all(x.result == [3.0] * 4 for x in ranks)
+    for path in (trace, tmp_path / "trace.rank1.json"):
+        events = json.loads(path.read_text())
+        assert any(e.get("name") == "ALLREDUCE" for e in events), path

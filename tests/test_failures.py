@@ -563,3 +563,54 @@ def test_a_zero_length_frame_allocates_once(tmp_path):
         result = libc.mallinfo2().uordblks - before
     """, tmp_path, timeout=120, env={"RINGREDUCE_SHM_BYTES": "4096"})  # a small pipe: many turns
     assert ranks[1].result < 64 << 10, f"rank 1's heap grew by {ranks[1].result} bytes over 8 exchanges"
+
+
+def test_a_peer_lost_in_the_zero_copy_vote_leaves_init_undone(tmp_path):
+    # A peer lost during init's zero-copy vote: the survivors' init() raises
+    # PeerLostError and leaves nothing half-made (is_initialized() is False,
+    # so an elastic job can re-form), as when the arena agreement fails.
+    ranks = run_ranks(3, """
+        from ringreduce.core import shm
+        r = int(os.environ["RINGREDUCE_RANK"])
+        agree = shm.agree_zero_copy
+        def die_in_the_vote(comm, wanted):
+            if r == 2:
+                os._exit(5)
+            return agree(comm, wanted)
+        shm.agree_zero_copy = die_in_the_vote
+        try:
+            rr.init()
+            result = "init returned"
+        except rr.PeerLostError as exc:
+            result = (exc.rank, rr.is_initialized())
+        """, tmp_path, init=False, timeout=40, check=False, env={"RINGREDUCE_TIMEOUT": "5"})
+    assert ranks[2].returncode == 5
+    for k in ranks[:2]:
+        assert k.returncode == 0, k.stderr[-2000:]
+        assert k.result == (2, False), k.result
+
+
+# Rank 0 dies: the others' PeerLostError names rank 0 as lost, and never as
+# the rank that reported it (their own star saw its connection close).
+RANK0_DIES = """
+r = rr.rank()
+rr.allreduce(np.ones(4))
+if r == 0:
+    os._exit(0)
+try:
+    rr.allreduce(np.ones(int(os.environ["COUNT"])))
+    result = "returned"
+except rr.PeerLostError as e:
+    result = (e.rank, str(e))
+"""
+
+
+@pytest.mark.parametrize("count", ["4", "300000"])
+def test_a_dead_rank_0_is_not_said_to_report_its_own_loss(tmp_path, count):
+    ranks = run_ranks(3, RANK0_DIES, tmp_path, timeout=60, check=False,
+                      env={"RINGREDUCE_TIMEOUT": "20", "COUNT": count})
+    for x in ranks[1:]:
+        assert x.returncode == 0, x.stderr[-2000:]
+        lost, message = x.result
+        assert lost == 0, (x.rank, message)
+        assert "lost rank 0" in message and "reported through rank 0" not in message, (x.rank, message)

@@ -4,6 +4,8 @@ ringreduce.tensorflow as hvd`), checked against numpy as Horovod's own tests
 op eagerly and inside tf.function, several world sizes, gradients, errors.
 TensorFlow is slow to import: each job checks many things, and reports the
 ones that went wrong (an empty list passes)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -178,6 +180,7 @@ result = bad
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_ops_values_against_numpy_eager_and_in_tf_function(tmp_path, n):
     ranks = run_ranks(n, OPS, tmp_path, timeout=420, init=False)
@@ -319,6 +322,7 @@ os.environ["RINGREDUCE_LOCAL_RANK"], os.environ["RINGREDUCE_LOCAL_SIZE"] = [("0"
 """
 
 
+@pytest.mark.slow
 def test_gradients_errors_objects_and_basics_on_three_ranks(tmp_path):
     ranks = run_ranks(3, LAYOUT + GRADIENTS_ERRORS_BASICS, tmp_path, timeout=420, init=False)
     for r in ranks:
@@ -331,6 +335,7 @@ def test_gradients_errors_objects_and_basics_on_three_ranks(tmp_path):
     assert [r.result["layout"] for r in ranks] == [(0, 0, 2, False), (0, 1, 2, False), (1, 0, 1, False)]
 
 
+@pytest.mark.slow
 def test_two_ranks_gradients_and_errors(tmp_path):
     ranks = run_ranks(2, GRADIENTS_ERRORS_BASICS, tmp_path, timeout=420, init=False)
     for r in ranks:
@@ -623,8 +628,25 @@ result = bad
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [3, 4])
 def test_ops_on_process_sets_against_numpy_eager_and_in_tf_function(tmp_path, n):
     ranks = run_ranks(n, PROCESS_SETS, tmp_path, timeout=600, init=False)
     for r in ranks:
         assert r.result == [], f"rank {r.rank}: {r.result[:10]}"
+
+
+# hvd.broadcast / allgather of a tf.string tensor: a TypeError naming
+# ringreduce and what to use instead (broadcast_object), not numpy's error.
+@pytest.mark.parametrize("op", ["broadcast(t, 0)", "allgather(t)"])
+def test_a_string_tensor_is_refused_saying_what_to_use(op):
+    pytest.importorskip("tensorflow")
+    import subprocess
+    import sys
+    from ranks import REPO
+    code = ("import tensorflow as tf, ringreduce.tensorflow as hvd\nhvd.init()\nt = tf.constant(['a', 'bc'])\n"
+            f"try:\n    hvd.{op}\nexcept TypeError as e:\n    print('TypeError:', e)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGREDUCE_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "TypeError: ringreduce cannot move tf.string" in out.stdout and "broadcast_object" in out.stdout, out

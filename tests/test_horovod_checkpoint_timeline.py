@@ -47,6 +47,7 @@ except ValueError as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_best_model_checkpoint_saves_the_best_epoch_on_rank_0_only(tmp_path, mode):
     ranks = run_ranks(2, CHECKPOINT, tmp_path, env={"OUT": str(tmp_path), "MODE": mode}, init=False, timeout=150)

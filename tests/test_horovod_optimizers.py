@@ -316,6 +316,24 @@ def test_rewrapping_a_loaded_optimizer_keeps_its_state(tmp_path):
         assert res["rewrapped"] == (True, "Adam", "sum", 8)
 
 
+# docs/horovod.md: "op=Adasum raises NotImplementedError", in the ops and in
+# DistributedOptimizer and DistributedGradientTape alike, so Horovod code that
+# catches NotImplementedError to fall back works.
+@pytest.mark.parametrize("make", ["optimizer", "tape"])
+def test_adasum_in_the_optimizer_and_tape_is_not_implemented_as_documented(make):
+    pytest.importorskip("tensorflow")
+    import keras
+    import tensorflow as tf
+    import ringreduce.tensorflow as hvd
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        if make == "optimizer":
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
+        else:
+            hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="not gradient reductions"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Max)
+
+
 # Horovod's Keras-2 tests of aggregation and local variables (they read
 # optimizer._compute_gradients, var.ref() and _agg_helper.counter), by their
 # intent, on Keras 3's public API.

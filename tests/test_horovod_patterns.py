@@ -1,4 +1,4 @@
-"""Patterns of real Horovod training scripts that broke (found by review):
+"""Patterns of real Horovod training scripts that must keep working:
 a gradient that is a constant, two tapes in one step, a scalar metric
 allreduced, a mismatch error sent across processes."""
 import pytest

@@ -47,3 +47,16 @@ def test_a_single_process_is_a_world_of_one_without_a_launcher():
                          capture_output=True, text=True, timeout=60, cwd=REPO,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
+
+
+# Rank 0 of a world of 3 whose other ranks never come names the ranks that
+# never joined and the setting that waited for them.
+def test_rank_0_names_the_ranks_that_never_joined(tmp_path):
+    from ranks import free_port, rank_env
+    import subprocess
+    import sys
+    env = rank_env(0, 3, free_port(), "s" * 32, {"RINGREDUCE_START_TIMEOUT": "1.5"})
+    code = "import ringreduce as rr\ntry:\n    rr.init()\nexcept rr.RingReduceError as e:\n    print(e)\n"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    said = out.stdout.strip()
+    assert "rank(s) 1, 2 of 3 never joined" in said and "RINGREDUCE_START_TIMEOUT=1.5 s" in said, out

@@ -275,3 +275,74 @@ def test_ranks_over_ssh_end_with_ringrun(tmp_path, sig):
     code, _ = finish(p)
     assert code == -sig
     assert leftovers(marker) == []
+
+
+# ringrun --elastic-timeout nan (a deadline no comparison ever passes; nan < 0
+# is false) is refused, as --timeout nan is.
+def test_ringrun_refuses_an_elastic_timeout_of_nan():
+    import subprocess
+    import sys
+    from ranks import REPO
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "ringreduce", "--elastic", "-np", "1", "--elastic-timeout", "nan",
+                          "true"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--elastic-timeout" in out.stderr, out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["-np", "2", "--max-restarts", "3", "true"], "--max-restarts needs --elastic"),
+    (["-np", "2", "--elastic-timeout", "5", "true"], "--elastic-timeout needs --elastic"),
+    (["--elastic", "-np", "2", "--max-np", "1", "true"], "-np (2) <= --max-np (1)"),
+    (["--elastic", "-np", "2", "--min-np", "two", "true"], "--min-np: invalid int value: 'two'"),
+    (["--elastic", "-np", "2", "--max-restarts", "-1", "true"], "must not be negative"),
+])
+def test_elastic_flags_are_checked(args, says):
+    """An elastic flag without --elastic (--max-restarts, --elastic-timeout)
+    is refused, never silently ignored (the user would believe the job
+    elastic); values out of range too."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", *args], capture_output=True, text=True,
+                         env=env, timeout=30)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+
+
+class _Ended:
+    """A rank's process that has already ended with `code`."""
+
+    def __init__(self, code):
+        self.returncode, self.stdin, self.pid = code, None, -1
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self):
+        return self.returncode
+
+
+def test_ringrun_names_the_rank_that_failed_first_not_the_lowest(capsys):
+    """Rank 2 fails; ranks 0 and 1 fail a few ms later (PeerLostError), inside
+    one of ringrun's 50 ms polls: ringrun must blame rank 2, whose output says
+    why, not rank 0, whose output only says it lost a peer."""
+    from ringreduce.launch import ringrun as run
+    job = run.Job()
+    job.ranks = [run.Rank(i, False, _Ended(code)) for i, code in enumerate([1, 1, 3])]
+    for i in (2, 0, 1):  # the order they ended in
+        job.wait_for(job.ranks[i])
+    assert run.watch(job).code == 3
+    assert capsys.readouterr().err == "ringrun: rank 2 exited with code 3; no rank left to stop\n"
+
+
+@pytest.mark.parametrize("args, says", [(["--timeout", "-1"], "--timeout"), (["-H", "localhost:x"], "-H"),
+                                        (["-H", "localhost:0"], "-H"), (["-H", ":2"], "-H")])
+def test_ringrun_refuses_bad_arguments_up_front(args, says):
+    out = ringrun("-np", "2", *args, sys.executable, "-c", "pass")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "ringrun: error:" in out.stderr and says in out.stderr, out.stderr
+
+
+def test_ringrun_with_a_script_but_no_interpreter_says_to_add_python(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    out = ringrun("-np", "2", str(script))
+    assert out.returncode == 127
+    assert "ringrun -np N python" in out.stderr, out.stderr

@@ -91,24 +91,24 @@ LINKS = {"shm": {"RINGREDUCE_SHM_BYTES": "65536"}, "tcp": {"RINGREDUCE_SHM_BYTES
 
 
 @pytest.mark.parametrize("links", list(LINKS))
-def test_every_collective_on_each_set_matches_numpy(tmp_path, links):
-    ranks = run_ranks(4, check_sets(SETS) + """
+def test_every_collective_on_each_set_matches_numpy(world_pool, links):
+    ranks = world_pool.run(4, check_sets(SETS) + """
     from ringreduce.core.communicator import current as _state
     result["links"] = [_state.sets[ps.process_set_id].comm.links for ps in sets if ps.included() and ps.size() > 1]
-""", tmp_path, timeout=240, env=LINKS[links])
+""", timeout=240, env=LINKS[links])
     _assert_sets_correct([r.result for r in ranks])
     for r in ranks:  # every sub-ring link of these local ranks is of the kind asked for
         assert r.result["links"] and all(k == {"next": links, "prev": links} for k in r.result["links"]), r.result
 
 
 @pytest.mark.parametrize("n, sets", [(2, [[0], [1]]), (3, [[0, 2], [1], [1, 2]])])
-def test_sets_on_smaller_worlds(tmp_path, n, sets):
-    ranks = run_ranks(n, check_sets(sets), tmp_path, timeout=180)
+def test_sets_on_smaller_worlds(world_pool, n, sets):
+    ranks = world_pool.run(n, check_sets(sets), timeout=180)
     _assert_sets_correct([r.result for r in ranks], sets)
 
 
-def test_errors_of_sets_on_every_rank(tmp_path):
-    ranks = run_ranks(4, """
+def test_errors_of_sets_on_every_rank(world_pool):
+    ranks = world_pool.run(4, """
         r = rr.rank()
         out = {}
         pair = rr.add_process_set([0, 2])
@@ -161,7 +161,7 @@ def test_errors_of_sets_on_every_rank(tmp_path):
         rr.shutdown()
         out["after_shutdown"] = (pair.process_set_id, solo.process_set_id)
         result = out
-    """, tmp_path, timeout=120)
+    """, timeout=120)
     for r, res in enumerate(x.result for x in ranks):
         kind, message = res["nonmember"]
         assert kind == "ValueError" and f"rank {r} is not a member" in message, message
@@ -352,3 +352,46 @@ result["source"] = _state.world.source
     results = [pickle.loads(open(f"{out}.rank{r}.pkl", "rb").read()) for r in range(4)]
     assert {res["source"] for res in results} == {"MPI communicator"}
     _assert_sets_correct(results)
+
+
+# Two threads on each rank, one running collectives on the world's ring, the
+# other on a process set's. Each ring's collectives are issued in the same
+# order on every rank; the two rings' interleave differs by rank. Each ring
+# has its own lock, so the two run at once, as the docs say sets do (one lock
+# for every ring would deadlock: rank 0 holding it in a world collective
+# waiting for rank 1, rank 1 in a set collective waiting for rank 0).
+TWO_RINGS = """
+import threading
+r = rr.rank()
+ps = rr.add_process_set([0, 1])
+out = {}
+def run(key, process_set):
+    try:
+        got = set()
+        for i in range(120):
+            n = [4, 4000, 70000, 300000][i % 4]  # the fast path, the arena, the ring
+            y = rr.allreduce(np.full(n, r + 1.0, np.float32), name=f"{key}{i}", process_set=process_set)
+            got.add((n, float(y[0]), float(y[-1])))
+            if i % 10 == 0:
+                got.add(tuple(rr.allgather(np.array([r]), name=f"{key}g{i}", process_set=process_set).tolist()))
+        out[key] = sorted(got)
+    except BaseException as e:
+        out[key] = repr(e)[:300]
+threads = [threading.Thread(target=run, args=("world", None))]
+if r < 2:
+    threads.append(threading.Thread(target=run, args=("set", ps)))
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+result = out
+"""
+
+
+def test_a_world_collective_and_a_set_collective_on_two_threads_run_at_once(tmp_path):
+    ranks = run_ranks(3, TWO_RINGS, tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "10"})
+    sums = lambda total: [(n, total, total) for n in (4, 4000, 70000, 300000)]  # noqa: E731
+    for x in ranks:
+        assert x.result["world"] == sorted(sums(6.0) + [(0, 1, 2)]), (x.rank, x.result["world"])
+        if x.rank < 2:
+            assert x.result["set"] == sorted(sums(3.0) + [(0, 1)]), (x.rank, x.result["set"])

@@ -49,6 +49,7 @@ def test_ps_worker_counts_its_compute_stand_in_in_every_step():
     assert len(out["times"]) == iters and min(out["times"]) >= 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_tiny_run_end_to_end_on_loopback(tmp_path):
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "training_scaling.py"), "--quick", "--no-cluster",

@@ -4,6 +4,7 @@ with TCP links, nothing left in /dev/shm, and offers that must be declined."""
 import os
 import signal
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +195,44 @@ def test_connect_agrees_on_both_links_of_a_ring_of_two(monkeypatch):
     monkeypatch.setattr(os, "posix_fallocate", full)
     assert ring([4096, 4096]) == [(False, False), (False, False)]
     assert _ours() - before == set()
+
+
+def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path):
+    # A rank SIGKILLed after offering its link file and before its neighbour
+    # answered leaves the file under its name (elastic jobs leave such files
+    # on their hosts): the next rank to make a file on this host sees its
+    # maker is gone and removes it, so none stays in /dev/shm for good.
+    from ringreduce.core import shm
+    record = tmp_path / "made"
+    ranks = run_ranks(2, f"""
+        import signal, time
+        from ringreduce.core import shm
+        make, connect = shm.make_file, shm.connect
+        def make_and_record(*a, **k):
+            fd, path, nonce = make(*a, **k)
+            open({str(record)!r} + str(rr_rank), "w").write(path)
+            return fd, path, nonce
+        def connect_then_die(to_next, from_prev, tag, capacity, send_msg, recv_msg):
+            def recv_and_die(sock):
+                if rr_rank == 0:
+                    # Rank 1's own make sweeps stale files first: wait until it
+                    # has made its file, or it may sweep ours before we look.
+                    while not os.path.exists({str(record)!r} + "1"):
+                        time.sleep(0.01)
+                    os.kill(os.getpid(), signal.SIGKILL)  # the offer is out, the file not yet unlinked
+                return recv_msg(sock)
+            return connect(to_next, from_prev, tag, capacity, send_msg, recv_and_die)
+        rr_rank = int(os.environ["RINGREDUCE_RANK"])
+        shm.make_file, shm.connect = make_and_record, connect_then_die
+        try:
+            rr.init()
+        except Exception as exc:
+            result = type(exc).__name__
+        """, tmp_path, init=False, timeout=40, check=False, env={"RINGREDUCE_TIMEOUT": "5"})
+    assert ranks[0].returncode == -9
+    left = Path((tmp_path / "made0").read_text())
+    assert left.exists(), "the killed rank's file should still be there"
+    fd, path, _ = shm.make_file("leftover", 64)  # the next maker on this host
+    os.close(fd)
+    os.unlink(path)
+    assert not left.exists(), f"{left} was left in /dev/shm"

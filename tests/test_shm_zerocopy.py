@@ -1,5 +1,5 @@
 """The ring's zero-copy path over shared memory (csrc/schedule/ring.c,
-ring_steps_zero_copy; issue 17): it must give numpy's results, bit for bit
+ring_steps_zero_copy): it must give numpy's results, bit for bit
 those of the copying path, on every rank alike.
 
 Each job runs the same operations twice per case, with the path switched on
@@ -250,3 +250,20 @@ def test_a_rank_killed_mid_transfer_is_named_without_a_hang(tmp_path, n):
     # The zero-copy path waits in tcp.c's wait(), which must see the dead
     # peer's socket close as exchange() does: PeerLostError naming it.
     check_killed_rank_is_named(tmp_path, n, 'x = np.ones(16 << 20, np.float32)\nrr.allreduce(x)', "zero_copy_ops", NO_CMA)
+
+
+def test_an_odd_shm_size_on_one_rank_keeps_zero_copy_and_the_right_sums(tmp_path):
+    # RINGREDUCE_SHM_BYTES=1000 on one rank (not a multiple of the 64 the
+    # windows need) is rounded up to 1024: the whole ring keeps the
+    # zero-copy path and the right sums.
+    ranks = run_ranks(3, """
+        r = int(os.environ["RINGREDUCE_RANK"])
+        os.environ["RINGREDUCE_SHM_BYTES"] = "1000" if r == 1 else str(1 << 20)
+        rr.init()
+        from ringreduce.core import collectives as C
+        base = (np.arange((3 << 20) + 5) % 7).astype(np.float32)
+        y = rr.allreduce(base * (r + 1))
+        result = (bool(np.array_equal(y, base * 6)), C.communicator().comm.zero_copy_ops())
+        """, tmp_path, init=False, timeout=60, env={"RINGREDUCE_TIMEOUT": "20", "RINGREDUCE_SHM_CMA": "0"})
+    for k in ranks:
+        assert k.result == (True, 1), (k.rank, k.result)

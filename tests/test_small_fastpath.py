@@ -1,4 +1,4 @@
-"""rr.allreduce's fast path (issue 17, "Small messages, one at a time"): a
+"""rr.allreduce's fast path for small messages, one at a time: a
 small allreduce whose (shape, dtype, op, name) its ring has already run
 reuses that call's plan (header, codes, path) and makes one C call. It must
 change nothing a user can see: a new shape, dtype, op or name plans afresh;
@@ -277,3 +277,45 @@ def test_fast_path_in_a_process_set_plans_on_the_sets_ring_and_names_world_ranks
         assert ok and planned == 1 and world_plans == 0, ranks[r].result
         assert mismatch is not None and "world rank 2 (rank 1 of set" in mismatch and "(41,)" in mismatch, mismatch
     assert ranks[1].result is None
+
+
+# A small allreduce planned on every rank, then thread A runs a ring
+# allreduce (a header pass, then the ring: two C calls under the Python
+# lock). On rank 0 a second thread's planned small allreduce is started
+# between A's two calls; on rank 1 after A ends. Each rank runs the two
+# collectives in the same order (A, then the small one) only if the fast
+# path, too, waits for the lock: run inside A, rank 0's small round would
+# meet rank 1's ring steps (a hang until RINGREDUCE_TIMEOUT, or worse).
+INTERLEAVED = """
+import threading
+from ringreduce.core import collectives as C
+r = rr.rank()
+small = lambda: rr.allreduce(np.full(64, r + 1.0, np.float32), name="small")
+small()  # planned on every rank
+big = np.full(1 << 20, r + 1.0, np.float32)  # 4 MiB: the ring path
+got = {}
+def run_small():
+    got["small"] = small()
+if r == 0:
+    real = C.exchange
+    def between(*args, **kwargs):  # inside A: after its header pass, before its ring steps
+        blobs = real(*args, **kwargs)
+        C.exchange = real
+        t = threading.Thread(target=run_small)
+        t.start()
+        t.join(2.0)  # the fast path ran it here; under the lock it waits for A
+        got["thread"] = t
+        return blobs
+    C.exchange = between
+got["big"] = rr.allreduce(big, name="big")
+if r == 0:
+    got["thread"].join(30)
+else:
+    run_small()
+result = (float(got["big"][0]), float(got["big"][-1]), got["small"].tolist() == [3.0] * 64)
+"""
+
+
+def test_a_fast_call_never_runs_inside_another_threads_collective(tmp_path):
+    ranks = run_ranks(2, INTERLEAVED, tmp_path, timeout=40, env={"RINGREDUCE_TIMEOUT": "5"})
+    assert [x.result for x in ranks] == [(3.0, 3.0, True)] * 2

@@ -8,8 +8,10 @@ OUT.rank<r>.pkl.
 """
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cases import DTYPES, OPS, close_enough, digest, make_input, reference  # noqa: E402
+
+MPIRUN = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
+
 
 # --------------------------------------------------------------------------- the job, on every rank
 
@@ -145,7 +150,7 @@ def job_lost_peer():
 # --------------------------------------------------------------------------- the tests
 
 if __name__ != "__main__":
-    from test_mpi import MPIRUN, _missing
+    from test_mpi import _missing
     from ranks import REPO
     pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
@@ -228,6 +233,50 @@ def test_a_stopped_peer_is_named_on_every_rank(tmp_path, n):
     for r, res in enumerate(ranks[:-1]):
         assert res["error"] is not None and res["error"][:2] == ("PeerLostError", n - 1), (r, res)
         assert res["seconds"] < 2.9, (r, res)  # the timeout, not the sleeper's return
+
+
+
+def _mpi_missing() -> str | None:
+    try:
+        from ringreduce import _mpi  # noqa: F401
+        import mpi4py  # noqa: F401
+    except ImportError as exc:
+        return f"MPI transport not built or mpi4py missing ({exc})"
+    return None if os.path.exists(MPIRUN) else "no mpirun"
+
+
+def mpirun(n: int, body: str, tmp_path: Path, timeout: float = 60) -> list[str]:
+    """Runs body on n MPI ranks; returns what each rank passed to say() (a file
+    per rank: mpirun interleaves the ranks' stdout)."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nimport numpy as np\nfrom mpi4py import MPI\nR = MPI.COMM_WORLD.Get_rank()\n"
+                      f"def say(text):\n    open({str(tmp_path)!r} + f'/said{{R}}', 'w').write(str(text))\n"
+                      + textwrap.dedent(body))
+    proc = subprocess.run([MPIRUN, "-np", str(n), sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+    said = [tmp_path / f"said{r}" for r in range(n)]
+    assert all(f.exists() for f in said), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [f.read_text() for f in said]
+
+
+@pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
+def test_small_algorithm_differing_across_mpi_ranks_raises_on_every_rank(tmp_path):
+    # RINGREDUCE_SMALL_ALGORITHM differing across ranks is a ValueError on
+    # every rank naming each rank's choice, never ranks running different
+    # algorithms and waiting for messages never sent.
+    lines = mpirun(3, """
+        os.environ["RINGREDUCE_SMALL_ALGORITHM"] = "ring" if R == 0 else "doubling"
+        import ringreduce as rr
+        try:
+            rr.init(backend="mpi")
+            rr.allreduce(np.ones(10, np.float32))
+            say("no error")
+        except ValueError as exc:
+            say(exc)
+        """, tmp_path, timeout=30)
+    for line in lines:
+        assert line.startswith("RINGREDUCE_SMALL_ALGORITHM must be alike"), line
+        assert "rank 0: 'ring', rank 1: 'doubling'" in line, line
 
 
 if __name__ == "__main__":

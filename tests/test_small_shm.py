@@ -360,3 +360,34 @@ def test_a_rank_leaving_right_after_its_round_is_not_blamed(tmp_path, reduce):
     ranks = run_ranks(4, LEAVING_RIGHT_AFTER_THE_ROUND, tmp_path, timeout=150,
                       env={"RINGREDUCE_ARENA_REDUCE": reduce})
     assert [x.result for x in ranks] == [25] * 4
+
+
+def test_arena_edges_zero_bytes_the_limit_and_one_rank_one_element_over(tmp_path):
+    # The host arena's edges: zero bytes, exactly the limit, one element over. A tensor one element over the arena on one
+    # rank only is a shape mismatch named alike everywhere, after which the
+    # arena (and a process set's own arena) keeps working.
+    ranks = run_ranks(3, """
+        from ringreduce.core import collectives as C
+        r, limit = rr.rank(), 256 << 10  # RINGREDUCE_ARENA_BYTES's default
+        out = {"arena": C.communicator().comm.arena_slot > 0, "limit": C.communicator().ring.allreduce_limit == limit}
+        out["zero"] = rr.allreduce(np.zeros(0, np.float32)).shape
+        out["at"] = float(rr.allreduce(np.full(limit // 4, r + 1.0, np.float32)).min())
+        try:
+            rr.allreduce(np.ones(limit // 4 + (r == 1), np.float32))
+            out["over"] = "no error"
+        except rr.MismatchError as exc:
+            out["over"] = str(exc)
+        out["after"] = rr.allreduce(np.full(5, r + 1.0)).tolist()
+        ps = rr.add_process_set([0, 2])
+        if r in (0, 2):
+            out["set"] = float(rr.allreduce(np.full(limit // 4, r + 1.0, np.float32), process_set=ps).max())
+            out["set_arena"] = C.communicator().sets[ps.process_set_id].comm.arena_slot > 0
+        result = out
+        """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "20"})
+    for k in ranks:
+        res = k.result
+        assert res["arena"] and res["limit"] and res["zero"] == (0,) and res["at"] == 6.0, (k.rank, res)
+        assert "rank 0: (65536,), rank 1: (65537,), rank 2: (65536,)" in res["over"], res["over"]
+        assert res["after"] == [6.0] * 5
+        if k.rank != 1:
+            assert res["set"] == 4.0 and res["set_arena"], (k.rank, res)

@@ -44,6 +44,7 @@ if r == 0:  # one process, the concatenated batches, the same start
 """
 
 
+@pytest.mark.slow
 def test_four_ranks_train_like_one_process_on_the_whole_batch(tmp_path):
     ranks = run_ranks(4, EQUIVALENCE, tmp_path, timeout=240, init=False)
     single = ranks[0].result["single"]
@@ -100,6 +101,7 @@ def test_tape_compression_accumulation_root_and_mismatch(tmp_path):
         assert "MismatchError" in res["mismatch"] and "differs between ranks" in res["mismatch"], res["mismatch"]
 
 
+@pytest.mark.slow
 def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
     ranks = run_ranks(2, """
         import os, time
@@ -190,6 +192,7 @@ def test_sparse_gradients_and_hand_over_during_backprop(tmp_path):
         assert first_at_end, f"rank {r.rank}: the first layer's gradient was handed over before it could exist?"
 
 
+@pytest.mark.slow
 def test_ops_as_py_functions_the_path_tensorflow_takes_with_a_gpu(tmp_path):
     """With a GPU visible the ops are py_functions handing tensors over as they
     are (DLPack for GPU ones). Forced here on CPU tensors: values, shapes and
@@ -440,3 +443,26 @@ def test_collectives_pair_by_name_threads_sets_and_clashes(tmp_path):
     ranks = run_ranks(3, BY_NAME, tmp_path, timeout=600, init=False)
     for r in ranks:
         assert r.result == [], f"rank {r.rank}: {r.result}"
+
+
+# RINGREDUCE_OVERLAP takes 0 or 1: anything else (off, false, no, 2) is a
+# ValueError naming it at rrtf.init(), before joining any ring, as rr.init
+# does with its settings (never an overlap left on silently).
+@pytest.mark.parametrize("text", ["off", "false", "no", "2"])
+def test_a_nonsense_ringreduce_overlap_is_refused_at_tf_init(monkeypatch, text):
+    pytest.importorskip("tensorflow")
+    import ringreduce as rr
+    import ringreduce.tensorflow as rrtf
+    from ringreduce.tensorflow.overlap import overlap_enabled
+    monkeypatch.setenv("RINGREDUCE_OVERLAP", text)
+    with pytest.raises(ValueError, match=f"RINGREDUCE_OVERLAP='{text}' makes no sense: use 0 or 1"):
+        overlap_enabled()
+    was = rr.is_initialized()
+    with pytest.raises(ValueError, match="RINGREDUCE_OVERLAP"):
+        rrtf.init()
+    assert rr.is_initialized() == was  # refused before joining anything
+    for ok, on in [("0", False), ("1", True), (" 1 ", True)]:
+        monkeypatch.setenv("RINGREDUCE_OVERLAP", ok)
+        assert overlap_enabled() is on
+    monkeypatch.delenv("RINGREDUCE_OVERLAP")
+    assert overlap_enabled() is True

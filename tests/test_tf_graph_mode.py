@@ -65,6 +65,7 @@ def expected(r: int, n: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_independent_collectives_in_a_session_pair_by_name_in_any_order(tmp_path, n):
     ranks = run_ranks(n, job(f"""
@@ -119,6 +120,7 @@ def test_independent_collectives_in_a_session_pair_by_name_in_any_order(tmp_path
         assert all(np.array_equal(r.result[0][0][key], ranks[0].result[0][0][key]) for r in ranks)
 
 
+@pytest.mark.slow
 def test_gradients_in_a_tf1_graph_are_horovods(tmp_path):
     n = 3
     ranks = run_ranks(n, job("""
@@ -165,6 +167,7 @@ def test_gradients_in_a_tf1_graph_are_horovods(tmp_path):
         assert np.array_equal(g["alltoall"], want), (r, g["alltoall"], want)
 
 
+@pytest.mark.slow
 def test_a_mismatch_raises_failed_precondition_and_the_session_goes_on(tmp_path):
     ranks = run_ranks(2, job("""
         @tf.function
@@ -196,6 +199,7 @@ def test_a_mismatch_raises_failed_precondition_and_the_session_goes_on(tmp_path)
         assert after == [[1.0] * 3, [0, 1]], after
 
 
+@pytest.mark.slow
 def test_a_dead_peer_fails_the_session_run_naming_it(tmp_path):
     ranks = run_ranks(3, job("""
         import time
@@ -225,6 +229,7 @@ def test_a_dead_peer_fails_the_session_run_naming_it(tmp_path):
         assert elapsed < 15, elapsed
 
 
+@pytest.mark.slow
 def test_broadcast_global_variables_and_the_session_hook(tmp_path):
     ranks = run_ranks(2, job("""
         with tf.Graph().as_default():
@@ -251,6 +256,7 @@ def test_broadcast_global_variables_and_the_session_hook(tmp_path):
         assert hooked == [[2.0] * 3, [[0] * 2] * 2]  # rank 0's fresh values, then one step
 
 
+@pytest.mark.slow
 def test_eager_execution_disabled_join_cond_and_tf_function(tmp_path):
     """tf.compat.v1.disable_eager_execution(): ops go into the default graph
     (TF1 mode). Rank 0 joins at once; rank 1's allreduces complete with rank
@@ -284,6 +290,7 @@ def test_eager_execution_disabled_join_cond_and_tf_function(tmp_path):
         assert rank.result[1:] == (1, [8.0] * 3, [[0, 1], [1.0, 1.0]]), rank.result
 
 
+@pytest.mark.slow
 def test_building_without_a_compiler_says_what_is_missing(tmp_path):
     from ranks import REPO
     import subprocess
@@ -298,6 +305,7 @@ def test_building_without_a_compiler_says_what_is_missing(tmp_path):
     assert not list((tmp_path / "cache").glob("*.so")) if (tmp_path / "cache").exists() else True
 
 
+@pytest.mark.slow
 def test_python_m_async_op_builds_the_op_ahead(tmp_path):
     """docs/tensorflow.md's way to build the op for a read-only image: run as
     __main__ after the package imported the module, it must not register the
@@ -339,6 +347,7 @@ def test_an_unwritable_op_cache_says_where_and_what_to_do(monkeypatch, tmp_path)
     assert str(blocker / "ops") in str(caught.value)
 
 
+@pytest.mark.slow
 def test_a_timeout_or_session_close_ends_a_collective_left_waiting(tmp_path):
     """Rank 0 runs collectives rank 1 never starts. A RunOptions timeout, and
     Session.close from another thread, must end the step (the op registers
@@ -381,6 +390,7 @@ def test_a_timeout_or_session_close_ends_a_collective_left_waiting(tmp_path):
     assert closed[0] is not None and "Error" in closed[0] and closed[1] is False, closed
 
 
+@pytest.mark.slow
 def test_a_damaged_op_library_in_the_cache_is_built_again(tmp_path):
     """A file under the library's name that does not load (truncated by a
     full disk, a bad copy of the cache) is replaced, not a dead end."""
@@ -396,6 +406,7 @@ def test_a_damaged_op_library_in_the_cache_is_built_again(tmp_path):
     assert out.returncode == 0 and "LOADED True" in out.stdout, out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_cache_without_file_locks_still_builds(monkeypatch, tmp_path):
     """Some network filesystems refuse flock (ENOLCK): the op is still built
     (ranks may then compile it twice; each writes a file of its own and

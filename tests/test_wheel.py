@@ -16,7 +16,7 @@ from ranks import REPO
 
 # Building the wheel and installing tensorflow into a fresh venv dominate: the
 # first test pays for it, so each gets a budget of its own, above the default.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # building the wheel's venv alone takes minutes
 
 WHEEL_MUST_HOLD = ["ringreduce/__init__.py", "ringreduce/__main__.py", "ringreduce/core/cuda.py",
                    "ringreduce/tensorflow/__init__.py", "ringreduce/tensorflow/optimizer.py",
