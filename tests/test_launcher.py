@@ -114,8 +114,7 @@ def test_two_hosts_over_ssh_in_network_namespaces(tmp_path):
         hosts = ",".join(f"{a}:2" for a in cluster.addresses)
         code = ("import os, numpy as np, ringreduce as rr; rr.init()\n"
                 "y = rr.allreduce(np.full(1 << 18, rr.rank() + 1.0, dtype=np.float32))\n"
-                "from ringreduce.core.collectives import _state\n"
-                "links = _state.world.extra['links']\n"
+                "links = rr.core.communicator().world.extra['links']\n"
                 "print(rr.rank(), rr.local_rank(), rr.local_size(), os.environ['RINGREDUCE_ADDR'], y[0],\n"
                 "      links['next'], links['prev'])")
         out = ringrun("-np", "4", "-H", hosts, "--ssh", ssh, sys.executable, "-c", code, timeout=120,
