@@ -6,6 +6,8 @@ Every other direct collective beside a joined rank raises MismatchError on
 the ranks that called it, and the joined rank stays joined."""
 import pickle
 
+import numpy as np
+
 import pytest
 
 from ranks import run_ranks
@@ -141,3 +143,56 @@ def test_a_direct_allreduce_beside_a_rank_that_left_fails_naming_it(tmp_path):
     """, tmp_path, timeout=60)
     assert ranks[0].result == "left"
     assert "allreduce cannot run: rank(s) 0 have shut down" in ranks[1].result, ranks[1].result
+
+
+@pytest.mark.parametrize("arena", [True, False])
+def test_an_out_that_overlaps_its_input_gets_the_sum_of_the_inputs_beside_a_joined_rank(tmp_path, arena):
+    # The small path's pass meets the joined rank's negotiation, so the allreduce goes on by the ring:
+    # x (buf[0:6]) must still hold its values then, though out (buf[2:8]) overlaps it.
+    ranks = run_ranks(3, """
+        if rr.rank() == 2:
+            rr.join()
+            result = None
+        else:
+            buf = np.arange(10.0) * (rr.rank() + 1)
+            rr.allreduce(buf[0:6], op="sum", out=buf[2:8])
+            rr.join()
+            result = buf.tolist()
+    """, tmp_path, env={} if arena else {"RINGREDUCE_ARENA_BYTES": "0"}, timeout=120)
+    for r in ranks[:2]:
+        mine = np.arange(10.0) * (r.rank + 1)
+        want = np.concatenate([mine[:2], np.arange(6.0) * 3, mine[8:]])
+        assert r.result == want.tolist(), f"rank {r.rank}: {r.result}"
+
+
+OVERLAP_BODY = """
+if rr.rank() == rr.size() - 1:
+    rr.join()
+    result = None
+else:
+    buf = np.arange(10.0) * (rr.rank() + 1)
+    rr.allreduce(buf[0:6], op="sum", out=buf[2:8])
+    rr.join()
+    result = buf.tolist()
+"""
+
+
+def test_an_out_that_overlaps_its_input_over_mpi_where_small_allreduces_double(tmp_path):
+    # Recursive doubling writes out as its rounds go; the joined rank's header, seen in a late round,
+    # sends the allreduce to the ring, which must still find x as the caller gave it.
+    import subprocess
+    import sys
+    from test_mpi import MPIRUN, _missing
+    from ranks import REPO
+    if _missing() is not None:
+        pytest.skip(_missing())
+    job = tmp_path / "job.py"
+    job.write_text(MPI_JOB)
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "BODY": OVERLAP_BODY, "RINGREDUCE_ARENA_BYTES": "0"}
+    proc = subprocess.run([MPIRUN, "-np", "4", sys.executable, str(job), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(3):
+        got = pickle.loads((tmp_path / f"out.rank{r}.pkl").read_bytes())
+        mine = np.arange(10.0) * (r + 1)
+        assert got == np.concatenate([mine[:2], np.arange(6.0) * 6, mine[8:]]).tolist(), (r, got)

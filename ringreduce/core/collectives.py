@@ -116,7 +116,11 @@ def allreduce_checked(x, op, out, name, process_set):
         rounds = ring.comm.small_rounds if ring.size > 1 else None
         small = x.nbytes <= ring.allreduce_limit
         head = header(ALLREDUCE, opc, code, x.shape, name, small)
-        in_place = out is not None and out.flags.c_contiguous and out.flags.writeable and out.dtype == x.dtype
+        # out is written in place only where it is x itself or apart from x: a partial overlap would let
+        # the small path's early rounds overwrite x before a mismatch sends it to the ring.
+        in_place = (out is not None and out.flags.c_contiguous and out.flags.writeable and out.dtype == x.dtype
+                    and (not np.may_share_memory(out, x)
+                         or (x.flags.c_contiguous and out.ctypes.data == x.ctypes.data)))
         src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         dst = out if in_place else np.empty(x.shape, dtype=x.dtype)
         raw = code == _core.BFLOAT16  # the buffer protocol has no bfloat16: pass bytes

@@ -236,9 +236,9 @@ class DeviceArrays:
         reduce(host) reduces a numpy array in place there. The result is out
         where it is C-contiguous, else a new array; None when no bounce buffer
         can be had now (the caller goes through pageable memory)."""
-        device = self._ready(x)
-        src = self.xp.ascontiguousarray(x)
+        src = self.xp.ascontiguousarray(x)  # a copy kernel for a strided x, on the current stream:
         dst = out if out is not None and out.flags.c_contiguous else self.xp.empty_like(src)
+        device = self._ready(src)  # which _ready waits for before the ring's stream copies src down
 
         def work(view):
             reduce(np.frombuffer(view, dtype=src.dtype).reshape(src.shape))
