@@ -196,3 +196,25 @@ def test_an_out_that_overlaps_its_input_over_mpi_where_small_allreduces_double(t
         got = pickle.loads((tmp_path / f"out.rank{r}.pkl").read_bytes())
         mine = np.arange(10.0) * (r + 1)
         assert got == np.concatenate([mine[:2], np.arange(6.0) * 6, mine[8:]]).tolist(), (r, got)
+
+
+def test_a_joined_rank_stays_joined_while_the_others_disagree_among_themselves(tmp_path):
+    # Rank 1's engine negotiates while rank 2 calls a direct allreduce: both of them raise, and rank 0,
+    # joined with nothing of its own, keeps waiting for them to join.
+    ranks = run_ranks(3, """
+        from ringreduce.engine import engine
+        if rr.rank() == 0:
+            result = ("joined", rr.join())
+        else:
+            try:
+                if rr.rank() == 1:
+                    engine().wait(engine().enqueue("a", np.ones(3)))
+                else:
+                    rr.allreduce(np.ones(3))
+                result = "ran"
+            except rr.MismatchError as e:
+                result = "mismatch"
+            rr.join()
+    """, tmp_path, timeout=120)
+    assert ranks[0].result[0] == "joined", ranks[0].result
+    assert [r.result for r in ranks[1:]] == ["mismatch", "mismatch"]

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from ..core.communicator import communicator
 from ..core import protocol as _protocol
 from ..core.protocol import header, negotiation_pass
+from ..errors import MismatchError
 from .response_cache import ResponseCache
 
 NEGOTIATE = _protocol.NEGOTIATE  # header kind of a negotiation pass (see protocol.KIND_NAMES)
@@ -287,7 +288,12 @@ class Negotiator:
                       self.cache.capacity if first else None, min(self._served, 0xFFFFFFFF))
         head = header(NEGOTIATE, 0, 0, (), "", 0, False)
         with communicator().lock:
-            blobs = negotiation_pass(head, blob)
+            try:
+                blobs = negotiation_pass(head, blob)
+            except MismatchError:
+                if joined and not keys:  # the others disagree among themselves: each of them raises, and
+                    return Agreement(served=True)  # a joined rank with nothing of its own stays joined
+                raise
             if blobs is None:
                 self._served += 1
                 return Agreement(served=True)
