@@ -78,7 +78,7 @@ def op_code(op: str) -> int:
 
 class HostArrays:
     """numpy arrays: the ring reads and writes them where they are. The GPU
-    counterpart is ringreduce.cuda.DeviceArrays; the collectives below are
+    counterpart is cuda.DeviceArrays (core/cuda.py); the collectives below are
     written once over either."""
 
     xp = np

@@ -8,7 +8,7 @@ hvd.ProcessSet / add_process_set / remove_process_set / global_process_set.
 
 A set's ranks are sorted (as Horovod's); its rank i is ranks[i]. Each set
 has its own ring: over MPI a sub-communicator of the world's, over sockets
-its own connections among the members (ringreduce.world.connect_subring),
+its own connections among the members (world.connect_subring),
 with its own control star whose rank 0 is the set's first member. Adding and
 removing are collectives of the whole world: every rank takes part, so a
 mismatch or a bad argument raises on every rank, and a set is added on every

@@ -53,7 +53,7 @@ def say(message: str) -> None:
 class Waker:
     """What a waiting ringrun sleeps on: a pipe that a rank's exit, a closed
     output or a signal (signal.set_wakeup_fd) writes a byte to. `wait` blocks
-    in select() until then or its timeout, so a waiting ringrun takes no CPU
+    in poll() until then or its timeout, so a waiting ringrun takes no CPU
     however long it waits."""
 
     def __init__(self):
@@ -75,7 +75,9 @@ class Waker:
 
     def wait(self, timeout: float) -> None:
         try:
-            select.select([self.r], [], [], max(0.0, timeout))
+            poller = select.poll()  # not select(): descriptors past 1024 (many ranks' pipes) are fine here
+            poller.register(self.r, select.POLLIN)
+            poller.poll(max(0.0, timeout) * 1000)
             while os.read(self.r, 4096):
                 pass
         except (BlockingIOError, InterruptedError):
