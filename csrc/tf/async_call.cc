@@ -131,6 +131,11 @@ class RingreduceAsyncCallOp : public AsyncOpKernel {
   std::string token_;
 };
 
+// A TensorFlow error code as absl knows it (1..16); anything else is INTERNAL.
+absl::StatusCode known_code(int code) {
+  return code >= 1 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kInternal;
+}
+
 }  // namespace
 
 extern "C" {
@@ -152,7 +157,7 @@ int ringreduce_tf_complete(void* handle, int code, const char* message, int n, c
   OpKernelContext* ctx = call->ctx;
   absl::Status status;
   if (code != 0) {
-    status = absl::Status(static_cast<absl::StatusCode>(code), message ? message : "");
+    status = absl::Status(known_code(code), message ? message : "");
   } else if (n != ctx->num_outputs()) {
     status = absl::InternalError(absl::StrCat("ringreduce returned ", n, " results for ", ctx->num_outputs(), " outputs"));
   } else {
@@ -213,7 +218,7 @@ class RingreduceStatusOp : public OpKernel {
                 absl::InternalError("RingreduceStatus: code and message must be scalars"));
     const int c = code.scalar<int32>()();
     if (c != 0) {
-      ctx->SetStatus(absl::Status(static_cast<absl::StatusCode>(c), std::string(message.scalar<tstring>()())));
+      ctx->SetStatus(absl::Status(known_code(c), std::string(message.scalar<tstring>()())));
       return;
     }
     for (int i = 2; i < ctx->num_inputs(); ++i) ctx->set_output(i - 2, ctx->input(i));
