@@ -104,9 +104,8 @@ with open(f"{sys.argv[1]}.rank{rr.rank()}.pkl", "wb") as f:
 """
 
 
-def test_the_readme_loop_over_mpi_where_small_allreduces_double(tmp_path):
-    # Over MPI without the host arena, small allreduces run by recursive doubling: its pass meets the
-    # joined rank's negotiation there, and the others learn of the join from the headers it gathered.
+def _mpi_results(tmp_path, body, n, env):
+    """Runs body (MPI_JOB) on n ranks under mpirun; each rank's `result`."""
     import subprocess
     import sys
     from test_mpi import MPIRUN, _missing
@@ -115,12 +114,17 @@ def test_the_readme_loop_over_mpi_where_small_allreduces_double(tmp_path):
         pytest.skip(_missing())
     job = tmp_path / "job.py"
     job.write_text(MPI_JOB)
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "BODY": README_LOOP, "STEPS": "2,5,3",
-           "RINGREDUCE_ARENA_BYTES": "0"}
-    proc = subprocess.run([MPIRUN, "-np", "3", sys.executable, str(job), str(tmp_path / "out")], env=env,
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "BODY": body, **env}
+    proc = subprocess.run([MPIRUN, "-np", str(n), sys.executable, str(job), str(tmp_path / "out")], env=env,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [pickle.loads((tmp_path / f"out.rank{r}.pkl").read_bytes()) for r in range(3)]
+    return [pickle.loads((tmp_path / f"out.rank{r}.pkl").read_bytes()) for r in range(n)]
+
+
+def test_the_readme_loop_over_mpi_where_small_allreduces_double(tmp_path):
+    # Over MPI without the host arena, small allreduces run by recursive doubling: its pass meets the
+    # joined rank's negotiation there, and the others learn of the join from the headers it gathered.
+    results = _mpi_results(tmp_path, README_LOOP, 3, {"STEPS": "2,5,3", "RINGREDUCE_ARENA_BYTES": "0"})
     for r, (wrong, last, got) in enumerate(results):
         assert wrong == [] and last == 1, (r, wrong, last)
     assert results[0][2] == results[1][2][:len(results[0][2])] == results[2][2][:len(results[0][2])]
@@ -180,20 +184,8 @@ else:
 def test_an_out_that_overlaps_its_input_over_mpi_where_small_allreduces_double(tmp_path):
     # Recursive doubling writes out as its rounds go; the joined rank's header, seen in a late round,
     # sends the allreduce to the ring, which must still find x as the caller gave it.
-    import subprocess
-    import sys
-    from test_mpi import MPIRUN, _missing
-    from ranks import REPO
-    if _missing() is not None:
-        pytest.skip(_missing())
-    job = tmp_path / "job.py"
-    job.write_text(MPI_JOB)
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "BODY": OVERLAP_BODY, "RINGREDUCE_ARENA_BYTES": "0"}
-    proc = subprocess.run([MPIRUN, "-np", "4", sys.executable, str(job), str(tmp_path / "out")], env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for r in range(3):
-        got = pickle.loads((tmp_path / f"out.rank{r}.pkl").read_bytes())
+    results = _mpi_results(tmp_path, OVERLAP_BODY, 4, {"RINGREDUCE_ARENA_BYTES": "0"})
+    for r, got in enumerate(results[:3]):
         mine = np.arange(10.0) * (r + 1)
         assert got == np.concatenate([mine[:2], np.arange(6.0) * 6, mine[8:]]).tolist(), (r, got)
 
