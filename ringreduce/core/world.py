@@ -7,6 +7,10 @@ discover() reads the world from the environment, in this order:
   2. mpirun: Open MPI's OMPI_COMM_WORLD_*, MPICH/Hydra's PMI_* (with the TCP
      backend, rank 0's address and the job secret then travel over MPI)
   3. TensorFlow's TF_CONFIG (the ring is the chief, then the workers in order)
+  3b. a Kubeflow PyTorchJob or TrainJob pod's MASTER_ADDR/RANK/WORLD_SIZE or
+     PET_* (kubernetes.py: one process per pod; ringrun -np L in each pod
+     gives RINGREDUCE_* instead, step 1); not where torchrun started the
+     process (LOCAL_RANK, TORCHELASTIC_*): that stays refused below
   4. none of these: a world of one rank (but RINGREDUCE_SIZE/ADDR without
      RINGREDUCE_RANK, srun's tasks without PMI, or horovodrun's (gloo) or
      torchrun's world of N, raise: N ranks were meant)
@@ -34,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import shm
+from . import kubernetes, shm
 from .config import Config
 from ..errors import RingReduceError
 
@@ -127,6 +131,9 @@ def discover(env=None) -> World:
 
     if env.get("TF_CONFIG"):
         return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, config)
+    pod = kubernetes.discover(env, secret_bytes, config)  # a PyTorchJob or TrainJob pod (not torchrun's process)
+    if pod is not None:
+        return pod
     half = [n for n in ("RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_LOCAL_RANK", "RINGREDUCE_LOCAL_SIZE")
             if env.get(n, "") != ""]
     if half:  # a world of N was meant: each process training alone would be silently wrong

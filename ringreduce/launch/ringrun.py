@@ -3,6 +3,14 @@
     ringrun -np 4 python train.py
     ringrun -np 4 -H node1:2,node2:2 python train.py      # over ssh
     ringrun --elastic -np 4 --min-np 2 python train.py    # elastic (elastic_launcher.py)
+    ringrun -np 8 --hostfile /etc/mpi/hostfile python train.py   # hosts and slots from a file
+
+Where the hosts come from: -H, else --hostfile, else (inside a Kubeflow
+PyTorchJob or TrainJob pod) the pod's place in the job: `ringrun -np L` in
+every pod makes one world of pods * L ranks (ringreduce/core/kubernetes.py),
+else the hostfile an MPI launcher names (OMPI_MCA_orte_default_hostfile,
+I_MPI_HYDRA_HOST_FILE, HYDRA_HOST_FILE: an MPIJob's launcher pod), else this
+host.
 
 Each rank gets RINGREDUCE_RANK/SIZE/ADDR/SECRET/LOCAL_RANK/LOCAL_SIZE (and
 RINGREDUCE_TIMEOUT with --timeout); every output line is prefixed with its
@@ -23,7 +31,9 @@ import sys
 import threading
 import time
 
+from ..core import kubernetes
 from ..core.world import free_port
+from ..errors import RingReduceError
 from . import elastic_launcher
 from .processes import GRACE_SECONDS, LOCAL_HOSTS, STOP_SIGNALS, Ending, Job, Rank, describe, rank_argv, say
 
@@ -41,6 +51,48 @@ def parse_hosts(spec: str | None, np_: int) -> list[str]:
     if len(hosts) < np_:
         raise SystemExit(f"ringrun: -H gives {len(hosts)} slots but -np asks for {np_}")
     return hosts[:np_]
+
+
+# The variables MPI launchers read their default hostfile from (the MPI
+# Operator sets the one of its MPI implementation on an MPIJob's launcher).
+HOSTFILE_VARS = ("OMPI_MCA_orte_default_hostfile", "I_MPI_HYDRA_HOST_FILE", "HYDRA_HOST_FILE")
+
+
+def parse_hostfile(path: str) -> str:
+    """An MPI hostfile as a -H spec: Open MPI's `host slots=N` lines and
+    MPICH/Intel MPI's `host:N`, a bare `host` being one slot; `#` comments.
+    ('a slots=2' and 'b:2' -> 'a:2,b:2')."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read the hostfile {path}: {exc.strerror}") from None
+    items = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        host, _, slots = words[0].partition(":")
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key == "slots" and not slots:
+                slots = value
+            elif key != "max_slots":
+                raise ValueError(f"{path} line {number}: {word!r} is not slots=N")
+        if not host or (slots and not (slots.isdigit() and int(slots) > 0)):
+            raise ValueError(f"{path} line {number}: {line.strip()!r} is not host, host slots=N or host:N")
+        items.append(f"{host}:{slots or 1}")
+    if not items:
+        raise ValueError(f"the hostfile {path} names no host")
+    return ",".join(items)
+
+
+def env_hostfile(env) -> tuple[str, str] | None:
+    """(variable, path) of the hostfile an MPI launcher would use, if any."""
+    for name in HOSTFILE_VARS:
+        if env.get(name):
+            return name, env[name]
+    return None
 
 
 def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -> list[dict]:
@@ -63,17 +115,33 @@ def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -
     return envs
 
 
+def pod_envs(pod: kubernetes.PodJob, np_: int, secret: str, timeout: float | None) -> list[dict]:
+    """The ranks of this pod of a PyTorchJob or TrainJob (kubernetes.rank_envs)."""
+    envs = kubernetes.rank_envs(pod, np_, secret)
+    for env in envs:
+        env["PYTHONUNBUFFERED"] = "1"
+        if timeout is not None:
+            env["RINGREDUCE_TIMEOUT"] = str(timeout)
+    return envs
+
+
 def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: float | None = None,
-        ssh: str = "ssh -o BatchMode=yes") -> Ending:
-    hosts = parse_hosts(hosts_spec, np_)
-    port = free_port()
+        ssh: str = "ssh -o BatchMode=yes", pod: kubernetes.PodJob | None = None) -> Ending:
+    """pod: this pod's place in a PyTorchJob or TrainJob; its np_ ranks then
+    join the world of every pod's (hosts_spec is not used)."""
     secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
+    if pod is not None:
+        hosts = ["localhost"] * np_
+        envs = pod_envs(pod, np_, secret, timeout)
+    else:
+        hosts = parse_hosts(hosts_spec, np_)
+        envs = rank_envs(hosts, free_port(), secret, timeout)
     job = Job()
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
     job.waker.catch_signals()
     pumps = []
     try:
-        for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout))):
+        for rank, (host, env) in enumerate(zip(hosts, envs)):
             argv = rank_argv(host, env, command, ssh)
             try:
                 # stdin: the control pipe; only ringrun holds its write end (close_fds).
@@ -159,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog="example: ringrun -np 4 python train.py")
     parser.add_argument("-np", "-n", dest="np", type=int, required=True, help="number of ranks")
     parser.add_argument("-H", "--hosts", help="host1:slots,host2:slots (ranks fill hosts in order; ssh)")
+    parser.add_argument("--hostfile", help="the hosts from an MPI hostfile (`host slots=N` or `host:N` lines); "
+                        "default: the one OMPI_MCA_orte_default_hostfile, I_MPI_HYDRA_HOST_FILE or "
+                        "HYDRA_HOST_FILE names (an MPIJob's launcher)")
     parser.add_argument("--timeout", type=float, help="RINGREDUCE_TIMEOUT for the ranks (seconds)")
     parser.add_argument("--ssh", default="ssh -o BatchMode=yes", help="command used to reach other hosts")
     elastic = parser.add_argument_group("elastic training (docs/elastic.md)")
@@ -178,6 +249,30 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("-np must be at least 1")
     if args.timeout is not None and not args.timeout >= 0:
         parser.error(f"--timeout {args.timeout:g} makes no sense: use seconds >= 0 (0: never time out)")
+    if args.hosts and args.hostfile:
+        parser.error("give -H or --hostfile, not both")
+    pod = None
+    if args.hostfile:
+        try:
+            args.hosts = parse_hostfile(args.hostfile)
+        except ValueError as exc:
+            parser.error(f"--hostfile: {exc}")
+    elif not args.hosts and not args.host_discovery_script:
+        try:
+            pod = kubernetes.pod_job(os.environ)
+            if pod is not None:
+                kubernetes.rank_envs(pod, args.np, "")  # -np against the operator's, and the secret, checked now
+        except RingReduceError as exc:
+            parser.error(str(exc))
+        named = env_hostfile(os.environ) if pod is None else None
+        if named is not None:
+            try:
+                args.hosts = parse_hostfile(named[1])
+            except ValueError as exc:
+                parser.error(f"{named[0]}: {exc}")
+    if pod is not None and args.elastic:
+        parser.error(f"--elastic inside a {pod.operator} pod would make one elastic job per pod: run "
+                     "ringrun --elastic on one launcher, or drop --elastic (one world of every pod's ranks)")
     if args.hosts and not args.elastic:
         try:
             parse_hosts(args.hosts, 0)
@@ -207,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             args.np, min_np, max_np, max_restarts, elastic_timeout, args.host_discovery_script,
             args.hosts, args.timeout, args.ssh), args.command)
     else:
-        ending = run(args.np, args.command, args.hosts, args.timeout, args.ssh)
+        ending = run(args.np, args.command, args.hosts, args.timeout, args.ssh, pod)
     if ending.own_signal is not None:
         end_by_signal(ending.own_signal)
     return ending.code  # also where the signal did not end us
