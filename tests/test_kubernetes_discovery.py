@@ -98,6 +98,11 @@ def test_ringreduces_own_variables_come_before_the_pods():
     assert (w.rank, w.size, w.source) == (5, 6, "RINGREDUCE_* environment")
 
 
+def test_a_half_set_ringreduce_world_in_a_pod_is_still_refused():
+    with pytest.raises(RingReduceError, match="RINGREDUCE_SIZE=6 is set but RINGREDUCE_RANK is not"):
+        discover({**trainjob(1), **SECRET, "RINGREDUCE_SIZE": "6"})
+
+
 @pytest.mark.parametrize("make", [pytorchjob_v17, trainjob])
 def test_ringrun_in_each_pod_makes_one_world_of_pods_times_its_processes(make):
     seen = []

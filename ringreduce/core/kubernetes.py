@@ -187,10 +187,10 @@ def rank_envs(job: PodJob, nproc: int, fresh_secret: str) -> list[dict]:
              "RINGREDUCE_LOCAL_RANK": str(i), "RINGREDUCE_LOCAL_SIZE": str(nproc)} for i in range(nproc)]
 
 
-def discover(env, secret: bytes | None, config):
-    """The world of a process that is its pod's only one, or None where the
-    environment is not a PyTorchJob or TrainJob pod."""
-    from .world import World  # world.py imports this module
+def lone_process(env) -> PodJob | None:
+    """The pod of a process that is its pod's only one (rank node_rank of
+    nnodes: world.discover), or None where the environment is not a
+    PyTorchJob or TrainJob pod."""
     job = pod_job(env)
     if job is None:
         return None
@@ -199,4 +199,4 @@ def discover(env, secret: bytes | None, config):
             f"{job.operator}: {job.nproc_name}={job.nproc} processes per pod, but this process was started "
             f"alone: start them with ringrun -np {job.nproc} in each pod")
     check_secret(job)
-    return World(job.node_rank, job.nnodes, 0, 1, (job.host, job.port), secret, config, f"{job.operator} pod")
+    return job

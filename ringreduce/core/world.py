@@ -9,8 +9,9 @@ discover() reads the world from the environment, in this order:
   3. TensorFlow's TF_CONFIG (the ring is the chief, then the workers in order)
   3b. a Kubeflow PyTorchJob or TrainJob pod's MASTER_ADDR/RANK/WORLD_SIZE or
      PET_* (kubernetes.py: one process per pod; ringrun -np L in each pod
-     gives RINGREDUCE_* instead, step 1); not where torchrun started the
-     process (LOCAL_RANK, TORCHELASTIC_*): that stays refused below
+     gives RINGREDUCE_* instead, step 1), unless RINGREDUCE_* is half-set;
+     not where torchrun started the process (LOCAL_RANK, TORCHELASTIC_*):
+     that stays refused below
   4. none of these: a world of one rank (but RINGREDUCE_SIZE/ADDR without
      RINGREDUCE_RANK, srun's tasks without PMI, or horovodrun's (gloo) or
      torchrun's world of N, raise: N ranks were meant)
@@ -131,14 +132,15 @@ def discover(env=None) -> World:
 
     if env.get("TF_CONFIG"):
         return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, config)
-    pod = kubernetes.discover(env, secret_bytes, config)  # a PyTorchJob or TrainJob pod (not torchrun's process)
-    if pod is not None:
-        return pod
     half = [n for n in ("RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_LOCAL_RANK", "RINGREDUCE_LOCAL_SIZE")
             if env.get(n, "") != ""]
     if half:  # a world of N was meant: each process training alone would be silently wrong
         raise RingReduceError(f"{', '.join(f'{n}={env[n]}' for n in half)} is set but RINGREDUCE_RANK is not: "
                               "set RINGREDUCE_RANK on every rank too, or launch with ringrun -np N")
+    pod = kubernetes.lone_process(env)  # a PyTorchJob or TrainJob pod's one process (not torchrun's)
+    if pod is not None:
+        return World(pod.node_rank, pod.nnodes, 0, 1, (pod.host, pod.port), secret_bytes, config,
+                     f"{pod.operator} pod")
     for launcher, size_name, marker in _FOREIGN_LAUNCHERS:  # each process training alone would be silently wrong
         size = _env_int(env, size_name) if env.get(marker, "") != "" else None
         if size is not None and size > 1:
