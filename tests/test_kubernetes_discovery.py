@@ -70,6 +70,8 @@ def test_ringreduce_port_overrides_the_default_next_to_torchs():
      "PET_NNODES=1:4 is an elastic PyTorchJob"),
     ({**pytorchjob_v18(1), "WORLD_SIZE": "5", **SECRET}, "RANK=1 and WORLD_SIZE=5 disagree"),
     ({**trainjob(3), **SECRET}, "node rank 3 is not in 0 .. 2"),
+    # Worker replicas only, no Master: the operator sets PET_NNODES and no rank
+    ({"PYTHONUNBUFFERED": "0", "PET_NNODES": "3", **SECRET}, "PET_NODE_RANK is not.*without a Master replica"),
     ({**trainjob(1), "PET_NODE_RANK": "one", **SECRET}, "PET_NODE_RANK='one' is not an integer"),
 ])
 def test_a_pod_environment_that_cannot_be_a_world_is_refused_naming_why(env, says):
@@ -80,6 +82,7 @@ def test_a_pod_environment_that_cannot_be_a_world_is_refused_naming_why(env, say
 def test_one_pod_is_a_world_of_one_and_needs_no_secret():
     w = discover(trainjob(0, nodes=1))
     assert (w.rank, w.size) == (0, 1)
+    assert discover({"PYTHONUNBUFFERED": "0", "PET_NNODES": "1"}).size == 1  # one Worker, no Master
 
 
 def test_torchruns_processes_stay_refused_even_in_a_pod():
@@ -147,8 +150,12 @@ def test_ringrun_in_a_pod_starts_its_ranks_with_their_global_ranks():
     code = "import os; print(os.environ['RINGREDUCE_RANK'], os.environ['RINGREDUCE_SIZE'], os.environ['RINGREDUCE_ADDR'])"
     out = run_ringrun(["-np", "2", sys.executable, "-c", code], {**trainjob(2), **SECRET})
     assert out.returncode == 0, out.stderr
-    assert sorted(line.split("] ", 1)[1] for line in out.stdout.splitlines()) == [
-        "4 6 mnist-node-0-0.mnist:29401", "5 6 mnist-node-0-0.mnist:29401"]
+    # lines are prefixed, and failures named, by the world's rank, as in every pod's log
+    assert sorted(out.stdout.splitlines()) == ["[4] 4 6 mnist-node-0-0.mnist:29401",
+                                              "[5] 5 6 mnist-node-0-0.mnist:29401"]
+    fail = "import os, sys; sys.exit(3 if os.environ['RINGREDUCE_LOCAL_RANK'] == '1' else 0)"
+    out = run_ringrun(["-np", "2", sys.executable, "-c", fail], {**trainjob(2), **SECRET})
+    assert out.returncode == 3 and "ringrun: rank 5 exited with code 3" in out.stderr, out.stderr
 
 
 # -- MPIJob: the launcher's hostfile ------------------------------------------

@@ -113,8 +113,12 @@ def pod_job(env) -> PodJob | None:
         except ValueError:
             raise RingReduceError(f"PET_NNODES={nnodes_text!r} is not an integer") from None
         node_rank = _int(env, "PET_NODE_RANK")
-        if node_rank is None:
-            raise RingReduceError(f"PET_NNODES={nnodes} is set but PET_NODE_RANK is not: which pod is this?")
+        if node_rank is None:  # a PyTorchJob without a Master replica gets PET_NNODES alone
+            if nnodes == 1:
+                return None  # the only pod: a world of one, as without the operator
+            raise RingReduceError(
+                f"PET_NNODES={nnodes} is set but PET_NODE_RANK is not (a PyTorchJob without a Master replica?): "
+                "ringreduce needs each pod's rank; give the job a Master replica")
         host = env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR", "")
         port_name = "PET_MASTER_PORT" if trainjob else "MASTER_PORT"
         nproc_text = env.get("PET_NPROC_PER_NODE", "")

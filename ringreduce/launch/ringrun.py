@@ -141,7 +141,8 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
     job.waker.catch_signals()
     pumps = []
     try:
-        for rank, (host, env) in enumerate(zip(hosts, envs)):
+        for host, env in zip(hosts, envs):
+            rank = int(env["RINGREDUCE_RANK"])  # the world's rank (in a pod of a job: node_rank * np + i)
             argv = rank_argv(host, env, command, ssh)
             try:
                 # stdin: the control pipe; only ringrun holds its write end (close_fds).
@@ -185,7 +186,8 @@ def watch(job: Job) -> Ending:
                 reason = f"{job.closed_sink} was closed"
             else:
                 with job.lock:  # then any whose end is not recorded yet (its wait just returned)
-                    ended = [job.ranks[i] for i in job.ended]
+                    by_index = {r.index: r for r in job.ranks}
+                    ended = [by_index[i] for i in job.ended]
                     ended += [r for r in job.ranks if r.index not in job.ended and r.proc.returncode is not None]
                 failed = next((r for r in ended if r.proc.returncode != 0), None)
                 if failed is not None:
