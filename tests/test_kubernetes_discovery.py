@@ -113,7 +113,8 @@ def test_ringrun_in_each_pod_makes_one_world_of_pods_times_its_processes(make):
         envs = ringrun.pod_envs(kubernetes.pod_job({**make(index), **SECRET}), 4, "unused", 9.0)
         assert [e["RINGREDUCE_LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
         assert {e["RINGREDUCE_LOCAL_SIZE"] for e in envs} == {"4"} and {e["RINGREDUCE_SIZE"] for e in envs} == {"12"}
-        assert {e["RINGREDUCE_SECRET"] for e in envs} == {"s3cret"} and {e["RINGREDUCE_TIMEOUT"] for e in envs} == {"9.0"}
+        assert {e["RINGREDUCE_SECRET"] for e in envs} == {"s3cret"}
+        assert {e["RINGREDUCE_TIMEOUT"] for e in envs} == {"9.0"}
         assert len({e["RINGREDUCE_ADDR"] for e in envs}) == 1
         seen += [int(e["RINGREDUCE_RANK"]) for e in envs]
         addr = envs[0]["RINGREDUCE_ADDR"]
@@ -147,7 +148,7 @@ def test_ringrun_in_a_pod_refuses_what_cannot_join_the_job(env, args, says):
 
 
 def test_ringrun_in_a_pod_starts_its_ranks_with_their_global_ranks():
-    code = "import os; print(os.environ['RINGREDUCE_RANK'], os.environ['RINGREDUCE_SIZE'], os.environ['RINGREDUCE_ADDR'])"
+    code = "import os; print(*[os.environ[f'RINGREDUCE_{k}'] for k in ('RANK', 'SIZE', 'ADDR')])"
     out = run_ringrun(["-np", "2", sys.executable, "-c", code], {**trainjob(2), **SECRET})
     assert out.returncode == 0, out.stderr
     # lines are prefixed, and failures named, by the world's rank, as in every pod's log
@@ -163,7 +164,8 @@ def test_ringrun_in_a_pod_starts_its_ranks_with_their_global_ranks():
 def test_hostfiles_of_each_mpi_implementation_become_hosts_and_slots(tmp_path):
     ompi = tmp_path / "ompi"  # MPI Operator v2, Open MPI: "<pod>.<svc>.<ns>.svc slots=N"
     ompi.write_text("pi-worker-0.pi-worker.default.svc slots=2\npi-worker-1.pi-worker.default.svc slots=2\n")
-    assert ringrun.parse_hostfile(str(ompi)) == "pi-worker-0.pi-worker.default.svc:2,pi-worker-1.pi-worker.default.svc:2"
+    assert ringrun.parse_hostfile(str(ompi)) == ("pi-worker-0.pi-worker.default.svc:2,"
+                                                 "pi-worker-1.pi-worker.default.svc:2")
     hydra = tmp_path / "hydra"  # Intel MPI and MPICH: "<pod>.<svc>.<ns>.svc:N"; a bare host is one slot
     hydra.write_text("# workers\nw0:3\n\nw1   # one slot\nw2 slots=2 max_slots=4\n")
     assert ringrun.parse_hostfile(str(hydra)) == "w0:3,w1:1,w2:2"
@@ -176,7 +178,7 @@ def test_hostfiles_of_each_mpi_implementation_become_hosts_and_slots(tmp_path):
 def test_ringrun_takes_its_hosts_from_the_hostfile_an_mpi_launcher_would(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n127.0.0.1 slots=1\n")
-    code = "import os; print(os.environ['RINGREDUCE_RANK'], os.environ['RINGREDUCE_LOCAL_RANK'], os.environ['RINGREDUCE_LOCAL_SIZE'])"
+    code = "import os; print(*[os.environ[f'RINGREDUCE_{k}'] for k in ('RANK', 'LOCAL_RANK', 'LOCAL_SIZE')])"
     for args, env in ((["--hostfile", str(hostfile)], {}), ([], {"OMPI_MCA_orte_default_hostfile": str(hostfile)}),
                       ([], {"HYDRA_HOST_FILE": str(hostfile)})):
         out = run_ringrun([*args, "-np", "3", sys.executable, "-c", code], env)
