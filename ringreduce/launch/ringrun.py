@@ -2,6 +2,7 @@
 
     ringrun -np 4 python train.py
     ringrun -np 4 -H node1:2,node2:2 python train.py      # over ssh
+    salloc -N 2 -n 8 ringrun -np 8 python train.py        # the allocation's nodes, over srun
     ringrun --elastic -np 4 --min-np 2 python train.py    # elastic (elastic_launcher.py)
 
 Each rank gets RINGREDUCE_RANK/SIZE/ADDR/SECRET/LOCAL_RANK/LOCAL_SIZE (and
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 
+from ..core import slurm
 from ..core.world import free_port
 from . import elastic_launcher
 from .processes import GRACE_SECONDS, LOCAL_HOSTS, STOP_SIGNALS, Ending, Job, Rank, describe, rank_argv, say
@@ -43,9 +45,37 @@ def parse_hosts(spec: str | None, np_: int) -> list[str]:
     return hosts[:np_]
 
 
-def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -> list[dict]:
+def allocation_hosts(env, np_: int) -> list[str] | None:
+    """Inside a Slurm allocation (salloc's shell, a batch script), not in an srun
+    step: one node name per rank, filling the allocation's nodes in order
+    (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE). None elsewhere, and in a batch
+    script whose allocation is its own node alone (ranks start here, as many
+    as -np asks: `sbatch -c 8` then `ringrun -np 4`)."""
+    if not env.get("SLURM_JOB_ID") or slurm.in_step(env):
+        return None
+    nodelist, per_node = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"), env.get("SLURM_TASKS_PER_NODE")
+    if not nodelist or not per_node:
+        return None
+    try:
+        nodes, counts = slurm.expand_hostlist(nodelist), slurm.expand_tasks_per_node(per_node)
+    except ValueError as exc:
+        raise SystemExit(f"ringrun: cannot read the Slurm allocation: {exc}") from None
+    if len(nodes) != len(counts):
+        raise SystemExit(f"ringrun: the Slurm allocation does not add up: SLURM_JOB_NODELIST={nodelist} names "
+                         f"{len(nodes)} nodes, SLURM_TASKS_PER_NODE={per_node} counts {len(counts)}")
+    if nodes == [env.get("SLURMD_NODENAME")]:  # a batch script on its only node: every rank local, as outside
+        return None
+    hosts = [n for n, k in zip(nodes, counts) for _ in range(k)]
+    if len(hosts) < np_:
+        raise SystemExit(f"ringrun: the Slurm allocation (SLURM_JOB_NODELIST={nodelist}, SLURM_TASKS_PER_NODE="
+                         f"{per_node}) gives {len(hosts)} slots but -np asks for {np_}: give -H to choose hosts")
+    return hosts[:np_]
+
+
+def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None,
+              is_local=lambda host: host in LOCAL_HOSTS, address=lambda host: host) -> list[dict]:
     first = hosts[0]
-    addr_host = "127.0.0.1" if all(h in LOCAL_HOSTS for h in hosts) else first
+    addr_host = "127.0.0.1" if all(is_local(h) for h in hosts) else address(first)
     envs = []
     for rank, host in enumerate(hosts):
         env = {
@@ -65,7 +95,13 @@ def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -
 
 def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: float | None = None,
         ssh: str = "ssh -o BatchMode=yes") -> Ending:
-    hosts = parse_hosts(hosts_spec, np_)
+    in_slurm = hosts_spec is None and (hosts := allocation_hosts(os.environ, np_)) is not None
+    if not in_slurm:
+        hosts = parse_hosts(hosts_spec, np_)
+    here = os.environ.get("SLURMD_NODENAME") if in_slurm else None  # a batch script runs on a node of its own
+
+    def is_local(host):
+        return host in LOCAL_HOSTS or host == here
     port = free_port()
     secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
     job = Job()
@@ -73,8 +109,9 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
     job.waker.catch_signals()
     pumps = []
     try:
-        for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout))):
-            argv = rank_argv(host, env, command, ssh)
+        envs = rank_envs(hosts, port, secret, timeout, is_local, slurm.node_address if in_slurm else lambda h: h)
+        for rank, (host, env) in enumerate(zip(hosts, envs)):
+            argv = rank_argv("localhost" if is_local(host) else host, env, command, ssh, srun=in_slurm)
             try:
                 # stdin: the control pipe; only ringrun holds its write end (close_fds).
                 p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
@@ -83,7 +120,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
                 say(f"cannot start rank {rank} ({argv[0]}): {exc}")
                 job.stop_all(signal.SIGKILL)
                 return Ending(127)
-            job.ranks.append(Rank(rank, host in LOCAL_HOSTS, p))
+            job.ranks.append(Rank(rank, is_local(host) or in_slurm, p))  # srun passes signals on to its task
             threading.Thread(target=job.wait_for, args=(job.ranks[-1],), daemon=True).start()
             for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
                 t = threading.Thread(target=job.pump, args=(rank, stream, sink, name), daemon=True)
