@@ -207,12 +207,13 @@ def _int(env, *names):
     return None
 
 
-def world(env, secret: bytes | None, config):
-    """The World of this srun task, or None outside an srun step of more than
+def step_world(env, secret: bytes | None, parse_addr) -> dict | None:
+    """This srun task's world, as world.World's fields (rank, size, local_rank,
+    local_size, addr, secret, extra), or None outside an srun step of more than
     one task (and where RINGREDUCE_SIZE or RINGREDUCE_LOCAL_* is set: world.py
     refuses that half-set world). A step whose variables do not add up
-    raises, naming them: every task training alone would be silently wrong."""
-    from .world import World, _parse_addr
+    raises, naming them: every task training alone would be silently wrong.
+    parse_addr reads RINGREDUCE_ADDR (world.py's, as for every launcher)."""
     if any(env.get(n, "") != "" for n in ("RINGREDUCE_SIZE", "RINGREDUCE_LOCAL_RANK", "RINGREDUCE_LOCAL_SIZE")):
         return None
     size = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if in_step(env) else None
@@ -247,7 +248,7 @@ def world(env, secret: bytes | None, config):
         raise RingReduceError(f"rank {rank}: the srun step's variables do not add up ({where})")
 
     if env.get("RINGREDUCE_ADDR"):
-        addr = _parse_addr(env["RINGREDUCE_ADDR"])
+        addr = parse_addr(env["RINGREDUCE_ADDR"])
     else:
         if "arbitrary" in env.get("SLURM_DISTRIBUTION", ""):
             raise RingReduceError(f"rank {rank}: srun --distribution=arbitrary may start rank 0 on any node, "
@@ -268,5 +269,5 @@ def world(env, secret: bytes | None, config):
             raise RingReduceError(f"rank {rank}: no job secret: RINGREDUCE_SECRET is not set and the key file "
                                   f"{key_file(home)} cannot be made or read ({exc}); set RINGREDUCE_SECRET "
                                   "(the same on every task)") from None
-    return World(rank, size, local_rank, per_node[node_id], addr, secret, config, "srun",
-                 {"slurm_job": job, "slurm_step": step, "nodes": nodes})
+    return {"rank": rank, "size": size, "local_rank": local_rank, "local_size": per_node[node_id], "addr": addr,
+            "secret": secret, "extra": {"slurm_job": job, "slurm_step": step, "nodes": nodes}}

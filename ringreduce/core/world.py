@@ -129,8 +129,8 @@ def discover(env=None) -> World:
 
     if env.get("TF_CONFIG"):
         return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, config)
-    if (srun := slurm.world(env, secret_bytes, config)) is not None:  # srun without PMI: core/slurm.py
-        return srun
+    if (step := slurm.step_world(env, secret_bytes, _parse_addr)) is not None:  # srun without PMI: slurm.py
+        return World(**step, config=config, source="srun")
     half = [n for n in ("RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_LOCAL_RANK", "RINGREDUCE_LOCAL_SIZE")
             if env.get(n, "") != ""]
     if half:  # a world of N was meant: each process training alone would be silently wrong
