@@ -118,3 +118,29 @@ def test_a_nodes_address_is_its_nodeaddr(cluster, monkeypatch):
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
     assert slurm.node_address("n2") == "127.0.0.1"
     assert slurm.node_address("no-such-node") == "no-such-node"
+
+
+def test_no_rank_outlives_ringrun_in_an_allocation(cluster, tmp_path):
+    """ringrun killed by SIGKILL inside the allocation (which lives on): its
+    ranks, started over srun on both nodes, end too (the guard's stdin, passed
+    by srun, closes), and their steps with them."""
+    job = tmp_path / "sleeper.py"
+    job.write_text("import os, sys, time, ringreduce as rr\nrr.init()\n"
+                   f"open(os.path.join({str(tmp_path)!r}, f'pid{{rr.rank()}}'), 'w').write(str(os.getpid()))\n"
+                   "time.sleep(300)\n")
+    script = f"""
+{' '.join(RINGRUN)} -np 4 {sys.executable} {job} &
+for i in $(seq 120); do [ $(ls {tmp_path} | grep -c '^pid') = 4 ] && break; sleep 0.5; done
+echo ranks up: $(ls {tmp_path} | grep -c '^pid')
+kill -9 $!
+pids=$(cat {tmp_path}/pid*)
+for i in $(seq 60); do
+    alive=0; for p in $pids; do kill -0 $p 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && [ -z "$(squeue -h -s -j $SLURM_JOB_ID)" ] && break
+    sleep 0.5
+done
+echo alive: $alive steps: $(squeue -h -s -j $SLURM_JOB_ID | wc -l)
+"""
+    p = run(["salloc", "-N2", "-n4", "bash", "-c", script], cluster.env)
+    assert "ranks up: 4" in p.stdout, p.stdout + p.stderr
+    assert "alive: 0 steps: 0" in p.stdout, p.stdout + p.stderr

@@ -32,10 +32,11 @@ def rank_argv(host: str, env: dict, command: list[str], ssh: str, srun: bool = F
         return guarded(command)
     if srun:
         # --export=ALL: a batch script of `sbatch --export=NONE` would otherwise
-        # start a rank without its RINGREDUCE_* (a world of one); --overlap: the
-        # ranks share the allocation's CPUs with any step already running.
+        # start a rank without its RINGREDUCE_* (a world of one); --input=all:
+        # the guard's stdin is ringrun's pipe, so the rank ends with ringrun;
+        # --overlap: the ranks share the allocation's CPUs with any step running.
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", "--export=ALL",
-                "--kill-on-bad-exit=1", "--quiet", *guarded(command)]
+                "--input=all", "--kill-on-bad-exit=1", "--quiet", *guarded(command)]
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     remote = f"cd {shlex.quote(os.getcwd())} && env {assignments} {shlex.join(guarded(command))}"
     return [*shlex.split(ssh), host, remote]
