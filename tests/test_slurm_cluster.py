@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 JOB = [sys.executable, str(REPO / "tests" / "slurm_job.py")]
 RINGRUN = [sys.executable, "-m", "ringreduce"]
 
+pytestmark = pytest.mark.slow  # each test, alone, starts the cluster (about 10 s) and trains twice
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
