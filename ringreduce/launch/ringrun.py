@@ -120,7 +120,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
                 say(f"cannot start rank {rank} ({argv[0]}): {exc}")
                 job.stop_all(signal.SIGKILL)
                 return Ending(127)
-            job.ranks.append(Rank(rank, is_local(host) or in_slurm, p))  # srun passes signals on to its task
+            job.ranks.append(Rank(rank, is_local(host), p))  # over srun or ssh: the guard's pipe stops the rank
             threading.Thread(target=job.wait_for, args=(job.ranks[-1],), daemon=True).start()
             for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
                 t = threading.Thread(target=job.pump, args=(rank, stream, sink, name), daemon=True)
