@@ -223,3 +223,10 @@ def test_ringrun_ranks_on_other_nodes_start_over_srun_passing_the_environment():
     assert "--nodelist=n2" in argv and "--export=ALL" in argv and "--ntasks=1" in argv
     assert argv[-2:] == ["python", "t.py"]
     assert ringrun.rank_argv("localhost", {}, ["python"], "ssh", srun=True)[0] != "srun"
+
+
+def test_the_slurm_cluster_tests_fail_under_ci_where_slurm_is_missing():
+    import slurm_cluster
+    assert slurm_cluster.when_missing("srun not installed", {"CI": "true"}) == "fail"
+    assert slurm_cluster.when_missing("srun not installed", {}) == "skip"
+    assert slurm_cluster.when_missing(None, {"CI": "true"}) is None
