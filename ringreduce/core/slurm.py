@@ -221,8 +221,8 @@ def step_world(env, secret: bytes | None, parse_addr) -> dict | None:
         tasks = _int(env, "SLURM_STEP_NUM_TASKS")
         if env.get("SLURM_PROCID", "") != "" and tasks is not None and tasks > 1:  # no step id: half a step
             raise RingReduceError(f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS={tasks}) but SLURM_STEP_ID is "
-                                  "missing, so their world cannot be read: launch with srun, or use "
-                                  "srun --mpi=pmi2/pmix (and mpi4py), or one srun task running ringrun -np N")
+                                  "missing, so their world cannot be read: run the tasks under srun itself (it sets both), "
+                                  "or use srun --mpi=pmi2/pmix (and mpi4py), or one srun task running ringrun -np N")
         return None
     rank = _int(env, "SLURM_PROCID")
     missing = [n for n in ("SLURM_JOB_ID", "SLURM_LOCALID", "SLURM_NODEID") if env.get(n, "") == ""]
