@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="ringrun", description="Start N ranks of a command for ringreduce and watch them.",
         epilog="example: ringrun -np 4 python train.py")
     parser.add_argument("-np", "-n", dest="np", type=int, required=True, help="number of ranks")
-    parser.add_argument("-H", "--hosts", help="host1:slots,host2:slots (ranks fill hosts in order; ssh)")
+    parser.add_argument("-H", "--hosts", help="host1:slots,host2:slots (ranks fill hosts in order; ssh); "
+                        "without it inside a Slurm allocation, its nodes (srun)")
     parser.add_argument("--timeout", type=float, help="RINGREDUCE_TIMEOUT for the ranks (seconds)")
     parser.add_argument("--ssh", default="ssh -o BatchMode=yes", help="command used to reach other hosts")
     elastic = parser.add_argument_group("elastic training (docs/elastic.md)")
