@@ -1,7 +1,7 @@
 """World discovery (ringreduce/core/world.py discover) refuses an environment it
 cannot trust, naming the variable, instead of running a world of one where
-a launcher meant N: half-set worlds, other launchers' worlds, srun without
-PMI, launcher variables that are not integers, nonsense addresses."""
+a launcher meant N: half-set worlds, other launchers' worlds, srun steps
+that cannot be read, launcher variables that are not integers, nonsense addresses."""
 import re
 
 import pytest
@@ -70,8 +70,9 @@ def test_no_launcher_at_all_is_a_world_of_one():
     assert (w.rank, w.size, w.source) == (0, 1, "single process")
 
 
-def test_srun_without_a_world_is_an_error_not_n_worlds_of_one():
-    """`srun -n 4 python train.py` (no PMI for MPI): every task would train alone."""
+def test_an_srun_step_that_cannot_be_read_is_an_error_not_n_worlds_of_one():
+    """srun's tasks whose step id is missing (so not a world ringreduce can read,
+    tests/test_slurm_world.py): every task would train alone."""
     from ringreduce.core import world
     with pytest.raises(rr.RingReduceError, match="srun"):
         world.discover({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4"})

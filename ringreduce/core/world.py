@@ -7,14 +7,16 @@ discover() reads the world from the environment, in this order:
   2. mpirun: Open MPI's OMPI_COMM_WORLD_*, MPICH/Hydra's PMI_* (with the TCP
      backend, rank 0's address and the job secret then travel over MPI)
   3. TensorFlow's TF_CONFIG (the ring is the chief, then the workers in order)
-  3b. a Kubeflow PyTorchJob or TrainJob pod's MASTER_ADDR/RANK/WORLD_SIZE or
+  3b. srun without PMI: Slurm's SLURM_PROCID, SLURM_STEP_* (slurm.py; a batch
+     script or salloc's shell, not being an srun step, is a world of one)
+  4. a Kubeflow PyTorchJob or TrainJob pod's MASTER_ADDR/RANK/WORLD_SIZE or
      PET_* (kubernetes.py: one process per pod; ringrun -np L in each pod
      gives RINGREDUCE_* instead, step 1), unless RINGREDUCE_* is half-set;
      not where torchrun started the process (LOCAL_RANK, TORCHELASTIC_*):
      that stays refused below
-  4. none of these: a world of one rank (but RINGREDUCE_SIZE/ADDR without
-     RINGREDUCE_RANK, srun's tasks without PMI, or horovodrun's (gloo) or
-     torchrun's world of N, raise: N ranks were meant)
+  5. none of these: a world of one rank (but RINGREDUCE_SIZE/ADDR without
+     RINGREDUCE_RANK, srun's tasks whose step cannot be read, or horovodrun's
+     (gloo) or torchrun's world of N, raise: N ranks were meant)
 
 connect_ring() then connects the ring: every rank dials rank 0 at
 RINGREDUCE_ADDR and gets everyone's listening address back, connects to its
@@ -39,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import kubernetes, shm
+from . import kubernetes, shm, slurm
 from .config import Config
 from ..errors import RingReduceError
 
@@ -132,6 +134,8 @@ def discover(env=None) -> World:
 
     if env.get("TF_CONFIG"):
         return _from_tf_config(json.loads(env["TF_CONFIG"]), secret_bytes, config)
+    if (step := slurm.step_world(env, secret_bytes, _parse_addr)) is not None:  # srun without PMI: slurm.py
+        return World(**step, config=config, source="srun")
     half = [n for n in ("RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_LOCAL_RANK", "RINGREDUCE_LOCAL_SIZE")
             if env.get(n, "") != ""]
     if half:  # a world of N was meant: each process training alone would be silently wrong
@@ -147,11 +151,6 @@ def discover(env=None) -> World:
             raise RingReduceError(f"{launcher} started {size} processes ({size_name}={size}) but none of them has a "
                                   f"ringreduce world: launch with ringrun -np {size} instead (or set "
                                   "RINGREDUCE_RANK, RINGREDUCE_SIZE and RINGREDUCE_ADDR on every rank)")
-    tasks = _env_int(env, "SLURM_STEP_NUM_TASKS")
-    if env.get("SLURM_PROCID", "") != "" and tasks is not None and tasks > 1:  # so too under srun without PMI
-        raise RingReduceError(f"srun started {tasks} tasks but none of them has a ringreduce world (no PMI_RANK or "
-                              "PMIX_RANK): use srun --mpi=pmi2 or --mpi=pmix (and mpi4py), or one srun task "
-                              "running ringrun -np N")
     return World(config=config)
 
 

@@ -25,9 +25,18 @@ def guarded(command: list[str]) -> list[str]:
     return [sys.executable, "-I", os.path.abspath(_guard.__file__), "--grace", str(GRACE_SECONDS), "--", *command]
 
 
-def rank_argv(host: str, env: dict, command: list[str], ssh: str) -> list[str]:
+def rank_argv(host: str, env: dict, command: list[str], ssh: str, srun: bool = False) -> list[str]:
+    """The rank's command line: local, over srun (inside a Slurm allocation:
+    a one-task step on that node, the environment passed whole) or over ssh."""
     if host in LOCAL_HOSTS:
         return guarded(command)
+    if srun:
+        # --export=ALL: a batch script of `sbatch --export=NONE` would otherwise
+        # start a rank without its RINGREDUCE_* (a world of one); --input=all:
+        # the guard's stdin is ringrun's pipe, so the rank ends with ringrun;
+        # --overlap: the ranks share the allocation's CPUs with any step running.
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", "--export=ALL",
+                "--input=all", "--kill-on-bad-exit=1", "--quiet", *guarded(command)]
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     remote = f"cd {shlex.quote(os.getcwd())} && env {assignments} {shlex.join(guarded(command))}"
     return [*shlex.split(ssh), host, remote]

@@ -2,6 +2,7 @@
 
     ringrun -np 4 python train.py
     ringrun -np 4 -H node1:2,node2:2 python train.py      # over ssh
+    salloc -N 2 -n 8 ringrun -np 8 python train.py        # the allocation's nodes, over srun
     ringrun --elastic -np 4 --min-np 2 python train.py    # elastic (elastic_launcher.py)
     ringrun -np 8 --hostfile /etc/mpi/hostfile python train.py   # hosts and slots from a file
 
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 
-from ..core import kubernetes
+from ..core import kubernetes, slurm
 from ..core.world import free_port
 from ..errors import RingReduceError
 from . import elastic_launcher
@@ -95,9 +96,37 @@ def env_hostfile(env) -> tuple[str, str] | None:
     return None
 
 
-def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -> list[dict]:
+def allocation_hosts(env, np_: int) -> list[str] | None:
+    """Inside a Slurm allocation (salloc's shell, a batch script), not in an srun
+    step: one node name per rank, filling the allocation's nodes in order
+    (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE). None elsewhere, and in a batch
+    script whose allocation is its own node alone (ranks start here, as many
+    as -np asks: `sbatch -c 8` then `ringrun -np 4`)."""
+    if not env.get("SLURM_JOB_ID") or slurm.in_step(env):
+        return None
+    nodelist, per_node = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"), env.get("SLURM_TASKS_PER_NODE")
+    if not nodelist or not per_node:
+        return None
+    try:
+        nodes, counts = slurm.expand_hostlist(nodelist), slurm.expand_tasks_per_node(per_node)
+    except ValueError as exc:
+        raise SystemExit(f"ringrun: cannot read the Slurm allocation: {exc}") from None
+    if len(nodes) != len(counts):
+        raise SystemExit(f"ringrun: the Slurm allocation does not add up: SLURM_JOB_NODELIST={nodelist} names "
+                         f"{len(nodes)} nodes, SLURM_TASKS_PER_NODE={per_node} counts {len(counts)}")
+    if nodes == [env.get("SLURMD_NODENAME")]:  # a batch script on its only node: every rank local, as outside
+        return None
+    hosts = [n for n, k in zip(nodes, counts) for _ in range(k)]
+    if len(hosts) < np_:
+        raise SystemExit(f"ringrun: the Slurm allocation (SLURM_JOB_NODELIST={nodelist}, SLURM_TASKS_PER_NODE="
+                         f"{per_node}) gives {len(hosts)} slots but -np asks for {np_}: give -H to choose hosts")
+    return hosts[:np_]
+
+
+def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None,
+              is_local=lambda host: host in LOCAL_HOSTS, address=lambda host: host) -> list[dict]:
     first = hosts[0]
-    addr_host = "127.0.0.1" if all(h in LOCAL_HOSTS for h in hosts) else first
+    addr_host = "127.0.0.1" if all(is_local(h) for h in hosts) else address(first)
     envs = []
     for rank, host in enumerate(hosts):
         env = {
@@ -128,14 +157,22 @@ def pod_envs(pod: kubernetes.PodJob, np_: int, secret: str, timeout: float | Non
 def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: float | None = None,
         ssh: str = "ssh -o BatchMode=yes", pod: kubernetes.PodJob | None = None) -> Ending:
     """pod: this pod's place in a PyTorchJob or TrainJob; its np_ ranks then
-    join the world of every pod's (hosts_spec is not used)."""
+    join the world of every pod's (hosts_spec is not used). Inside a Slurm
+    allocation with no hosts_spec, the ranks go on the allocation's nodes (srun)."""
+    in_slurm = pod is None and hosts_spec is None and (hosts := allocation_hosts(os.environ, np_)) is not None
+    here = os.environ.get("SLURMD_NODENAME") if in_slurm else None  # a batch script runs on a node of its own
+
+    def is_local(host):
+        return host in LOCAL_HOSTS or host == here
     secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
     if pod is not None:
         hosts = ["localhost"] * np_
         envs = pod_envs(pod, np_, secret, timeout)
     else:
-        hosts = parse_hosts(hosts_spec, np_)
-        envs = rank_envs(hosts, free_port(), secret, timeout)
+        if not in_slurm:
+            hosts = parse_hosts(hosts_spec, np_)
+        envs = rank_envs(hosts, free_port(), secret, timeout, is_local,
+                         slurm.node_address if in_slurm else lambda h: h)
     job = Job()
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
     job.waker.catch_signals()
@@ -143,7 +180,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
     try:
         for host, env in zip(hosts, envs):
             rank = int(env["RINGREDUCE_RANK"])  # the world's rank (in a pod of a job: node_rank * np + i)
-            argv = rank_argv(host, env, command, ssh)
+            argv = rank_argv("localhost" if is_local(host) else host, env, command, ssh, srun=in_slurm)
             try:
                 # stdin: the control pipe; only ringrun holds its write end (close_fds).
                 p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
@@ -152,7 +189,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
                 say(f"cannot start rank {rank} ({argv[0]}): {exc}")
                 job.stop_all(signal.SIGKILL)
                 return Ending(127)
-            job.ranks.append(Rank(rank, host in LOCAL_HOSTS, p))
+            job.ranks.append(Rank(rank, is_local(host), p))  # over srun or ssh: the guard's pipe stops the rank
             threading.Thread(target=job.wait_for, args=(job.ranks[-1],), daemon=True).start()
             for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
                 t = threading.Thread(target=job.pump, args=(rank, stream, sink, name), daemon=True)
@@ -228,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="ringrun", description="Start N ranks of a command for ringreduce and watch them.",
         epilog="example: ringrun -np 4 python train.py")
     parser.add_argument("-np", "-n", dest="np", type=int, required=True, help="number of ranks")
-    parser.add_argument("-H", "--hosts", help="host1:slots,host2:slots (ranks fill hosts in order; ssh)")
+    parser.add_argument("-H", "--hosts", help="host1:slots,host2:slots (ranks fill hosts in order; ssh); "
+                        "without it inside a Slurm allocation, its nodes (srun)")
     parser.add_argument("--hostfile", help="the hosts from an MPI hostfile (`host slots=N` or `host:N` lines); "
                         "default: the one OMPI_MCA_orte_default_hostfile, I_MPI_HYDRA_HOST_FILE or "
                         "HYDRA_HOST_FILE names (an MPIJob's launcher)")
