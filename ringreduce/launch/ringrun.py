@@ -4,8 +4,9 @@
     ringrun -np 4 -H node1:2,node2:2 python train.py      # over ssh
     ringrun --elastic -np 4 --min-np 2 python train.py    # elastic (elastic_launcher.py)
 
-Each rank gets RINGREDUCE_RANK/SIZE/ADDR/SECRET/LOCAL_RANK/LOCAL_SIZE (and
-RINGREDUCE_TIMEOUT with --timeout); every output line is prefixed with its
+Each rank gets RINGREDUCE_RANK/SIZE/ADDR/SECRET/LOCAL_RANK/LOCAL_SIZE,
+RINGREDUCE_JOB (the job's id, the `job` label of its metrics: ringrun's own
+RINGREDUCE_JOB, else one made up per run) and RINGREDUCE_TIMEOUT with --timeout; every output line is prefixed with its
 rank. Every rank runs under a guard (guard.py) that ends it when ringrun goes
 away, however ringrun ends. When any rank exits non-zero or is killed, when
 ringrun gets SIGINT/SIGTERM/SIGHUP, or when its stdout or stderr is closed,
@@ -43,7 +44,12 @@ def parse_hosts(spec: str | None, np_: int) -> list[str]:
     return hosts[:np_]
 
 
-def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -> list[dict]:
+def job_id() -> str:
+    """The id the ranks of one ringrun carry as RINGREDUCE_JOB: ringrun's own, else a fresh one."""
+    return os.environ.get("RINGREDUCE_JOB") or f"ringrun-{secrets.token_hex(4)}"
+
+
+def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None, job: str = "") -> list[dict]:
     first = hosts[0]
     addr_host = "127.0.0.1" if all(h in LOCAL_HOSTS for h in hosts) else first
     envs = []
@@ -55,6 +61,7 @@ def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -
             "RINGREDUCE_SECRET": secret,
             "RINGREDUCE_LOCAL_RANK": str(hosts[:rank].count(host)),
             "RINGREDUCE_LOCAL_SIZE": str(hosts.count(host)),
+            "RINGREDUCE_JOB": job or job_id(),
             "PYTHONUNBUFFERED": "1",
         }
         if timeout is not None:
@@ -73,7 +80,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
     job.waker.catch_signals()
     pumps = []
     try:
-        for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout))):
+        for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout, job_id()))):
             argv = rank_argv(host, env, command, ssh)
             try:
                 # stdin: the control pipe; only ringrun holds its write end (close_fds).
