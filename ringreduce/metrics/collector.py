@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import importlib
+import logging
 import os
 import socket
 import threading
@@ -30,6 +31,8 @@ BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5
            1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
 LABELS = ("rank", "local_rank", "host", "job")
+
+log = logging.getLogger("ringreduce")
 
 
 class Recorder:
@@ -65,7 +68,8 @@ class Recorder:
             return ({k: (list(v[0]), v[1]) for k, v in self.latency.items()}, dict(self.errors), dict(self.lost))
 
     def stragglers(self):
-        """{rank: score} from the source, or None where there is none."""
+        """{rank: score} from the source, or None where there is none (or it
+        failed: logged, and the scrape goes on without the scores)."""
         source = self.straggler_source
         if source is None:
             try:
@@ -74,7 +78,11 @@ class Recorder:
                 return None
             if source is None:
                 return None
-        return source()
+        try:
+            return {int(peer): float(score) for peer, score in (source() or {}).items()}
+        except Exception:
+            log.exception("ringreduce: the straggler score source (%r) failed; no scores in this scrape", source)
+            return None
 
 
 class Collector:
@@ -94,7 +102,7 @@ class Collector:
         def family(kind, name, doc, extra=(), **kw):
             return kind(name, doc, labels=list(LABELS) + list(extra), **kw)
 
-        sent = traffic.stats() if initialized else {k: 0 for k in traffic.KINDS + traffic.VIAS}
+        sent = traffic.stats_now() if initialized else {k: 0 for k in traffic.KINDS + traffic.VIAS}
         f = family(CounterMetricFamily, "ringreduce_transport_sent_bytes",
                    "Bytes this rank sent since init or reset_stats, by transport (rr.stats())", ["transport"])
         for via in traffic.VIAS:
@@ -150,7 +158,7 @@ class Collector:
         f = family(GaugeMetricFamily, "ringreduce_straggler_score",
                    "How late each rank is, as ringreduce.engine.stragglers scores it", ["peer"])
         for peer, score in sorted((self.recorder.stragglers() or {}).items()):
-            f.add_metric(base + [str(peer)], float(score))
+            f.add_metric(base + [str(peer)], score)
         yield f
 
     @staticmethod
