@@ -302,3 +302,28 @@ result = dict(port=port, problems=problems, plain=plain, scored=scored, unscored
     assert value(res["scored"], "ringreduce_straggler_score", peer=1, rank=0) == 1.5
     assert "ringreduce_straggler_score" not in names(res["unscored"])  # a failing source: the scrape goes on
     assert res["stopped"] and res["listening"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_an_elastic_worker_serves_its_generation_resets_and_lost_peers():
+    from test_elastic import JOB, ElasticRun, killer
+    run = ElasticRun(["-np", "3", "--min-np", "2", sys.executable, JOB, "80", "0.03"], kill_when=killer(8, 1),
+                     env={"RINGREDUCE_METRICS_PORT": "0"}, timeout=140)
+    assert run.proc.returncode == 0 and run.kills, run.stderr[-3000:]
+    done = run.done()
+    jobs = set()
+    for d in done:  # the survivors, and the restarted worker if it joined before the end
+        m = d["metrics"]
+        assert value(m, "ringreduce_elastic_generation", rank=d["rank"]) == d["generation"] >= 2
+        assert value(m, "ringreduce_elastic_resets_total", rank=d["rank"]) == d["resets"]
+        assert value(m, "ringreduce_world_size", rank=d["rank"]) == d["size"]
+        jobs |= {lab["job"] for _, lab, _ in m}
+    assert len(jobs) == 1 and jobs.pop().startswith("ringrun-")  # one id for the whole job, restarts too
+    survivors = [d for d in done if d["resets"] >= 1]  # rank 1 lost at step 8: reset, and again if it came back
+    assert len(survivors) == 2
+    for d in survivors:
+        lost = [(lab["peer"], v) for n, lab, v in d["metrics"] if n == "ringreduce_peer_lost_total"]
+        assert lost == [("1", 1.0)], lost  # counted once, naming the rank killed
+        assert sum(v for n, lab, v in d["metrics"]
+                   if n == "ringreduce_collective_errors_total" and lab["error"] == "PeerLostError") == 1
