@@ -1,0 +1,64 @@
+"""ringreduce.core.listeners: what the layers above core (the metrics
+exporter) observe. Every public collective is reported once, after it, with
+its kind, wall time and error; a listener that raises never fails the
+collective; an init listener that raises fails init() and leaves the ring."""
+from ranks import run_ranks
+
+
+def test_every_collective_is_reported_once_with_its_kind_time_and_error(tmp_path):
+    body = """
+from ringreduce.core import listeners
+seen = []
+def record(kind, seconds, error):
+    seen.append((kind, seconds, None if error is None else type(error).__name__))
+def broken(kind, seconds, error):
+    raise RuntimeError("an observer's bug")
+listeners.add_listener(broken)
+listeners.add_listener(record)
+listeners.add_listener(record)  # once is enough: added once
+x = np.arange(100_000, dtype=np.float64)
+total = rr.allreduce(x)
+rr.allreduce(np.ones(3))
+rr.broadcast(np.ones(2), root=1)
+rr.allgather(np.ones(1))
+rr.reduce_scatter(np.ones(4))
+rr.alltoall(np.ones((2, 1)))
+rr.barrier()
+try:
+    rr.allreduce(np.ones(3 + rr.rank()))  # shapes differ: MismatchError on every rank
+except rr.MismatchError:
+    pass
+listeners.remove_listener(record)
+rr.allreduce(np.ones(3))  # no longer reported
+result = (seen, total.tolist() == (2 * x).tolist())
+"""
+    for r in run_ranks(2, body, tmp_path, timeout=90):
+        seen, right = r.result
+        assert right  # the listener that raised changed nothing
+        assert [k for k, _, _ in seen] == ["allreduce", "allreduce", "broadcast", "allgather", "reduce_scatter",
+                                           "alltoall", "barrier", "allreduce"]
+        assert all(s > 0 for _, s, _ in seen)
+        assert [e for _, _, e in seen] == [None] * 7 + ["MismatchError"]
+        assert "an observer's bug" in r.stderr  # logged, not raised
+
+
+def test_an_init_listener_that_raises_fails_init_and_leaves_the_ring(tmp_path):
+    body = """
+from ringreduce.core import listeners
+configs = []
+def refuse(config):
+    configs.append(config.metrics_addr)
+    raise ValueError("not today")
+listeners.add_init_listener(refuse)
+try:
+    rr.init()
+    failed = None
+except ValueError as exc:
+    failed = str(exc)
+left = not rr.is_initialized()
+listeners.remove_init_listener(refuse)
+rr.init()  # the ring may be joined again
+result = (failed, left, configs, rr.allreduce(np.ones(2)).tolist())
+"""
+    for r in run_ranks(2, body, tmp_path, timeout=90, init=False):
+        assert r.result == ("not today", True, ["127.0.0.1"], [2.0, 2.0])
