@@ -260,6 +260,29 @@ except rr.PeerLostError as exc:
         (n, lab.get("kind")) for n, lab, _ in got}
 
 
+def test_a_peer_lost_while_the_engine_negotiates_is_counted_once_as_the_engines(tmp_path):
+    body = HELPERS + """
+from ringreduce.engine import engine
+rr.barrier()
+if rr.rank() == 1:
+    os._exit(7)
+h = engine().enqueue("w", np.ones(8))  # rank 1 never offers it: the negotiation pass meets its death
+try:
+    engine().wait(h)
+    result = "no error"
+except rr.PeerLostError as exc:
+    _, got = scrape(rr.metrics.address()[1])
+    result = (exc.rank, got)
+"""
+    ranks = run_ranks(2, body, tmp_path, env={**ON, "RINGREDUCE_TIMEOUT": "20"}, timeout=120, check=False)
+    assert ranks[1].returncode == 7
+    lost_rank, got = ranks[0].result
+    assert lost_rank == 1
+    assert value(got, "ringreduce_peer_lost_total", peer=1, rank=0) == 1
+    assert [(lab["kind"], lab["error"], v) for n, lab, v in got if n == "ringreduce_collective_errors_total"] == \
+        [("engine", "PeerLostError", 1.0)]
+
+
 def test_serve_by_hand_stop_and_the_straggler_score_source(tmp_path):
     body = HELPERS + """
 import urllib.error

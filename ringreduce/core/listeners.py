@@ -96,13 +96,21 @@ def report(kind: str, seconds: float | None, error: BaseException | None) -> Non
     """For a layer above core that runs ring operations of its own outside
     the collectives: the same report. The engine reports the error that
     stopped it as kind "engine", seconds None (a lost peer met while
-    negotiating); when a collective it ran raised it, that collective
-    reported the same exception object already."""
-    if _listeners:
+    negotiating). An exception already reported (a collective the engine
+    ran raised it) is not reported again: each error reaches a listener once."""
+    if _listeners and not (error is not None and getattr(error, _REPORTED, False)):
         _report(kind, seconds, error)
 
 
+_REPORTED = "_ringreduce_reported"  # set on an exception once reported
+
+
 def _report(kind, seconds, error) -> None:
+    if error is not None:
+        try:
+            setattr(error, _REPORTED, True)
+        except Exception:  # an exception type without attributes: reported each time it is met
+            pass
     for fn in _listeners:
         try:
             fn(kind, seconds, error)

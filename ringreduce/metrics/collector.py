@@ -43,7 +43,6 @@ class Recorder:
         self.latency: dict[str, list] = {}  # kind -> [bucket counts (not cumulative), sum of seconds]
         self.errors: dict[tuple[str, str], int] = {}  # (kind, exception class name) -> count
         self.lost: dict[str, int] = {}  # the lost peer's rank ("" when unknown) -> PeerLostErrors
-        self._last_error = None  # the engine reports again what a collective it ran raised: counted once
         self.straggler_source = None  # fn() -> {rank: score}; None: ringreduce.engine.stragglers.scores
 
     def collective(self, kind: str, seconds: float | None, error: BaseException | None) -> None:
@@ -54,9 +53,6 @@ class Recorder:
                     counts[0][bisect.bisect_left(BUCKETS, seconds)] += 1
                     counts[1] += seconds
                 return
-            if error is self._last_error:
-                return
-            self._last_error = error
             key = (kind, type(error).__name__)
             self.errors[key] = self.errors.get(key, 0) + 1
             if isinstance(error, PeerLostError):
