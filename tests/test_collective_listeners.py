@@ -63,3 +63,27 @@ result = (failed, left, configs, rr.allreduce(np.ones(2)).tolist())
 """
     for r in run_ranks(2, body, tmp_path, timeout=90, init=False):
         assert r.result == ("not today", True, ["127.0.0.1"], [2.0, 2.0])
+
+
+def test_a_collective_run_inside_another_is_reported_as_the_outer_one_only():
+    # as a GPU allreduce that reduces through the host allreduce: one allreduce
+    from ringreduce.core import listeners
+    seen = []
+
+    def record(kind, seconds, error):
+        seen.append((kind, None if error is None else str(error)))
+
+    inner = listeners.collective("inner")(lambda fail=False: 1 / 0 if fail else 1)
+    outer = listeners.collective("outer")(lambda: inner() + 1)
+    listeners.add_listener(record)
+    try:
+        assert outer() == 2
+        assert inner() == 1
+        try:
+            inner(fail=True)
+        except ZeroDivisionError:
+            pass
+        assert outer() == 2  # the failure above left no "inside" mark behind
+    finally:
+        listeners.remove_listener(record)
+    assert seen == [("outer", None), ("inner", None), ("inner", "division by zero"), ("outer", None)]
