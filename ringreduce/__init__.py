@@ -5,9 +5,10 @@
     grads = rr.allreduce(grads, op="avg")
 
 Subpackages and submodules load on first use, as numpy's do:
-`rr.elastic.run`, `rr.compression.PowerSGD`, `rr.tensorflow` work without an
-import of their own. `import ringreduce` itself never imports TensorFlow; only
-touching `rr.tensorflow` does.
+`rr.elastic.run`, `rr.compression.PowerSGD`, `rr.tensorflow`, `rr.metrics.serve`
+work without an import of their own. `import ringreduce` itself never imports
+TensorFlow (only touching `rr.tensorflow` does), nor prometheus_client (only
+`rr.metrics`, or init() with RINGREDUCE_METRICS_PORT set, does).
 """
 import importlib as _importlib
 import importlib.util as _importlib_util
@@ -19,6 +20,7 @@ from .core import (ProcessSet, add_process_set, allgather, allreduce, alltoall, 
                    remove_process_set, reset_stats, shared_empty, shared_empty_like, shared_zeros, shutdown, size,
                    stats)
 from .engine import join
+from .core import listeners as _listeners
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -28,6 +30,15 @@ __all__ = [
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "RingReduceError", "MismatchError", "PeerLostError", "StaleGenerationError", "WithdrawnError",
 ]
+
+
+def _metrics_at_init(config) -> None:
+    """RINGREDUCE_METRICS_PORT set: init() starts this rank's Prometheus endpoint (ringreduce/metrics/)."""
+    if config.metrics_port is not None:
+        _importlib.import_module(f"{__name__}.metrics").start_at_init(config)
+
+
+_listeners.add_init_listener(_metrics_at_init)
 
 
 def __getattr__(name: str):
@@ -45,4 +56,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | {"compression", "elastic", "tensorflow"})
+    return sorted(set(globals()) | {"compression", "elastic", "metrics", "tensorflow"})

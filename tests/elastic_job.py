@@ -62,9 +62,18 @@ def train(state):
 after_reset()  # the first world's count, to compare the later ones with
 train(state)
 expected = float(sum(size * (i + 1) for i, size in enumerate(state.sizes)))
+scraped = None
+if os.environ.get("RINGREDUCE_METRICS_PORT"):  # this worker's own endpoint, over HTTP (tests/test_metrics_endpoint.py)
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % rr.metrics.address()[1], timeout=30) as reply:
+        scraped = [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(reply.read().decode())
+                   for s in fam.samples]
 print("done " + json.dumps({"rank": rr.rank(), "size": rr.size(), "steps": state.step, "sizes": state.sizes,
                             "w0": float(state.w[0]), "expected": expected,
                             "uniform": bool((state.w == state.w[0]).all()),
                             "sha": hashlib.sha256(state.w.tobytes()).hexdigest(), "resources": resources,
                             "worker": os.environ.get("RINGREDUCE_WORKER_ID"),
-                            "links": rr.core.communicator().world.extra.get("links")}), flush=True)
+                            "links": rr.core.communicator().world.extra.get("links"),
+                            "generation": elastic.generation(), "resets": elastic.resets(),
+                            "metrics": scraped}), flush=True)

@@ -23,6 +23,7 @@ SMALL_ALGORITHMS = ("", "doubling", "ring")
 ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/schedule/host_arena.h rr_arena_mode
 SHM_CMA_MODES = ("auto", "0", "1", "refused")  # csrc/schedule/cma.h
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class Config:
                                     # holds (ringreduce/engine/response_cache.py); 0: no cache
     small_algorithm: str = ""       # RINGREDUCE_SMALL_ALGORITHM: over MPI, "doubling" (the default:
                                     # recursive doubling) or "ring" (the ring's passes); alike on every rank
+    metrics_port: int | None = None  # RINGREDUCE_METRICS_PORT: each rank serves Prometheus metrics on this
+                                    # port + its local rank (0: a free port each, logged); unset: none
+                                    # (ringreduce/metrics/, docs/metrics.md)
+    metrics_addr: str = "127.0.0.1"  # RINGREDUCE_METRICS_ADDR: the address the metrics server binds
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -81,6 +86,10 @@ class Config:
                "'doubling', 'ring' or empty")
         _check("RINGREDUCE_CACHE_CAPACITY", self.cache_capacity, 0 <= self.cache_capacity <= MAX_CACHE_CAPACITY,
                f"0 (no cache) .. {MAX_CACHE_CAPACITY} requests")
+        _check("RINGREDUCE_METRICS_PORT", self.metrics_port,
+               self.metrics_port is None or 0 <= self.metrics_port <= MAX_PORT, f"0 (a free port) .. {MAX_PORT}")
+        _check("RINGREDUCE_METRICS_ADDR", self.metrics_addr, bool(self.metrics_addr.strip()),
+               "an address to bind, such as 127.0.0.1 or 0.0.0.0")
 
     @property
     def ring_timeout(self) -> float:
@@ -132,6 +141,8 @@ class Config:
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
             small_algorithm=get("RINGREDUCE_SMALL_ALGORITHM", d.small_algorithm, str),
+            metrics_port=get("RINGREDUCE_METRICS_PORT", d.metrics_port, int),
+            metrics_addr=get("RINGREDUCE_METRICS_ADDR", d.metrics_addr, str),
         )
 
 
@@ -143,6 +154,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_SHM_ZEROCOPY", "RINGREDUCE_ARENA_REDUCE", "RINGREDUCE_SHM_CMA",
     "RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_SECRET", "RINGREDUCE_LOCAL_RANK",
     "RINGREDUCE_LOCAL_SIZE", "RINGREDUCE_PORT", "RINGREDUCE_HOST", "RINGREDUCE_ELASTIC_ADDR", "RINGREDUCE_WORKER_ID",
+    "RINGREDUCE_METRICS_PORT", "RINGREDUCE_METRICS_ADDR", "RINGREDUCE_JOB",
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",
 })
 

@@ -9,6 +9,7 @@ import threading
 from .. import _core
 from ..errors import RingReduceError
 from . import autotune as _autotune, config as _config, mpi_backend, rendezvous_client, shm as _shm, world as _world
+from . import listeners as _listeners
 from .communicator import Ring, current as _state
 
 
@@ -77,6 +78,11 @@ def init(backend: str | None = None, comm=None) -> None:
                 shutdown()  # a peer lost while calibrating: leave, so init() may be called again
                 raise
             _state.small_limit = _state.ring.small_limit
+        try:
+            _listeners.initialized(config)  # the layers above (RINGREDUCE_METRICS_PORT: the exporter starts)
+        except BaseException:
+            shutdown()  # this rank cannot run as asked: leave (its peers see it gone); init() may be retried
+            raise
 
 
 def attach_arena(comm, rank: int, size: int, tag: str, config: _config.Config) -> bool:

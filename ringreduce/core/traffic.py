@@ -37,9 +37,12 @@ _baseline: dict[int, tuple[object, tuple]] = {}  # id(comm) -> (comm, its counts
 _retired: dict = {"world": None, "counts": [0] * (len(KINDS) + len(VIAS))}
 
 
-def _comms() -> list:
-    with _state.lock:
-        comms = [_state.comm, *(ring.comm for ring in _state.sets.values())]
+def _comms(locked: bool = True) -> list:
+    if locked:
+        with _state.lock:
+            comms = [_state.comm, *(ring.comm for ring in _state.sets.values())]
+    else:  # the fields as they are now (one tuple() of a dict's values is one step under the GIL)
+        comms = [_state.comm, *(ring.comm for ring in tuple(_state.sets.values()))]
     return [comm for comm in comms if comm is not None]
 
 
@@ -60,7 +63,19 @@ def stats(reset: bool = False) -> dict:
     """Bytes this rank sent since init() or the last reset_stats(), by kind,
     by way (tcp, shm, cma, arena, mpi) and in all ('bytes_sent').
     reset=True starts counting afresh after reading."""
-    comms = _comms()  # before _lock: remove_process_set holds the state's lock when it calls retire()
+    return _stats(reset, _comms())  # before _lock: remove_process_set holds the state's lock when it calls retire()
+
+
+def stats_now() -> dict:
+    """stats() for an observer that must not wait (ringreduce.metrics' scrape):
+    the communicator's lock is held for as long as init() connects or the
+    engine's negotiation pass waits for a late peer, so the rings are listed
+    without it. A process set added or removed at that very moment may be
+    missed or counted twice in that one reading."""
+    return _stats(False, _comms(locked=False))
+
+
+def _stats(reset: bool, comms: list) -> dict:
     with _lock:
         counts = [_since_reset(comm) for comm in comms]
         if comms and _retired["world"] is comms[0]:

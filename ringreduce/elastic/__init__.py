@@ -16,8 +16,8 @@ ring grows. Under `ringrun --elastic` (docs/elastic.md):
 
     train(state)
 """
-from .runner import generation, recoverable, reset, run
+from .runner import generation, recoverable, reset, resets, run
 from .state import HostsUpdatedInterrupt, ObjectState, State, broadcast_object
 
 __all__ = ["run", "State", "ObjectState", "HostsUpdatedInterrupt", "broadcast_object", "reset", "recoverable",
-           "generation"]
+           "generation", "resets"]

@@ -32,9 +32,20 @@ def generation() -> int:
 def reset() -> None:
     """Leaves the broken ring (the engine's thread stopped, its waiters
     failed, every descriptor closed) and joins the next generation's."""
+    global _resets
     _c.shutdown()    # interrupts a collective the engine's thread may be in
     _engine.reset()  # joins that thread; the next engine starts with an empty cache
     _c.init()        # registers again with ringrun's rendezvous and connects the new ring
+    _resets += 1
+
+
+_resets = 0
+
+
+def resets() -> int:
+    """How many times this process has re-formed the ring (reset() done):
+    its elastic restarts after a lost peer or a change of hosts."""
+    return _resets
 
 
 def run_with(func, state, args, kwargs, recoverable=recoverable, on_lost=None):

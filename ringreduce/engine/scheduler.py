@@ -44,6 +44,7 @@ import numpy as np
 from .. import core
 from ..core import autotune as _autotune
 from ..core.arrays import DTYPES, HostArrays, arrays_for, op_code
+from ..core import listeners as _listeners
 from ..core.collectives import record_phases
 from ..core.process_sets import ring_of
 from ..core.config import Config
@@ -112,6 +113,15 @@ class Handle:
 IDLE_BACKOFF_MIN, IDLE_BACKOFF_MAX = 20e-6, 1e-3  # seconds between negotiation passes that agree on nothing
 
 
+@dataclass(frozen=True)
+class CycleStats:
+    """The engine's working cycles (those that ran or failed some request):
+    how many, their seconds in all (negotiation to the last result), the last one's."""
+    cycles: int = 0
+    seconds: float = 0.0
+    last_seconds: float = 0.0
+
+
 class Engine:
     def __init__(self, fusion_bytes: int | None = None, timeline_path: str | None = None,
                  cache_capacity: int | None = None):
@@ -151,6 +161,7 @@ class Engine:
         self._in_cycle: set[int] = set()
         self._cycle_over = threading.Event()
         self._stand_in_compressors: dict = {}  # compressor tag -> what a joined rank reduces its zeros with
+        self._cycle_stats = CycleStats()
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
 
@@ -158,6 +169,17 @@ class Engine:
     def stats(self):
         """Negotiation cost so far: cycles, bytes_sent, seconds."""
         return self.negotiator.stats
+
+    @property
+    def cycle_stats(self) -> CycleStats:
+        """The working cycles so far (replaced whole after each: read without waiting on the engine)."""
+        return self._cycle_stats
+
+    def queue_depth(self) -> int:
+        """Requests handed over on this rank and not done yet: waiting for the
+        other ranks, or running now."""
+        with self._cond:
+            return len(self._pending)
 
     # -- the caller's side -------------------------------------------------
 
@@ -348,6 +370,7 @@ class Engine:
                 self._cycle(ready, joined)
                 self._end_cycle()
             except BaseException as exc:  # every waiter learns, on every rank
+                _listeners.report("engine", None, exc)  # a lost peer met in negotiation, too (ringreduce.metrics)
                 with self._cond:
                     self._end_cycle()
                     self._error = exc
@@ -365,6 +388,7 @@ class Engine:
             self._cycle_over.set()
 
     def _cycle(self, ready: list[Handle], joined: bool) -> None:
+        started = time.perf_counter()
         try:
             agreement = self.negotiator.negotiate([h.key for h in ready], joined, self._leaving, self.fusion_bytes)
         except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
@@ -414,6 +438,8 @@ class Engine:
             self._idle_cycles = min(self._idle_cycles + 1, 10)  # 20 us * 2**10 > 1 ms: no further
             return
         self._idle_cycles = 0
+        took = time.perf_counter() - started
+        self._cycle_stats = CycleStats(self._cycle_stats.cycles + 1, self._cycle_stats.seconds + took, took)
 
     def _fail_waiting(self, exc: BaseException) -> None:
         with self._cond:

@@ -5,9 +5,10 @@
 
 ringrun holds the rendezvous (ringreduce/launch/rendezvous_server.py), so no worker is
 special and any may die, rank 0 too. Each worker runs under its guard, as
-without --elastic, with RINGREDUCE_ELASTIC_ADDR, RINGREDUCE_SECRET and a
-RINGREDUCE_WORKER_ID of its own instead of a rank (ranks change with each
-generation); its output lines are prefixed with that id.
+without --elastic, with RINGREDUCE_ELASTIC_ADDR, RINGREDUCE_SECRET, the
+job's RINGREDUCE_JOB (as ringrun's) and a RINGREDUCE_WORKER_ID of its own
+instead of a rank (ranks change with each generation); its output lines are
+prefixed with that id.
 
 A worker that fails (exits non-zero or is killed) is started again on a
 host that still exists, after a back-off (1 s, doubling with each failure
@@ -145,6 +146,7 @@ class ElasticJob:
         self.opts, self.command = opts, command
         self.job = processes.Job()
         self.secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
+        self.job_id = os.environ.get("RINGREDUCE_JOB") or f"ringrun-{secrets.token_hex(4)}"  # as ringrun.job_id
         self.hosts: dict[str, Host] = {}
         if opts.discovery_script:
             found = discover(opts.discovery_script) or {}
@@ -187,7 +189,7 @@ class ElasticJob:
         self.serial += 1
         wid = f"{host}#{self.serial}"
         env = {"RINGREDUCE_ELASTIC_ADDR": f"{self.addr_host}:{self.server.port}", "RINGREDUCE_SECRET": self.secret,
-               "RINGREDUCE_WORKER_ID": wid, "PYTHONUNBUFFERED": "1"}
+               "RINGREDUCE_WORKER_ID": wid, "RINGREDUCE_JOB": self.job_id, "PYTHONUNBUFFERED": "1"}
         if self.opts.timeout is not None:
             env["RINGREDUCE_TIMEOUT"] = str(self.opts.timeout)
         argv = processes.rank_argv(host, env, self.command, self.opts.ssh)

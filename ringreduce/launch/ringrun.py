@@ -13,8 +13,9 @@ else the hostfile an MPI launcher names (OMPI_MCA_orte_default_hostfile,
 I_MPI_HYDRA_HOST_FILE, HYDRA_HOST_FILE: an MPIJob's launcher pod), else this
 host.
 
-Each rank gets RINGREDUCE_RANK/SIZE/ADDR/SECRET/LOCAL_RANK/LOCAL_SIZE (and
-RINGREDUCE_TIMEOUT with --timeout); every output line is prefixed with its
+Each rank gets RINGREDUCE_RANK/SIZE/ADDR/SECRET/LOCAL_RANK/LOCAL_SIZE,
+RINGREDUCE_JOB (the job's id, the `job` label of its metrics: ringrun's own
+RINGREDUCE_JOB, else one made up per run) and RINGREDUCE_TIMEOUT with --timeout; every output line is prefixed with its
 rank. Every rank runs under a guard (guard.py) that ends it when ringrun goes
 away, however ringrun ends. When any rank exits non-zero or is killed, when
 ringrun gets SIGINT/SIGTERM/SIGHUP, or when its stdout or stderr is closed,
@@ -123,8 +124,13 @@ def allocation_hosts(env, np_: int) -> list[str] | None:
     return hosts[:np_]
 
 
+def job_id() -> str:
+    """The id the ranks of one ringrun carry as RINGREDUCE_JOB: ringrun's own, else a fresh one."""
+    return os.environ.get("RINGREDUCE_JOB") or f"ringrun-{secrets.token_hex(4)}"
+
+
 def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None,
-              is_local=lambda host: host in LOCAL_HOSTS, address=lambda host: host) -> list[dict]:
+              is_local=lambda host: host in LOCAL_HOSTS, address=lambda host: host, job: str = "") -> list[dict]:
     first = hosts[0]
     addr_host = "127.0.0.1" if all(is_local(h) for h in hosts) else address(first)
     envs = []
@@ -136,6 +142,7 @@ def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None,
             "RINGREDUCE_SECRET": secret,
             "RINGREDUCE_LOCAL_RANK": str(hosts[:rank].count(host)),
             "RINGREDUCE_LOCAL_SIZE": str(hosts.count(host)),
+            "RINGREDUCE_JOB": job or job_id(),
             "PYTHONUNBUFFERED": "1",
         }
         if timeout is not None:
@@ -147,8 +154,10 @@ def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None,
 def pod_envs(pod: kubernetes.PodJob, np_: int, secret: str, timeout: float | None) -> list[dict]:
     """The ranks of this pod of a PyTorchJob or TrainJob (kubernetes.rank_envs)."""
     envs = kubernetes.rank_envs(pod, np_, secret)
+    job = job_id()
     for env in envs:
         env["PYTHONUNBUFFERED"] = "1"
+        env["RINGREDUCE_JOB"] = job
         if timeout is not None:
             env["RINGREDUCE_TIMEOUT"] = str(timeout)
     return envs
@@ -172,7 +181,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
         if not in_slurm:
             hosts = parse_hosts(hosts_spec, np_)
         envs = rank_envs(hosts, free_port(), secret, timeout, is_local,
-                         slurm.node_address if in_slurm else lambda h: h)
+                         slurm.node_address if in_slurm else lambda h: h, job_id())
     job = Job()
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
     job.waker.catch_signals()
