@@ -15,11 +15,13 @@ too: no job lingers half-dead.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -63,17 +65,60 @@ def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -
     return envs
 
 
+def report_dir() -> str:
+    """Where the ranks leave their end-of-job reports (RINGREDUCE_REPORT_DIR,
+    passed to every rank): the caller's, or a fresh directory of this job's."""
+    return os.environ.get("RINGREDUCE_REPORT_DIR") or tempfile.mkdtemp(prefix="ringrun-")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds >= 0.0095 else f"{seconds * 1e3:.1f} ms"
+
+
+def straggler_summary(directory: str, since: float = 0.0) -> list[str]:
+    """The lines ringrun prints of the stragglers.json rank 0's engine wrote
+    into `directory` (ringreduce/engine/stragglers.py) no earlier than
+    `since` (time.time(): not a previous job's): one per straggler, or one
+    naming the slowest rank when none is past the threshold; none without
+    a report."""
+    path = os.path.join(directory, "stragglers.json")
+    try:
+        if os.stat(path).st_mtime < since:
+            return []
+        with open(path) as f:
+            report = json.load(f)
+        ranks = report["ranks"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if not ranks:
+        return []
+
+    def describe(x):
+        return (f"rank {x['rank']} arrived last in {100 * x['last_fraction']:.0f}% of steps, "
+                f"{_ms(x['median_lateness'])} late on median (p90 {_ms(x['p90_lateness'])}), "
+                f"score {x['score']:.2f}")
+
+    where = f"over the last {report['cycles']} engine cycles, RINGREDUCE_STRAGGLER_THRESHOLD {report['threshold']}"
+    flagged = [x for x in ranks if x["rank"] in report.get("stragglers", ())]
+    if flagged:
+        return [f"straggler ({where}): {describe(x)}" for x in flagged]
+    slowest = min(ranks, key=lambda x: (x["score"], -x["median_lateness"]))
+    return [f"no straggler ({where}); the slowest: {describe(slowest)}"]
+
+
 def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: float | None = None,
         ssh: str = "ssh -o BatchMode=yes") -> Ending:
     hosts = parse_hosts(hosts_spec, np_)
     port = free_port()
     secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
+    reports, started = report_dir(), time.time()
     job = Job()
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
     job.waker.catch_signals()
     pumps = []
     try:
         for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout))):
+            env["RINGREDUCE_REPORT_DIR"] = reports
             argv = rank_argv(host, env, command, ssh)
             try:
                 # stdin: the control pipe; only ringrun holds its write end (close_fds).
@@ -96,6 +141,8 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
+    for line in straggler_summary(reports, started):
+        say(line)
     return ending
 
 

@@ -1,0 +1,294 @@
+"""Which rank the others wait for: per-rank lateness from the engine's negotiation.
+
+Every request the engine runs was offered by every rank that runs it, each at
+its own moment. A rank's *age* for a cycle that agreed to run something is the
+time from its latest offer among that cycle's requests to the end of the
+negotiation pass that agreed them, on its own clock. The pass ends at nearly
+the same moment on every rank (it is one header pass of the ring: it ends once
+the last rank's message has gone round), so ages are durations that compare
+across hosts whatever their clocks say. Each rank sends its age, and the
+cycle's period (the time since the previous such pass ended, on its clock), in
+its next negotiation message (negotiation.py, flags bit 6: 8 bytes); every rank
+then holds every rank's, and computes the same numbers from them with the same
+code. Rank 0's period is the one used.
+
+For a cycle with period P, every age is first capped at P (waiting before the
+previous pass ended belongs to that cycle), then:
+
+    lateness(r) = max over ranks of age - age(r)
+
+the time from the first rank's offer to rank r's: how long the others waited
+for r. The rank with the largest lateness arrived last. A rank's *busy* time
+in the cycle is the part of the period it did not spend waiting for the last
+one, ``P - (max lateness - lateness(r))``; over the window (the last
+RINGREDUCE_STRAGGLER_WINDOW cycles, default 100):
+
+    score(r) = min over ranks of mean busy / mean busy(r)
+
+1.0 for the fastest rank, 0.5 for one that takes twice as long per cycle as
+the fastest (after NVIDIA's resiliency extension's relative performance
+score; here measured from the waits alone, with no timer in the user's code).
+
+RINGREDUCE_STRAGGLER_THRESHOLD says when rank 0 logs a warning
+(logging.getLogger("ringreduce")) naming a rank: a number in (0, 1) is a
+score (default 0.5: a rank whose score is below it), a duration ("0.2s",
+"150ms") a median lateness (a rank whose median lateness is above it); "off"
+never warns. Only a full window counts (the rank stays late), and a rank is
+named at most once a minute. Rank 0 writes the report as stragglers.json into
+RINGREDUCE_REPORT_DIR (set by ringrun, which prints a summary) when its engine
+shuts down and when the process exits.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import math
+import os
+import re
+import struct
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger("ringreduce")
+
+WINDOW_ENV, THRESHOLD_ENV, REPORT_DIR_ENV = ("RINGREDUCE_STRAGGLER_WINDOW", "RINGREDUCE_STRAGGLER_THRESHOLD",
+                                             "RINGREDUCE_REPORT_DIR")
+DEFAULT_WINDOW, DEFAULT_THRESHOLD = 100, "0.5"
+REPORT_FILE = "stragglers.json"
+WARN_EVERY = 60.0  # seconds between two warnings naming the same rank
+
+WIRE = struct.Struct("<II")  # age, period: microseconds, NONE when not known
+NONE = 0xFFFFFFFF
+_LONGEST = NONE - 1  # about 71 minutes
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """When a rank is a straggler: its score below `score`, or its median
+    lateness above `seconds` (one of the two is set)."""
+    text: str
+    score: float | None = None
+    seconds: float | None = None
+
+    def exceeded(self, score: float, median: float) -> bool:
+        if self.score is not None:
+            return score < self.score
+        return median > self.seconds
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s)\s*$")
+
+
+def parse_threshold(text: str) -> Threshold | None:
+    """RINGREDUCE_STRAGGLER_THRESHOLD's value: None for "off"; ValueError,
+    naming the variable, for anything that is no score in (0, 1) and no
+    positive duration in s or ms."""
+    value = text.strip().lower()
+    if value == "off":
+        return None
+    match = _DURATION.match(value)
+    if match:
+        seconds = float(match.group(1)) * (1e-3 if match.group(2) == "ms" else 1.0)
+        if math.isfinite(seconds) and seconds > 0:
+            return Threshold(text.strip(), seconds=seconds)
+    else:
+        try:
+            score = float(value)
+        except ValueError:
+            score = None
+        if score is not None and 0 < score < 1:
+            return Threshold(text.strip(), score=score)
+    raise ValueError(f"{THRESHOLD_ENV}={text!r} makes no sense: give a score between 0 and 1 (warn when a rank's "
+                     "score falls below it, e.g. 0.5), a median lateness in seconds (e.g. 0.2s or 150ms), or off")
+
+
+def parse_window(text: str) -> int:
+    """RINGREDUCE_STRAGGLER_WINDOW's value: a whole number of cycles >= 2."""
+    try:
+        window = int(text.strip())
+    except ValueError:
+        window = 0
+    if window < 2:
+        raise ValueError(f"{WINDOW_ENV}={text!r} makes no sense: give a whole number of engine cycles, at least 2")
+    return window
+
+
+@dataclass(frozen=True)
+class Settings:
+    window: int = DEFAULT_WINDOW
+    threshold: Threshold | None = parse_threshold(DEFAULT_THRESHOLD)
+
+    @classmethod
+    def from_env(cls, env=None) -> "Settings":
+        env = os.environ if env is None else env
+        return cls(parse_window(env.get(WINDOW_ENV, str(DEFAULT_WINDOW))),
+                   parse_threshold(env.get(THRESHOLD_ENV, DEFAULT_THRESHOLD)))
+
+
+@dataclass(frozen=True)
+class Cycle:
+    period: float  # rank 0's, seconds
+    lateness: dict  # rank -> seconds, for the ranks that offered some of the cycle's requests
+    last: int | None  # the rank that arrived last
+
+
+def _micros(seconds: float | None) -> int:
+    if seconds is None:
+        return NONE
+    return min(max(int(seconds * 1e6), 0), _LONGEST)
+
+
+def _seconds(micros: int) -> float | None:
+    return None if micros == NONE else micros / 1e6
+
+
+def encode(report: tuple) -> bytes:
+    return WIRE.pack(_micros(report[0]), _micros(report[1]))
+
+
+def decode(blob, at: int) -> tuple:
+    age, period = WIRE.unpack_from(blob, at)
+    return _seconds(age), _seconds(period)
+
+
+class Tracker:
+    """One rank's straggler bookkeeping. The engine's thread calls
+    agreed / outgoing / sent / observe (through the Negotiator); report() may
+    be called from any thread."""
+
+    def __init__(self, settings: Settings | None = None):
+        self.settings = settings or Settings()
+        self.rank: int | None = None  # this rank's, once it has negotiated
+        self._lock = threading.Lock()
+        self._window: collections.deque[Cycle] = collections.deque(maxlen=self.settings.window)
+        self._pending: tuple | None = None  # (age, period) for the last agreed cycle, sent in the next pass
+        self._last_done: float | None = None  # when the last pass that agreed something ended, this clock
+        self._warned_at: dict[int, float] = {}
+        global _latest
+        _latest = weakref.ref(self)
+
+    # -- this rank's side ------------------------------------------------------
+
+    def agreed(self, done: float, ages: list) -> None:
+        """A pass that ended at `done` (time.monotonic) agreed to run
+        something; ages: this rank's, of each agreed request it offered."""
+        period = None if self._last_done is None else done - self._last_done
+        self._last_done = done
+        self._pending = (min(ages) if ages else None, period)
+
+    def outgoing(self) -> tuple | None:
+        return self._pending
+
+    def sent(self) -> None:
+        """The pending report went out in a negotiation pass every rank took part in."""
+        self._pending = None
+
+    # -- every rank's ------------------------------------------------------------
+
+    def observe(self, reports: list, me: int) -> dict | None:
+        """Every rank's report (None where it sent none) from one pass; the
+        lateness of each rank in the cycle they describe (None: nothing to
+        compare). Rank 0 warns here."""
+        self.rank = me
+        period = reports[0][1] if reports and reports[0] is not None else None
+        if period is None:  # the first agreed cycle (its waits include start-up), or none at all
+            return None
+        ages = {r: min(rep[0], period) for r, rep in enumerate(reports) if rep is not None and rep[0] is not None}
+        if len(ages) < 2:
+            return None
+        first = max(ages.values())
+        lateness = {r: first - a for r, a in ages.items()}
+        last = max(lateness, key=lambda r: (lateness[r], -r))
+        with self._lock:
+            self._window.append(Cycle(period, lateness, last if lateness[last] > 0 else None))
+        if me == 0 and self.settings.threshold is not None:
+            self._warn()
+        return lateness
+
+    def _warn(self) -> None:
+        report = self.report()
+        now = time.monotonic()
+        for r in report["stragglers"]:
+            if now - self._warned_at.get(r, -math.inf) < WARN_EVERY:
+                continue
+            self._warned_at[r] = now
+            line = next(x for x in report["ranks"] if x["rank"] == r)
+            log.warning("ringreduce: rank %d is a straggler: the others waited %s for it on median (p90 %s) over "
+                        "the last %d engine cycles, it arrived last in %.0f%% of them; score %.2f (%s=%s)",
+                        r, ms(line["median_lateness"]), ms(line["p90_lateness"]), report["cycles"],
+                        100 * line["last_fraction"], line["score"], THRESHOLD_ENV, self.settings.threshold.text)
+
+    def report(self) -> dict:
+        """Per rank over the window: the fraction of cycles it arrived last,
+        its median and p90 lateness (seconds), its score; and the ranks past
+        the threshold over a full window."""
+        with self._lock:
+            cycles = list(self._window)
+        ranks = sorted({r for c in cycles for r in c.lateness})
+        busy = {r: [] for r in ranks}
+        late = {r: [] for r in ranks}
+        for c in cycles:
+            most = max(c.lateness.values())
+            for r, seconds in c.lateness.items():
+                busy[r].append(c.period - (most - seconds))
+                late[r].append(seconds)
+        mean_busy = {r: float(np.mean(b)) for r, b in busy.items()}
+        fastest = min(mean_busy.values(), default=0.0)
+        lines = []
+        for r in ranks:
+            score = min(max(fastest / mean_busy[r], 0.0), 1.0) if mean_busy[r] > 0 else 1.0
+            lines.append({"rank": r, "cycles": len(late[r]),
+                          "last_fraction": sum(c.last == r for c in cycles if r in c.lateness) / len(late[r]),
+                          "median_lateness": float(np.median(late[r])),
+                          "p90_lateness": float(np.percentile(late[r], 90)), "score": score})
+        threshold = self.settings.threshold
+        full = len(cycles) == self.settings.window
+        stragglers = [x["rank"] for x in lines
+                      if full and threshold is not None and threshold.exceeded(x["score"], x["median_lateness"])]
+        return {"cycles": len(cycles), "window": self.settings.window,
+                "threshold": threshold.text if threshold is not None else "off", "ranks": lines,
+                "stragglers": stragglers}
+
+    def write(self, directory: str | None = None) -> str | None:
+        """Rank 0: the report as stragglers.json in `directory` (default
+        RINGREDUCE_REPORT_DIR); the path written, or None (another rank, no
+        directory, nothing negotiated yet, or a directory it cannot write
+        to: logged, the job's own result stands)."""
+        directory = directory or os.environ.get(REPORT_DIR_ENV)
+        if self.rank != 0 or not directory:
+            return None
+        path = os.path.join(directory, REPORT_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.report(), f, indent=1)
+            os.replace(tmp, path)  # ringrun never reads half a file
+        except OSError as exc:
+            log.warning("ringreduce: could not write %s: %s", path, exc)
+            return None
+        return path
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds >= 0.0095 else f"{seconds * 1e3:.1f} ms"
+
+
+_latest = None  # the newest Tracker (weakly): its report is written when the process exits
+
+
+@atexit.register
+def _write_at_exit() -> None:
+    tracker = _latest() if _latest is not None else None
+    if tracker is not None:
+        tracker.write()
+
+
+def timeline_values(lateness: dict) -> dict:
+    """A cycle's lateness as a timeline counter's series: milliseconds per rank."""
+    return {f"rank {r}": round(seconds * 1e3, 3) for r, seconds in sorted(lateness.items())}

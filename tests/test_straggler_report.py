@@ -1,0 +1,153 @@
+"""The straggler report: which rank the others wait for, from the engine's
+negotiation (ringreduce/engine/stragglers.py): its numbers, the warning,
+the timeline's counter, ringrun's summary, and the settings' checks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ranks import REPO, run_ranks
+from ringreduce.engine import stragglers as S
+
+# Every rank computes for COMPUTE seconds a step, the slow one EXTRA more, then
+# reduces one tensor through the engine (a training loop's shape, TF-free).
+STEP_JOB = """
+import time
+from ringreduce import engine as E
+slow, extra, steps = int(os.environ["SLOW"]), float(os.environ["EXTRA"]), int(os.environ["STEPS"])
+eng = E.engine()
+x = np.ones(256, np.float32)
+for step in range(steps):
+    time.sleep(0.03 + (extra if rr.rank() == slow else 0.0))
+    assert eng.wait(eng.enqueue("grad", x, op="sum"))[0] == rr.size()
+result = rr.straggler_report()
+"""
+
+WINDOW = 20
+
+
+def step_env(slow, extra, **more):
+    return {"SLOW": str(slow), "EXTRA": str(extra), "STEPS": str(WINDOW + 8),
+            "RINGREDUCE_STRAGGLER_WINDOW": str(WINDOW), **more}
+
+
+def by_rank(report):
+    return {x["rank"]: x for x in report["ranks"]}
+
+
+def warnings_in(text, rank):
+    return [line for line in text.splitlines() if f"rank {rank} is a straggler" in line]
+
+
+def test_the_slow_rank_is_named_scored_lower_warned_about_and_counted_in_the_timeline(tmp_path):
+    trace = tmp_path / "trace.json"
+    ranks = run_ranks(3, STEP_JOB, tmp_path, env=step_env(2, 0.06, RINGREDUCE_TIMELINE=str(trace)), timeout=120)
+    report = ranks[0].result
+    # every rank computes the same numbers from the same messages
+    assert all(r.result == report for r in ranks), [r.result for r in ranks]
+    assert report["cycles"] == WINDOW and report["stragglers"] == [2], report
+    lines = by_rank(report)
+    slow = lines[2]
+    assert slow["last_fraction"] >= 0.8, report
+    assert 0.03 <= slow["median_lateness"] <= slow["p90_lateness"], report
+    # 30 ms of compute against 90: a third of the fastest's pace (loose: the machine is loaded)
+    assert slow["score"] < 0.6 and all(lines[r]["score"] > slow["score"] + 0.2 for r in (0, 1)), report
+    assert max(lines[0]["score"], lines[1]["score"]) == 1.0, "the fastest rank scores 1"
+    # rank 0 warns, once (rate-limited though the rank stays late for several cycles); the others never
+    assert len(warnings_in(ranks[0].stderr, 2)) == 1, ranks[0].stderr
+    assert "ms" in warnings_in(ranks[0].stderr, 2)[0]
+    assert not warnings_in(ranks[1].stderr, 2) and not warnings_in(ranks[2].stderr, 2)
+    events = json.loads(trace.read_text())
+    counters = [e["args"] for e in events if e.get("name") == "lateness (ms)"]
+    assert len(counters) >= WINDOW, len(counters)
+    assert sum(c["rank 2"] > max(c["rank 0"], c["rank 1"]) for c in counters) >= 0.8 * len(counters), counters
+
+
+def test_ranks_that_keep_the_same_pace_have_no_straggler(tmp_path):
+    ranks = run_ranks(3, STEP_JOB, tmp_path, env=step_env(-1, 0.0), timeout=120)
+    report = ranks[0].result
+    assert report["cycles"] == WINDOW and report["stragglers"] == [], report
+    assert all(x["score"] > 0.5 for x in report["ranks"]), report
+    assert not any(warnings_in(r.stderr, n) for r in ranks for n in range(3))
+
+
+def test_the_score_is_the_fastest_ranks_busy_time_over_this_ranks():
+    # Period 0.2 s: ranks 0 and 1 offered 0.1 s before the pass ended, rank 2
+    # just before it: rank 2 was 0.1 s late, busy the whole period, the others
+    # half of it (they waited 0.1 s for rank 2): rank 2 is twice as slow.
+    tracker = S.Tracker(S.Settings(window=2, threshold=S.parse_threshold("0.6")))
+    for _ in range(2):
+        lateness = tracker.observe([(0.1, 0.2), (0.1, 0.19), (0.0, 0.21)], me=1)
+        assert lateness == pytest.approx({0: 0.0, 1: 0.0, 2: 0.1})
+    lines = by_rank(tracker.report())
+    assert lines[2]["score"] == pytest.approx(0.5) and lines[0]["score"] == lines[1]["score"] == 1.0
+    assert lines[2]["last_fraction"] == 1.0 and lines[0]["last_fraction"] == 0.0
+    assert tracker.report()["stragglers"] == [2]
+    # an age older than the period counts from the period's start; a rank with no report is not compared
+    assert tracker.observe([(0.5, 0.2), None, (0.05, None)], me=1) == pytest.approx({0: 0.0, 2: 0.15})
+    assert tracker.observe([(0.1, None), (0.0, None)], me=1) is None, "no period: the first agreed cycle"
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "1", "1.5", "-0.5", "nan", "inf", "-3ms", "0s", "2x", ""])
+def test_a_threshold_that_makes_no_sense_raises_naming_the_variable(value):
+    with pytest.raises(ValueError, match="RINGREDUCE_STRAGGLER_THRESHOLD"):
+        S.Settings.from_env({"RINGREDUCE_STRAGGLER_THRESHOLD": value})
+
+
+@pytest.mark.parametrize("value", ["0", "1", "-5", "2.5", "x", ""])
+def test_a_window_that_makes_no_sense_raises_naming_the_variable(value):
+    with pytest.raises(ValueError, match="RINGREDUCE_STRAGGLER_WINDOW"):
+        S.Settings.from_env({"RINGREDUCE_STRAGGLER_WINDOW": value})
+
+
+def test_thresholds_as_scores_or_durations():
+    assert S.parse_threshold("0.7").score == 0.7
+    assert S.parse_threshold("150ms").seconds == pytest.approx(0.15)
+    assert S.parse_threshold(" 0.2s ").seconds == 0.2
+    assert S.parse_threshold("off") is None
+    assert S.Settings.from_env({}) == S.Settings(100, S.parse_threshold("0.5"))
+    late = S.parse_threshold("100ms")
+    assert late.exceeded(score=0.9, median=0.2) and not late.exceeded(score=0.1, median=0.05)
+
+
+def test_an_engine_with_nonsense_settings_refuses_to_start(tmp_path):
+    ranks = run_ranks(2, """
+        from ringreduce.engine import Engine
+        try:
+            Engine()
+            result = "started"
+        except ValueError as e:
+            result = str(e)
+    """, tmp_path, env={"RINGREDUCE_STRAGGLER_THRESHOLD": "fast"}, timeout=60)
+    for r in ranks:
+        assert "RINGREDUCE_STRAGGLER_THRESHOLD='fast'" in r.result, r.result
+
+
+def test_ringrun_prints_who_straggled_from_rank_0s_report(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import numpy as np, os\nimport ringreduce as rr\nrr.init()\nresult = None\n"
+                      + STEP_JOB + "rr.shutdown()\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RINGREDUCE_REPORT_DIR": str(tmp_path), **step_env(1, 0.06)}
+    env.pop("RINGREDUCE_SECRET", None)
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "3", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    summary = [line for line in out.stderr.splitlines() if line.startswith("ringrun: straggler")]
+    assert len(summary) == 1, out.stderr
+    assert "rank 1 arrived last in" in summary[0] and "late on median" in summary[0], summary
+    report = json.loads((tmp_path / "stragglers.json").read_text())
+    assert report["stragglers"] == [1], report
+
+
+def test_ringrun_says_there_was_no_straggler_when_the_ranks_keep_pace(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import numpy as np, os\nimport ringreduce as rr\nrr.init()\nresult = None\n" + STEP_JOB)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RINGREDUCE_REPORT_DIR": str(tmp_path), **step_env(-1, 0.0)}
+    env.pop("RINGREDUCE_SECRET", None)
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "3", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "ringrun: no straggler (over the last 20 engine cycles" in out.stderr, out.stderr
+    assert "ringrun: straggler" not in out.stderr
