@@ -59,6 +59,7 @@ def test_the_slow_rank_is_named_scored_lower_warned_about_and_counted_in_the_tim
     assert len(warnings_in(ranks[0].stderr, 2)) == 1, ranks[0].stderr
     assert "ms" in warnings_in(ranks[0].stderr, 2)[0]
     assert not warnings_in(ranks[1].stderr, 2) and not warnings_in(ranks[2].stderr, 2)
+    assert "not a ringreduce setting" not in ranks[0].stderr, "the settings are known names, no typos"
     events = json.loads(trace.read_text())
     counters = [e["args"] for e in events if e.get("name") == "lateness (ms)"]
     assert len(counters) >= WINDOW, len(counters)
