@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 # Largest blob of the header pass (csrc/schedule/ring.c MAX_BLOB is 64 MiB): the small
@@ -57,6 +58,11 @@ class Config:
                                     # holds (ringreduce/engine/response_cache.py); 0: no cache
     small_algorithm: str = ""       # RINGREDUCE_SMALL_ALGORITHM: over MPI, "doubling" (the default:
                                     # recursive doubling) or "ring" (the ring's passes); alike on every rank
+    straggler_window: int = 100     # RINGREDUCE_STRAGGLER_WINDOW: engine cycles the straggler report
+                                    # covers (ringreduce/engine/stragglers.py)
+    straggler_threshold: str = "0.5"  # RINGREDUCE_STRAGGLER_THRESHOLD: when rank 0 warns of a straggler:
+                                    # a score in (0, 1) it falls below, a median lateness ("0.2s",
+                                    # "150ms") it exceeds, or "off" (straggler_threshold())
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -81,6 +87,9 @@ class Config:
                "'doubling', 'ring' or empty")
         _check("RINGREDUCE_CACHE_CAPACITY", self.cache_capacity, 0 <= self.cache_capacity <= MAX_CACHE_CAPACITY,
                f"0 (no cache) .. {MAX_CACHE_CAPACITY} requests")
+        _check("RINGREDUCE_STRAGGLER_WINDOW", self.straggler_window, self.straggler_window >= 2,
+               "a whole number of engine cycles, at least 2")
+        straggler_threshold(self.straggler_threshold)
 
     @property
     def ring_timeout(self) -> float:
@@ -132,6 +141,8 @@ class Config:
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
             small_algorithm=get("RINGREDUCE_SMALL_ALGORITHM", d.small_algorithm, str),
+            straggler_window=get("RINGREDUCE_STRAGGLER_WINDOW", d.straggler_window, int),
+            straggler_threshold=get("RINGREDUCE_STRAGGLER_THRESHOLD", d.straggler_threshold, str),
         )
 
 
@@ -158,6 +169,33 @@ def warn_unknown(env=None) -> None:
         close = difflib.get_close_matches(name, KNOWN_NAMES, n=1)
         warnings.warn(f"{name} is not a ringreduce setting and is ignored"
                       + (f"; did you mean {close[0]}?" if close else " (docs/api.md lists them)"), stacklevel=3)
+
+
+_DURATION = re.compile(r"^([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(ms|s)$")
+
+
+def straggler_threshold(text: str) -> tuple | None:
+    """RINGREDUCE_STRAGGLER_THRESHOLD's meaning: ("score", x) for a number
+    in (0, 1), ("seconds", s) for a duration > 0 in s or ms, None for
+    "off"; ValueError naming the variable for anything else."""
+    value = text.strip().lower()
+    if value == "off":
+        return None
+    match = _DURATION.match(value)
+    if match:
+        seconds = float(match.group(1)) * (1e-3 if match.group(2) == "ms" else 1.0)
+        if math.isfinite(seconds) and seconds > 0:
+            return "seconds", seconds
+    else:
+        try:
+            score = float(value)
+        except ValueError:
+            score = math.nan
+        if 0 < score < 1:
+            return "score", score
+    raise ValueError(f"RINGREDUCE_STRAGGLER_THRESHOLD={text!r} makes no sense: use a score between 0 and 1 (warn "
+                     "when a rank's score falls below it, e.g. 0.5), a median lateness in seconds (e.g. 0.2s or "
+                     "150ms), or off")
 
 
 def _switch(text: str) -> bool:

@@ -46,7 +46,6 @@ import json
 import logging
 import math
 import os
-import re
 import struct
 import threading
 import time
@@ -55,11 +54,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.config import Config, straggler_threshold
+
 log = logging.getLogger("ringreduce")
 
-WINDOW_ENV, THRESHOLD_ENV, REPORT_DIR_ENV = ("RINGREDUCE_STRAGGLER_WINDOW", "RINGREDUCE_STRAGGLER_THRESHOLD",
-                                             "RINGREDUCE_REPORT_DIR")
-DEFAULT_WINDOW, DEFAULT_THRESHOLD = 100, "0.5"
+THRESHOLD_ENV, REPORT_DIR_ENV = "RINGREDUCE_STRAGGLER_THRESHOLD", "RINGREDUCE_REPORT_DIR"
 REPORT_FILE = "stragglers.json"
 WARN_EVERY = 60.0  # seconds between two warnings naming the same rank
 
@@ -76,59 +75,33 @@ class Threshold:
     score: float | None = None
     seconds: float | None = None
 
+    @classmethod
+    def parse(cls, text: str) -> "Threshold | None":
+        """RINGREDUCE_STRAGGLER_THRESHOLD's value (core.config.straggler_threshold:
+        ValueError naming the variable for nonsense); None for "off"."""
+        meaning = straggler_threshold(text)
+        return None if meaning is None else cls(text.strip(), **{meaning[0]: meaning[1]})
+
     def exceeded(self, score: float, median: float) -> bool:
         if self.score is not None:
             return score < self.score
         return median > self.seconds
 
 
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s)\s*$")
-
-
-def parse_threshold(text: str) -> Threshold | None:
-    """RINGREDUCE_STRAGGLER_THRESHOLD's value: None for "off"; ValueError,
-    naming the variable, for anything that is no score in (0, 1) and no
-    positive duration in s or ms."""
-    value = text.strip().lower()
-    if value == "off":
-        return None
-    match = _DURATION.match(value)
-    if match:
-        seconds = float(match.group(1)) * (1e-3 if match.group(2) == "ms" else 1.0)
-        if math.isfinite(seconds) and seconds > 0:
-            return Threshold(text.strip(), seconds=seconds)
-    else:
-        try:
-            score = float(value)
-        except ValueError:
-            score = None
-        if score is not None and 0 < score < 1:
-            return Threshold(text.strip(), score=score)
-    raise ValueError(f"{THRESHOLD_ENV}={text!r} makes no sense: give a score between 0 and 1 (warn when a rank's "
-                     "score falls below it, e.g. 0.5), a median lateness in seconds (e.g. 0.2s or 150ms), or off")
-
-
-def parse_window(text: str) -> int:
-    """RINGREDUCE_STRAGGLER_WINDOW's value: a whole number of cycles >= 2."""
-    try:
-        window = int(text.strip())
-    except ValueError:
-        window = 0
-    if window < 2:
-        raise ValueError(f"{WINDOW_ENV}={text!r} makes no sense: give a whole number of engine cycles, at least 2")
-    return window
-
-
 @dataclass(frozen=True)
 class Settings:
-    window: int = DEFAULT_WINDOW
-    threshold: Threshold | None = parse_threshold(DEFAULT_THRESHOLD)
+    window: int = Config.straggler_window
+    threshold: Threshold | None = Threshold.parse(Config.straggler_threshold)
+
+    @classmethod
+    def from_config(cls, config: Config) -> "Settings":
+        return cls(config.straggler_window, Threshold.parse(config.straggler_threshold))
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
-        env = os.environ if env is None else env
-        return cls(parse_window(env.get(WINDOW_ENV, str(DEFAULT_WINDOW))),
-                   parse_threshold(env.get(THRESHOLD_ENV, DEFAULT_THRESHOLD)))
+        """RINGREDUCE_STRAGGLER_WINDOW and _THRESHOLD (checked with every
+        setting: ValueError naming the variable for nonsense)."""
+        return cls.from_config(Config.from_env(env))
 
 
 @dataclass(frozen=True)
