@@ -86,8 +86,14 @@ def test_the_score_is_the_fastest_ranks_busy_time_over_this_ranks():
     assert lines[2]["score"] == pytest.approx(0.5) and lines[0]["score"] == lines[1]["score"] == 1.0
     assert lines[2]["last_fraction"] == 1.0 and lines[0]["last_fraction"] == 0.0
     assert tracker.report()["stragglers"] == [2]
-    # an age older than the period counts from the period's start; a rank with no report is not compared
-    assert tracker.observe([(0.5, 0.2), None, (0.05, None)], me=1) == pytest.approx({0: 0.0, 2: 0.15})
+    # lateness counts from the first offer, however long ago; a rank with no report is not compared
+    assert tracker.observe([(0.5, 0.2), None, (0.05, None)], me=1) == pytest.approx({0: 0.0, 2: 0.45})
+    # but the busy time only from the period's start: rank 0 waited 0.15 s of this period's 0.2 for rank 2,
+    # busy 0.05 s; over the window (this cycle and the one before) busy on average 0.075 s, rank 1 0.1 s
+    # (the cycle before only), rank 2 0.2 s
+    lines = by_rank(tracker.report())
+    assert [lines[r]["score"] for r in range(3)] == pytest.approx([1.0, 0.75, 0.375])
+    assert lines[1]["cycles"] == 1 and lines[0]["cycles"] == lines[2]["cycles"] == 2
     assert tracker.observe([(0.1, None), (0.0, None)], me=1) is None, "no period: the first agreed cycle"
 
 

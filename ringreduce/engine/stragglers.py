@@ -12,15 +12,16 @@ its next negotiation message (negotiation.py, flags bit 6: 8 bytes); every rank
 then holds every rank's, and computes the same numbers from them with the same
 code. Rank 0's period is the one used.
 
-For a cycle with period P, every age is first capped at P (waiting before the
-previous pass ended belongs to that cycle), then:
+For a cycle:
 
     lateness(r) = max over ranks of age - age(r)
 
 the time from the first rank's offer to rank r's: how long the others waited
-for r. The rank with the largest lateness arrived last. A rank's *busy* time
-in the cycle is the part of the period it did not spend waiting for the last
-one, ``P - (max lateness - lateness(r))``; over the window (the last
+for r. The rank with the largest lateness arrived last. With P the cycle's
+period and ages capped at P (waiting before the previous pass ended belongs
+to the previous cycle), a rank's *busy* time in the cycle is the part of the
+period it did not spend waiting for the last one,
+``P - (min(age(r), P) - min(age(last), P))``; over the window (the last
 RINGREDUCE_STRAGGLER_WINDOW cycles, default 100):
 
     score(r) = min over ranks of mean busy / mean busy(r)
@@ -106,8 +107,8 @@ class Settings:
 
 @dataclass(frozen=True)
 class Cycle:
-    period: float  # rank 0's, seconds
     lateness: dict  # rank -> seconds, for the ranks that offered some of the cycle's requests
+    busy: dict  # rank -> seconds of the cycle's period it did not spend waiting for the last rank
     last: int | None  # the rank that arrived last
 
 
@@ -172,14 +173,16 @@ class Tracker:
         period = reports[0][1] if reports and reports[0] is not None else None
         if period is None:  # the first agreed cycle (its waits include start-up), or none at all
             return None
-        ages = {r: min(rep[0], period) for r, rep in enumerate(reports) if rep is not None and rep[0] is not None}
+        ages = {r: rep[0] for r, rep in enumerate(reports) if rep is not None and rep[0] is not None}
         if len(ages) < 2:
             return None
         first = max(ages.values())
         lateness = {r: first - a for r, a in ages.items()}
         last = max(lateness, key=lambda r: (lateness[r], -r))
+        waited = {r: min(a, period) - min(ages[last], period) for r, a in ages.items()}  # within this period
+        busy = {r: period - w for r, w in waited.items()}
         with self._lock:
-            self._window.append(Cycle(period, lateness, last if lateness[last] > 0 else None))
+            self._window.append(Cycle(lateness, busy, last if lateness[last] > 0 else None))
         if me == 0 and self.settings.threshold is not None:
             self._warn()
         return lateness
@@ -207,9 +210,8 @@ class Tracker:
         busy = {r: [] for r in ranks}
         late = {r: [] for r in ranks}
         for c in cycles:
-            most = max(c.lateness.values())
             for r, seconds in c.lateness.items():
-                busy[r].append(c.period - (most - seconds))
+                busy[r].append(c.busy[r])
                 late[r].append(seconds)
         mean_busy = {r: float(np.mean(b)) for r, b in busy.items()}
         fastest = min(mean_busy.values(), default=0.0)
