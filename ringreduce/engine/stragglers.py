@@ -34,8 +34,8 @@ RINGREDUCE_STRAGGLER_THRESHOLD says when rank 0 logs a warning
 (logging.getLogger("ringreduce")) naming a rank: a number in (0, 1) is a
 score (default 0.5: a rank whose score is below it), a duration ("0.2s",
 "150ms") a median lateness (a rank whose median lateness is above it); "off"
-never warns. Only a full window counts (the rank stays late), and a rank is
-named at most once a minute. Rank 0 writes the report as stragglers.json into
+never warns. Only a full window counts (the rank stays late); rank 0 looks
+at it every tenth of a window, and names a rank at most once a minute. Rank 0 writes the report as stragglers.json into
 RINGREDUCE_REPORT_DIR (set by ringrun, which prints a summary) when its engine
 shuts down and when the process exits.
 """
@@ -62,6 +62,7 @@ log = logging.getLogger("ringreduce")
 THRESHOLD_ENV, REPORT_DIR_ENV = "RINGREDUCE_STRAGGLER_THRESHOLD", "RINGREDUCE_REPORT_DIR"
 REPORT_FILE = "stragglers.json"
 WARN_EVERY = 60.0  # seconds between two warnings naming the same rank
+_now = time.monotonic  # the rate limit's clock
 
 WIRE = struct.Struct("<II")  # age, period: microseconds, NONE when not known
 NONE = 0xFFFFFFFF
@@ -107,8 +108,8 @@ class Settings:
 
 @dataclass(frozen=True)
 class Cycle:
-    lateness: dict  # rank -> seconds, for the ranks that offered some of the cycle's requests
-    busy: dict  # rank -> seconds of the cycle's period it did not spend waiting for the last rank
+    lateness: np.ndarray  # per rank, seconds; NaN for a rank that offered none of the cycle's requests
+    busy: np.ndarray  # per rank, seconds of the cycle's period it did not spend waiting for the last rank
     last: int | None  # the rank that arrived last
 
 
@@ -144,6 +145,8 @@ class Tracker:
         self._pending: tuple | None = None  # (age, period) for the last agreed cycle, sent in the next pass
         self._last_done: float | None = None  # when the last pass that agreed something ended, this clock
         self._warned_at: dict[int, float] = {}
+        self._observed = 0  # cycles compared so far
+        self._check_every = max(1, self.settings.window // 10)  # cycles between rank 0's looks at the window
         global _latest
         _latest = weakref.ref(self)
 
@@ -179,17 +182,23 @@ class Tracker:
         first = max(ages.values())
         lateness = {r: first - a for r, a in ages.items()}
         last = max(lateness, key=lambda r: (lateness[r], -r))
-        waited = {r: min(a, period) - min(ages[last], period) for r, a in ages.items()}  # within this period
-        busy = {r: period - w for r, w in waited.items()}
+        row, busy = np.full((2, len(reports)), np.nan)
+        for r, a in ages.items():
+            row[r] = lateness[r]
+            busy[r] = period - (min(a, period) - min(ages[last], period))  # waited within this period
         with self._lock:
-            self._window.append(Cycle(lateness, busy, last if lateness[last] > 0 else None))
-        if me == 0 and self.settings.threshold is not None:
+            if self._window and len(self._window[0].lateness) != len(reports):  # another world: start afresh
+                self._window.clear()
+            self._window.append(Cycle(row, busy, last if lateness[last] > 0 else None))
+            self._observed += 1
+            check = len(self._window) == self.settings.window and self._observed % self._check_every == 0
+        if me == 0 and check and self.settings.threshold is not None:
             self._warn()
         return lateness
 
     def _warn(self) -> None:
         report = self.report()
-        now = time.monotonic()
+        now = _now()
         for r in report["stragglers"]:
             if now - self._warned_at.get(r, -math.inf) < WARN_EVERY:
                 continue
@@ -206,22 +215,27 @@ class Tracker:
         the threshold over a full window."""
         with self._lock:
             cycles = list(self._window)
-        ranks = sorted({r for c in cycles for r in c.lateness})
-        busy = {r: [] for r in ranks}
-        late = {r: [] for r in ranks}
+        width = len(cycles[0].lateness) if cycles else 0  # the world's size (a tracker's engine has one world)
+        late = np.stack([c.lateness for c in cycles]) if cycles else np.empty((0, 0))
+        busy = np.stack([c.busy for c in cycles]) if cycles else np.empty((0, 0))
+        counts = np.sum(~np.isnan(late), axis=0)
+        ranks = [int(r) for r in np.flatnonzero(counts)]  # those compared at least once
+        late, busy, counts = late[:, ranks], busy[:, ranks], counts[ranks]
+        last = np.zeros(width)
         for c in cycles:
-            for r, seconds in c.lateness.items():
-                busy[r].append(c.busy[r])
-                late[r].append(seconds)
-        mean_busy = {r: float(np.mean(b)) for r, b in busy.items()}
-        fastest = min(mean_busy.values(), default=0.0)
+            if c.last is not None:
+                last[c.last] += 1
+        last = last[ranks]
         lines = []
-        for r in ranks:
-            score = min(max(fastest / mean_busy[r], 0.0), 1.0) if mean_busy[r] > 0 else 1.0
-            lines.append({"rank": r, "cycles": len(late[r]),
-                          "last_fraction": sum(c.last == r for c in cycles if r in c.lateness) / len(late[r]),
-                          "median_lateness": float(np.median(late[r])),
-                          "p90_lateness": float(np.percentile(late[r], 90)), "score": score})
+        if ranks:
+            mean_busy = np.nanmean(busy, axis=0)
+            fastest = mean_busy.min()
+            medians, p90s = _percentiles(late, counts, (0.5, 0.9))
+            for i, r in enumerate(ranks):
+                score = min(max(fastest / mean_busy[i], 0.0), 1.0) if mean_busy[i] > 0 else 1.0
+                lines.append({"rank": r, "cycles": int(counts[i]), "last_fraction": float(last[i] / counts[i]),
+                              "median_lateness": float(medians[i]), "p90_lateness": float(p90s[i]),
+                              "score": float(score)})
         threshold = self.settings.threshold
         full = len(cycles) == self.settings.window
         stragglers = [x["rank"] for x in lines
@@ -248,6 +262,22 @@ class Tracker:
             log.warning("ringreduce: could not write %s: %s", path, exc)
             return None
         return path
+
+
+def _percentiles(values, counts, qs):
+    """np.nanpercentile's linear interpolation per column, without its
+    per-column Python loop: NaNs sort last, each column's count says where
+    its numbers end."""
+    ordered = np.sort(values, axis=0)
+    out = []
+    for q in qs:
+        at = q * (counts - 1)
+        lo = np.floor(at).astype(int)
+        hi = np.minimum(lo + 1, counts - 1)
+        low = np.take_along_axis(ordered, lo[None, :], axis=0)[0]
+        high = np.take_along_axis(ordered, hi[None, :], axis=0)[0]
+        out.append(low + (high - low) * (at - lo))
+    return out
 
 
 def ms(seconds: float) -> str:
