@@ -55,8 +55,9 @@ from . import stragglers as _stragglers
 
 NEGOTIATE = _protocol.NEGOTIATE  # header kind of a negotiation pass (see protocol.KIND_NAMES)
 _FLAGS = struct.Struct("<BI")
-JOINED, STALL_VERDICT, LEFT, FUSION, CAPACITY, SERVED, ARRIVAL = _protocol.JOINED, 2, _protocol.LEFT, 8, 16, 32, 64  # protocol
+JOINED, STALL_VERDICT, LEFT, FUSION, CAPACITY, SERVED = _protocol.JOINED, 2, _protocol.LEFT, 8, 16, 32  # protocol
 # reads JOINED and LEFT (a direct collective's pass that met joined ranks)
+ARRIVAL = 64
 _FUSION = struct.Struct("<Q")
 _CAPACITY = struct.Struct("<I")
 
