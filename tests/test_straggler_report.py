@@ -183,12 +183,30 @@ def test_ringrun_prints_who_straggled_from_rank_0s_report(tmp_path):
 
 
 def test_ringrun_says_there_was_no_straggler_when_the_ranks_keep_pace(tmp_path):
+    # no RINGREDUCE_REPORT_DIR: ringrun makes one (under TMPDIR) and keeps it, as it holds a report
     script = tmp_path / "job.py"
     script.write_text("import numpy as np, os\nimport ringreduce as rr\nrr.init()\nresult = None\n" + STEP_JOB)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RINGREDUCE_REPORT_DIR": str(tmp_path), **step_env(-1, 0.0)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path), **step_env(-1, 0.0)}
     env.pop("RINGREDUCE_SECRET", None)
+    env.pop("RINGREDUCE_REPORT_DIR", None)
     out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "3", sys.executable, str(script)],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert "ringrun: no straggler (over the last 20 engine cycles" in out.stderr, out.stderr
     assert "ringrun: straggler" not in out.stderr
+    [report] = tmp_path.glob("ringrun-*/stragglers.json")
+    assert json.loads(report.read_text())["stragglers"] == []
+
+
+def test_ringrun_removes_the_report_dir_it_made_when_no_rank_left_a_report(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
+    env.pop("RINGREDUCE_SECRET", None)
+    env.pop("RINGREDUCE_REPORT_DIR", None)
+    code = "import os; d = os.environ['RINGREDUCE_REPORT_DIR']; print(os.path.isdir(d), d)"
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    seen = {line.split()[-1] for line in out.stdout.splitlines() if " True " in line}
+    assert len(seen) == 1 and seen.pop().startswith(str(tmp_path / "ringrun-")), out.stdout
+    assert not list(tmp_path.glob("ringrun-*")), "an empty report dir of ringrun's own is removed"
+    assert "straggler" not in out.stderr, "no engine ran: no summary"

@@ -67,7 +67,8 @@ def rank_envs(hosts: list[str], port: int, secret: str, timeout: float | None) -
 
 def report_dir() -> str:
     """Where the ranks leave their end-of-job reports (RINGREDUCE_REPORT_DIR,
-    passed to every rank): the caller's, or a fresh directory of this job's."""
+    passed to every rank): the caller's, or a fresh directory of this job's
+    (removed at the end if no rank left anything there)."""
     return os.environ.get("RINGREDUCE_REPORT_DIR") or tempfile.mkdtemp(prefix="ringrun-")
 
 
@@ -143,6 +144,11 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             t.join(timeout=5)
     for line in straggler_summary(reports, started):
         say(line)
+    if "RINGREDUCE_REPORT_DIR" not in os.environ:
+        try:
+            os.rmdir(reports)  # ours and empty: no rank left a report
+        except OSError:
+            pass
     return ending
 
 
