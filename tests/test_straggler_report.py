@@ -166,6 +166,25 @@ def test_init_and_the_engine_refuse_nonsense_settings_on_every_rank(tmp_path):
         assert "RINGREDUCE_STRAGGLER_WINDOW=1 makes no sense" in r.result[1], r.result
 
 
+def test_rank_0s_engine_writes_its_report_when_it_shuts_down(tmp_path):
+    ranks = run_ranks(2, """
+        from ringreduce.engine import Engine
+        mine = os.path.join(os.environ["BASE"], f"rank{rr.rank()}")
+        os.makedirs(mine)
+        os.environ["RINGREDUCE_REPORT_DIR"] = mine
+        eng = Engine()
+        for step in range(5):
+            eng.wait(eng.enqueue("g", np.ones(4)))
+        before = os.listdir(mine)
+        eng.shutdown()
+        result = (before, os.listdir(mine))
+    """, tmp_path, env={"BASE": str(tmp_path)}, timeout=60)
+    assert ranks[0].result == ([], ["stragglers.json"]) and ranks[1].result == ([], [])
+    report = json.loads((tmp_path / "rank0" / "stragglers.json").read_text())
+    assert report["cycles"] == 3 and [x["rank"] for x in report["ranks"]] == [0, 1], report  # 5 steps: the
+    # first cycle has no period, the last one's report never went out
+
+
 def test_ringrun_prints_who_straggled_from_rank_0s_report(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import numpy as np, os\nimport ringreduce as rr\nrr.init()\nresult = None\n"

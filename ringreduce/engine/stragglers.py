@@ -147,8 +147,6 @@ class Tracker:
         self._warned_at: dict[int, float] = {}
         self._observed = 0  # cycles compared so far
         self._check_every = max(1, self.settings.window // 10)  # cycles between rank 0's looks at the window
-        global _latest
-        _latest = weakref.ref(self)
 
     # -- this rank's side ------------------------------------------------------
 
@@ -172,6 +170,9 @@ class Tracker:
         """Every rank's report (None where it sent none) from one pass; the
         lateness of each rank in the cycle they describe (None: nothing to
         compare). Rank 0 warns here."""
+        global _latest
+        if self.rank is None:  # the engine negotiating now: its report is the one written at exit
+            _latest = weakref.ref(self)
         self.rank = me
         period = reports[0][1] if reports and reports[0] is not None else None
         if period is None:  # the first agreed cycle (its waits include start-up), or none at all
@@ -284,7 +285,7 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds >= 0.0095 else f"{seconds * 1e3:.1f} ms"
 
 
-_latest = None  # the newest Tracker (weakly): its report is written when the process exits
+_latest = None  # the Tracker whose engine began negotiating last (weakly): its report is written at exit
 
 
 @atexit.register
