@@ -16,7 +16,7 @@ Each cycle every rank sends one message in one header pass of the ring
     of ranks whose join is first seen in one cycle, the one that served
     fewest joined last]
     [with bit 6: this rank's arrival report for the last cycle that agreed
-    to run something (u32 age, u32 period, microseconds;
+    to run something (u32 age, u32 period, u32 blocked, microseconds;
     ringreduce/engine/stragglers.py), sent in the next pass]
     n bytes: a bit per response-cache slot whose request is ready here,
     JSON: the full key of every ready request the cache does not hold (with a
@@ -75,7 +75,7 @@ class Message:
     fusion: int | None = None  # this rank's fusion threshold, when it differs from the agreed one
     capacity: int | None = None  # this rank's response cache capacity, in the first pass
     served: int = 0  # direct allreduces this joined rank served since it joined
-    arrival: tuple | None = None  # (age, period) in seconds, either None: stragglers.Tracker.agreed
+    arrival: tuple | None = None  # (age, period, blocked) in seconds, any None: stragglers.Tracker.agreed
 
 
 @dataclass

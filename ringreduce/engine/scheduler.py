@@ -259,7 +259,8 @@ class Engine:
 
     def wait(self, h: Handle):
         self.timeline.begin(h.name, "WAIT")
-        h.done.wait()
+        with self.negotiator.stragglers.blocking():  # this rank's idle time (the straggler report's score)
+            h.done.wait()
         self.timeline.end(h.name, "WAIT")
         if h.error is not None:
             raise h.error

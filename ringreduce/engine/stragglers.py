@@ -6,29 +6,32 @@ time from its latest offer among that cycle's requests to the end of the
 negotiation pass that agreed them, on its own clock. The pass ends at nearly
 the same moment on every rank (it is one header pass of the ring: it ends once
 the last rank's message has gone round), so ages are durations that compare
-across hosts whatever their clocks say. Each rank sends its age, and the
-cycle's period (the time since the previous such pass ended, on its clock), in
-its next negotiation message (negotiation.py, flags bit 6: 8 bytes); every rank
+across hosts whatever their clocks say. Each rank sends its age, the cycle's
+period (the time since the previous such pass ended) and how much of that
+period its callers spent blocked in Engine.wait, all on its own clock, in its
+next negotiation message (negotiation.py, flags bit 6: 12 bytes); every rank
 then holds every rank's, and computes the same numbers from them with the same
-code. Rank 0's period is the one used.
+code.
 
 For a cycle:
 
     lateness(r) = max over ranks of age - age(r)
 
 the time from the first rank's offer to rank r's: how long the others waited
-for r. The rank with the largest lateness arrived last. With P the cycle's
-period and ages capped at P (waiting before the previous pass ended belongs
-to the previous cycle), a rank's *busy* time in the cycle is the part of the
-period it did not spend waiting for the last one,
-``P - (min(age(r), P) - min(age(last), P))``; over the window (the last
-RINGREDUCE_STRAGGLER_WINDOW cycles, default 100):
+for r. The rank with the largest lateness arrived last. A rank's *busy* time
+in the cycle is its period less the time it was blocked waiting for results
+(its compute, data loading, everything but waiting for the others); over the
+window (the last RINGREDUCE_STRAGGLER_WINDOW cycles, default 100):
 
     score(r) = min over ranks of mean busy / mean busy(r)
 
-1.0 for the fastest rank, 0.5 for one that takes twice as long per cycle as
-the fastest (after NVIDIA's resiliency extension's relative performance
-score; here measured from the waits alone, with no timer in the user's code).
+1.0 for the fastest rank, 0.5 for one that takes twice as long between two
+collectives as the fastest (after NVIDIA's resiliency extension's relative
+performance score; here measured by the engine, with no timer in the user's
+code). Busy time counts any caller blocked in Engine.wait as the rank
+waiting (several threads at once count once); a rank whose callers never
+block there (results taken by callback) is busy all the time, and scores
+compare nothing then: the lateness still does.
 
 RINGREDUCE_STRAGGLER_THRESHOLD says when rank 0 logs a warning
 (logging.getLogger("ringreduce")) naming a rank: a number in (0, 1) is a
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -64,7 +68,7 @@ REPORT_FILE = "stragglers.json"
 WARN_EVERY = 60.0  # seconds between two warnings naming the same rank
 _now = time.monotonic  # the rate limit's clock
 
-WIRE = struct.Struct("<II")  # age, period: microseconds, NONE when not known
+WIRE = struct.Struct("<III")  # age, period, blocked: microseconds, NONE when not known
 NONE = 0xFFFFFFFF
 _LONGEST = NONE - 1  # about 71 minutes
 
@@ -109,7 +113,7 @@ class Settings:
 @dataclass(frozen=True)
 class Cycle:
     lateness: np.ndarray  # per rank, seconds; NaN for a rank that offered none of the cycle's requests
-    busy: np.ndarray  # per rank, seconds of the cycle's period it did not spend waiting for the last rank
+    busy: np.ndarray  # per rank, seconds of the cycle's period it did not spend blocked in Engine.wait
     last: int | None  # the rank that arrived last
 
 
@@ -124,12 +128,11 @@ def _seconds(micros: int) -> float | None:
 
 
 def encode(report: tuple) -> bytes:
-    return WIRE.pack(_micros(report[0]), _micros(report[1]))
+    return WIRE.pack(*map(_micros, report))
 
 
 def decode(blob, at: int) -> tuple:
-    age, period = WIRE.unpack_from(blob, at)
-    return _seconds(age), _seconds(period)
+    return tuple(map(_seconds, WIRE.unpack_from(blob, at)))
 
 
 class Tracker:
@@ -142,20 +145,48 @@ class Tracker:
         self.rank: int | None = None  # this rank's, once it has negotiated
         self._lock = threading.Lock()
         self._window: collections.deque[Cycle] = collections.deque(maxlen=self.settings.window)
-        self._pending: tuple | None = None  # (age, period) for the last agreed cycle, sent in the next pass
+        self._pending: tuple | None = None  # (age, period, blocked) of the last agreed cycle, sent in the next pass
         self._last_done: float | None = None  # when the last pass that agreed something ended, this clock
+        self._blocked_then = 0.0  # _blocked_at(_last_done)
+        self._waiters = 0  # callers blocked in Engine.wait now
+        self._blocked_since = 0.0  # when the first of them began
+        self._blocked_total = 0.0  # seconds some caller was blocked, up to _blocked_since
         self._warned_at: dict[int, float] = {}
         self._observed = 0  # cycles compared so far
         self._check_every = max(1, self.settings.window // 10)  # cycles between rank 0's looks at the window
 
     # -- this rank's side ------------------------------------------------------
 
+    @contextlib.contextmanager
+    def blocking(self):
+        """Around a caller's wait for a result (Engine.wait): time this rank
+        does nothing but wait for the others. Several threads waiting at
+        once count once."""
+        with self._lock:
+            if self._waiters == 0:
+                self._blocked_since = time.monotonic()
+            self._waiters += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                if self._waiters == 0:
+                    self._blocked_total += time.monotonic() - self._blocked_since
+
+    def _blocked_at(self, now: float) -> float:
+        with self._lock:
+            return self._blocked_total + (max(now - self._blocked_since, 0.0) if self._waiters else 0.0)
+
     def agreed(self, done: float, ages: list) -> None:
         """A pass that ended at `done` (time.monotonic) agreed to run
         something; ages: this rank's, of each agreed request it offered."""
-        period = None if self._last_done is None else done - self._last_done
-        self._last_done = done
-        self._pending = (min(ages) if ages else None, period)
+        blocked = self._blocked_at(done)
+        if self._last_done is None:
+            self._pending = (min(ages) if ages else None, None, None)
+        else:
+            self._pending = (min(ages) if ages else None, done - self._last_done, blocked - self._blocked_then)
+        self._last_done, self._blocked_then = done, blocked
 
     def outgoing(self) -> tuple | None:
         return self._pending
@@ -177,16 +208,17 @@ class Tracker:
         period = reports[0][1] if reports and reports[0] is not None else None
         if period is None:  # the first agreed cycle (its waits include start-up), or none at all
             return None
-        ages = {r: rep[0] for r, rep in enumerate(reports) if rep is not None and rep[0] is not None}
+        ages = {r: rep[0] for r, rep in enumerate(reports)
+                if rep is not None and rep[0] is not None and rep[1] is not None}
         if len(ages) < 2:
             return None
         first = max(ages.values())
         lateness = {r: first - a for r, a in ages.items()}
         last = max(lateness, key=lambda r: (lateness[r], -r))
         row, busy = np.full((2, len(reports)), np.nan)
-        for r, a in ages.items():
+        for r in ages:
             row[r] = lateness[r]
-            busy[r] = period - (min(a, period) - min(ages[last], period))  # waited within this period
+            busy[r] = max(reports[r][1] - reports[r][2], 0.0)  # its period less its waits, on its clock
         with self._lock:
             if self._window and len(self._window[0].lateness) != len(reports):  # another world: start afresh
                 self._window.clear()
