@@ -320,7 +320,7 @@ result = dict(port=port, problems=problems, plain=plain, scored=scored, unscored
     assert all("metrics port must be an integer 0 .. 65535" in p for p in res["problems"][:4])
     assert f"already serves metrics on http://127.0.0.1:{res['port']}/metrics" in res["problems"][4]
     assert value(res["plain"], "ringreduce_collective_duration_seconds_count", kind="allreduce", rank=0) == 1
-    assert "ringreduce_straggler_score" not in names(res["plain"])  # no ringreduce.engine.stragglers.scores here
+    assert "ringreduce_straggler_score" not in names(res["plain"])  # no engine ran here: nothing scored
     assert value(res["scored"], "ringreduce_straggler_score", peer=0, rank=0) == 0.25
     assert value(res["scored"], "ringreduce_straggler_score", peer=1, rank=0) == 1.5
     assert "ringreduce_straggler_score" not in names(res["unscored"])  # a failing source: the scrape goes on

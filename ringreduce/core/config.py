@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 # Largest blob of the header pass (csrc/schedule/ring.c MAX_BLOB is 64 MiB): the small
@@ -62,6 +63,11 @@ class Config:
                                     # port + its local rank (0: a free port each, logged); unset: none
                                     # (ringreduce/metrics/, docs/metrics.md)
     metrics_addr: str = "127.0.0.1"  # RINGREDUCE_METRICS_ADDR: the address the metrics server binds
+    straggler_window: int = 100     # RINGREDUCE_STRAGGLER_WINDOW: engine cycles the straggler report
+                                    # covers (ringreduce/engine/stragglers.py)
+    straggler_threshold: str = "0.5"  # RINGREDUCE_STRAGGLER_THRESHOLD: when rank 0 warns of a straggler:
+                                    # a score in (0, 1) it falls below, a median lateness ("0.2s",
+                                    # "150ms") it exceeds, or "off" (straggler_threshold())
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -90,6 +96,9 @@ class Config:
                self.metrics_port is None or 0 <= self.metrics_port <= MAX_PORT, f"0 (a free port) .. {MAX_PORT}")
         _check("RINGREDUCE_METRICS_ADDR", self.metrics_addr, bool(self.metrics_addr.strip()),
                "an address to bind, such as 127.0.0.1 or 0.0.0.0")
+        _check("RINGREDUCE_STRAGGLER_WINDOW", self.straggler_window, self.straggler_window >= 2,
+               "a whole number of engine cycles, at least 2")
+        straggler_threshold(self.straggler_threshold)
 
     @property
     def ring_timeout(self) -> float:
@@ -143,6 +152,8 @@ class Config:
             small_algorithm=get("RINGREDUCE_SMALL_ALGORITHM", d.small_algorithm, str),
             metrics_port=get("RINGREDUCE_METRICS_PORT", d.metrics_port, int),
             metrics_addr=get("RINGREDUCE_METRICS_ADDR", d.metrics_addr, str),
+            straggler_window=get("RINGREDUCE_STRAGGLER_WINDOW", d.straggler_window, int),
+            straggler_threshold=get("RINGREDUCE_STRAGGLER_THRESHOLD", d.straggler_threshold, str),
         )
 
 
@@ -156,6 +167,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_LOCAL_SIZE", "RINGREDUCE_PORT", "RINGREDUCE_HOST", "RINGREDUCE_ELASTIC_ADDR", "RINGREDUCE_WORKER_ID",
     "RINGREDUCE_METRICS_PORT", "RINGREDUCE_METRICS_ADDR", "RINGREDUCE_JOB",
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",
+    "RINGREDUCE_STRAGGLER_WINDOW", "RINGREDUCE_STRAGGLER_THRESHOLD", "RINGREDUCE_REPORT_DIR",
 })
 
 
@@ -169,6 +181,33 @@ def warn_unknown(env=None) -> None:
         close = difflib.get_close_matches(name, KNOWN_NAMES, n=1)
         warnings.warn(f"{name} is not a ringreduce setting and is ignored"
                       + (f"; did you mean {close[0]}?" if close else " (docs/api.md lists them)"), stacklevel=3)
+
+
+_DURATION = re.compile(r"^([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(ms|s)$")
+
+
+def straggler_threshold(text: str) -> tuple | None:
+    """RINGREDUCE_STRAGGLER_THRESHOLD's meaning: ("score", x) for a number
+    in (0, 1), ("seconds", s) for a duration > 0 in s or ms, None for
+    "off"; ValueError naming the variable for anything else."""
+    value = text.strip().lower()
+    if value == "off":
+        return None
+    match = _DURATION.match(value)
+    if match:
+        seconds = float(match.group(1)) * (1e-3 if match.group(2) == "ms" else 1.0)
+        if math.isfinite(seconds) and seconds > 0:
+            return "seconds", seconds
+    else:
+        try:
+            score = float(value)
+        except ValueError:
+            score = math.nan
+        if 0 < score < 1:
+            return "score", score
+    raise ValueError(f"RINGREDUCE_STRAGGLER_THRESHOLD={text!r} makes no sense: use a score between 0 and 1 (warn "
+                     "when a rank's score falls below it, e.g. 0.5), a median lateness in seconds (e.g. 0.2s or "
+                     "150ms), or off")
 
 
 def _switch(text: str) -> bool:

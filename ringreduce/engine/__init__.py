@@ -5,9 +5,11 @@ response_cache.py; timeline.py records what ran).
 
 The public calls the framework layers (ringreduce.tensorflow, compression,
 elastic) use: engine(), Engine's enqueue / wait / withdraw / join / leave /
-start_timeline / stats, register_kind, running, reset, join.
+start_timeline / stats / straggler_report, register_kind, running, reset, join,
+straggler_report (stragglers.py: which rank the others wait for).
 """
-from .scheduler import GLOBAL_PROCESS_SET, REFUSED, Engine, Handle, Kind, engine, join, register_kind, reset, running
+from .scheduler import (GLOBAL_PROCESS_SET, REFUSED, Engine, Handle, Kind, engine, join, register_kind, reset,
+                        running, straggler_report)
 
 __all__ = ["Engine", "Handle", "Kind", "engine", "join", "register_kind", "reset", "running", "REFUSED",
-           "GLOBAL_PROCESS_SET"]
+           "GLOBAL_PROCESS_SET", "straggler_report"]

@@ -5,7 +5,8 @@ Each cycle every rank sends one message in one header pass of the ring
 
     flags (u8: bit 0 = this rank has called join; bit 1 = a stall verdict
     follows; bit 3 = a fusion threshold follows; bit 4 = a cache capacity
-    follows; bit 5 = a served count follows), n (u32),
+    follows; bit 5 = a served count follows; bit 6 = an arrival report
+    follows), n (u32),
     [with bit 3: this rank's fusion threshold (u64), sent when it differs
     from the one agreed: rank 0's holds on every rank, so all fuse alike]
     [with bit 4: this rank's response cache capacity (u32), sent in the first
@@ -14,6 +15,9 @@ Each cycle every rank sends one message in one header pass of the ring
     rank has served since it joined (u32; protocol.negotiation_pass):
     of ranks whose join is first seen in one cycle, the one that served
     fewest joined last]
+    [with bit 6: this rank's arrival report for the last cycle that agreed
+    to run something (u32 age, u32 period, u32 blocked, microseconds;
+    ringreduce/engine/stragglers.py), sent in the next pass]
     n bytes: a bit per response-cache slot whose request is ready here,
     JSON: the full key of every ready request the cache does not hold (with a
     stall verdict: {"full": those keys, "stalled": [[process_set, name, why]]})
@@ -47,11 +51,13 @@ from ..core import protocol as _protocol
 from ..core.protocol import header, negotiation_pass
 from ..errors import MismatchError
 from .response_cache import ResponseCache
+from . import stragglers as _stragglers
 
 NEGOTIATE = _protocol.NEGOTIATE  # header kind of a negotiation pass (see protocol.KIND_NAMES)
 _FLAGS = struct.Struct("<BI")
 JOINED, STALL_VERDICT, LEFT, FUSION, CAPACITY, SERVED = _protocol.JOINED, 2, _protocol.LEFT, 8, 16, 32  # protocol
 # reads JOINED and LEFT (a direct collective's pass that met joined ranks)
+ARRIVAL = 64
 _FUSION = struct.Struct("<Q")
 _CAPACITY = struct.Struct("<I")
 
@@ -69,6 +75,7 @@ class Message:
     fusion: int | None = None  # this rank's fusion threshold, when it differs from the agreed one
     capacity: int | None = None  # this rank's response cache capacity, in the first pass
     served: int = 0  # direct allreduces this joined rank served since it joined
+    arrival: tuple | None = None  # (age, period, blocked) in seconds, any None: stragglers.Tracker.agreed
 
 
 @dataclass
@@ -82,6 +89,8 @@ class Agreement:
     # this joined rank's pass met the others' direct collective instead (protocol.negotiation_pass):
     # no negotiation took place, nothing changed; the engine asks again at once
     served: bool = False
+    # rank -> seconds the others waited for it in the last cycle that agreed something (stragglers.py)
+    lateness: dict | None = None
 
 
 @dataclass
@@ -93,7 +102,8 @@ class Stats:
 
 
 def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = (), left: bool = False,
-           fusion: int | None = None, capacity: int | None = None, served: int = 0) -> bytes:
+           fusion: int | None = None, capacity: int | None = None, served: int = 0,
+           arrival: tuple | None = None) -> bytes:
     bits, full = 0, []
     for key in keys:
         slot = cache.slot(key)
@@ -103,11 +113,13 @@ def encode(keys: list, joined: bool, cache: ResponseCache, stalled: list = (), l
             bits |= 1 << slot
     vector = bits.to_bytes((bits.bit_length() + 7) // 8, "little")
     flags = (JOINED if joined or left else 0) | (STALL_VERDICT if stalled else 0) | (LEFT if left else 0) | (
-        FUSION if fusion is not None else 0) | (CAPACITY if capacity is not None else 0) | (SERVED if served else 0)
+        FUSION if fusion is not None else 0) | (CAPACITY if capacity is not None else 0) | (SERVED if served else 0) | (
+        ARRIVAL if arrival is not None else 0)
     body = {"full": full, "stalled": list(stalled)} if stalled else full
     return (_FLAGS.pack(flags, len(vector)) + (_FUSION.pack(fusion) if fusion is not None else b"")
             + (_CAPACITY.pack(capacity) if capacity is not None else b"")
-            + (_CAPACITY.pack(served) if served else b"") + vector
+            + (_CAPACITY.pack(served) if served else b"")
+            + (_stragglers.encode(arrival) if arrival is not None else b"") + vector
             + (json.dumps(body).encode() if body else b""))
 
 
@@ -123,6 +135,9 @@ def decode(blob) -> Message:
     served = 0
     if flags & SERVED:
         (served,), at = _CAPACITY.unpack_from(blob, at), at + _CAPACITY.size
+    arrival = None
+    if flags & ARRIVAL:
+        arrival, at = _stragglers.decode(blob, at), at + _stragglers.WIRE.size
     bits = int.from_bytes(bytes(blob[at:at + n]), "little")
     rest = bytes(blob[at + n:])
     body = json.loads(rest) if rest else []
@@ -133,7 +148,8 @@ def decode(blob) -> Message:
     for e in body:
         key = (e[0], e[1], e[2], tuple(e[3]), e[4], e[5], e[6])
         entries[(key[PROCESS_SET], key[NAME])] = key
-    return Message(bool(flags & JOINED), bits, entries, stalled, bool(flags & LEFT), fusion, capacity, served)
+    return Message(bool(flags & JOINED), bits, entries, stalled, bool(flags & LEFT), fusion, capacity, served,
+                   arrival)
 
 
 def _set_bits(bits: int):
@@ -264,8 +280,12 @@ def agree(messages: list[Message], cache: ResponseCache, members=None) -> Agreem
 class Negotiator:
     """One rank's side of negotiation: the cache, the join order, the cost."""
 
-    def __init__(self, capacity: int, stall_seconds: float = float("inf")):
+    def __init__(self, capacity: int, stall_seconds: float = float("inf"),
+                 stragglers: _stragglers.Settings | None = None):
+        """stragglers: the straggler report's settings (default: RINGREDUCE_STRAGGLER_*,
+        ValueError for nonsense there)."""
         self.cache = ResponseCache(capacity)
+        self.stragglers = _stragglers.Tracker(stragglers or _stragglers.Settings.from_env())
         self.stats = Stats()
         self._cycle = 0
         self._joined_at: dict[int, tuple] = {}  # rank -> (cycle its join was first seen, -passes it served then)
@@ -278,14 +298,18 @@ class Negotiator:
         # set differently per rank). None until the first pass, where every rank sends its own.
         self.fusion: int | None = None
 
-    def negotiate(self, keys: list, joined: bool, left: bool = False, fusion: int | None = None) -> Agreement:
-        """fusion: this rank's fusion threshold now; self.fusion is rank 0's after the pass."""
+    def negotiate(self, keys: list, joined: bool, left: bool = False, fusion: int | None = None,
+                  offered: list | None = None) -> Agreement:
+        """fusion: this rank's fusion threshold now; self.fusion is rank 0's after the pass.
+        offered: when each of keys was handed over (time.monotonic), for the
+        straggler report; None: this rank sends no arrival reports."""
         t0 = time.perf_counter()
         first = self._cycle == 0  # every cache is empty yet: each rank says its capacity
         if not (joined or left):
             self._served = 0
         blob = encode(keys, joined, self.cache, self._stalled, left, fusion if fusion != self.fusion else None,
-                      self.cache.capacity if first else None, min(self._served, 0xFFFFFFFF))
+                      self.cache.capacity if first else None, min(self._served, 0xFFFFFFFF),
+                      self.stragglers.outgoing())
         head = header(NEGOTIATE, 0, 0, (), "", 0, False)
         with communicator().lock:
             try:
@@ -297,11 +321,13 @@ class Negotiator:
             if blobs is None:
                 self._served += 1
                 return Agreement(served=True)
+            done = time.monotonic()  # the pass ends at about this moment on every rank: ages compare
             me = communicator().world.rank
             # Sets are added and removed by passes of the world's ring, so every
             # rank holds the same registry at the same negotiation pass.
             sets = {ps: ring.ranks for ps, ring in communicator().sets.items()}
         messages = [decode(memoryview(b)[len(head):]) for b in blobs]
+        self.stragglers.sent()
         if messages[0].fusion is not None:
             self.fusion = messages[0].fusion
         if first and messages[0].capacity is not None:  # rank 0's capacity (RINGREDUCE_CACHE_CAPACITY may
@@ -309,6 +335,10 @@ class Negotiator:
             self.cache.capacity = messages[0].capacity
         everyone = list(range(len(messages)))
         out = agree(messages, self.cache, lambda ps: sets.get(ps, everyone) if ps else everyone)
+        out.lateness = self.stragglers.observe([m.arrival for m in messages], me)
+        if offered is not None and out.run:
+            agreed = set(out.run)
+            self.stragglers.agreed(done, [done - t for key, t in zip(keys, offered) if key in agreed])
         self._stalled = self._judge_stalls(out.waiting) if me == 0 else []
         self._cycle += 1
         for r in out.joined:

@@ -50,6 +50,7 @@ from ..core.process_sets import ring_of
 from ..core.config import Config
 from ..errors import MismatchError, RingReduceError, WithdrawnError
 from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
+from .stragglers import Settings, Tracker, timeline_values
 from .timeline import Timeline
 
 GLOBAL_PROCESS_SET = 0  # process set ids: 0 the world, others ringreduce/core/process_sets.py's
@@ -108,6 +109,7 @@ class Handle:
     stand_in: bool = False  # a joined rank's zeros: nobody waits for it
     group: object = None  # the ProcessSet the collective runs on; None: the world
     withdrawn: bool = False  # withdraw() was called: no later cycle offers it
+    offered: float = field(default_factory=time.monotonic)  # handed over (the straggler report's clock)
 
 
 IDLE_BACKOFF_MIN, IDLE_BACKOFF_MAX = 20e-6, 1e-3  # seconds between negotiation passes that agree on nothing
@@ -279,7 +281,8 @@ class Engine:
 
     def wait(self, h: Handle):
         self.timeline.begin(h.name, "WAIT")
-        h.done.wait()
+        with self.negotiator.stragglers.blocking():  # this rank's idle time (the straggler report's score)
+            h.done.wait()
         self.timeline.end(h.name, "WAIT")
         if h.error is not None:
             raise h.error
@@ -352,6 +355,13 @@ class Engine:
             self._cond.notify()
         self._thread.join(timeout=5)
         self.timeline.close()
+        self.negotiator.stragglers.write()  # rank 0, into RINGREDUCE_REPORT_DIR (ringrun prints it)
+
+    def straggler_report(self) -> dict:
+        """Which rank the others wait for (ringreduce/engine/stragglers.py):
+        per rank over the last RINGREDUCE_STRAGGLER_WINDOW cycles, the
+        fraction it arrived last, its median and p90 lateness, its score."""
+        return self.negotiator.stragglers.report()
 
     # -- the engine's side ---------------------------------------------------
 
@@ -390,11 +400,14 @@ class Engine:
     def _cycle(self, ready: list[Handle], joined: bool) -> None:
         started = time.perf_counter()
         try:
-            agreement = self.negotiator.negotiate([h.key for h in ready], joined, self._leaving, self.fusion_bytes)
+            agreement = self.negotiator.negotiate([h.key for h in ready], joined, self._leaving, self.fusion_bytes,
+                                                  [h.offered for h in ready])
         except MismatchError as exc:  # a rank ran a collective outside the engine: no data moved
             self._fail_waiting(MismatchError(f"the engine's negotiation met another collective: {exc}"))
             return
         self._others_waiting = bool(agreement.waiting)  # the same on every rank: all stop cycling alike
+        if agreement.lateness:
+            self.timeline.counter("lateness (ms)", timeline_values(agreement.lateness))
         for key, problem in agreement.failed:  # fails this request on every rank; the engine goes on
             with self._cond:
                 h = self._pending.pop((key[PROCESS_SET], key[NAME]), None)
@@ -655,6 +668,16 @@ def reset() -> None:
     if old is not None:
         old.shutdown()
         old._fail_waiting(RingReduceError("the ring was reset (elastic): this collective was dropped"))
+
+
+def straggler_report() -> dict:
+    """The process's engine's straggler report (Engine.straggler_report;
+    docs/api.md): {"cycles", "window", "threshold", "stragglers", "ranks":
+    [{"rank", "cycles", "last_fraction", "median_lateness", "p90_lateness",
+    "score"}, ...]}; lateness in seconds. Empty ranks before the engine ran
+    anything (this call never starts one)."""
+    eng = running()
+    return eng.straggler_report() if eng is not None else Tracker(Settings.from_env()).report()
 
 
 def join() -> int:

@@ -4,7 +4,8 @@ RINGREDUCE_TIMELINE=trace.json: one process row per rank, one thread row
 per tensor, with its QUEUE (handed over, waiting for every rank), the fused
 ring op it travelled in (split into the ScatterReduce and AllGather phases
 of each ring allreduce it ran, compressed or not; the one-pass small
-allreduces have none) and the caller's WAIT.
+allreduces have none) and the caller's WAIT; counter tracks: the bytes sent,
+and each rank's lateness per cycle (stragglers.py).
 """
 from __future__ import annotations
 

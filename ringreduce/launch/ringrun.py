@@ -25,11 +25,13 @@ too: no job lingers half-dead.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -163,6 +165,48 @@ def pod_envs(pod: kubernetes.PodJob, np_: int, secret: str, timeout: float | Non
     return envs
 
 
+def report_dir() -> str:
+    """Where the ranks leave their end-of-job reports (RINGREDUCE_REPORT_DIR,
+    passed to every rank): the caller's, or a fresh directory of this job's
+    (removed at the end if no rank left anything there)."""
+    return os.environ.get("RINGREDUCE_REPORT_DIR") or tempfile.mkdtemp(prefix="ringrun-")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds >= 0.0095 else f"{seconds * 1e3:.1f} ms"
+
+
+def straggler_summary(directory: str, since: float = 0.0) -> list[str]:
+    """The lines ringrun prints of the stragglers.json rank 0's engine wrote
+    into `directory` (ringreduce/engine/stragglers.py) no earlier than
+    `since` (time.time(): not a previous job's): one per straggler, or one
+    naming the slowest rank when none is past the threshold; none without
+    a report."""
+    path = os.path.join(directory, "stragglers.json")
+    try:
+        if os.stat(path).st_mtime < since:
+            return []
+        with open(path) as f:
+            report = json.load(f)
+        ranks = report["ranks"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if not ranks:
+        return []
+
+    def describe(x):
+        return (f"rank {x['rank']} arrived last in {100 * x['last_fraction']:.0f}% of steps, "
+                f"{_ms(x['median_lateness'])} late on median (p90 {_ms(x['p90_lateness'])}), "
+                f"score {x['score']:.2f}")
+
+    where = f"over the last {report['cycles']} engine cycles, RINGREDUCE_STRAGGLER_THRESHOLD {report['threshold']}"
+    flagged = [x for x in ranks if x["rank"] in report.get("stragglers", ())]
+    if flagged:
+        return [f"straggler ({where}): {describe(x)}" for x in flagged]
+    slowest = min(ranks, key=lambda x: (x["score"], -x["median_lateness"]))
+    return [f"no straggler ({where}); the slowest: {describe(slowest)}"]
+
+
 def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: float | None = None,
         ssh: str = "ssh -o BatchMode=yes", pod: kubernetes.PodJob | None = None) -> Ending:
     """pod: this pod's place in a PyTorchJob or TrainJob; its np_ ranks then
@@ -182,6 +226,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             hosts = parse_hosts(hosts_spec, np_)
         envs = rank_envs(hosts, free_port(), secret, timeout, is_local,
                          slurm.node_address if in_slurm else lambda h: h, job_id())
+    reports, started = report_dir(), time.time()
     job = Job()
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
     job.waker.catch_signals()
@@ -190,6 +235,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
         for host, env in zip(hosts, envs):
             rank = int(env["RINGREDUCE_RANK"])  # the world's rank (in a pod of a job: node_rank * np + i)
             argv = rank_argv("localhost" if is_local(host) else host, env, command, ssh, srun=in_slurm)
+            env["RINGREDUCE_REPORT_DIR"] = reports
             try:
                 # stdin: the control pipe; only ringrun holds its write end (close_fds).
                 p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
@@ -211,6 +257,13 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
+    for line in straggler_summary(reports, started):
+        say(line)
+    if "RINGREDUCE_REPORT_DIR" not in os.environ:
+        try:
+            os.rmdir(reports)  # ours and empty: no rank left a report
+        except OSError:
+            pass
     return ending
 
 

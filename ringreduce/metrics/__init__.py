@@ -88,8 +88,8 @@ def address() -> tuple[str, int] | None:
 def set_straggler_source(fn) -> None:
     """fn() -> {rank: score} (or None), called at each scrape: the
     ringreduce_straggler_score gauge, one sample per rank scored. None puts
-    back the default, ringreduce.engine.stragglers.scores() where that
-    module exists."""
+    back the default: the scores of the engine's straggler report
+    (rr.straggler_report(), docs/api.md)."""
     _recorder.straggler_source = fn
 
 

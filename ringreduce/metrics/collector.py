@@ -12,7 +12,6 @@ RINGREDUCE_JOB (ringrun sets it, one id per job), else empty.
 from __future__ import annotations
 
 import bisect
-import importlib
 import logging
 import os
 import socket
@@ -43,7 +42,7 @@ class Recorder:
         self.latency: dict[str, list] = {}  # kind -> [bucket counts (not cumulative), sum of seconds]
         self.errors: dict[tuple[str, str], int] = {}  # (kind, exception class name) -> count
         self.lost: dict[str, int] = {}  # the lost peer's rank ("" when unknown) -> PeerLostErrors
-        self.straggler_source = None  # fn() -> {rank: score}; None: ringreduce.engine.stragglers.scores
+        self.straggler_source = None  # fn() -> {rank: score}; None: the engine straggler report
 
     def collective(self, kind: str, seconds: float | None, error: BaseException | None) -> None:
         with self._lock:
@@ -64,21 +63,22 @@ class Recorder:
             return ({k: (list(v[0]), v[1]) for k, v in self.latency.items()}, dict(self.errors), dict(self.lost))
 
     def stragglers(self):
-        """{rank: score} from the source, or None where there is none (or it
-        failed: logged, and the scrape goes on without the scores)."""
-        source = self.straggler_source
-        if source is None:
-            try:
-                source = getattr(importlib.import_module("ringreduce.engine.stragglers"), "scores", None)
-            except ImportError:
-                return None
-            if source is None:
-                return None
+        """{rank: score} from the source (default: the engine's straggler
+        report, ringreduce.engine.straggler_report), or None where there is
+        none (or it failed: logged, and the scrape goes on without the scores)."""
+        source = self.straggler_source or _engine_scores
         try:
             return {int(peer): float(score) for peer, score in (source() or {}).items()}
         except Exception:
             log.exception("ringreduce: the straggler score source (%r) failed; no scores in this scrape", source)
             return None
+
+
+def _engine_scores() -> dict:
+    """{rank: score} of the ranks the engine's straggler window has scored."""
+    from .. import engine
+    report = engine.straggler_report()
+    return {x["rank"]: x["score"] for x in report.get("ranks", ()) if x.get("score") is not None}
 
 
 class Collector:
@@ -152,7 +152,7 @@ class Collector:
         yield f
 
         f = family(GaugeMetricFamily, "ringreduce_straggler_score",
-                   "How late each rank is, as ringreduce.engine.stragglers scores it", ["peer"])
+                   "How late each rank is, as the engine's straggler report scores it", ["peer"])
         for peer, score in sorted((self.recorder.stragglers() or {}).items()):
             f.add_metric(base + [str(peer)], score)
         yield f
