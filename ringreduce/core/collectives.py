@@ -15,6 +15,7 @@ from ..errors import RingReduceError
 from . import cuda
 from .arrays import (DTYPES, OPS, HostArrays, arrays_for, as_bytes, as_raw, check_name, chunk_bounds, deliver,
                      dtype_code, native, op_code, read_splits)
+from .flight_recorder import recorded
 from .communicator import MAX_PLANS, Plan, Ring, communicator, current as _state  # noqa: F401  (Ring: callers)
 from .process_sets import lookup, ring_of
 from .protocol import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES, REDUCE_SCATTER,
@@ -56,6 +57,7 @@ def _reduce_blobs(payloads, dtype, code, opc, shape):
     return acc.reshape(shape)
 
 
+@recorded("allreduce")
 def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set=None):
     """Reduces x over all ranks (of process_set); returns a new array, or writes `out` (may be x) and returns it."""
     # The fast path: small allreduces are all latency (a 4 KiB one takes ~4 us
@@ -197,11 +199,11 @@ def _allreduce_device(x, op, out, name, process_set=None):
         # Latency-bound: one copy each way through a pinned bounce buffer and
         # the host path in place there (host kernels: the host ring's bits).
         def reduce(host):
-            allreduce(host, op, out=host, name=name, process_set=process_set)
+            allreduce.__wrapped__(host, op, out=host, name=name, process_set=process_set)  # recorded once
         with g.on(x):
             got = g.allreduce_small(x, out, reduce)
             if got is None:  # the device busy with other threads: through pageable memory
-                got = g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x)
+                got = g.from_host(allreduce.__wrapped__(g.to_host(x), op, name=name, process_set=process_set), like=x)
             return deliver(got, out, g.xp)
     with ring.lock, g.on(x):
         head = header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
@@ -215,6 +217,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
         return deliver(dst, out, g.xp)
 
 
+@recorded("reduce_scatter")
 def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None):
     """Returns this rank's chunk of the flattened reduction (chunks in rank order)."""
     try:
@@ -239,6 +242,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
         return work[lo:hi].copy()
 
 
+@recorded("allgather")
 def allgather(x, name: str | None = None, process_set=None):
     """Concatenates every rank's x along axis 0 (ranks may differ in dim 0 only)."""
     try:
@@ -271,6 +275,7 @@ def allgather(x, name: str | None = None, process_set=None):
         return out
 
 
+@recorded("broadcast")
 def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
     """Returns a new array holding root's x (same shape and dtype on every rank).
     root is a world rank; with a process set, one of its members (as Horovod's)."""
@@ -338,6 +343,7 @@ def _split_matrix(heads, n: int) -> list:
     return matrix
 
 
+@recorded("alltoall")
 def alltoall(x, splits=None, name: str | None = None, process_set=None):
     """Sends rows of x to every rank: x is split along axis 0 into pieces of
     splits[i] rows for rank i (default: equal pieces; rows must then divide
@@ -380,6 +386,7 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
         return g.from_host(out, like=x), received_splits
 
 
+@recorded("barrier")
 def barrier(name: str | None = None, process_set=None) -> None:
     """Returns once every rank (of process_set) has entered the barrier."""
     try:

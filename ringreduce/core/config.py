@@ -23,6 +23,7 @@ SMALL_ALGORITHMS = ("", "doubling", "ring")
 ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/schedule/host_arena.h rr_arena_mode
 SHM_CMA_MODES = ("auto", "0", "1", "refused")  # csrc/schedule/cma.h
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
+MAX_FLIGHT_RECORDER = 10_000_000  # entries of ringreduce/core/flight_recorder.py (~ 200 bytes each)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class Config:
                                     # holds (ringreduce/engine/response_cache.py); 0: no cache
     small_algorithm: str = ""       # RINGREDUCE_SMALL_ALGORITHM: over MPI, "doubling" (the default:
                                     # recursive doubling) or "ring" (the ring's passes); alike on every rank
+    flight_recorder: int = 2000     # RINGREDUCE_FLIGHT_RECORDER: collectives each rank keeps for a dump
+                                    # (ringreduce/core/flight_recorder.py); 0: the recorder is off
+    flight_dir: str = ""            # RINGREDUCE_FLIGHT_DIR: where dumps go; empty: RINGREDUCE_REPORT_DIR
+                                    # (ringrun's report directory), else <tempdir>/ringreduce-flight-<uid>
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -81,6 +86,8 @@ class Config:
                "'doubling', 'ring' or empty")
         _check("RINGREDUCE_CACHE_CAPACITY", self.cache_capacity, 0 <= self.cache_capacity <= MAX_CACHE_CAPACITY,
                f"0 (no cache) .. {MAX_CACHE_CAPACITY} requests")
+        _check("RINGREDUCE_FLIGHT_RECORDER", self.flight_recorder,
+               0 <= self.flight_recorder <= MAX_FLIGHT_RECORDER, f"0 (off) .. {MAX_FLIGHT_RECORDER} collectives")
 
     @property
     def ring_timeout(self) -> float:
@@ -132,6 +139,8 @@ class Config:
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
             small_algorithm=get("RINGREDUCE_SMALL_ALGORITHM", d.small_algorithm, str),
+            flight_recorder=get("RINGREDUCE_FLIGHT_RECORDER", d.flight_recorder, int),
+            flight_dir=get("RINGREDUCE_FLIGHT_DIR", d.flight_dir, str),
         )
 
 
@@ -144,6 +153,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_SECRET", "RINGREDUCE_LOCAL_RANK",
     "RINGREDUCE_LOCAL_SIZE", "RINGREDUCE_HOST", "RINGREDUCE_ELASTIC_ADDR", "RINGREDUCE_WORKER_ID",
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",
+    "RINGREDUCE_FLIGHT_RECORDER", "RINGREDUCE_FLIGHT_DIR", "RINGREDUCE_REPORT_DIR",
 })
 
 

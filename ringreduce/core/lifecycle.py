@@ -9,6 +9,7 @@ import threading
 from .. import _core
 from ..errors import RingReduceError
 from . import autotune as _autotune, config as _config, mpi_backend, rendezvous_client, shm as _shm, world as _world
+from . import flight_recorder as _flight_recorder
 from .communicator import Ring, current as _state
 
 
@@ -29,6 +30,7 @@ def init(backend: str | None = None, comm=None) -> None:
         config = _config.Config.from_env()  # a setting that makes no sense raises here
         _config.warn_unknown()  # a misspelt one is warned about
         _autotune.enabled()  # so does RINGREDUCE_AUTOTUNE
+        _flight_recorder.configure(config.flight_recorder, config.flight_dir)
         backend = backend or config.backend or None
         if comm is not None and backend not in (None, "mpi"):
             raise ValueError("init(comm=...) runs over MPI; backend must be 'mpi' or None")
@@ -77,6 +79,9 @@ def init(backend: str | None = None, comm=None) -> None:
                 shutdown()  # a peer lost while calibrating: leave, so init() may be called again
                 raise
             _state.small_limit = _state.ring.small_limit
+        # SIGUSR1 dumps; the marker tells ringrun so, which then asks a rank still running after a failure
+        if _flight_recorder.install_signal_handler():
+            _flight_recorder.announce(os.environ.get("RINGREDUCE_REPORT_DIR"), _state.world.rank)
 
 
 def attach_arena(comm, rank: int, size: int, tag: str, config: _config.Config) -> bool:

@@ -24,8 +24,10 @@ import threading
 import time
 
 from ..core.world import free_port
-from . import elastic_launcher
-from .processes import GRACE_SECONDS, LOCAL_HOSTS, STOP_SIGNALS, Ending, Job, Rank, describe, rank_argv, say
+from . import elastic_launcher, postmortem
+from .processes import (GRACE_SECONDS, LOCAL_HOSTS, STOP_SIGNALS, Ending, Job, Rank, ask_for_dumps, describe, rank_argv,
+                        say)
+from .report_dir import ENV as REPORT_DIR_ENV, close_report_dir, open_report_dir
 
 
 def parse_hosts(spec: str | None, np_: int) -> list[str]:
@@ -69,11 +71,15 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
     port = free_port()
     secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
     job = Job()
+    report = open_report_dir()  # the ranks' flight recorder dumps (ringreduce/launch/report_dir.py)
+    job.report_dir = report.path
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
     job.waker.catch_signals()
     pumps = []
+    ending = None
     try:
         for rank, (host, env) in enumerate(zip(hosts, rank_envs(hosts, port, secret, timeout))):
+            env[REPORT_DIR_ENV] = report.path
             argv = rank_argv(host, env, command, ssh)
             try:
                 # stdin: the control pipe; only ringrun holds its write end (close_fds).
@@ -82,7 +88,8 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             except OSError as exc:
                 say(f"cannot start rank {rank} ({argv[0]}): {exc}")
                 job.stop_all(signal.SIGKILL)
-                return Ending(127)
+                ending = Ending(127)
+                return ending
             job.ranks.append(Rank(rank, host in LOCAL_HOSTS, p))
             threading.Thread(target=job.wait_for, args=(job.ranks[-1],), daemon=True).start()
             for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
@@ -96,7 +103,23 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
+        failed = ending is None or ending.code != 0
+        if failed:
+            tell_verdict(report.path, np_)
+        if close_report_dir(report) and failed:
+            say(f"reports kept in {report.path} (ringrun --postmortem {report.path})")
     return ending
+
+
+def tell_verdict(directory: str, np_: int) -> None:
+    """After a failed job: one line on where its ranks were, from their flight
+    recorder dumps (ringreduce/launch/verdict.py), if they left any."""
+    try:
+        text = postmortem.job_verdict(directory, np_)
+    except Exception as exc:  # a verdict is a courtesy: never what ringrun fails on
+        text = f"no verdict: reading the flight recorder dumps failed ({type(exc).__name__}: {exc})"
+    if text is not None:
+        say(text)
 
 
 def watch(job: Job) -> Ending:
@@ -132,6 +155,7 @@ def watch(job: Job) -> Ending:
                 say(f"{reason}; stopping {'the other ' if not ending.own_signal else ''}{others} rank(s)"
                     if others else f"{reason}; no rank left to stop")
                 if others:
+                    ask_for_dumps(job)  # the ranks still running say where they are (flight recorder)
                     job.stop_all(signal.SIGTERM)
                     kill_at = time.monotonic() + GRACE_SECONDS + 1
         elif running and (time.monotonic() > kill_at or len(job.signals) > 1):
@@ -157,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ringrun", description="Start N ranks of a command for ringreduce and watch them.",
         epilog="example: ringrun -np 4 python train.py")
-    parser.add_argument("-np", "-n", dest="np", type=int, required=True, help="number of ranks")
+    parser.add_argument("-np", "-n", dest="np", type=int, help="number of ranks")
     parser.add_argument("-H", "--hosts", help="host1:slots,host2:slots (ranks fill hosts in order; ssh)")
     parser.add_argument("--timeout", type=float, help="RINGREDUCE_TIMEOUT for the ranks (seconds)")
     parser.add_argument("--ssh", default="ssh -o BatchMode=yes", help="command used to reach other hosts")
+    parser.add_argument("--postmortem", metavar="DIR",
+                        help="print the verdict on a finished job's flight recorder dumps in DIR, and exit")
     elastic = parser.add_argument_group("elastic training (docs/elastic.md)")
     elastic.add_argument("--elastic", action="store_true",
                          help="keep going when workers are lost; restart them; let new ones join")
@@ -172,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     elastic.add_argument("--host-discovery-script", help="prints the available hosts, `host:slots` a line")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = parser.parse_args(argv)
+    if args.postmortem is not None:
+        if args.command or args.np is not None:
+            parser.error("--postmortem DIR takes no -np and no command")
+        return postmortem.main([args.postmortem])
+    if args.np is None:
+        parser.error("the following arguments are required: -np/-n")
     if not args.command:
         parser.error("no command given")
     if args.np < 1:
