@@ -61,8 +61,9 @@ def _key(e):
     return (e.get("process_set", 0), e.get("kind"), e.get("seq"), e.get("name"))
 
 
-def describe(e, sets: dict | None = None) -> str:
-    """"allreduce 'grad/w' #12", with " of process set 1 (ranks 1, 2)" for a set's."""
+def describe(e, sets: dict | None = None, world: bool = False) -> str:
+    """"allreduce 'grad/w' #12", with " of process set 1 (ranks 1, 2)" for a
+    set's, and " of the world" for the world's when `world`."""
     text = e.get("kind") or "collective"
     if e.get("name"):
         text += f" {e['name']!r}"
@@ -71,7 +72,9 @@ def describe(e, sets: dict | None = None) -> str:
     ps = e.get("process_set", 0)
     if ps:
         members = (sets or {}).get(str(ps))
-        text += f" of process set {ps}" + (f" ({', '.join(map(str, members))})" if members else "")
+        text += f" of process set {ps}" + (f" ({ranks_text(members)})" if members else "")
+    elif world:
+        text += " of the world"
     if e.get("seq") is None and e.get("state") in ("enqueued", "failed") and e.get("t_start") is None:
         text += " (in the engine, not yet agreed)"
     return text
@@ -140,14 +143,15 @@ def verdict(dumps: dict, size: int | None = None) -> str | None:
             return f"{who} failed in {describe(main, sets)}: {_error(where[failed[0]])}" + absent
         return f"{who} is in {describe(main, sets)} and none finished it" + absent
     parts = []
+    mixed = len({key[0] for key in groups}) > 1  # process sets differ: name the world's too
     for key, ranks in others:
         e = where[ranks[0]]
         verb = "are" if len(ranks) > 1 else "is"
-        parts.append(f"{ranks_text(ranks)} {verb} in {describe(e, sets)}")
-    rest = "the others" if len(main_ranks) + sum(len(r) for _, r in others) == size and len(others) == 1 \
-        else ranks_text(main_ranks)
+        parts.append(f"{ranks_text(ranks)} {verb} in {describe(e, sets, mixed)}")
+    everyone = len(main_ranks) + sum(len(r) for _, r in others) == size
+    rest = "the others" if everyone and len(others) == 1 and len(main_ranks) > 1 else ranks_text(main_ranks)
     verb = "are" if len(main_ranks) > 1 or rest == "the others" else "is"
-    text = "; ".join(parts) + f" while {rest} {verb} in {describe(main, sets)}"
+    text = "; ".join(parts) + f" while {rest} {verb} in {describe(main, sets, mixed)}"
     if idle:
         text += f"; {ranks_text(idle)} {'are' if len(idle) > 1 else 'is'} in no collective"
     return text + absent
