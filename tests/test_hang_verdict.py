@@ -141,6 +141,9 @@ def test_job_where_a_rank_never_arrives(tmp_path):
     assert sorted(os.listdir(report)) == [f"flight_rank{r}.json" for r in range(4)], "markers removed, dumps kept"
     dumped = json.loads((report / "flight_rank2.json").read_text())
     assert dumped["reason"] == "SIGUSR1" and dumped["rank"] == 2, "the sleeping rank was asked by ringrun"
+    waiter = json.loads((report / "flight_rank0.json").read_text())  # written when its C call timed out
+    assert waiter["reason"].startswith("PeerLostError") and waiter["entries"][-1]["state"] == "failed"
+    assert waiter["entries"][-1]["name"] == "grad/dense_1" and "rank 2" in waiter["entries"][-1]["error"]
 
 
 def test_job_where_a_rank_never_arrives_beside_a_cpu_hog(tmp_path):
