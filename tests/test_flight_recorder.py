@@ -155,3 +155,22 @@ def test_sigusr1_dumps_and_calls_the_programs_own_handler(tmp_path):
     assert during["reason"] == "SIGUSR1" and during["rank"] == 0
     assert [(e["name"], e["state"]) for e in during["entries"][-1:]] == [("stuck", "started")]
     assert own["reason"] == "SIGUSR1" and own["rank"] == 1 and installed
+
+
+def test_keras_fit_with_the_broadcast_callback_records_each_steps_number(tmp_path):
+    body = """
+    import os
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import ringreduce.tensorflow as rrtf
+    rrtf.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, y = np.ones((12, 4), np.float32), np.zeros((12, 2), np.float32)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[rrtf.BroadcastGlobalVariablesCallback(0)])
+    result = [(e["kind"], e["step"]) for e in rr.flight_recorder.snapshot()["entries"]]
+    """
+    for r in run_ranks(2, body, tmp_path, timeout=240, init=False):
+        steps = [step for kind, step in r.result if kind == "allreduce"]
+        assert sorted(set(steps)) == [0, 1, 2, 3, 4, 5], r.result  # 2 epochs of 3 batches, counted on
