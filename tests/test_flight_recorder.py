@@ -108,13 +108,23 @@ def test_a_mismatch_dumps_every_rank_with_the_failed_entry(tmp_path):
         rr.allreduce(np.ones(2), name="a" if rr.rank() == 0 else "b")
     except rr.MismatchError:
         pass
-    result = json.load(open(os.path.join(os.environ["RINGREDUCE_FLIGHT_DIR"], f"flight_rank{rr.rank()}.json")))
+    path = os.path.join(os.environ["RINGREDUCE_FLIGHT_DIR"], f"flight_rank{rr.rank()}.json")
+    mismatch = json.load(open(path))
+    try:  # rank 0's own bad input (a name that is no str): refused there, a mismatch on rank 1; both dump
+        rr.allreduce(np.ones(2), name=5 if rr.rank() == 0 else "c")
+    except (TypeError, rr.MismatchError):
+        pass
+    result = mismatch, json.load(open(path))
     """
     for r in run_ranks(2, body, tmp_path, env={"RINGREDUCE_FLIGHT_DIR": str(tmp_path / "d")}):
-        last = r.result["entries"][-1]
-        assert r.result["reason"].startswith("MismatchError") and last["state"] == "failed"
+        mismatch, refused = r.result
+        last = mismatch["entries"][-1]
+        assert mismatch["reason"].startswith("MismatchError") and last["state"] == "failed"
         assert last["seq"] == 2 and last["error"].startswith("MismatchError: ranks disagree on the name")
-        assert r.result["entries"][0]["state"] == "done"
+        assert mismatch["entries"][0]["state"] == "done"
+        last = refused["entries"][-1]
+        assert (last["seq"], last["name"], last["state"]) == (3, "5" if r.rank == 0 else "c", "failed")
+        assert last["error"].startswith("TypeError" if r.rank == 0 else "MismatchError: a rank refused")
 
 
 def test_sigusr1_dumps_and_calls_the_programs_own_handler(tmp_path):

@@ -65,6 +65,7 @@ _entries: collections.deque = collections.deque(maxlen=DEFAULT_CAPACITY)
 _capacity = DEFAULT_CAPACITY
 _ids = iter(range(1, 1 << 62))  # next(_ids) is atomic under the GIL
 _step = None
+_counters: list = []  # each kind's {process set id: itertools.count}, cleared at init()
 _dir: str | None = None  # RINGREDUCE_FLIGHT_DIR as read at init()
 _mono = time.monotonic
 
@@ -76,10 +77,15 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def configure(capacity: int, directory: str | None = None) -> None:
-    """Sets K (0: off) and the dump directory; called by init() from Config.
+def configure(capacity: int, directory: str | None = None, restart_numbers: bool = False) -> None:
+    """Sets K (0: off) and the dump directory; called by init() from Config,
+    which also restarts the numbers (restart_numbers): every rank of a new
+    world (an elastic generation's newcomers too) counts from 1 alike.
     Entries recorded so far are kept, up to the new K."""
     global _entries, _capacity, _dir
+    if restart_numbers:
+        for counters in _counters:
+            counters.clear()
     if capacity != _capacity:
         _entries = collections.deque(_entries if capacity else (), maxlen=max(capacity, 1))
         _capacity = capacity
@@ -119,9 +125,12 @@ def recorded(kind: str):
         source = _TEMPLATE.format(
             params=text, passed=passed, x="x" if "x" in params else "None",
             op="op" if "op" in params else '""', name="name" if "name" in params else "None",
-            ps="process_set" if "process_set" in params else "None")
+            ps="process_set" if "process_set" in params else "None", SEQ=SEQ, T_START=T_START, T_END=T_END,
+            STATE=STATE)
         scope = {f"_d_{n}": v for n, v in defaults.items()}
-        scope.update(_fn=fn, _kind=kind, _by_set={}, _local=_local, _mono=_mono, _entries=lambda: _entries,
+        by_set: dict = {}  # process set id -> the numbers of this kind on it
+        _counters.append(by_set)
+        scope.update(_fn=fn, _kind=kind, _by_set=by_set, _local=_local, _mono=_mono,
                      _module=sys.modules[__name__], _state=_state, _ids=_ids, _next=next, _count=itertools.count,
                      _getattr=getattr, _fail=fail, STARTED=STARTED, DONE=DONE, _BaseException=BaseException)
         exec(compile(source, f"<flight recorder around {fn.__name__}>", "exec"), scope)  # noqa: S102
@@ -144,10 +153,11 @@ def call({params}):
         _local.adopt = None
         seq = _next(counter)
         for e in adopted:
-            e[1], e[11], e[13] = seq, now, STARTED
+            e[{SEQ}], e[{T_START}], e[{STATE}] = seq, now, STARTED
         record = adopted
     else:
         x = {x}
+        # the fields in the order of ID, SEQ, NAME, KIND, ... above
         e = [_next(_ids), _next(counter), {name}, _kind, _getattr(x, "nbytes", None), _getattr(x, "dtype", None),
              {op}, ps, _state.generation, _module._step, None, now, None, STARTED, None]
         _module._entries.append(e)
@@ -159,9 +169,9 @@ def call({params}):
         raise
     now = _mono()
     for e in record:
-        if e[13] is STARTED:
-            e[12] = now
-            e[13] = DONE
+        if e[{STATE}] is STARTED:
+            e[{T_END}] = now
+            e[{STATE}] = DONE
     return result
 """
 
@@ -217,8 +227,8 @@ def fail(entries, exc: BaseException, dump_now: bool = True) -> None:
     for e in entries:
         if e is not None and e[STATE] is not DONE and e[STATE] is not FAILED:
             e[T_END], e[STATE], e[ERROR] = now, FAILED, text
-    if not dump_now or not _capacity or isinstance(exc, (SystemExit, GeneratorExit)):
-        return
+    if not dump_now or not _capacity or isinstance(exc, (SystemExit, GeneratorExit)) or _state.comm is None:
+        return  # (not initialized: nothing ran, nothing to say)
     if _last_dumped[0] == id(exc) and now - _last_dumped[1] < 5.0:
         return
     _last_dumped = (id(exc), now)
@@ -260,8 +270,8 @@ def snapshot(reason: str = "requested") -> dict:
     for e in list(_entries):  # a copy: other threads append meanwhile
         dtype = e[DTYPE]
         entries.append({
-            "id": e[ID], "seq": e[SEQ], "name": e[NAME], "kind": e[KIND], "bytes": e[NBYTES],
-            "dtype": None if dtype is None else str(dtype), "op": e[OP], "process_set": e[PROCESS_SET],
+            "id": e[ID], "seq": e[SEQ], "name": _text(e[NAME]), "kind": e[KIND], "bytes": _number(e[NBYTES]),
+            "dtype": None if dtype is None else str(dtype), "op": _text(e[OP]), "process_set": e[PROCESS_SET],
             "generation": e[GENERATION], "step": e[STEP], "state": e[STATE], "error": e[ERROR],
             "t_enqueue": e[T_ENQUEUE], "t_start": e[T_START], "t_end": e[T_END],
             "wall_enqueue": wall_of(e[T_ENQUEUE]), "wall_start": wall_of(e[T_START]), "wall_end": wall_of(e[T_END]),
@@ -274,16 +284,28 @@ def snapshot(reason: str = "requested") -> dict:
             "monotonic": mono, "wall": wall, "process_sets": sets, "entries": entries}
 
 
+def _text(value):
+    """What the caller passed as a name or op, as JSON holds it (bad input is recorded too)."""
+    return value if value is None or isinstance(value, str) else repr(value)
+
+
+def _number(value):
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def dump(path: str | None = None, reason: str = "requested") -> str | None:
     """Writes this rank's record (JSON) to path (default: directory()/flight_rank{R}.json),
     whole or not at all (a temporary file renamed), and returns the path;
     None when it could not be written (said on stderr) or the recorder is off."""
     if not _capacity:
         return None
-    data = snapshot(reason)
-    if path is None:
-        path = os.path.join(directory(), file_name(data["rank"]))
     try:
+        data = snapshot(reason)
+        if path is None:
+            path = os.path.join(directory(), file_name(data["rank"]))
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".flight-", suffix=".tmp", dir=os.path.dirname(path) or ".")
         try:
@@ -293,10 +315,10 @@ def dump(path: str | None = None, reason: str = "requested") -> str | None:
         except BaseException:
             os.unlink(tmp)
             raise
-    except OSError as exc:
-        _say(f"could not write the flight recorder to {path}: {exc}")
+    except Exception as exc:  # a dump runs on error paths and in a signal handler: it never raises
+        _say(f"could not write the flight recorder to {path or directory()}: {type(exc).__name__}: {exc}")
         return None
-    _say(f"flight recorder of rank {data['rank']} written to {path} ({reason.splitlines()[0][:200]})")
+    _say(f"flight recorder of rank {data['rank']} written to {path} ({(reason.splitlines() or [''])[0][:200]})")
     return path
 
 

@@ -30,7 +30,7 @@ def init(backend: str | None = None, comm=None) -> None:
         config = _config.Config.from_env()  # a setting that makes no sense raises here
         _config.warn_unknown()  # a misspelt one is warned about
         _autotune.enabled()  # so does RINGREDUCE_AUTOTUNE
-        _flight_recorder.configure(config.flight_recorder, config.flight_dir)
+        _flight_recorder.configure(config.flight_recorder, config.flight_dir, restart_numbers=True)
         backend = backend or config.backend or None
         if comm is not None and backend not in (None, "mpi"):
             raise ValueError("init(comm=...) runs over MPI; backend must be 'mpi' or None")

@@ -215,7 +215,7 @@ def ask_for_dumps(job: "Job", seconds: float = ASK_SECONDS) -> list[int]:
             continue
         asked.append(r)
     deadline = time.monotonic() + seconds
-    while asked and time.monotonic() < deadline:
+    while asked and time.monotonic() < deadline and len(job.signals) < 2:  # a second Ctrl-C: stop now
         def written(r):
             try:
                 return os.stat(os.path.join(directory, f"flight_rank{r.index}.json")).st_mtime >= since
