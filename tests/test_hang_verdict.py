@@ -52,7 +52,7 @@ def test_a_rank_that_left_no_dump_is_named_as_such():
     waiting = entry(seq=9, state="started", t=10.0)
     dumps = {r: dump(r, 3, *history(8), dict(waiting)) for r in (0, 2)}
     text = verdict(dumps, size=3)
-    assert text.startswith("rank 1 wrote no flight record") and "ranks 0, 2 are waiting in it" in text
+    assert text.startswith("rank 1 wrote no flight record") and "ranks 0, 2 are waiting in allreduce #9" in text
 
 
 def test_a_rank_in_another_collective():
@@ -243,3 +243,17 @@ def test_a_failed_job_keeps_its_report_dir_and_says_where(tmp_path):
     kept = [p for p in os.listdir(tmp_path) if p.startswith("ringrun-")]
     assert len(kept) == 1 and f"reports kept in {tmp_path / kept[0]}" in out.stderr, out.stderr
     assert "ringrun: rank 1 is in allreduce 'b' #1 while rank 0 is in allreduce 'a' #1" in out.stderr, out.stderr
+
+
+def test_dumps_of_an_earlier_job_in_a_kept_report_dir_are_not_this_jobs(tmp_path):
+    report = tmp_path / "report"
+    report.mkdir()
+    old = {"format": 1, "rank": 1, "size": 2, "wall": 1.0, "entries": [entry("broadcast", state="started")]}
+    (report / "flight_rank1.json").write_text(json.dumps(old))
+    code = ("import numpy as np, ringreduce as rr, time; rr.init(); rr.allreduce(np.ones(2))\n"
+            "if rr.rank() == 1:\n    raise SystemExit(3)\nrr.allreduce(np.ones(2), name='late')")
+    out = ringrun("-np", "2", "--timeout", "3", sys.executable, "-c", code, env={"RINGREDUCE_REPORT_DIR": str(report)})
+    assert out.returncode == 3, out.stderr
+    assert ("ringrun: rank 1 wrote no flight record (ended or unreachable before it could); rank 0 is waiting in "
+            "allreduce 'late' #2") in out.stderr, out.stderr
+    assert "broadcast" not in out.stderr

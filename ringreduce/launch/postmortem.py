@@ -19,9 +19,11 @@ _DUMP = re.compile(r"flight_rank(\d+)\.json")
 FORMAT = 1  # ringreduce/core/flight_recorder.py FORMAT
 
 
-def load_dumps(directory: str) -> dict:
+def load_dumps(directory: str, since: float | None = None) -> dict:
     """{rank: parsed dump} of every readable dump in directory (one that does
-    not parse, or of another format, is left out and said on stderr)."""
+    not parse, or of another format, is left out and said on stderr); with
+    `since` (wall-clock seconds), only dumps written since (a report
+    directory the user keeps across jobs holds older ones)."""
     dumps = {}
     try:
         names = os.listdir(directory)
@@ -40,13 +42,15 @@ def load_dumps(directory: str) -> dict:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             print(f"ringrun: {name} left out: not a flight recorder dump of format {FORMAT}", file=sys.stderr)
             continue
+        if since is not None and not data.get("wall", 0) >= since:
+            continue
         dumps[int(m.group(1))] = data
     return dumps
 
 
-def job_verdict(directory: str, size: int | None = None) -> str | None:
-    """The verdict on the dumps in directory; None when there are none."""
-    dumps = load_dumps(directory)
+def job_verdict(directory: str, size: int | None = None, since: float | None = None) -> str | None:
+    """The verdict on the dumps in directory (written since `since`); None when there are none."""
+    dumps = load_dumps(directory, since)
     return verdict(dumps, size) if dumps else None
 
 

@@ -72,7 +72,7 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
     secret = os.environ.get("RINGREDUCE_SECRET") or secrets.token_hex(32)
     job = Job()
     report = open_report_dir()  # the ranks' flight recorder dumps (ringreduce/launch/report_dir.py)
-    job.report_dir = report.path
+    job.report_dir, started = report.path, time.time()
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
     job.waker.catch_signals()
     pumps = []
@@ -105,17 +105,18 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             t.join(timeout=5)
         failed = ending is None or ending.code != 0
         if failed:
-            tell_verdict(report.path, np_)
+            tell_verdict(report.path, np_, started)
         if close_report_dir(report) and failed:
             say(f"reports kept in {report.path} (ringrun --postmortem {report.path})")
     return ending
 
 
-def tell_verdict(directory: str, np_: int) -> None:
-    """After a failed job: one line on where its ranks were, from their flight
-    recorder dumps (ringreduce/launch/verdict.py), if they left any."""
+def tell_verdict(directory: str, np_: int, since: float) -> None:
+    """After a failed job: one line on where its ranks were, from the flight
+    recorder dumps they wrote since it started (ringreduce/launch/verdict.py),
+    if they left any."""
     try:
-        text = postmortem.job_verdict(directory, np_)
+        text = postmortem.job_verdict(directory, np_, since)
     except Exception as exc:  # a verdict is a courtesy: never what ringrun fails on
         text = f"no verdict: reading the flight recorder dumps failed ({type(exc).__name__}: {exc})"
     if text is not None:

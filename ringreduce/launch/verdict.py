@@ -134,7 +134,8 @@ def verdict(dumps: dict, size: int | None = None) -> str | None:
             if unknown:
                 parts.append(f"{ranks_text(unknown)} wrote no flight record (ended or unreachable before it could)")
             waiting = "are waiting" if len(main_ranks) > 1 else "is waiting"
-            text = "; ".join(parts) + f"; {ranks_text(main_ranks)} {waiting} in it"
+            text = "; ".join(parts) + f"; {ranks_text(main_ranks)} {waiting} in " + (
+                "it" if never else describe(main, sets))
             error = _error(main)
             return text + (f" ({error})" if error and main.get("state") == "failed" else "")
         failed = [r for r in main_ranks if (where[r].get("state") == "failed")]
