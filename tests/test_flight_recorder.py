@@ -4,10 +4,12 @@ writes on a failure, on SIGUSR1 (chained to the program's own handler, and
 while the rank waits inside a C collective) and on request."""
 import json
 import signal
+import subprocess
+import sys
 
 import pytest
 
-from ranks import run_ranks
+from ranks import REPO, run_ranks
 from ringreduce.core import flight_recorder
 from ringreduce.core.config import Config
 
@@ -184,3 +186,14 @@ def test_keras_fit_with_the_broadcast_callback_records_each_steps_number(tmp_pat
     for r in run_ranks(2, body, tmp_path, timeout=240, init=False):
         steps = [step for kind, step in r.result if kind == "allreduce"]
         assert sorted(set(steps)) == [0, 1, 2, 3, 4, 5], r.result  # 2 epochs of 3 batches, counted on
+
+
+def test_an_ignored_sigusr1_stays_ignored_and_a_default_one_gets_the_handler():
+    code = ("import signal; from ringreduce.core import flight_recorder as f\n"
+            "print(f.install_signal_handler(), signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)\n"
+            "signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+            "print(f.install_signal_handler(), signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["True False", "False True"]

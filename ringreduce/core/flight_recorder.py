@@ -51,15 +51,13 @@ import time
 
 from .communicator import current as _state
 
-DEFAULT_CAPACITY = 2000
-MAX_CAPACITY = 10_000_000
+DEFAULT_CAPACITY = 2000  # RINGREDUCE_FLIGHT_RECORDER's default (core/config.py checks the setting)
 FORMAT = 1  # the dump's "format": readers refuse others
 
 # An entry's fields, by position (a list: the cheapest record to make and to update in place).
 (ID, SEQ, NAME, KIND, NBYTES, DTYPE, OP, PROCESS_SET, GENERATION, STEP, T_ENQUEUE, T_START, T_END, STATE,
  ERROR) = range(15)
 ENQUEUED, STARTED, DONE, FAILED = "enqueued", "started", "done", "failed"
-KINDS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier")
 
 _entries: collections.deque = collections.deque(maxlen=DEFAULT_CAPACITY)
 _capacity = DEFAULT_CAPACITY
@@ -223,7 +221,10 @@ def fail(entries, exc: BaseException, dump_now: bool = True) -> None:
     exception (the engine fails many requests with one)."""
     global _last_dumped
     now = _mono()
-    text = f"{type(exc).__name__}: {exc}"
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # an exception whose str() fails: its type says enough
+        text = type(exc).__name__
     for e in entries:
         if e is not None and e[STATE] is not DONE and e[STATE] is not FAILED:
             e[T_END], e[STATE], e[ERROR] = now, FAILED, text
