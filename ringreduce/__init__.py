@@ -16,16 +16,16 @@ import importlib.util as _importlib_util
 from .version import __version__
 from .errors import MismatchError, PeerLostError, RingReduceError, StaleGenerationError, WithdrawnError
 from .core import (ProcessSet, add_process_set, allgather, allreduce, alltoall, barrier, broadcast, cuda,
-                   global_process_set, init, is_initialized, is_shared, local_rank, local_size, rank, reduce_scatter,
-                   remove_process_set, reset_stats, shared_empty, shared_empty_like, shared_zeros, shutdown, size,
-                   stats)
+                   flight_recorder, global_process_set, init, is_initialized, is_shared, local_rank, local_size, rank,
+                   reduce_scatter, remove_process_set, reset_stats, shared_empty, shared_empty_like, shared_zeros,
+                   shutdown, size, stats)
 from .engine import join, straggler_report
 from .core import listeners as _listeners
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier", "join",
-    "stats", "reset_stats", "straggler_report",
+    "stats", "reset_stats", "straggler_report", "flight_recorder",
     "shared_empty", "shared_zeros", "shared_empty_like", "is_shared",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "RingReduceError", "MismatchError", "PeerLostError", "StaleGenerationError", "WithdrawnError",

@@ -18,9 +18,10 @@ launch) use only the public names of core's modules.
     config.py             RINGREDUCE_* settings
     autotune.py           calibrating the ring at init (RINGREDUCE_AUTOTUNE)
     cuda.py               GPU arrays: the reduction kernels through cupy
+    flight_recorder.py    the last K collectives of this rank, dumped after a failure (rr.flight_recorder)
     testing.py            hooks for ringreduce's own tests
 """
-from . import cuda
+from . import cuda, flight_recorder
 from .collectives import allgather, allreduce, alltoall, barrier, broadcast, reduce_scatter
 from .communicator import Communicator, communicator
 from .lifecycle import backend, init, is_initialized, local_rank, local_size, rank, shutdown, size
@@ -34,5 +35,5 @@ __all__ = [
     "allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier",
     "ProcessSet", "add_process_set", "remove_process_set", "find_process_set", "global_process_set",
     "stats", "reset_stats", "shared_empty", "shared_zeros", "shared_empty_like", "is_shared",
-    "Communicator", "communicator", "mpi_unavailable_reason", "cuda",
+    "Communicator", "communicator", "mpi_unavailable_reason", "cuda", "flight_recorder",
 ]

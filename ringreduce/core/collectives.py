@@ -15,6 +15,7 @@ from ..errors import RingReduceError
 from . import cuda
 from .arrays import (DTYPES, OPS, HostArrays, arrays_for, as_bytes, as_raw, check_name, chunk_bounds, deliver,
                      dtype_code, native, op_code, read_splits)
+from .flight_recorder import recorded
 from .listeners import collective as _reported  # each call's time and error, to the listeners
 from .communicator import MAX_PLANS, Plan, Ring, communicator, current as _state  # noqa: F401  (Ring: callers)
 from .process_sets import lookup, ring_of
@@ -57,6 +58,7 @@ def _reduce_blobs(payloads, dtype, code, opc, shape):
     return acc.reshape(shape)
 
 
+@recorded("allreduce")
 @_reported("allreduce")
 def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set=None):
     """Reduces x over all ranks (of process_set); returns a new array, or writes `out` (may be x) and returns it."""
@@ -199,11 +201,11 @@ def _allreduce_device(x, op, out, name, process_set=None):
         # Latency-bound: one copy each way through a pinned bounce buffer and
         # the host path in place there (host kernels: the host ring's bits).
         def reduce(host):
-            allreduce(host, op, out=host, name=name, process_set=process_set)
+            allreduce.__wrapped__(host, op, out=host, name=name, process_set=process_set)  # recorded once
         with g.on(x):
             got = g.allreduce_small(x, out, reduce)
             if got is None:  # the device busy with other threads: through pageable memory
-                got = g.from_host(allreduce(g.to_host(x), op, name=name, process_set=process_set), like=x)
+                got = g.from_host(allreduce.__wrapped__(g.to_host(x), op, name=name, process_set=process_set), like=x)
             return deliver(got, out, g.xp)
     with ring.lock, g.on(x):
         head = header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
@@ -217,6 +219,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
         return deliver(dst, out, g.xp)
 
 
+@recorded("reduce_scatter")
 @_reported("reduce_scatter")
 def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None):
     """Returns this rank's chunk of the flattened reduction (chunks in rank order)."""
@@ -242,6 +245,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
         return work[lo:hi].copy()
 
 
+@recorded("allgather")
 @_reported("allgather")
 def allgather(x, name: str | None = None, process_set=None):
     """Concatenates every rank's x along axis 0 (ranks may differ in dim 0 only)."""
@@ -275,6 +279,7 @@ def allgather(x, name: str | None = None, process_set=None):
         return out
 
 
+@recorded("broadcast")
 @_reported("broadcast")
 def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
     """Returns a new array holding root's x (same shape and dtype on every rank).
@@ -343,6 +348,7 @@ def _split_matrix(heads, n: int) -> list:
     return matrix
 
 
+@recorded("alltoall")
 @_reported("alltoall")
 def alltoall(x, splits=None, name: str | None = None, process_set=None):
     """Sends rows of x to every rank: x is split along axis 0 into pieces of
@@ -386,6 +392,7 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
         return g.from_host(out, like=x), received_splits
 
 
+@recorded("barrier")
 @_reported("barrier")
 def barrier(name: str | None = None, process_set=None) -> None:
     """Returns once every rank (of process_set) has entered the barrier."""

@@ -25,6 +25,7 @@ ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/schedule/host_arena.
 SHM_CMA_MODES = ("auto", "0", "1", "refused")  # csrc/schedule/cma.h
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 MAX_PORT = 65535
+MAX_FLIGHT_RECORDER = 10_000_000  # entries of ringreduce/core/flight_recorder.py (~ 200 bytes each)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class Config:
     straggler_threshold: str = "0.5"  # RINGREDUCE_STRAGGLER_THRESHOLD: when rank 0 warns of a straggler:
                                     # a score in (0, 1) it falls below, a median lateness ("0.2s",
                                     # "150ms") it exceeds, or "off" (straggler_threshold())
+    flight_recorder: int = 2000     # RINGREDUCE_FLIGHT_RECORDER: collectives each rank keeps for a dump
+                                    # (ringreduce/core/flight_recorder.py); 0: the recorder is off
+    flight_dir: str = ""            # RINGREDUCE_FLIGHT_DIR: where dumps go; empty: RINGREDUCE_REPORT_DIR
+                                    # (ringrun's report directory), else <tempdir>/ringreduce-flight-<uid>
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -99,6 +104,8 @@ class Config:
         _check("RINGREDUCE_STRAGGLER_WINDOW", self.straggler_window, self.straggler_window >= 2,
                "a whole number of engine cycles, at least 2")
         straggler_threshold(self.straggler_threshold)
+        _check("RINGREDUCE_FLIGHT_RECORDER", self.flight_recorder,
+               0 <= self.flight_recorder <= MAX_FLIGHT_RECORDER, f"0 (off) .. {MAX_FLIGHT_RECORDER} collectives")
 
     @property
     def ring_timeout(self) -> float:
@@ -154,6 +161,8 @@ class Config:
             metrics_addr=get("RINGREDUCE_METRICS_ADDR", d.metrics_addr, str),
             straggler_window=get("RINGREDUCE_STRAGGLER_WINDOW", d.straggler_window, int),
             straggler_threshold=get("RINGREDUCE_STRAGGLER_THRESHOLD", d.straggler_threshold, str),
+            flight_recorder=get("RINGREDUCE_FLIGHT_RECORDER", d.flight_recorder, int),
+            flight_dir=get("RINGREDUCE_FLIGHT_DIR", d.flight_dir, str),
         )
 
 
@@ -168,6 +177,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_METRICS_PORT", "RINGREDUCE_METRICS_ADDR", "RINGREDUCE_JOB",
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",
     "RINGREDUCE_STRAGGLER_WINDOW", "RINGREDUCE_STRAGGLER_THRESHOLD", "RINGREDUCE_REPORT_DIR",
+    "RINGREDUCE_FLIGHT_RECORDER", "RINGREDUCE_FLIGHT_DIR",
 })
 
 

@@ -10,6 +10,7 @@ from .. import _core
 from ..errors import RingReduceError
 from . import autotune as _autotune, config as _config, mpi_backend, rendezvous_client, shm as _shm, world as _world
 from . import listeners as _listeners
+from . import flight_recorder as _flight_recorder
 from .communicator import Ring, current as _state
 
 
@@ -30,6 +31,7 @@ def init(backend: str | None = None, comm=None) -> None:
         config = _config.Config.from_env()  # a setting that makes no sense raises here
         _config.warn_unknown()  # a misspelt one is warned about
         _autotune.enabled()  # so does RINGREDUCE_AUTOTUNE
+        _flight_recorder.configure(config.flight_recorder, config.flight_dir, restart_numbers=True)
         backend = backend or config.backend or None
         if comm is not None and backend not in (None, "mpi"):
             raise ValueError("init(comm=...) runs over MPI; backend must be 'mpi' or None")
@@ -83,6 +85,9 @@ def init(backend: str | None = None, comm=None) -> None:
         except BaseException:
             shutdown()  # this rank cannot run as asked: leave (its peers see it gone); init() may be retried
             raise
+        # SIGUSR1 dumps; the marker tells ringrun so, which then asks a rank still running after a failure
+        if _flight_recorder.install_signal_handler():
+            _flight_recorder.announce(os.environ.get("RINGREDUCE_REPORT_DIR"), _state.world.rank)
 
 
 def attach_arena(comm, rank: int, size: int, tag: str, config: _config.Config) -> bool:

@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 
 from .. import core
-from ..core import autotune as _autotune
+from ..core import autotune as _autotune, flight_recorder
 from ..core.arrays import DTYPES, HostArrays, arrays_for, op_code
 from ..core import listeners as _listeners
 from ..core.collectives import record_phases
@@ -110,6 +110,7 @@ class Handle:
     group: object = None  # the ProcessSet the collective runs on; None: the world
     withdrawn: bool = False  # withdraw() was called: no later cycle offers it
     offered: float = field(default_factory=time.monotonic)  # handed over (the straggler report's clock)
+    record: object = None  # its flight recorder entry (ringreduce/core/flight_recorder.py), None when off
 
 
 IDLE_BACKOFF_MIN, IDLE_BACKOFF_MAX = 20e-6, 1e-3  # seconds between negotiation passes that agree on nothing
@@ -275,6 +276,7 @@ class Engine:
             h = Handle(name, array, kind, op, root, process_set, key, self._seq, extra,
                        family=family, ready=ready, group=group)
             self._pending[(process_set, name)] = h
+            h.record = flight_recorder.enqueued(kind, name, array.nbytes, array.dtype, op, process_set)
             self.timeline.begin(name, "QUEUE")
             self._cond.notify()
         return h
@@ -309,6 +311,7 @@ class Engine:
                     if self._pending.get((h.process_set, h.name)) is h:
                         del self._pending[(h.process_set, h.name)]
                     h.error = WithdrawnError(f"tensor {h.name!r} was withdrawn before it ran")
+                    flight_recorder.fail([h.record], h.error, dump_now=False)
                     self.timeline.end(h.name, "QUEUE")
                     h.done.set()
                     return
@@ -384,6 +387,7 @@ class Engine:
                 with self._cond:
                     self._end_cycle()
                     self._error = exc
+                    flight_recorder.fail([h.record for h in self._pending.values()], exc)
                     for h in self._pending.values():
                         h.error = exc
                         h.done.set()
@@ -413,8 +417,11 @@ class Engine:
                 h = self._pending.pop((key[PROCESS_SET], key[NAME]), None)
             if h is not None:
                 h.error = MismatchError(problem)
+                flight_recorder.fail([h.record], h.error, dump_now=False)
                 self.timeline.end(h.name, "QUEUE")
                 h.done.set()
+        if agreement.failed:  # a stall or a mismatch: one dump for the cycle
+            flight_recorder.dump(reason=f"MismatchError: {agreement.failed[0][1]}")
         me = core.rank()
         with self._cond:  # every rank runs, in agreed order, what it is a member of
             handles = []
@@ -456,6 +463,7 @@ class Engine:
 
     def _fail_waiting(self, exc: BaseException) -> None:
         with self._cond:
+            flight_recorder.fail([h.record for h in self._pending.values()], exc)
             for h in self._pending.values():
                 h.error = exc
                 h.done.set()
@@ -499,7 +507,8 @@ class Engine:
                 flat = families[0].xp.concatenate([h.array.reshape(-1) for h in bucket])
             label = bucket[0].name if len(bucket) == 1 else f"fused {len(bucket)} tensors"
             t0 = time.monotonic()
-            with record_phases() as phases:  # none when the one-pass small algorithm ran
+            # phases: none when the one-pass small algorithm ran
+            with record_phases() as phases, flight_recorder.running([h.record for h in bucket]):
                 result = core.allreduce(flat, op=bucket[0].op, process_set=bucket[0].group)
         self.timeline.ring_op([h.name for h in bucket], label, flat.nbytes, t0, time.monotonic(), phases)
         if self.timeline.path:  # bytes this rank has sent on this ring so far (ringreduce/core/traffic.py)
@@ -527,7 +536,8 @@ class Engine:
         # would go out instead of zeros).
         compressor = self._stand_in_compressor(tag)
         t0 = time.monotonic()
-        with record_phases() as phases:  # of each ring allreduce the compressor runs (top-k's gather: none)
+        # phases: of each ring allreduce the compressor runs (top-k's gather: none)
+        with record_phases() as phases, flight_recorder.running([h.record for h in bucket]):
             results = compressor.reduce_bucket([h.name for h in bucket], [h.array for h in bucket], bucket[0].op,
                                                bucket[0].group,
                                                [h.extra.get("compression_key", h.name) for h in bucket],
@@ -555,7 +565,7 @@ class Engine:
         h.family.wait(h.ready)
         try:
             if h.kind != REFUSED:  # every rank refused it alike: nothing to run, nobody waits
-                with h.family.on(h.array):
+                with h.family.on(h.array), flight_recorder.running([h.record]):
                     h.result = KINDS[h.kind].run(h)
         except MismatchError as exc:  # the collective's own header check: the ring stays usable
             h.error = exc

@@ -137,6 +137,7 @@ class Job:
         self.closed_sink: str | None = None  # "stdout"/"stderr" once writing to it failed
         self.ended: list[int] = []           # ranks in the order they ended: the first failure is the cause
         self.waker = Waker()                 # woken by each of the above
+        self.report_dir: str | None = None   # where the ranks leave their reports (report_dir.py)
 
     def wait_for(self, rank: "Rank"):
         """Records when a rank ends, so ringrun blames the first to fail (its
@@ -194,3 +195,43 @@ def _silence(sink) -> None:
         os.close(devnull)
     except (OSError, ValueError):
         pass
+
+
+ASK_SECONDS = 2.0  # how long a failed job's ranks still running get to write their flight recorder dump
+
+
+def ask_for_dumps(job: "Job", seconds: float = ASK_SECONDS) -> list[int]:
+    """Before a failed job's ranks are stopped: each local rank still running
+    whose ringreduce left its marker in the report directory (the rank's pid;
+    SIGUSR1 dumps there, ringreduce/core/flight_recorder.py) gets SIGUSR1, and
+    ringrun waits up to `seconds` for their dumps (or their end). Only a pid
+    in that rank's process group (its guard's) is signalled: a stale marker
+    never reaches another process. Returns the ranks asked."""
+    directory = job.report_dir
+    if not directory:
+        return []
+    asked, since = [], time.time()
+    for r in job.running():
+        if not r.local:
+            continue
+        try:
+            with open(os.path.join(directory, f"flight_rank{r.index}.pid")) as f:
+                pid = int(f.read().strip())
+            if pid <= 0 or os.getpgid(pid) != r.proc.pid:
+                continue
+            os.kill(pid, signal.SIGUSR1)
+        except (OSError, ValueError):
+            continue
+        asked.append(r)
+    deadline = time.monotonic() + seconds
+    while asked and time.monotonic() < deadline and len(job.signals) < 2:  # a second Ctrl-C: stop now
+        def written(r):
+            try:
+                return os.stat(os.path.join(directory, f"flight_rank{r.index}.json")).st_mtime >= since
+            except OSError:
+                return False
+        asked_left = [r for r in asked if r.proc.poll() is None and not written(r)]
+        if not asked_left:
+            break
+        time.sleep(0.05)
+    return [r.index for r in asked]

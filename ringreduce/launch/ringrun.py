@@ -25,21 +25,25 @@ too: no job lingers half-dead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 from ..core import kubernetes, slurm
 from ..core.world import free_port
 from ..errors import RingReduceError
-from . import elastic_launcher
-from .processes import GRACE_SECONDS, LOCAL_HOSTS, STOP_SIGNALS, Ending, Job, Rank, describe, rank_argv, say
+from . import elastic_launcher, postmortem
+from .processes import (GRACE_SECONDS, LOCAL_HOSTS, STOP_SIGNALS, Ending, Job, Rank, ask_for_dumps, describe, rank_argv,
+                        say)
+from .report_dir import ENV as REPORT_DIR_ENV, close_report_dir, open_report_dir
+
+STRAGGLER_FILE = "stragglers.json"  # rank 0's engine writes it there (ringreduce/engine/stragglers.py REPORT_FILE)
 
 
 def parse_hosts(spec: str | None, np_: int) -> list[str]:
@@ -165,13 +169,6 @@ def pod_envs(pod: kubernetes.PodJob, np_: int, secret: str, timeout: float | Non
     return envs
 
 
-def report_dir() -> str:
-    """Where the ranks leave their end-of-job reports (RINGREDUCE_REPORT_DIR,
-    passed to every rank): the caller's, or a fresh directory of this job's
-    (removed at the end if no rank left anything there)."""
-    return os.environ.get("RINGREDUCE_REPORT_DIR") or tempfile.mkdtemp(prefix="ringrun-")
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds >= 0.0095 else f"{seconds * 1e3:.1f} ms"
 
@@ -182,7 +179,7 @@ def straggler_summary(directory: str, since: float = 0.0) -> list[str]:
     `since` (time.time(): not a previous job's): one per straggler, or one
     naming the slowest rank when none is past the threshold; none without
     a report."""
-    path = os.path.join(directory, "stragglers.json")
+    path = os.path.join(directory, STRAGGLER_FILE)
     try:
         if os.stat(path).st_mtime < since:
             return []
@@ -226,16 +223,18 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             hosts = parse_hosts(hosts_spec, np_)
         envs = rank_envs(hosts, free_port(), secret, timeout, is_local,
                          slurm.node_address if in_slurm else lambda h: h, job_id())
-    reports, started = report_dir(), time.time()
     job = Job()
+    report = open_report_dir()  # the ranks' flight recorder dumps (ringreduce/launch/report_dir.py)
+    job.report_dir, started = report.path, time.time()
     old = {s: signal.signal(s, lambda signum, frame: job.signals.append(signum)) for s in STOP_SIGNALS}
     job.waker.catch_signals()
     pumps = []
+    ending = None
     try:
         for host, env in zip(hosts, envs):
             rank = int(env["RINGREDUCE_RANK"])  # the world's rank (in a pod of a job: node_rank * np + i)
+            env[REPORT_DIR_ENV] = report.path
             argv = rank_argv("localhost" if is_local(host) else host, env, command, ssh, srun=in_slurm)
-            env["RINGREDUCE_REPORT_DIR"] = reports
             try:
                 # stdin: the control pipe; only ringrun holds its write end (close_fds).
                 p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
@@ -243,7 +242,8 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             except OSError as exc:
                 say(f"cannot start rank {rank} ({argv[0]}): {exc}")
                 job.stop_all(signal.SIGKILL)
-                return Ending(127)
+                ending = Ending(127)
+                return ending
             job.ranks.append(Rank(rank, is_local(host), p))  # over srun or ssh: the guard's pipe stops the rank
             threading.Thread(target=job.wait_for, args=(job.ranks[-1],), daemon=True).start()
             for stream, sink, name in ((p.stdout, sys.stdout, "stdout"), (p.stderr, sys.stderr, "stderr")):
@@ -257,14 +257,29 @@ def run(np_: int, command: list[str], hosts_spec: str | None = None, timeout: fl
             signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
-    for line in straggler_summary(reports, started):
-        say(line)
-    if "RINGREDUCE_REPORT_DIR" not in os.environ:
-        try:
-            os.rmdir(reports)  # ours and empty: no rank left a report
-        except OSError:
-            pass
+        failed = ending is None or ending.code != 0
+        for line in straggler_summary(report.path, started):
+            say(line)
+        if report.owned and not failed:  # read and told: a job that ended well leaves nothing behind
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(report.path, STRAGGLER_FILE))
+        if failed:
+            tell_verdict(report.path, np_, started)
+        if close_report_dir(report) and failed:
+            say(f"reports kept in {report.path} (ringrun --postmortem {report.path})")
     return ending
+
+
+def tell_verdict(directory: str, np_: int, since: float) -> None:
+    """After a failed job: one line on where its ranks were, from the flight
+    recorder dumps they wrote since it started (ringreduce/launch/verdict.py),
+    if they left any."""
+    try:
+        text = postmortem.job_verdict(directory, np_, since)
+    except Exception as exc:  # a verdict is a courtesy: never what ringrun fails on
+        text = f"no verdict: reading the flight recorder dumps failed ({type(exc).__name__}: {exc})"
+    if text is not None:
+        say(text)
 
 
 def watch(job: Job) -> Ending:
@@ -301,6 +316,7 @@ def watch(job: Job) -> Ending:
                 say(f"{reason}; stopping {'the other ' if not ending.own_signal else ''}{others} rank(s)"
                     if others else f"{reason}; no rank left to stop")
                 if others:
+                    ask_for_dumps(job)  # the ranks still running say where they are (flight recorder)
                     job.stop_all(signal.SIGTERM)
                     kill_at = time.monotonic() + GRACE_SECONDS + 1
         elif running and (time.monotonic() > kill_at or len(job.signals) > 1):
@@ -326,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ringrun", description="Start N ranks of a command for ringreduce and watch them.",
         epilog="example: ringrun -np 4 python train.py")
-    parser.add_argument("-np", "-n", dest="np", type=int, required=True, help="number of ranks")
+    parser.add_argument("-np", "-n", dest="np", type=int, help="number of ranks")
     parser.add_argument("-H", "--hosts", help="host1:slots,host2:slots (ranks fill hosts in order; ssh); "
                         "without it inside a Slurm allocation, its nodes (srun)")
     parser.add_argument("--hostfile", help="the hosts from an MPI hostfile (`host slots=N` or `host:N` lines); "
@@ -334,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                         "HYDRA_HOST_FILE names (an MPIJob's launcher)")
     parser.add_argument("--timeout", type=float, help="RINGREDUCE_TIMEOUT for the ranks (seconds)")
     parser.add_argument("--ssh", default="ssh -o BatchMode=yes", help="command used to reach other hosts")
+    parser.add_argument("--postmortem", metavar="DIR",
+                        help="print the verdict on a finished job's flight recorder dumps in DIR, and exit")
     elastic = parser.add_argument_group("elastic training (docs/elastic.md)")
     elastic.add_argument("--elastic", action="store_true",
                          help="keep going when workers are lost; restart them; let new ones join")
@@ -345,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     elastic.add_argument("--host-discovery-script", help="prints the available hosts, `host:slots` a line")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = parser.parse_args(argv)
+    if args.postmortem is not None:
+        if args.command or args.np is not None:
+            parser.error("--postmortem DIR takes no -np and no command")
+        return postmortem.main([args.postmortem])
+    if args.np is None:
+        parser.error("the following arguments are required: -np/-n")
     if not args.command:
         parser.error("no command given")
     if args.np < 1:

@@ -19,18 +19,27 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     built lazily (no keras.Input) has no weights until its first step builds
     them: it is broadcast after that step instead, as Horovod does. Local
     variables stay each rank's own: local_variables=, and those of a
-    DistributedOptimizer (register_local_var, Partial* local_layers)."""
+    DistributedOptimizer (register_local_var, Partial* local_layers).
+    It also tells the flight recorder the training step of each batch
+    (rr.flight_recorder.set_step), so a dump says at which step each
+    collective ran."""
 
     def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self._local = {id(v) for v in (local_variables or [])}  # kept as each rank has them
         self._pending = True
+        self._step = 0
 
     def on_train_begin(self, logs=None):
         self._pending = True
+        self._step = _optimizer_step(self.model)
         if self.model.built:
             self._broadcast()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        rr.flight_recorder.set_step(self._step)  # kept with each collective of the step: one assignment
+        self._step += 1
 
     def on_train_batch_end(self, batch, logs=None):
         if self._pending:
@@ -45,6 +54,17 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         local = self._local | (local_variable_ids(opt) if opt is not None else frozenset())
         broadcast_variables([v for v in variables if id(v) not in local], self.root_rank)
         self._pending = False
+
+
+def _optimizer_step(model) -> int:
+    """The optimizer's iterations at the start of fit() (0 before its first
+    step), from which the callback counts the training step for the flight
+    recorder without reading a variable per batch."""
+    opt = getattr(model, "optimizer", None)
+    try:
+        return int(opt.iterations.numpy()) if opt is not None and opt.built else 0
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
