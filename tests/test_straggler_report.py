@@ -126,6 +126,24 @@ def test_the_score_is_the_fastest_ranks_busy_time_over_this_ranks():
     assert tracker.observe([(0.1, None, None), (0.0, None, None)], me=1) is None, "no period: the first cycle"
 
 
+def test_ranks_that_spend_their_cycles_waiting_are_no_stragglers_of_each_other():
+    """A tight loop of collectives: every rank is blocked nearly the whole
+    period, busy for microseconds (rank 0 for none at all). Such busy times
+    are overhead and noise, not pace: no rank scores below 1, none is named."""
+    tracker = S.Tracker(S.Settings(window=2, threshold=S.Threshold.parse("0.5")))
+    for _ in range(2):
+        tracker.observe([(0.0001, 0.0002, 0.0002), (0.0001, 0.0002, 0.00018), (0.0001, 0.0002, 0.00015)], me=0)
+    report = tracker.report()
+    assert [x["score"] for x in report["ranks"]] == [1.0, 1.0, 1.0]
+    assert report["stragglers"] == []
+    # a rank busy for real against one that is never busy: compared from the floor, not divided by zero
+    tracker.observe([(0.01, 0.1, 0.1), (0.0, 0.1, 0.0), (0.01, 0.1, 0.1)], me=0)
+    tracker.observe([(0.01, 0.1, 0.1), (0.0, 0.1, 0.0), (0.01, 0.1, 0.1)], me=0)
+    lines = by_rank(tracker.report())
+    assert lines[0]["score"] == lines[2]["score"] == 1.0
+    assert lines[1]["score"] == pytest.approx(S.MIN_BUSY / 0.1)
+
+
 def test_rank_0_warns_once_a_window_is_full_and_then_not_again_for_a_minute(caplog, monkeypatch):
     tracker = S.Tracker(S.Settings(window=10, threshold=S.Threshold.parse("50ms")))
     late = [(0.2, 0.3, 0.1)] * 3 + [(0.1, 0.3, 0.0)]  # rank 3 offers 100 ms after the others, who wait
