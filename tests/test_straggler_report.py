@@ -144,6 +144,16 @@ def test_ranks_that_spend_their_cycles_waiting_are_no_stragglers_of_each_other()
     assert lines[1]["score"] == pytest.approx(S.MIN_BUSY / 0.1)
 
 
+@pytest.mark.parametrize("period, blocked", [(7200.0, 7140.0), (7200.0, 600.0), (5000.0, 0.0), (100.0, 40.0)])
+def test_a_cycle_longer_than_the_wire_holds_keeps_its_busy_time(period, blocked):
+    """Microseconds in 32 bits end at about 71 minutes: a longer cycle (an
+    evaluation between two steps) is sent as the longest, its busy time intact
+    up to that longest, not as the difference of two clipped numbers."""
+    age, got_period, got_blocked = S.decode(S.encode((1.0, period, blocked)), 0)
+    assert age == 1.0 and got_period <= 4294.967294
+    assert got_period - got_blocked == pytest.approx(min(period - blocked, 4294.967294), abs=2e-6)
+
+
 def test_rank_0_warns_once_a_window_is_full_and_then_not_again_for_a_minute(caplog, monkeypatch):
     tracker = S.Tracker(S.Settings(window=10, threshold=S.Threshold.parse("50ms")))
     late = [(0.2, 0.3, 0.1)] * 3 + [(0.1, 0.3, 0.0)]  # rank 3 offers 100 ms after the others, who wait

@@ -132,7 +132,15 @@ def _seconds(micros: int) -> float | None:
 
 
 def encode(report: tuple) -> bytes:
-    return WIRE.pack(*map(_micros, report))
+    """A period past the wire's longest (about 71 minutes) is sent as the
+    longest with its blocked time cut by as much: the receiver's busy time
+    (period less blocked) stays the rank's own, up to that longest."""
+    age, period, blocked = report
+    if period is not None and blocked is not None and period > _LONGEST / 1e6:
+        busy = max(period - blocked, 0.0)
+        period = _LONGEST / 1e6
+        blocked = max(period - busy, 0.0)
+    return WIRE.pack(_micros(age), _micros(period), _micros(blocked))
 
 
 def decode(blob, at: int) -> tuple:
