@@ -8,10 +8,13 @@ real Slurm."""
 import multiprocessing
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
 import ringreduce as rr
+from ranks import REPO
 from ringreduce.core import slurm, world
 from ringreduce.launch import ringrun
 
@@ -274,3 +277,18 @@ def test_the_slurm_cluster_tests_fail_under_ci_where_slurm_is_missing():
     assert slurm_cluster.when_missing("srun not installed", {"CI": "true"}) == "fail"
     assert slurm_cluster.when_missing("srun not installed", {}) == "skip"
     assert slurm_cluster.when_missing(None, {"CI": "true"}) is None
+
+
+def test_ringrun_as_one_of_several_srun_tasks_is_refused_not_a_world_per_task(tmp_path):
+    """srun -n2 ringrun -np 4: each task's ringrun would train a world of 4 alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGREDUCE_", "SLURM_"))}
+    env.update(step_env(tmp_path, 1), PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable, "-c", "1"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode != 0
+    assert "one of 4 tasks of an srun step" in run.stderr and "srun -n1 ringrun" in run.stderr
+    one = {**env, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "1"}
+    run = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable, "-c", "1"],
+                         capture_output=True, text=True, timeout=60, env=one)
+    assert run.returncode == 0, run.stderr  # srun -n1 ringrun: its ranks start here
