@@ -285,3 +285,26 @@ def test_ringrun_removes_the_report_dir_it_made_when_no_rank_left_a_report(tmp_p
     assert len(seen) == 1 and seen.pop().startswith(str(tmp_path / "ringrun-")), out.stdout
     assert not list(tmp_path.glob("ringrun-*")), "an empty report dir of ringrun's own is removed"
     assert "straggler" not in out.stderr, "no engine ran: no summary"
+
+
+def test_ranks_with_different_straggler_settings_agree_on_every_result(tmp_path):
+    """The settings are each rank's own (its window, its threshold): the arrival
+    reports they send are the same 12 bytes whatever they are, so negotiation
+    and every result stay the same on every rank, and each report keeps its
+    rank's own window."""
+    ranks = run_ranks(3, """
+        window, threshold = ["2", "5", "50"][int(os.environ["RINGREDUCE_RANK"])], ["off", "0.9", "10ms"][int(os.environ["RINGREDUCE_RANK"])]
+        os.environ["RINGREDUCE_STRAGGLER_WINDOW"], os.environ["RINGREDUCE_STRAGGLER_THRESHOLD"] = window, threshold
+        rr.init()
+        from ringreduce.engine import engine
+        out = []
+        for i in range(12):
+            h = engine().enqueue(f"t{i}", np.arange(5, dtype=np.float64) * (rr.rank() + 1) + i / 3, op="sum")
+            out.append(engine().wait(h).tobytes().hex())
+        report = rr.straggler_report()
+        result = dict(out=out, window=report["window"], threshold=report["threshold"], cycles=report["cycles"])
+    """, tmp_path, init=False, timeout=120)
+    assert ranks[0].result["out"] == ranks[1].result["out"] == ranks[2].result["out"]
+    assert [r.result["window"] for r in ranks] == [2, 5, 50]
+    assert [r.result["threshold"] for r in ranks] == ["off", "0.9", "10ms"]
+    assert ranks[0].result["cycles"] == 2 and ranks[1].result["cycles"] == 5 and ranks[2].result["cycles"] >= 10
