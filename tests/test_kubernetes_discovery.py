@@ -85,6 +85,29 @@ def test_one_pod_is_a_world_of_one_and_needs_no_secret():
     assert discover({"PYTHONUNBUFFERED": "0", "PET_NNODES": "1"}).size == 1  # one Worker, no Master
 
 
+@pytest.mark.parametrize("env", [
+    {"MASTER_ADDR": "localhost", "RANK": "0", "WORLD_SIZE": "1"},                           # no MASTER_PORT
+    {"MASTER_ADDR": "localhost", "MASTER_PORT": "65535", "RANK": "0", "WORLD_SIZE": "1"},   # port + 1 is none
+    {"MASTER_ADDR": "localhost", "MASTER_PORT": "any", "RANK": "0", "WORLD_SIZE": "1"},
+    {**trainjob(0, nodes=1), "PET_MASTER_PORT": ""},
+])
+def test_a_torch_environment_of_one_process_is_a_world_of_one_whatever_its_port(env):
+    """A notebook's own torch.distributed variables for one process (or a job of
+    one pod): no rendezvous, so no port is needed or checked."""
+    w = discover(env)
+    assert (w.rank, w.size, w.addr) == (0, 1, None)
+
+
+def test_a_users_own_torch_variables_for_several_processes_are_refused_saying_what_they_were_read_as():
+    env = {"MASTER_ADDR": "localhost", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"}
+    with pytest.raises(RingReduceError, match="RINGREDUCE_SECRET is not set.*read from MASTER_ADDR=localhost, "
+                                              "RANK=1 and WORLD_SIZE=2.*your own torch.distributed variables"):
+        discover(env)
+    with pytest.raises(RingReduceError, match="RINGREDUCE_SECRET is not set") as raised:
+        discover(trainjob(1))
+    assert "torch.distributed" not in str(raised.value)  # PET_* come from an operator alone
+
+
 def test_torchruns_processes_stay_refused_even_in_a_pod():
     # torchrun inside a PyTorchJob pod rewrites RANK/WORLD_SIZE per process and adds LOCAL_RANK, TORCHELASTIC_*
     env = {**pytorchjob_v18(1, nproc="2"), "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",

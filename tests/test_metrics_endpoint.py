@@ -237,6 +237,32 @@ result = dict(waiting=waiting, done=done, reduced=reduced.tolist())
         assert value(done, "ringreduce_collective_duration_seconds_count", kind="allreduce", rank=r.rank) == 1
 
 
+def test_the_engines_straggler_scores_are_scraped_on_every_rank(tmp_path):
+    """The default score source is the engine's straggler report: a scrape of
+    each rank of a 2-rank engine job holds one ringreduce_straggler_score per
+    rank, the report's own, and rank 1 (busy longer between cycles) scores lower."""
+    body = HELPERS + """
+import time
+from ringreduce.engine import engine
+port = rr.metrics.address()[1]
+for i in range(12):
+    if rr.rank() == 1:
+        time.sleep(0.05)  # rank 1 computes longer between two collectives
+    engine().wait(engine().enqueue(f"g{i}", np.ones(4)))
+rr.barrier()  # no engine cycle after this: the report and the scrape see the same window
+report = rr.straggler_report()
+_, scraped = scrape(port)
+result = dict(scores={x["rank"]: x["score"] for x in report["ranks"]}, scraped=scraped)
+"""
+    env = {**ON, "RINGREDUCE_STRAGGLER_WINDOW": "8", "RINGREDUCE_STRAGGLER_THRESHOLD": "off"}
+    for r in run_ranks(2, body, tmp_path, env=env, timeout=120):
+        scores = {int(k): v for k, v in r.result["scores"].items()}
+        assert sorted(scores) == [0, 1]
+        scraped = {int(lab["peer"]): v for n, lab, v in r.result["scraped"] if n == "ringreduce_straggler_score"}
+        assert scraped == pytest.approx(scores)
+        assert scraped[0] == 1.0 and scraped[1] < 0.9
+
+
 def test_a_lost_peer_is_counted_once_naming_it(tmp_path):
     body = HELPERS + """
 rr.barrier()

@@ -8,10 +8,13 @@ real Slurm."""
 import multiprocessing
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
 import ringreduce as rr
+from ranks import REPO
 from ringreduce.core import slurm, world
 from ringreduce.launch import ringrun
 
@@ -163,7 +166,51 @@ def test_the_secret_is_per_step_from_a_private_key_made_once(tmp_path, names_as_
     other_home = tmp_path / "other"
     other_home.mkdir()
     assert world.discover(step_env(other_home)).secret != a                      # another key
-    assert world.discover(step_env(tmp_path, RINGREDUCE_SECRET="s3cret")).secret == b"s3cret"
+    own = world.discover(step_env(tmp_path, RINGREDUCE_SECRET="s3cret")).secret
+    assert own == world.discover(step_env(tmp_path, 1, RINGREDUCE_SECRET="s3cret")).secret  # every task's
+    assert own not in (a, b"s3cret")
+
+
+def test_steps_sharing_a_users_secret_and_a_derived_port_never_share_a_world(tmp_path, names_as_addresses):
+    """Step 16 of job 17 and step 0 of job 18 meet on one port; with the user's
+    RINGREDUCE_SECRET exported in both jobs they must still never pass each
+    other's handshake (else their ranks could fill one ring: silently wrong)."""
+    a = world.discover(step_env(tmp_path, SLURM_STEP_ID="16", RINGREDUCE_SECRET="s3cret"))
+    b = world.discover(step_env(tmp_path, SLURM_JOB_ID="18", SLURM_STEP_ID="0", RINGREDUCE_SECRET="s3cret"))
+    assert a.addr == b.addr
+    assert a.secret != b.secret
+
+
+def test_a_process_a_task_starts_is_refused_not_left_to_time_out(tmp_path, names_as_addresses):
+    """A subprocess (or fork) of a task inherits its SLURM_* variables but is no
+    task of the step: it is refused at once, naming the way out, while the task
+    itself may read its world again and a nested srun step is a world of its own."""
+    env = step_env(tmp_path, 0)
+    assert world.discover(env).rank == 0
+    assert env[slurm.CLAIM_ENV] == f"17.0:{os.getpid()}"
+    assert world.discover(env).rank == 0  # the task itself, again (init after shutdown)
+    child = {**env, slurm.CLAIM_ENV: f"17.0:{os.getpid() + 1}"}  # what a child of process pid+1 inherits
+    with pytest.raises(rr.RingReduceError, match=r"inherited the srun environment of rank 0 of Slurm step 17\.0.*"
+                                                 r"RINGREDUCE_RANK=0 RINGREDUCE_SIZE=1"):
+        world.discover(child)
+    assert world.discover({**child, "SLURM_STEP_ID": "1"}).size == 4  # a nested srun's own step
+    assert world.discover({**child, "RINGREDUCE_RANK": "0", "RINGREDUCE_SIZE": "1"}).size == 1
+
+
+def _discover_in_fork(env):
+    try:
+        world.discover(env)
+    except rr.RingReduceError as exc:
+        return str(exc)
+    return "joined"
+
+
+def test_a_forked_child_of_a_task_is_refused(tmp_path, names_as_addresses):
+    env = step_env(tmp_path, 2)
+    world.discover(env)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        said = pool.apply(_discover_in_fork, (env,))
+    assert "inherited the srun environment of rank 2" in said
 
 
 def test_a_key_others_can_read_is_refused(tmp_path, names_as_addresses):
@@ -230,3 +277,18 @@ def test_the_slurm_cluster_tests_fail_under_ci_where_slurm_is_missing():
     assert slurm_cluster.when_missing("srun not installed", {"CI": "true"}) == "fail"
     assert slurm_cluster.when_missing("srun not installed", {}) == "skip"
     assert slurm_cluster.when_missing(None, {"CI": "true"}) is None
+
+
+def test_ringrun_as_one_of_several_srun_tasks_is_refused_not_a_world_per_task(tmp_path):
+    """srun -n2 ringrun -np 4: each task's ringrun would train a world of 4 alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGREDUCE_", "SLURM_"))}
+    env.update(step_env(tmp_path, 1), PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable, "-c", "1"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode != 0
+    assert "one of 4 tasks of an srun step" in run.stderr and "srun -n1 ringrun" in run.stderr
+    one = {**env, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "1"}
+    run = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable, "-c", "1"],
+                         capture_output=True, text=True, timeout=60, env=one)
+    assert run.returncode == 0, run.stderr  # srun -n1 ringrun: its ranks start here

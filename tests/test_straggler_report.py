@@ -126,6 +126,34 @@ def test_the_score_is_the_fastest_ranks_busy_time_over_this_ranks():
     assert tracker.observe([(0.1, None, None), (0.0, None, None)], me=1) is None, "no period: the first cycle"
 
 
+def test_ranks_that_spend_their_cycles_waiting_are_no_stragglers_of_each_other():
+    """A tight loop of collectives: every rank is blocked nearly the whole
+    period, busy for microseconds (rank 0 for none at all). Such busy times
+    are overhead and noise, not pace: no rank scores below 1, none is named."""
+    tracker = S.Tracker(S.Settings(window=2, threshold=S.Threshold.parse("0.5")))
+    for _ in range(2):
+        tracker.observe([(0.0001, 0.0002, 0.0002), (0.0001, 0.0002, 0.00018), (0.0001, 0.0002, 0.00015)], me=0)
+    report = tracker.report()
+    assert [x["score"] for x in report["ranks"]] == [1.0, 1.0, 1.0]
+    assert report["stragglers"] == []
+    # a rank busy for real against one that is never busy: compared from the floor, not divided by zero
+    tracker.observe([(0.01, 0.1, 0.1), (0.0, 0.1, 0.0), (0.01, 0.1, 0.1)], me=0)
+    tracker.observe([(0.01, 0.1, 0.1), (0.0, 0.1, 0.0), (0.01, 0.1, 0.1)], me=0)
+    lines = by_rank(tracker.report())
+    assert lines[0]["score"] == lines[2]["score"] == 1.0
+    assert lines[1]["score"] == pytest.approx(S.MIN_BUSY / 0.1)
+
+
+@pytest.mark.parametrize("period, blocked", [(7200.0, 7140.0), (7200.0, 600.0), (5000.0, 0.0), (100.0, 40.0)])
+def test_a_cycle_longer_than_the_wire_holds_keeps_its_busy_time(period, blocked):
+    """Microseconds in 32 bits end at about 71 minutes: a longer cycle (an
+    evaluation between two steps) is sent as the longest, its busy time intact
+    up to that longest, not as the difference of two clipped numbers."""
+    age, got_period, got_blocked = S.decode(S.encode((1.0, period, blocked)), 0)
+    assert age == 1.0 and got_period <= 4294.967294
+    assert got_period - got_blocked == pytest.approx(min(period - blocked, 4294.967294), abs=2e-6)
+
+
 def test_rank_0_warns_once_a_window_is_full_and_then_not_again_for_a_minute(caplog, monkeypatch):
     tracker = S.Tracker(S.Settings(window=10, threshold=S.Threshold.parse("50ms")))
     late = [(0.2, 0.3, 0.1)] * 3 + [(0.1, 0.3, 0.0)]  # rank 3 offers 100 ms after the others, who wait
@@ -257,3 +285,26 @@ def test_ringrun_removes_the_report_dir_it_made_when_no_rank_left_a_report(tmp_p
     assert len(seen) == 1 and seen.pop().startswith(str(tmp_path / "ringrun-")), out.stdout
     assert not list(tmp_path.glob("ringrun-*")), "an empty report dir of ringrun's own is removed"
     assert "straggler" not in out.stderr, "no engine ran: no summary"
+
+
+def test_ranks_with_different_straggler_settings_agree_on_every_result(tmp_path):
+    """The settings are each rank's own (its window, its threshold): the arrival
+    reports they send are the same 12 bytes whatever they are, so negotiation
+    and every result stay the same on every rank, and each report keeps its
+    rank's own window."""
+    ranks = run_ranks(3, """
+        window, threshold = ["2", "5", "50"][int(os.environ["RINGREDUCE_RANK"])], ["off", "0.9", "10ms"][int(os.environ["RINGREDUCE_RANK"])]
+        os.environ["RINGREDUCE_STRAGGLER_WINDOW"], os.environ["RINGREDUCE_STRAGGLER_THRESHOLD"] = window, threshold
+        rr.init()
+        from ringreduce.engine import engine
+        out = []
+        for i in range(12):
+            h = engine().enqueue(f"t{i}", np.arange(5, dtype=np.float64) * (rr.rank() + 1) + i / 3, op="sum")
+            out.append(engine().wait(h).tobytes().hex())
+        report = rr.straggler_report()
+        result = dict(out=out, window=report["window"], threshold=report["threshold"], cycles=report["cycles"])
+    """, tmp_path, init=False, timeout=120)
+    assert ranks[0].result["out"] == ranks[1].result["out"] == ranks[2].result["out"]
+    assert [r.result["window"] for r in ranks] == [2, 5, 50]
+    assert [r.result["threshold"] for r in ranks] == ["off", "0.9", "10ms"]
+    assert ranks[0].result["cycles"] == 2 and ranks[1].result["cycles"] == 5 and ranks[2].result["cycles"] >= 10

@@ -71,7 +71,7 @@ class PodJob:
     nproc: int | None          # processes per pod the operator fixed; None: not fixed ("auto", ...)
     nproc_name: str            # the variable nproc came from, for messages
     host: str                  # the master pod's address
-    port: int                  # ringreduce's rendezvous port there
+    port: int | None           # ringreduce's rendezvous port there (None: a lone process of one pod, no rendezvous)
     secret: str | None
 
 
@@ -89,11 +89,12 @@ def started_by_torchrun(env) -> bool:
     return any(env.get(n, "") != "" for n in TORCHRUN_MARKERS) or any(k.startswith(TORCHRUN_PREFIX) for k in env)
 
 
-def pod_job(env) -> PodJob | None:
+def pod_job(env, need_port: bool = True) -> PodJob | None:
     """The pod's place in a PyTorchJob or TrainJob, or None where the
     environment is not such a pod (or is a process torchrun started).
     Raises, naming the variable, where it is such a pod but no fixed world
-    can come of it."""
+    can come of it. need_port False: a job of one pod needs no rendezvous
+    port (its lone process is a world of one), and gets port None."""
     if started_by_torchrun(env):
         return None
     nnodes_text = env.get("PET_NNODES", "")
@@ -144,8 +145,9 @@ def pod_job(env) -> PodJob | None:
     if not host:
         raise RingReduceError(f"{operator}: the pod has its node rank but no master address "
                               "(MASTER_ADDR or PET_MASTER_ADDR)")
-    return PodJob(operator, nnodes, node_rank, nproc, nproc_name, host.strip("[]"),
-                  rendezvous_port(env, port_name), env.get("RINGREDUCE_SECRET") or None)
+    port = rendezvous_port(env, port_name) if need_port or nnodes > 1 else None
+    return PodJob(operator, nnodes, node_rank, nproc, nproc_name, host.strip("[]"), port,
+                  env.get("RINGREDUCE_SECRET") or None)
 
 
 def rendezvous_port(env, torch_port_name: str) -> int:
@@ -169,7 +171,18 @@ def check_secret(job: PodJob) -> None:
     if job.nnodes > 1 and not job.secret:
         raise RingReduceError(
             f"{job.operator} of {job.nnodes} pods but RINGREDUCE_SECRET is not set: give every pod the same "
-            "secret from a Kubernetes Secret (env: valueFrom: secretKeyRef), see docs/ringrun.md")
+            "secret from a Kubernetes Secret (env: valueFrom: secretKeyRef), see docs/ringrun.md" + _not_a_pod(job))
+
+
+def _not_a_pod(job: PodJob) -> str:
+    """For an error read from MASTER_ADDR, RANK and WORLD_SIZE alone, which
+    any torch.distributed program (a notebook, a script of one's own) may
+    have set: what they were read as, and how to train without them."""
+    if job.nproc_name:  # PET_*: only an operator sets those
+        return ""
+    return (f" (read from MASTER_ADDR={job.host}, RANK={job.node_rank} and WORLD_SIZE={job.nnodes}, as a PyTorchJob "
+            "pod's; if these are your own torch.distributed variables, unset RANK and WORLD_SIZE for ringreduce "
+            "or set RINGREDUCE_RANK, RINGREDUCE_SIZE and RINGREDUCE_ADDR, or launch with ringrun -np N)")
 
 
 def addr_text(job: PodJob) -> str:
@@ -195,7 +208,7 @@ def lone_process(env) -> PodJob | None:
     """The pod of a process that is its pod's only one (rank node_rank of
     nnodes: world.discover), or None where the environment is not a
     PyTorchJob or TrainJob pod."""
-    job = pod_job(env)
+    job = pod_job(env, need_port=False)
     if job is None:
         return None
     if job.nproc is not None and job.nproc > 1:  # the operator meant nproc processes in this pod

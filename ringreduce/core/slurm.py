@@ -24,10 +24,24 @@ PORT_RANGE derived from SLURM_JOB_ID and SLURM_STEP_ID. Each rank reaches that
 node at its NodeAddr (`scontrol show node`, the address Slurm itself uses),
 else at its name.
 
-Job secret (the handshake's key, world.py): RINGREDUCE_SECRET if set (srun
-passes the environment to every task); else `step_secret`: HMAC-SHA256 of the
-job and step ids keyed by a user-private key file (KEY_FILE under $HOME, mode
-0600, made on first use). See docs/ringrun.md "Slurm" for the trust model.
+Job secret (the handshake's key, world.py): `step_secret`, HMAC-SHA256 of the
+job and step ids keyed by RINGREDUCE_SECRET if set (srun passes the
+environment to every task), else by a user-private key file (KEY_FILE under
+$HOME, mode 0600, made on first use). Either way each step has its own: two
+steps whose derived ports meet on one node (steps of one user's jobs, that
+user's RINGREDUCE_SECRET exported in every job) never pass each other's
+handshake, so no rank joins another step's world. See docs/ringrun.md
+"Slurm" for the trust model.
+
+Only the task srun started is that task: a process it starts (a
+subprocess.Popen of the training script, a forked worker) inherits the
+same SLURM_* variables but is no task of the step. The process that reads
+the step's world marks os.environ with CLAIM_ENV (job.step:pid); one that
+finds the mark of another pid for the same step is refused at once, naming
+the way to give it a world of its own, rather than waiting out
+RINGREDUCE_START_TIMEOUT for a rank 0 that is not there (or, a child of
+rank 0, listening for ranks that never come). A new srun step started from
+a task (nested srun) has another step id and is a task of that step.
 """
 from __future__ import annotations
 
@@ -53,6 +67,7 @@ PORT_RANGE = (PORT_BASE, PORT_BASE + PORT_SPAN - 1)
 MAX_NORMAL_STEP_ID = 0xFFFFFFF0
 
 KEY_FILE = os.path.join(".config", "ringreduce", "slurm.key")  # under $HOME
+CLAIM_ENV = "RINGREDUCE_SLURM_TASK"  # "job.step:pid" of the process that read the step's world
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -207,6 +222,20 @@ def _int(env, *names):
     return None
 
 
+def _check_not_inherited(env, rank) -> None:
+    """Refuses a process that inherited the environment of the srun task
+    that already read this step's world (CLAIM_ENV), being no task itself."""
+    claim = env.get(CLAIM_ENV, "")
+    step = f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', ''))}"
+    mark, _, pid = claim.rpartition(":")
+    if mark == step and pid != str(os.getpid()):
+        raise RingReduceError(
+            f"this process (pid {os.getpid()}) inherited the srun environment of rank {rank} of Slurm step {step}, "
+            f"which process {pid} already joined as rank {rank}: a process a task starts is no task of the step. "
+            "Give it a world of its own (RINGREDUCE_RANK=0 RINGREDUCE_SIZE=1 in its environment), or start it with "
+            "ringrun, or as a task of its own srun step")
+
+
 def step_world(env, secret: bytes | None, parse_addr) -> dict | None:
     """This srun task's world, as world.World's fields (rank, size, local_rank,
     local_size, addr, secret, extra), or None outside an srun step of more than
@@ -225,6 +254,7 @@ def step_world(env, secret: bytes | None, parse_addr) -> dict | None:
                                   "or use srun --mpi=pmi2/pmix (and mpi4py), or one srun task running ringrun -np N")
         return None
     rank = _int(env, "SLURM_PROCID")
+    _check_not_inherited(env, rank)
     missing = [n for n in ("SLURM_JOB_ID", "SLURM_LOCALID", "SLURM_NODEID") if env.get(n, "") == ""]
     nodelist_name = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_NODELIST") if env.get(n)), None)
     per_node_name = next((n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(n)), None)
@@ -269,5 +299,8 @@ def step_world(env, secret: bytes | None, parse_addr) -> dict | None:
             raise RingReduceError(f"rank {rank}: no job secret: RINGREDUCE_SECRET is not set and the key file "
                                   f"{key_file(home)} cannot be made or read ({exc}); set RINGREDUCE_SECRET "
                                   "(the same on every task)") from None
+    else:
+        secret = step_secret(secret, job, step)
+    env[CLAIM_ENV] = f"{job}.{step}:{os.getpid()}"  # inherited by every process this one starts
     return {"rank": rank, "size": size, "local_rank": local_rank, "local_size": per_node[node_id], "addr": addr,
             "secret": secret, "extra": {"slurm_job": job, "slurm_step": step, "nodes": nodes}}

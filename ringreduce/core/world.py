@@ -143,7 +143,8 @@ def discover(env=None) -> World:
                               "set RINGREDUCE_RANK on every rank too, or launch with ringrun -np N")
     pod = kubernetes.lone_process(env)  # a PyTorchJob or TrainJob pod's one process (not torchrun's)
     if pod is not None:
-        return World(pod.node_rank, pod.nnodes, 0, 1, (pod.host, pod.port), secret_bytes, config,
+        return World(pod.node_rank, pod.nnodes, 0, 1, None if pod.port is None else (pod.host, pod.port),
+                     secret_bytes, config,
                      f"{pod.operator} pod")
     for launcher, size_name, marker in _FOREIGN_LAUNCHERS:  # each process training alone would be silently wrong
         size = _env_int(env, size_name) if env.get(marker, "") != "" else None

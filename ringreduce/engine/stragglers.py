@@ -25,6 +25,9 @@ window (the last RINGREDUCE_STRAGGLER_WINDOW cycles, default 100):
 
     score(r) = min over ranks of mean busy / mean busy(r)
 
+(each mean busy time taken as at least MIN_BUSY, 1 ms: below it busy times
+are the engine's own overhead and timer noise, and a rank that spent a cycle
+all blocked, busy 0, would otherwise score every other rank 0),
 1.0 for the fastest rank, 0.5 for one that takes twice as long between two
 collectives as the fastest (after NVIDIA's resiliency extension's relative
 performance score; here measured by the engine, with no timer in the user's
@@ -71,6 +74,7 @@ _now = time.monotonic  # the rate limit's clock
 WIRE = struct.Struct("<III")  # age, period, blocked: microseconds, NONE when not known
 NONE = 0xFFFFFFFF
 _LONGEST = NONE - 1  # about 71 minutes
+MIN_BUSY = 1e-3  # seconds: the least mean busy time a score compares (shorter ones count as this)
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,15 @@ def _seconds(micros: int) -> float | None:
 
 
 def encode(report: tuple) -> bytes:
-    return WIRE.pack(*map(_micros, report))
+    """A period past the wire's longest (about 71 minutes) is sent as the
+    longest with its blocked time cut by as much: the receiver's busy time
+    (period less blocked) stays the rank's own, up to that longest."""
+    age, period, blocked = report
+    if period is not None and blocked is not None and period > _LONGEST / 1e6:
+        busy = max(period - blocked, 0.0)
+        period = _LONGEST / 1e6
+        blocked = max(period - busy, 0.0)
+    return WIRE.pack(_micros(age), _micros(period), _micros(blocked))
 
 
 def decode(blob, at: int) -> tuple:
@@ -261,11 +273,11 @@ class Tracker:
         last = last[ranks]
         lines = []
         if ranks:
-            mean_busy = np.nanmean(busy, axis=0)
+            mean_busy = np.maximum(np.nanmean(busy, axis=0), MIN_BUSY)
             fastest = mean_busy.min()
             medians, p90s = _percentiles(late, counts, (0.5, 0.9))
             for i, r in enumerate(ranks):
-                score = min(max(fastest / mean_busy[i], 0.0), 1.0) if mean_busy[i] > 0 else 1.0
+                score = min(max(fastest / mean_busy[i], 0.0), 1.0)
                 lines.append({"rank": r, "cycles": int(counts[i]), "last_fraction": float(last[i] / counts[i]),
                               "median_lateness": float(medians[i]), "p90_lateness": float(p90s[i]),
                               "score": float(score)})

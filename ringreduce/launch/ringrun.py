@@ -377,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--timeout {args.timeout:g} makes no sense: use seconds >= 0 (0: never time out)")
     if args.hosts and args.hostfile:
         parser.error("give -H or --hostfile, not both")
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if slurm.in_step(os.environ) and tasks.isdigit() and int(tasks) > 1:  # each task's ringrun: a world of its own
+        parser.error(f"ringrun is one of {tasks} tasks of an srun step (SLURM_STEP_NUM_TASKS={tasks}): each would "
+                     "start a world of its own. Start ringrun once (srun -n1 ringrun, or in the batch script), or "
+                     f"let srun start the ranks itself (srun -n N python train.py)")
     pod = None
     if args.hostfile:
         try:
