@@ -210,3 +210,39 @@ def test_a_joined_rank_stays_joined_while_the_others_disagree_among_themselves(t
     """, tmp_path, timeout=120)
     assert ranks[0].result[0] == "joined", ranks[0].result
     assert [r.result for r in ranks[1:]] == ["mismatch", "mismatch"]
+
+
+def test_adding_or_removing_a_process_set_beside_a_joined_rank_fails_naming_it_and_works_after_join(tmp_path):
+    # add_process_set and remove_process_set are passes of the world's ring that every rank must run: beside a
+    # joined rank they fail on the ranks that called them, saying which call and which rank joined; the joined
+    # rank stays joined, and once join() returns every rank adds and removes sets as before.
+    ranks = run_ranks(3, """
+        kept = rr.add_process_set([0, 2])
+        errors = []
+        if rr.rank() == 0:
+            last = rr.join()
+        else:
+            for call in (lambda: rr.add_process_set([1, 2]), lambda: rr.remove_process_set(kept)):
+                try:
+                    call()
+                    errors.append("ran")
+                except rr.MismatchError as e:
+                    errors.append(str(e))
+            ok = rr.allreduce(np.full(2, 3.0)).tolist()   # the world's ring still pairs: (3 + 3 + 0)
+            last = rr.join()
+        ps = rr.add_process_set([0, 1])
+        got = rr.allreduce(np.full(2, rr.rank() + 1.0), process_set=ps).tolist() if rr.rank() < 2 else None
+        removed = rr.remove_process_set(kept)
+        result = (errors, last, got, removed, ok if rr.rank() else None)
+    """, tmp_path, timeout=120)
+    for r in ranks:
+        errors, last, got, removed, ok = r.result
+        assert last in (1, 2) and removed is True, r.result
+        if r.rank < 2:
+            assert got == [3.0, 3.0], r.result
+        if r.rank == 0:
+            continue
+        assert ok == [6.0, 6.0], r.result
+        assert len(errors) == 2, errors
+        for what, e in zip(("add_process_set", "remove_process_set"), errors):
+            assert what in e and "rank(s) 0 have joined" in e, e

@@ -163,7 +163,17 @@ def _beside_joined(joined, heads):
     """What the ranks that have not joined asked for beside the joined ones:
     None for an allreduce they all agree on (it runs on the ring, the joined
     ranks adding zeros: Horovod's join, avg still dividing by every rank),
-    else the MismatchError those ranks raise (the joined ranks do nothing)."""
+    else the MismatchError those ranks raise (the joined ranks do nothing),
+    its .joined the joined ranks and .left those of them that have shut
+    down, for callers that name the operation in their own terms."""
+    problem = _problem_beside_joined(joined, heads)
+    if problem is not None:
+        problem.joined = list(joined)
+        problem.left = [r for r in joined if heads[r]["payload"][0] & LEFT]
+    return problem
+
+
+def _problem_beside_joined(joined, heads):
     live = [r for r in range(len(heads)) if r not in joined]
     left = [r for r in joined if heads[r]["payload"][0] & LEFT]
     kind = heads[live[0]]["kind"]
