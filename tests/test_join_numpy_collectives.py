@@ -345,3 +345,14 @@ def test_a_joined_member_waits_on_a_set_idle_past_the_timeout(tmp_path):
             rr.join()
     """, tmp_path, env={"RINGREDUCE_TIMEOUT": "2"}, timeout=120)
     assert ranks[1].result == [5.0, 5.0, 5.0]
+
+
+def test_a_process_sets_allreduce_beside_a_joined_member_over_mpi(tmp_path):
+    # Over MPI a set's ring is a split of the world's communicator; its serving pass waits there the same way.
+    results = _mpi_results(tmp_path, SET_BESIDE_JOINED, 4, {"HOG": "0", "RINGREDUCE_TIMEOUT": "20"})
+    for r, (got, errors, last, after) in enumerate(results):
+        assert last in (1, 2, 3) and (after == [6.0, 6.0] if r < 3 else after is None), (r, last, after)
+        if r in (1, 2):
+            assert got[0][0] == [5.0] * 5 and got[6][0] == [3.0] * 4 and got[8][0] == [30.0, 30.0], (r, got[:1])
+            assert "allgather cannot run while world rank(s) 0 have joined" in errors["allgather"], errors
+    assert results[1][0] == results[2][0]
