@@ -356,3 +356,25 @@ def test_a_process_sets_allreduce_beside_a_joined_member_over_mpi(tmp_path):
             assert got[0][0] == [5.0] * 5 and got[6][0] == [3.0] * 4 and got[8][0] == [30.0, 30.0], (r, got[:1])
             assert "allgather cannot run while world rank(s) 0 have joined" in errors["allgather"], errors
     assert results[1][0] == results[2][0]
+
+
+def test_a_process_sets_allreduce_beside_a_member_that_left_fails_naming_it(tmp_path):
+    # A member that shuts down (Engine.leave) serves its sets as a leaving one: no zeros stand in for it.
+    ranks = run_ranks(3, """
+        from ringreduce.engine import engine
+        ps = rr.add_process_set([0, 1])
+        if rr.rank() == 0:
+            engine().leave()
+            result = "left"
+        elif rr.rank() == 1:
+            try:
+                rr.allreduce(np.ones(3), process_set=ps)
+                result = "ran"
+            except rr.MismatchError as e:
+                result = str(e)
+            rr.join()
+        else:
+            result = rr.join()
+    """, tmp_path, timeout=60)
+    assert ranks[0].result == "left"
+    assert "allreduce cannot run: world rank(s) 0 have shut down" in ranks[1].result, ranks[1].result
