@@ -33,7 +33,10 @@ def refuse(kind: int, problem: Exception, process_set=None) -> None:
         with ring.lock:
             why = f"{REFUSED_PREFIX} {problem}"[:400].encode(errors="replace").decode()  # sendable whatever it holds
             head = header(kind, 0, 0, (), why)
-            agree(ring.comm.exchange_blobs(head, b""), head, (), KIND_NAMES[kind], ring)
+            blobs = ring.comm.exchange_blobs(head, b"")
+            while voided(blobs, ring):  # joined members stepped aside for their engines: again, with those
+                blobs = ring.comm.exchange_blobs(head, b"")
+            agree(blobs, head, (), KIND_NAMES[kind], ring)
     except (RingReduceError, TypeError, ValueError):
         pass  # not initialized, or the others refused too, or a peer is lost: this rank's own error says most
 
