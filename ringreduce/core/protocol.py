@@ -95,7 +95,8 @@ def parse(blob: bytes) -> dict:
     at += nlen
     described = blob[at:at + dlen].decode(errors="replace")
     return {"kind": kind, "op": op, "dtype": described, "code": dtype, "root": root, "shape": shape, "name": name,
-            "splits": splits, "inline": bool(inline & 1), "device": bool(inline & 2), "engine": bool(inline & ENGINE_RUN),
+            "splits": splits, "inline": bool(inline & 1), "device": bool(inline & 2),
+            "engine": bool(inline & ENGINE_RUN),
             "payload": memoryview(blob)[at + dlen:]}
 
 
