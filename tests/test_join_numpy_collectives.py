@@ -300,9 +300,11 @@ result = (got, errors, last, after)
 """
 
 
-@pytest.mark.parametrize("hog", [False, True])
-def test_a_process_sets_collectives_beside_a_joined_member_go_on_as_the_worlds(tmp_path, hog):
-    ranks = run_ranks(4, SET_BESIDE_JOINED, tmp_path, env={"HOG": "1" if hog else "0"}, timeout=180)
+# (the set's passes meet in its host arena, or around its ring without one)
+@pytest.mark.parametrize("hog,arena", [(False, True), (True, True), (False, False)])
+def test_a_process_sets_collectives_beside_a_joined_member_go_on_as_the_worlds(tmp_path, hog, arena):
+    env = {"HOG": "1" if hog else "0", **({} if arena else {"RINGREDUCE_ARENA_BYTES": "0"})}
+    ranks = run_ranks(4, SET_BESIDE_JOINED, tmp_path, env=env, timeout=180)
     live = {1: 2.0, 2: 3.0}   # me + 1 on the set's live members; rank 0 adds zeros (the op's identity)
     for r in ranks:
         got, errors, last, after = r.result
