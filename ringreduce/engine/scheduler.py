@@ -23,9 +23,10 @@ buckets of their own.
 
 A rank that calls join() goes on negotiating with nothing of its own: it
 adds zeros to every allreduce the others run, through their engines or
-directly with rr.allreduce (protocol.negotiation_pass), so avg still
-divides by every rank, as Horovod's, until every rank has joined; then
-join() returns the rank that joined last, on every rank.
+directly with rr.allreduce (protocol.negotiation_pass; on the rings of its
+process sets, _serve_set), so avg still divides by every rank, as
+Horovod's, until every rank has joined; then join() returns the rank that
+joined last, on every rank.
 
 Framework-free: the TensorFlow layer calls only enqueue, wait, withdraw,
 refuse (a bad argument it found itself, so the other ranks fail at once
