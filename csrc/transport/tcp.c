@@ -469,12 +469,14 @@ static void tcp_set_timeout(rr_transport *base, double timeout_s)
 }
 
 static const rr_transport_ops tcp_ops = {
-    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align, .set_timeout = tcp_set_timeout,
+    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align,
+    .set_timeout = tcp_set_timeout,
     .stalled = tcp_stalled,
 };
 /* Both links through shared memory: the ring may also reduce in the mappings. */
 static const rr_transport_ops tcp_shm_ops = {
-    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align, .set_timeout = tcp_set_timeout,
+    .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align,
+    .set_timeout = tcp_set_timeout,
     .stalled = tcp_stalled,
     .rx_window = tcp_rx_window, .rx_consume = tcp_rx_consume, .tx_window = tcp_tx_window,
     .tx_commit = tcp_tx_commit, .wait = tcp_wait, .wait_drained = tcp_wait_drained,
