@@ -210,3 +210,173 @@ def test_a_joined_rank_stays_joined_while_the_others_disagree_among_themselves(t
     """, tmp_path, timeout=120)
     assert ranks[0].result[0] == "joined", ranks[0].result
     assert [r.result for r in ranks[1:]] == ["mismatch", "mismatch"]
+
+
+def test_adding_or_removing_a_process_set_beside_a_joined_rank_fails_naming_it_and_works_after_join(tmp_path):
+    # add_process_set and remove_process_set are passes of the world's ring that every rank must run: beside a
+    # joined rank they fail on the ranks that called them, saying which call and which rank joined; the joined
+    # rank stays joined, and once join() returns every rank adds and removes sets as before.
+    ranks = run_ranks(3, """
+        kept = rr.add_process_set([0, 2])
+        errors = []
+        if rr.rank() == 0:
+            last = rr.join()
+        else:
+            for call in (lambda: rr.add_process_set([1, 2]), lambda: rr.remove_process_set(kept)):
+                try:
+                    call()
+                    errors.append("ran")
+                except rr.MismatchError as e:
+                    errors.append(str(e))
+            ok = rr.allreduce(np.full(2, 3.0)).tolist()   # the world's ring still pairs: (3 + 3 + 0)
+            last = rr.join()
+        ps = rr.add_process_set([0, 1])
+        got = rr.allreduce(np.full(2, rr.rank() + 1.0), process_set=ps).tolist() if rr.rank() < 2 else None
+        removed = rr.remove_process_set(kept)
+        result = (errors, last, got, removed, ok if rr.rank() else None)
+    """, tmp_path, timeout=120)
+    for r in ranks:
+        errors, last, got, removed, ok = r.result
+        assert last in (1, 2) and removed is True, r.result
+        if r.rank < 2:
+            assert got == [3.0, 3.0], r.result
+        if r.rank == 0:
+            continue
+        assert ok == [6.0, 6.0], r.result
+        assert len(errors) == 2, errors
+        for what, e in zip(("add_process_set", "remove_process_set"), errors):
+            assert what in e and "rank(s) 0 have joined" in e, e
+
+
+SET_BESIDE_JOINED = """
+import time
+from ringreduce.engine import engine
+ps = rr.add_process_set([0, 1, 2])              # rank 0 joins; ranks 1 and 2 go on in the set, rank 3 is outside it
+me = rr.rank()
+HOG = os.environ.get("HOG") == "1"
+if HOG:                                          # a CPU hog beside: the serving passes must not depend on timing
+    import multiprocessing
+    hog = multiprocessing.Process(target=lambda: [None for _ in iter(int, 1)], daemon=True)
+    hog.start()
+got, errors = [], {}
+if me == 0:
+    last = rr.join()
+else:
+    if me in (1, 2):
+        for i, (dt, count, op) in enumerate([("float32", 5, "sum"), ("float32", 5, "avg"), ("int64", 3, "sum"),
+                                              ("float64", 300_000, "avg"), ("float32", 7, "max"),
+                                              ("int32", 4, "min")]):
+            x = np.full(count, (me + 1) * (-1 if op == "max" else 1), dtype=dt)
+            got.append((rr.allreduce(x, op=op, name=f"s{i}", process_set=ps).tolist(), dt, count, op))
+        calls = {
+            "allgather": lambda: rr.allgather(np.ones((me, 2)), process_set=ps),
+            "broadcast": lambda: rr.broadcast(np.ones(3), root=1, process_set=ps),
+            "barrier": lambda: rr.barrier(process_set=ps),
+            "reduce_scatter": lambda: rr.reduce_scatter(np.ones(6), process_set=ps),
+            "alltoall": lambda: rr.alltoall(np.arange(6.0), process_set=ps),
+            "unlike allreduces": lambda: rr.allreduce(np.ones(3 + me), process_set=ps),
+        }
+        for what, call in calls.items():
+            try:
+                call()
+                errors[what] = "ran"
+            except rr.MismatchError as e:
+                errors[what] = str(e)
+        # the engine's allreduces on the set, plain and compressed, beside the joined member's engine
+        from ringreduce.compression import Int8
+        eng = engine()
+        got.append((eng.wait(eng.enqueue("e", np.full(4, float(me)), op="sum", process_set=ps)).tolist(),
+                    "engine", 4, "sum"))
+        got.append((eng.wait(eng.enqueue("c", np.full((16, 16), float(me), np.float32), op="avg",
+                                         process_set=ps, compression=Int8())).mean().tolist(), "int8", 1, "avg"))
+        got.append((rr.allreduce(np.full(2, 10.0 * me), process_set=ps).tolist(), "after", 2, "sum"))
+    # the world's ring still pairs (through the engine: rank 3's negotiates meanwhile, where a direct
+    # collective of its own would meet the others' engines)
+    world = engine().wait(engine().enqueue("w", np.full(2, float(me)), op="sum")).tolist()
+    got.append((world, "world", 2, "sum"))
+    last = rr.join()
+after = rr.allreduce(np.full(2, me + 1.0), process_set=ps).tolist() if me < 3 else None
+result = (got, errors, last, after)
+"""
+
+
+# (the set's passes meet in its host arena, or around its ring without one)
+@pytest.mark.parametrize("hog,arena", [(False, True), (True, True), (False, False)])
+def test_a_process_sets_collectives_beside_a_joined_member_go_on_as_the_worlds(tmp_path, hog, arena):
+    env = {"HOG": "1" if hog else "0", **({} if arena else {"RINGREDUCE_ARENA_BYTES": "0"})}
+    ranks = run_ranks(4, SET_BESIDE_JOINED, tmp_path, env=env, timeout=180)
+    live = {1: 2.0, 2: 3.0}   # me + 1 on the set's live members; rank 0 adds zeros (the op's identity)
+    for r in ranks:
+        got, errors, last, after = r.result
+        assert last in (1, 2, 3), r.result
+        if r.rank < 3:
+            assert after == [6.0, 6.0], (r.rank, after)   # 1 + 2 + 3 once everyone has returned from join
+        if r.rank in (1, 2):
+            want = {"s0": [5.0] * 5, "s1": [5.0 / 3] * 5, "s2": [5] * 3, "s3": [5.0 / 3] * 300_000,
+                    "s4": [-2.0] * 7, "s5": [2] * 4}
+            for i, (values, dt, count, op) in enumerate(got[:6]):
+                assert np.allclose(values, want[f"s{i}"], rtol=1e-6, atol=0), (r.rank, i, values[:3])
+            assert got[6][0] == [3.0] * 4, got[6]                   # 1 + 2 + 0 through the engine
+            assert abs(got[7][0] - 1.0) < 0.02, got[7]                # (1 + 2 + 0) / 3, int8-compressed
+            assert got[8][0] == [30.0, 30.0], got[8]
+            for what, e in errors.items():
+                if what == "unlike allreduces":
+                    assert "shape" in e and "world rank 1" in e and "world rank(s) 0" in e, e
+                else:
+                    assert f"{what} cannot run while world rank(s) 0 have joined" in e, (what, e)
+        if r.rank:
+            assert got[-1][0] == [6.0, 6.0], got[-1]                  # 1 + 2 + 3 + 0 on the world's ring
+    assert ranks[1].result[0] == ranks[2].result[0]                  # bit-identical on the set's live members
+
+
+def test_a_joined_member_waits_on_a_set_idle_past_the_timeout(tmp_path):
+    # The members with data run only world collectives for longer than RINGREDUCE_TIMEOUT before their next
+    # collective on the set: the joined member's serving pass on the set's ring waits for it, never timing out.
+    ranks = run_ranks(3, """
+        import time
+        ps = rr.add_process_set([0, 1])
+        if rr.rank() == 0:
+            rr.join()
+            result = None
+        else:
+            t = time.monotonic()
+            while time.monotonic() - t < 4:
+                rr.allreduce(np.ones(2))
+                time.sleep(0.1)
+            result = rr.allreduce(np.full(3, 5.0), process_set=ps).tolist() if rr.rank() == 1 else None
+            rr.join()
+    """, tmp_path, env={"RINGREDUCE_TIMEOUT": "2"}, timeout=120)
+    assert ranks[1].result == [5.0, 5.0, 5.0]
+
+
+def test_a_process_sets_allreduce_beside_a_joined_member_over_mpi(tmp_path):
+    # Over MPI a set's ring is a split of the world's communicator; its serving pass waits there the same way.
+    results = _mpi_results(tmp_path, SET_BESIDE_JOINED, 4, {"HOG": "0", "RINGREDUCE_TIMEOUT": "20"})
+    for r, (got, errors, last, after) in enumerate(results):
+        assert last in (1, 2, 3) and (after == [6.0, 6.0] if r < 3 else after is None), (r, last, after)
+        if r in (1, 2):
+            assert got[0][0] == [5.0] * 5 and got[6][0] == [3.0] * 4 and got[8][0] == [30.0, 30.0], (r, got[:1])
+            assert "allgather cannot run while world rank(s) 0 have joined" in errors["allgather"], errors
+    assert results[1][0] == results[2][0]
+
+
+def test_a_process_sets_allreduce_beside_a_member_that_left_fails_naming_it(tmp_path):
+    # A member that shuts down (Engine.leave) serves its sets as a leaving one: no zeros stand in for it.
+    ranks = run_ranks(3, """
+        from ringreduce.engine import engine
+        ps = rr.add_process_set([0, 1])
+        if rr.rank() == 0:
+            engine().leave()
+            result = "left"
+        elif rr.rank() == 1:
+            try:
+                rr.allreduce(np.ones(3), process_set=ps)
+                result = "ran"
+            except rr.MismatchError as e:
+                result = str(e)
+            rr.join()
+        else:
+            result = rr.join()
+    """, tmp_path, timeout=60)
+    assert ranks[0].result == "left"
+    assert "allreduce cannot run: world rank(s) 0 have shut down" in ranks[1].result, ranks[1].result

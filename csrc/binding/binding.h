@@ -123,6 +123,7 @@ int Comm_init(CommObject *self, PyObject *args, PyObject *kw);
 void Comm_dealloc(CommObject *self);
 PyObject *Comm_close(CommObject *self, PyObject *ignored);
 PyObject *Comm_interrupt(CommObject *self, PyObject *ignored);
+PyObject *Comm_set_timeout(CommObject *self, PyObject *args);
 PyObject *Comm_get_busy(CommObject *self, void *closure);
 PyObject *Comm_get_broken(CommObject *self, void *closure);
 /* collectives.c */

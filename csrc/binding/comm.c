@@ -157,6 +157,17 @@ PyObject *Comm_close(CommObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* set_timeout(seconds): how long this rank's later waits may see no
+ * progress (inf: for ever); called between operations, under the ring's lock. */
+PyObject *Comm_set_timeout(CommObject *self, PyObject *args)
+{
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "d", &timeout_s)) return NULL;
+    rr_transport *t = self->ring ? self->ring->transport : NULL;
+    if (t && t->ops->set_timeout) t->ops->set_timeout(t, timeout_s);
+    Py_RETURN_NONE;
+}
+
 PyObject *Comm_interrupt(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     atomic_store(&self->stop_requested, 1);

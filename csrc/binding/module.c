@@ -72,6 +72,8 @@ static PyMethodDef Comm_methods[] = {
      "use_arena(on): small operations through the attached arena or around the ring (all ranks alike); "
      "on may name how the arena reduces (host_arena.h's rr_arena_mode: 1 auto, 2 copy, 3 direct, 4 split)"},
     {"close", (PyCFunction)Comm_close, METH_NOARGS, "say goodbye to the peers and free everything"},
+    {"set_timeout", (PyCFunction)Comm_set_timeout, METH_VARARGS,
+     "set_timeout(seconds): how long later waits may see no progress before a peer is silent (inf: never)"},
     {"interrupt", (PyCFunction)Comm_interrupt, METH_NOARGS,
      "from any thread: the running operation (and every later one) fails, and the peers learn this rank left"},
     {NULL, NULL, 0, NULL},

@@ -483,9 +483,14 @@ static int mpi_stalled(rr_transport *base, int waited_on, long long waited_ms, i
     return RR_OK;
 }
 
+static void mpi_set_timeout(rr_transport *base, double timeout_s)
+{
+    ((mpi_transport *)base)->timeout_s = timeout_s;
+}
+
 static const rr_transport_ops mpi_ops = {
     .exchange = mpi_exchange, .abort = mpi_abort, .destroy = mpi_destroy, .sendrecv = mpi_sendrecv,
-    .stalled = mpi_stalled};
+    .stalled = mpi_stalled, .set_timeout = mpi_set_timeout};
 
 rr_transport *rr_mpi_create(MPI_Comm comm, double timeout_s, const int *pids)
 {

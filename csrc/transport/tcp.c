@@ -460,13 +460,23 @@ static int tcp_stalled(rr_transport *base, int waited_on, long long waited_ms, i
     return RR_OK;
 }
 
+static void tcp_set_timeout(rr_transport *base, double timeout_s)
+{
+    tcp_transport *t = (tcp_transport *)base;
+    /* !(x <= max) also holds for +inf and NaN. */
+    if (!(timeout_s <= MAX_TIMEOUT_S)) t->timeout_ms = -1;
+    else t->timeout_ms = timeout_s * 1000.0 < 1.0 ? 1 : (int64_t)(timeout_s * 1000.0);
+}
+
 static const rr_transport_ops tcp_ops = {
     .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align,
+    .set_timeout = tcp_set_timeout,
     .stalled = tcp_stalled,
 };
 /* Both links through shared memory: the ring may also reduce in the mappings. */
 static const rr_transport_ops tcp_shm_ops = {
     .exchange = tcp_exchange, .abort = tcp_abort, .destroy = tcp_destroy, .begin = tcp_begin, .align = tcp_align,
+    .set_timeout = tcp_set_timeout,
     .stalled = tcp_stalled,
     .rx_window = tcp_rx_window, .rx_consume = tcp_rx_consume, .tx_window = tcp_tx_window,
     .tx_commit = tcp_tx_commit, .wait = tcp_wait, .wait_drained = tcp_wait_drained,
@@ -495,9 +505,7 @@ rr_transport *rr_tcp_create(int rank, int size, int next_fd, int prev_fd,
     t->next_fd = next_fd;
     t->prev_fd = prev_fd;
     t->star = star;
-    /* !(x <= max) also holds for +inf and NaN. */
-    if (!(timeout_s <= MAX_TIMEOUT_S)) t->timeout_ms = -1;
-    else t->timeout_ms = timeout_s * 1000.0 < 1.0 ? 1 : (int64_t)(timeout_s * 1000.0);
+    tcp_set_timeout(&t->base, timeout_s);
     t->spin_limit = spin_rounds > 0 ? spin_rounds : 0;
     t->tx_most = SIZE_MAX;
     int ok = 1;

@@ -59,6 +59,11 @@ typedef struct rr_transport_ops {
      * it there, see rr_shm_link_align_tx). */
     void (*align)(rr_transport *t);
 
+    /* Optional (NULL: the timeout stays). How long a wait may see no
+     * progress before the peer is judged silent, from the next wait on;
+     * inf: never (a dead peer is still seen). Between operations only. */
+    void (*set_timeout)(rr_transport *t, double timeout_s);
+
     /* Optional zero copy, for a transport whose both links are memory the
      * ring can address (shared-memory links); all five or none. The ring
      * then reduces straight out of the receive window and into the send

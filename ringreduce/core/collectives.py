@@ -20,7 +20,7 @@ from .listeners import collective as _reported  # each call's time and error, to
 from .communicator import MAX_PLANS, Plan, Ring, communicator, current as _state  # noqa: F401  (Ring: callers)
 from .process_sets import lookup, ring_of
 from .protocol import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES, REDUCE_SCATTER,
-                       REFUSED_PREFIX, agree, all_inline, exchange, header, parse, payloads)
+                       REFUSED_PREFIX, agree, all_inline, exchange, header, marks, parse, payloads, voided)
 
 
 def refuse(kind: int, problem: Exception, process_set=None) -> None:
@@ -34,7 +34,10 @@ def refuse(kind: int, problem: Exception, process_set=None) -> None:
         with ring.lock:
             why = f"{REFUSED_PREFIX} {problem}"[:400].encode(errors="replace").decode()  # sendable whatever it holds
             head = header(kind, 0, 0, (), why)
-            agree(ring.comm.exchange_blobs(head, b""), head, (), KIND_NAMES[kind], ring)
+            blobs = ring.comm.exchange_blobs(head, b"")
+            while voided(blobs, ring):  # joined members stepped aside for their engines: again, with those
+                blobs = ring.comm.exchange_blobs(head, b"")
+            agree(blobs, head, (), KIND_NAMES[kind], ring)
     except (RingReduceError, TypeError, ValueError):
         pass  # not initialized, or the others refused too, or a peer is lost: this rank's own error says most
 
@@ -72,7 +75,7 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
         dtype = x.dtype
         try:
             ring = _state.ring if process_set is None else ring_of(process_set)
-            plan = ring.plans.get((x.shape, dtype, op, name))
+            plan = ring.plans.get((x.shape, dtype, op, name, marks.engine))  # the engine's headers are marked
         except Exception:  # not initialized, a bad process set or an unhashable op: the checked path says so
             plan = None
         if plan is not None and plan.rounds == ring.comm.small_rounds:
@@ -89,7 +92,9 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
                     if blobs is None:  # every header the same: reduced in that pass
                         return dst
                     if blobs is not NotImplemented:  # headers differ: a mismatch, or a rank that takes the ring
-                        return _allreduce_unlike(blobs, plan.head, ring, x, dst, out, plan.code, plan.opc)
+                        return _allreduce_unlike(blobs, plan.head, ring, x, dst, out, plan.code, plan.opc,
+                                                 lambda: ring.comm.try_allreduce_small(plan.head, x, dst, plan.code,
+                                                                                       plan.opc))
     return allreduce_checked(x, op, out, name, process_set)
 
 
@@ -135,19 +140,27 @@ def allreduce_checked(x, op, out, name, process_set):
                 if not raw and rounds is not None and type(name) in (str, type(None)):
                     if len(ring.plans) >= MAX_PLANS:
                         ring.plans.clear()
-                    ring.plans[(x.shape, x.dtype, op, name)] = Plan(head, x.shape, code, opc, rounds)
+                    ring.plans[(x.shape, x.dtype, op, name, marks.engine)] = Plan(head, x.shape, code, opc, rounds)
                 return dst if out is None or dst is out else deliver(dst, out)
-            return _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc)
+            return _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc,
+                                     lambda: ring.comm.allreduce_small(head, as_bytes(src) if raw else src,
+                                                                       as_bytes(dst) if raw else dst, code, opc))
         blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
         return _allreduce_ring(blobs, ring, src, dst, out, code, opc)
 
 
-def _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc):
+def _allreduce_unlike(blobs, head, ring, src, dst, out, code, opc, again):
     """A small allreduce's headers differed: MismatchError on every rank, or,
     when only the path differs (RINGREDUCE_SMALL_BYTES differs between ranks)
     or the others are joined ranks' negotiation (rr.join: protocol.agree), the
-    ring, as every rank takes it. src and dst are C-contiguous; called with the
-    lock held."""
+    ring, as every rank takes it. A pass that joined members stepped aside
+    from (protocol.voided: the engine's allreduce) runs again (again(): the
+    same small pass), with their engines. src and dst are C-contiguous;
+    called with the lock held."""
+    while voided(blobs, ring):
+        blobs = again()
+        if blobs is None:  # every header the same: reduced in that pass
+            return dst if out is None or dst is out else deliver(dst, out)
     agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
     return _allreduce_ring(blobs, ring, src, dst, out, code, opc)
 

@@ -23,6 +23,7 @@ import re
 import numpy as np
 
 from .. import _core
+from ..errors import MismatchError
 from . import mpi_backend, shm as _shm, traffic as _traffic, world as _world
 from .arrays import DTYPES
 from .communicator import Ring, current as _state
@@ -108,7 +109,6 @@ def add_process_set(process_set) -> ProcessSet:
         except ValueError as exc:
             problem = str(exc)
         ranks = ps.ranks if ps is not None and problem is None else None
-        _generation += 1
         sockets = _state.world.source != "MPI communicator"
         listener = None
         if ranks is not None and sockets and ring.rank in ranks and len(ranks) > 1:
@@ -118,7 +118,8 @@ def add_process_set(process_set) -> ProcessSet:
                 ranks, problem = None, f"cannot listen for the set's ring: {exc}"
         try:
             offers = _agree({"ranks": ranks, "error": problem, "port": listener.port if listener else None},
-                            "ringreduce.add_process_set")
+                            "ringreduce.add_process_set", "add_process_set")
+            _generation += 1  # counted once every rank has run this pass: a rank that joined (rr.join) ran none
             _check_offers(offers, "add_process_set")
             set_id = min(set(range(1, len(_state.sets) + 2)) - set(_state.sets))
             comm, links, failure = None, None, None
@@ -130,7 +131,7 @@ def add_process_set(process_set) -> ProcessSet:
             if listener is not None:
                 listener.close()  # connect_subring closed it already, unless it never ran (closing twice is fine)
         # Added everywhere or nowhere: every rank learns whether every member made its ring.
-        outcome = _agree({"error": failure}, "ringreduce.add_process_set.done")
+        outcome = _agree({"error": failure}, "ringreduce.add_process_set.done", "add_process_set")
         failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcome) if o.get("error")]
         if failed:
             if comm is not None:
@@ -162,7 +163,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         elif set_id not in _state.sets or _state.sets[set_id].ranks != process_set.ranks:
             problem = f"{process_set} is not a registered process set"
         offers = _agree({"ranks": str(process_set) if problem is None else None, "error": problem},
-                        "ringreduce.remove_process_set")
+                        "ringreduce.remove_process_set", "remove_process_set")
         _check_offers(offers, "remove_process_set")
         ring = _state.sets.pop(set_id)
         if ring.comm is not None:
@@ -242,13 +243,26 @@ def _invalid(ps: ProcessSet, size: int) -> str | None:
     return None
 
 
-def _agree(obj: dict, name: str) -> list:
+def _agree(obj: dict, name: str, what: str) -> list:
     """Every world rank's obj, in rank order: one header pass of the world's
     ring, which fails with MismatchError on every rank if a rank runs another
-    collective meanwhile."""
+    collective meanwhile. Beside ranks that have joined (rr.join), which run
+    no such pass until join() returns, it fails on the ranks that called it,
+    naming `what` and the joined ranks; the joined ranks stay joined and hold
+    the same registry of sets as before (nothing was added or removed)."""
     data = json.dumps(obj).encode()
     head = header(ALLGATHER, 0, DTYPES[np.dtype(np.uint8)], (len(data),), name, inline=True)
-    blobs = exchange(head, data, ("dtype", "trailing", "name"), name)
+    try:
+        blobs = exchange(head, data, ("dtype", "trailing", "name"), name)
+    except MismatchError as exc:
+        joined, left = getattr(exc, "joined", None), getattr(exc, "left", None)
+        if left:
+            raise MismatchError(f"{what} cannot run: rank(s) {', '.join(map(str, left))} have shut down") from None
+        if joined:
+            raise MismatchError(f"{what} cannot run while rank(s) {', '.join(map(str, joined))} have joined "
+                                "(rr.join): every rank adds and removes process sets alike, before join() or "
+                                "once it has returned") from None
+        raise
     return [json.loads(bytes(parse(b)["payload"])) for b in blobs]
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import struct
+import threading
 
 import numpy as np
 
@@ -40,13 +42,30 @@ MAGIC = b"RRH3"
 _KIND_AT = 8  # the kind's byte in a header (after magic and generation)
 
 
+class _Marks(threading.local):
+    engine = False  # this thread is the engine's (mark_engine_thread)
+
+
+marks = _Marks()
+ENGINE_RUN = 4  # the inline byte's bit 2: the engine's thread runs this collective, negotiated beforehand
+
+
+def mark_engine_thread() -> None:
+    """The calling thread is the engine's: the collectives it runs carry the
+    engine's mark in their headers (ENGINE_RUN). A joined member's serving
+    pass on a process set's ring (serve_beside_join) that meets them steps
+    aside for that rank's engine, which runs its stand-ins for them."""
+    marks.engine = True
+
+
 def header(kind, op, dtype, shape, name, root=0, inline=False, descr=None, splits=(), device=False) -> bytes:
     """descr: the numpy dtype; None takes the name of code `dtype`. device: this
     rank runs the operation on a device (the inline byte's bit 1). It changes
     nothing on the wire: a device rank runs the host ring on a pinned mirror
-    (csrc/schedule/ring.c, the staged path), with the same paths and byte order."""
-    return _header_of(_state.generation, kind, op, dtype, shape, name, root, int(inline) | (2 if device else 0),
-                      descr, splits)
+    (csrc/schedule/ring.c, the staged path), with the same paths and byte order.
+    The engine's thread marks its headers (bit 2, mark_engine_thread)."""
+    return _header_of(_state.generation, kind, op, dtype, shape, name, root,
+                      int(inline) | (2 if device else 0) | (ENGINE_RUN if marks.engine else 0), descr, splits)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -77,6 +96,7 @@ def parse(blob: bytes) -> dict:
     described = blob[at:at + dlen].decode(errors="replace")
     return {"kind": kind, "op": op, "dtype": described, "code": dtype, "root": root, "shape": shape, "name": name,
             "splits": splits, "inline": bool(inline & 1), "device": bool(inline & 2),
+            "engine": bool(inline & ENGINE_RUN),
             "payload": memoryview(blob)[at + dlen:]}
 
 
@@ -125,15 +145,16 @@ def agree(blobs, head: bytes, fields, what, ring: Ring | None = None, beside_joi
     alike (all hold the same blobs). Headers that differ only in the inline
     flag (RINGREDUCE_SMALL_BYTES differs between ranks) agree: the caller
     then takes the ring, as every rank does. The communicator stays usable:
-    no data has moved. A pass that met joined ranks (rr.join) agrees only
+    no data has moved. A pass that met joined ranks (rr.join; on a set's
+    ring their serving passes, serve_beside_join) agrees only
     for an allreduce (beside_joined: the caller then runs the ring, the
     joined ranks adding zeros, _allreduce_beside_joined); anything else
     raises here on every rank that called it, and the joined ranks stay
     joined."""
     if "trailing" in fields or any(b[:len(head)] != head for b in blobs):
-        found = _joined_in(blobs) if ring is None or ring is _state.ring else None
+        found = _joined_in(blobs)
         if found is not None:
-            problem = _beside_joined(*found)
+            problem = _beside_joined(*found, _world_ranks(ring))
             if problem is not None:
                 raise problem
             if not beside_joined:  # every allreduce header is sent by a caller that runs the ring after it
@@ -159,29 +180,43 @@ def _joined_in(blobs):
     return joined, heads
 
 
-def _beside_joined(joined, heads):
+def _beside_joined(joined, heads, world=None):
     """What the ranks that have not joined asked for beside the joined ones:
     None for an allreduce they all agree on (it runs on the ring, the joined
     ranks adding zeros: Horovod's join, avg still dividing by every rank),
-    else the MismatchError those ranks raise (the joined ranks do nothing)."""
+    else the MismatchError those ranks raise (the joined ranks do nothing),
+    its .joined the joined ranks and .left those of them that have shut
+    down, for callers that name the operation in their own terms (world
+    ranks; world: a process set's world rank of each ring rank)."""
+    problem = _problem_beside_joined(joined, heads, world)
+    if problem is not None:
+        problem.joined = [r if world is None else world[r] for r in joined]
+        problem.left = [r if world is None else world[r] for r in joined if heads[r]["payload"][0] & LEFT]
+    return problem
+
+
+def _problem_beside_joined(joined, heads, world):
     live = [r for r in range(len(heads)) if r not in joined]
     left = [r for r in joined if heads[r]["payload"][0] & LEFT]
     kind = heads[live[0]]["kind"]
     what = KIND_NAMES[kind] if kind < len(KIND_NAMES) else f"collective {kind}"
-    whose = ", ".join(map(str, joined))
+    named = (lambda rs: "rank(s) " + ", ".join(map(str, rs))) if world is None else \
+        (lambda rs: "world rank(s) " + ", ".join(str(world[r]) for r in rs))
+    whose = named(joined)
     try:
         check_agreement([heads[r] for r in live], ("name",) if kind != ALLREDUCE else
-                        ("op", "dtype", "shape", "name"), what, [f"rank {r}" for r in live])
+                        ("op", "dtype", "shape", "name"), what,
+                        [f"rank {r}" if world is None else f"world rank {world[r]}" for r in live])
     except MismatchError as exc:
-        return MismatchError(f"{exc} (beside rank(s) {whose}, joined)")
+        return MismatchError(f"{exc} (beside {whose}, joined)")
     name = heads[live[0]]["name"]
     if left:
-        return MismatchError(f"{what} cannot run: rank(s) {', '.join(map(str, left))} have shut down")
+        return MismatchError(f"{what} cannot run: {named(left)} have shut down")
     if kind != ALLREDUCE:
-        return MismatchError(f"{what} cannot run while rank(s) {whose} have joined (rr.join): until every "
+        return MismatchError(f"{what} cannot run while {whose} have joined (rr.join): until every "
                              "rank has joined only allreduce goes on")
     if name.startswith((REFUSED_PREFIX, AUTOTUNE_PREFIX)):  # every live rank refused alike: nothing runs
-        return MismatchError(f"every rank with data refused this allreduce beside rank(s) {whose}, joined: {name}")
+        return MismatchError(f"every rank with data refused this allreduce beside {whose}, joined: {name}")
     return None
 
 
@@ -203,6 +238,57 @@ def negotiation_pass(head: bytes, blob: bytes):
         if _beside_joined(*found) is None:
             _allreduce_beside_joined(blobs, found[1][[r for r in range(len(blobs)) if r not in found[0]][0]], ring)
         return None
+
+
+def _world_ranks(ring: Ring | None) -> list | None:
+    """A process set's world rank of each of its ring ranks; None for the world's."""
+    return None if ring is None or ring is _state.ring else ring.ranks
+
+
+def voided(blobs, ring: Ring | None) -> bool:
+    """Whether this pass of a process set's ring paired the engine's
+    collective (headers marked ENGINE_RUN) with joined members' serving
+    passes: the pass is void on every rank alike, and the ranks with data
+    run it again, then meeting the joined members' engines, which run their
+    stand-ins for what the world's negotiation agreed (so a compressor's
+    several collectives take one path alike on every member)."""
+    if ring is None or ring is _state.ring or not any(len(b) > _KIND_AT and b[_KIND_AT] == NEGOTIATE for b in blobs):
+        return False
+    found = _joined_in(blobs)
+    return found is not None and all(h["engine"] for r, h in enumerate(found[1]) if r not in found[0])
+
+
+SERVED, REFUSED, STEPPED_ASIDE, ALL_JOINED = "served", "refused", "stepped aside", "all joined"
+JOINED_NAME = "ringreduce.joined"  # the name of a joined member's serving pass on a process set's ring
+
+
+def serve_beside_join(ring: Ring, timeout: float, left: bool = False) -> str:
+    """One serving pass of a joined member (rr.join) on a process set's ring:
+    it waits, for as long as it takes (the members with data may run no
+    collective on the set for a long time), for the others' next collective
+    on the set, then does there what a joined rank does on the world's ring:
+    an allreduce goes on with this rank's zeros (_allreduce_beside_joined:
+    SERVED), anything else raises on the members that called it (REFUSED).
+    STEPPED_ASIDE: the engine's collective met it, which this rank's engine
+    runs (voided). ALL_JOINED: every member's serving pass met; the caller
+    stops serving. timeout: RINGREDUCE_TIMEOUT, what every later wait is
+    held to again, the allreduce's ring steps too."""
+    head = header(NEGOTIATE, 0, 0, (), JOINED_NAME)
+    with ring.lock:
+        ring.comm.set_timeout(math.inf)
+        try:
+            blobs = ring.comm.exchange_blobs(head, bytes([JOINED | (LEFT if left else 0)]))
+        finally:
+            ring.comm.set_timeout(timeout)
+        found = _joined_in(blobs)
+        if found is None:
+            return ALL_JOINED if all(b[:len(head)] == head for b in blobs) else REFUSED
+        if voided(blobs, ring):
+            return STEPPED_ASIDE
+        if _beside_joined(*found, ring.ranks) is not None:
+            return REFUSED
+        _allreduce_beside_joined(blobs, found[1][[r for r in range(len(blobs)) if r not in found[0]][0]], ring)
+        return SERVED
 
 
 def _allreduce_beside_joined(blobs, live, ring) -> None:
@@ -241,7 +327,10 @@ def exchange(head: bytes, data, fields, what, ring: Ring | None = None, beside_j
     beside_joined: the caller is an allreduce that runs the ring next (agree)."""
     held = ring if ring is not None else _state.ring
     with held.lock if held is not None else contextlib.nullcontext():
-        blobs = (_state.usable_comm() if ring is None or ring is _state.ring else ring.comm).exchange_blobs(head, data)
+        comm = _state.usable_comm() if ring is None or ring is _state.ring else ring.comm
+        blobs = comm.exchange_blobs(head, data)
+        while voided(blobs, ring):  # joined members' engines run it: again, with them
+            blobs = comm.exchange_blobs(head, data)
     agree(blobs, head, fields, what, ring, beside_joined)
     return blobs
 

@@ -23,9 +23,10 @@ buckets of their own.
 
 A rank that calls join() goes on negotiating with nothing of its own: it
 adds zeros to every allreduce the others run, through their engines or
-directly with rr.allreduce (protocol.negotiation_pass), so avg still
-divides by every rank, as Horovod's, until every rank has joined; then
-join() returns the rank that joined last, on every rank.
+directly with rr.allreduce (protocol.negotiation_pass; on the rings of its
+process sets, _serve_set), so avg still divides by every rank, as
+Horovod's, until every rank has joined; then join() returns the rank that
+joined last, on every rank.
 
 Framework-free: the TensorFlow layer calls only enqueue, wait, withdraw,
 refuse (a bad argument it found itself, so the other ranks fail at once
@@ -46,7 +47,9 @@ from ..core import autotune as _autotune, flight_recorder
 from ..core.arrays import DTYPES, HostArrays, arrays_for, op_code
 from ..core import listeners as _listeners
 from ..core.collectives import record_phases
+from ..core.communicator import communicator
 from ..core.process_sets import ring_of
+from ..core.protocol import ALL_JOINED, STEPPED_ASIDE, mark_engine_thread, serve_beside_join
 from ..core.config import Config
 from ..errors import MismatchError, RingReduceError, WithdrawnError
 from .negotiation import DTYPE, KIND, NAME, OP, PROCESS_SET, SHAPE, Negotiator
@@ -164,6 +167,10 @@ class Engine:
         self._in_cycle: set[int] = set()
         self._cycle_over = threading.Event()
         self._stand_in_compressors: dict = {}  # compressor tag -> what a joined rank reduces its zeros with
+        # While this rank has joined, a thread per process set it is a member of serves the set's ring
+        # (_serve_set); _set_runs counts, per set, the cycles whose stand-ins this engine ran on it.
+        self._set_cond = threading.Condition()
+        self._set_runs: dict[int, int] = {}
         self._cycle_stats = CycleStats()
         self._thread = threading.Thread(target=self._loop, name="ringreduce-engine", daemon=True)
         self._thread.start()
@@ -328,6 +335,7 @@ class Engine:
             if self._joining is not None:
                 raise RuntimeError("join() is already waiting on this rank")
             done = self._joining = threading.Event()
+            servers = self._serve_sets()  # before this rank's first pass as a joined one
             self._cond.notify()
         done.wait()
         with self._cond:
@@ -336,7 +344,48 @@ class Engine:
             if self._join_error is not None:
                 exc, self._join_error = self._join_error, None
                 raise exc
-            return self._last_joined
+        for t in servers:  # every member has joined too: their serving passes meet, and each ends
+            t.join()
+        return self._last_joined
+
+    def _serve_sets(self) -> list:
+        """A joined rank's presence on the rings of its process sets: a
+        direct collective of the members with data on such a set meets it
+        there (core.protocol.serve_beside_join), as one on the world's ring
+        meets this rank's negotiation: an allreduce goes on with this rank's
+        zeros, anything else raises on its callers, and no caller waits for
+        a rank that will never come."""
+        comm = communicator()
+        timeout, left = comm.world.config.ring_timeout, self._leaving
+        servers = []
+        for set_id, ring in list(comm.sets.items()):
+            if ring.comm is not None and ring.rank >= 0 and ring.size > 1:
+                t = threading.Thread(target=self._serve_set, args=(set_id, ring, timeout, left),
+                                     name=f"ringreduce-joined-set{set_id}", daemon=True)
+                t.start()
+                servers.append(t)
+        return servers
+
+    def _serve_set(self, set_id: int, ring, timeout: float, left: bool) -> None:
+        """Serving passes on one set's ring until every member's meet
+        (all have joined). A pass the engine's collective met (STEPPED_ASIDE)
+        leaves the ring to this rank's engine until it has run that cycle's
+        stand-ins on the set: the members with data run the pass again with it."""
+        try:
+            while True:
+                with self._set_cond:
+                    seen = self._set_runs.get(set_id, 0)
+                outcome = serve_beside_join(ring, timeout, left)
+                if outcome == ALL_JOINED:
+                    return
+                if outcome == STEPPED_ASIDE:
+                    with self._set_cond:
+                        while self._set_runs.get(set_id, 0) <= seen and self._error is None and not self._stop:
+                            self._set_cond.wait()
+                        if self._error is not None or self._stop:
+                            return
+        except RingReduceError:
+            return  # the set's ring is lost or closed: its members' own calls say why
 
     def leave(self) -> None:
         """This rank is shutting down (Horovod's shutdown): as join(), it
@@ -356,6 +405,8 @@ class Engine:
         with self._cond:
             self._stop = True
             self._cond.notify()
+        with self._set_cond:
+            self._set_cond.notify_all()
         self._thread.join(timeout=5)
         self.timeline.close()
         self.negotiator.stragglers.write()  # rank 0, into RINGREDUCE_REPORT_DIR (ringrun prints it)
@@ -369,6 +420,7 @@ class Engine:
     # -- the engine's side ---------------------------------------------------
 
     def _loop(self) -> None:
+        mark_engine_thread()
         while True:
             with self._cond:
                 while not self._pending and self._joining is None and not self._stop and not self._others_waiting:
@@ -394,6 +446,8 @@ class Engine:
                     self._pending.clear()
                     if self._joining is not None:
                         self._joining.set()
+                with self._set_cond:
+                    self._set_cond.notify_all()
                 return
 
     def _end_cycle(self) -> None:
@@ -445,6 +499,12 @@ class Engine:
         for h in handles:
             if h.kind != "allreduce":
                 self._run_one(h)
+        ran_on = {h.process_set for h in handles if h.process_set}
+        if ran_on:  # a joined member's serving pass that stepped aside for these goes on (_serve_set)
+            with self._set_cond:
+                for set_id in ran_on:
+                    self._set_runs[set_id] = self._set_runs.get(set_id, 0) + 1
+                self._set_cond.notify_all()
         if agreement.join_done is not None:
             with self._cond:
                 self._last_joined = agreement.join_done
