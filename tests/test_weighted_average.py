@@ -198,3 +198,159 @@ def test_bad_weights_raise_on_every_rank_naming_the_rank(world_pool):
             assert got["op"].startswith("MismatchError") and "rank 0" in got["op"]
         assert got["unweighted"].startswith("MismatchError"), got["unweighted"]
         assert got["after"] == [1.0, 1.0]  # a weighted mean of ones
+
+
+# --------------------------------------------------------------------------- TensorFlow
+
+TF_JOB = """
+import os
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf, keras
+import ringreduce.tensorflow as rrtf
+rrtf.init()
+n, r = rrtf.size(), rrtf.rank()
+b = [2, 5, 9][:n]                        # unequal local batches
+B = sum(b)
+rng = np.random.default_rng(7)
+X, Y = rng.standard_normal((B, 6)), rng.integers(0, 3, B)
+lo = sum(b[:r])
+xs, ys = X[lo:lo + b[r]], Y[lo:lo + b[r]]
+# the batch's mean, in the logits' dtype (Keras' losses compute in floatx, float32, whatever the model's)
+loss_fn = lambda y, logits: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+keras_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float64")
+out = {}
+
+def model_for(dtype):
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh", dtype=dtype),
+                             keras.layers.Dense(3, dtype=dtype)])
+
+def big_batch_grads(m):
+    with tf.GradientTape() as t:
+        loss = loss_fn(Y, m(X))
+    return [g.numpy() for g in t.gradient(loss, m.trainable_variables)]
+
+for dtype in ("float64", "float32"):
+    m = model_for(dtype)
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as t:
+            loss = loss_fn(y, m(x))
+        tape = rrtf.DistributedGradientTape(t, local_batch_size=tf.shape(x)[0])
+        return tape.gradient(loss, m.trainable_variables)
+    out["tape", dtype] = ([g.numpy() for g in step(tf.constant(xs, dtype), tf.constant(ys))], big_batch_grads(m))
+    plain = rrtf.DistributedGradientTape(tf.GradientTape(), local_batch_size=b[r])  # a number, eagerly
+    with plain as t:
+        loss = loss_fn(tf.constant(ys), m(tf.constant(xs, dtype)))
+    out["eager number", dtype] = ([g.numpy() for g in t.gradient(loss, m.trainable_variables)], big_batch_grads(m))
+
+# Keras fit with DistributedOptimizer: one SGD step (lr 1) on each rank's shard == one big-batch step.
+m = model_for("float64")
+before = [v.numpy() for v in m.trainable_variables]
+want = [w - g for w, g in zip(before, big_batch_grads(m))]
+opt = rrtf.DistributedOptimizer(keras.optimizers.SGD(1.0), local_batch_size=b[r])
+m.compile(optimizer=opt, loss=keras_loss)
+m.fit(xs, ys, batch_size=b[r], epochs=1, shuffle=False, verbose=0)
+out["fit"] = ([v.numpy() for v in m.trainable_variables], want)
+# The compiled step reads the weight at every step: equal weights now give the plain mean of the ranks' gradients.
+before = [v.numpy() for v in m.trainable_variables]
+with tf.GradientTape() as t:
+    loss = loss_fn(ys, m(xs))
+mine = [g.numpy() for g in t.gradient(loss, m.trainable_variables)]
+mean = [rr.allreduce(g, op="avg") for g in mine]
+opt.set_local_batch_size(1)
+m.fit(xs, ys, batch_size=b[r], epochs=1, shuffle=False, verbose=0)
+out["fit reweighted"] = ([v.numpy() for v in m.trainable_variables], [w - g for w, g in zip(before, mean)])
+
+# Sparse gradients (an embedding's IndexedSlices) and fp16 compression, weighted.
+keras.utils.set_random_seed(2)
+emb = keras.layers.Embedding(10, 4, dtype="float64")
+ids_all = rng.integers(0, 10, B)
+ids = ids_all[lo:lo + b[r]]
+emb.build((None,))
+def emb_loss(i):
+    return tf.reduce_mean(tf.reduce_sum(emb(i) ** 2, axis=1))
+with tf.GradientTape() as t:
+    loss = emb_loss(ids_all)
+want = tf.convert_to_tensor(t.gradient(loss, emb.trainable_variables)[0]).numpy()
+with rrtf.DistributedGradientTape(tf.GradientTape(), local_batch_size=b[r]) as t:
+    loss = emb_loss(ids)
+g = t.gradient(loss, emb.trainable_variables)[0]
+out["sparse"] = (isinstance(g, tf.IndexedSlices), tf.convert_to_tensor(g).numpy(), want)
+m = model_for("float32")
+with rrtf.DistributedGradientTape(tf.GradientTape(), local_batch_size=b[r], compression=rrtf.Compression.fp16) as t:
+    loss = loss_fn(ys, m(xs))
+out["fp16"] = ([g.numpy() for g in t.gradient(loss, m.trainable_variables)], big_batch_grads(m))
+
+# Bad weights fail the step on every rank, naming the rank; the ring goes on.
+def attempt(weight):
+    try:
+        with rrtf.DistributedGradientTape(tf.GradientTape(), local_batch_size=weight) as t:
+            loss = loss_fn(ys, m(xs))
+        t.gradient(loss, m.trainable_variables)
+        return "ok"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+out["negative"] = attempt([4, -3, 2][r])
+out["zero"] = attempt(0)
+out["after"] = attempt(b[r])
+try:
+    rrtf.DistributedOptimizer(keras.optimizers.SGD(1.0), op=rrtf.Sum, local_batch_size=3)
+except ValueError as e:
+    out["sum"] = str(e)
+unweighted = rrtf.DistributedOptimizer(keras.optimizers.SGD(1.0))
+m2 = model_for("float32")
+m2.compile(optimizer=unweighted, loss=keras_loss)
+m2.fit(xs[:2], ys[:2], batch_size=2, epochs=1, verbose=0)
+try:
+    unweighted.set_local_batch_size(3)
+except RuntimeError as e:
+    out["late"] = str(e)
+result = out
+"""
+
+
+def _close(got, want, rtol_eps, dtype):
+    """|got - want| <= k * eps(dtype) * (max |want| + 1), elementwise for each pair."""
+    eps = np.finfo(dtype).eps
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape
+        bound = rtol_eps * eps * (np.max(np.abs(w)) + 1.0)
+        assert np.max(np.abs(g - w)) <= bound, f"off by {np.max(np.abs(g - w))}, bound {bound}"
+
+
+@pytest.mark.slow
+def test_tensorflow_weighted_gradients_equal_one_big_batch(tmp_path):
+    """Unequal local batches (2, 5, 9 rows on 3 ranks), each rank's loss the
+    mean of its own batch: the weighted average equals the gradient of the
+    mean loss over all 16 rows, computed on one rank. Tolerance: 64 ulps of
+    the gradient's dtype times its largest element. Both sides sum at most
+    16 per-row terms (error within ~16 ulps each side, the big batch's in
+    one reduction, the weighted one in a local mean, one prescale rounding
+    and a 3-term ring sum), so 64 ulps leaves room while a wrong weight (the
+    plain mean of 2-, 5- and 9-row means differs by tens of percent) fails
+    by orders of magnitude."""
+    pytest.importorskip("tensorflow", reason="tensorflow-cpu not installed (pip install 'ringreduce[tf]')")
+    from ranks import run_ranks
+    ranks = run_ranks(3, TF_JOB, tmp_path, timeout=400, init=False)
+    for rk in ranks:
+        out = rk.result
+        for dtype in ("float64", "float32"):
+            _close(*out["tape", dtype], 64, dtype)
+            _close(*out["eager number", dtype], 64, dtype)
+        _close(*out["fit"], 64, "float64")
+        _close(*out["fit reweighted"], 64, "float64")
+        is_sparse, got, want = out["sparse"]
+        assert is_sparse
+        _close([got], [want], 64, "float64")
+        _close(*out["fp16"], 4, "float16")  # fp16 on the wire: a few float16 ulps
+        assert "rank 1 (-3.0)" in out["negative"], out["negative"]
+        assert "sum to 0" in out["zero"], out["zero"]
+        assert out["after"] == "ok"
+        assert "op=Average" in out["sum"]
+        assert "already reduced unweighted" in out["late"]
+    for rk in ranks[1:]:  # bit-identical everywhere
+        for k in ("tape", "float32"), "fit":
+            for a, b in zip(rk.result[k][0], ranks[0].result[k][0]):
+                assert np.array_equal(a, b)

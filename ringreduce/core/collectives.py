@@ -116,7 +116,7 @@ def weighted_dtypes(dtype: np.dtype) -> tuple[np.dtype, np.dtype]:
     return dtype, dtype
 
 
-def _weight_record(weight) -> np.ndarray:
+def weight_record(weight) -> np.ndarray:
     """This rank's weight as it travels: float64 [kind, value]. Raises
     TypeError for anything that is not a real number (bool included); the
     value's checks (negative, NaN, too large) are made on every rank from
@@ -175,7 +175,7 @@ def allreduce_weighted(x, weight, op="avg", out=None, name=None, process_set=Non
     does not: MismatchError on every rank (an allgather met an allreduce).
     Every check comes before data moves; the communicator stays usable."""
     try:
-        record = _weight_record(weight)
+        record = weight_record(weight)
         if op != "avg":
             raise ValueError(f"weight= takes op='avg' (the weighted mean), not op={op!r}")
         if type(x) is not np.ndarray:
