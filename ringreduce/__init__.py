@@ -5,7 +5,8 @@
     grads = rr.allreduce(grads, op="avg")
 
 Subpackages and submodules load on first use, as numpy's do:
-`rr.elastic.run`, `rr.compression.PowerSGD`, `rr.tensorflow` work without an
+`rr.elastic.run`, `rr.compression.PowerSGD`, `rr.balance.BatchBalancer`,
+`rr.tensorflow` work without an
 import of their own. `import ringreduce` itself never imports TensorFlow; only
 touching `rr.tensorflow` does.
 """
@@ -45,4 +46,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | {"compression", "elastic", "tensorflow"})
+    return sorted(set(globals()) | {"balance", "compression", "elastic", "tensorflow"})
