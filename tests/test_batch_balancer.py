@@ -138,3 +138,85 @@ def test_validation(world_pool):
         for key in ("negative seconds", "nan seconds", "too small", "bad shares", "bad smoothing"):
             assert out[key] != "ok", key
         assert out["unmeasured"] == (3, 3, 3)
+
+
+KERAS_FIT = """
+import os
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import time
+import tensorflow as tf, keras
+import ringreduce.tensorflow as rrtf
+from ringreduce.tensorflow.balance import BatchBalancer, fit
+rrtf.init()
+n, r = rrtf.size(), rrtf.rank()
+rng = np.random.default_rng(5)
+X, Y = rng.standard_normal((47, 5)), rng.integers(0, 3, 47)   # 47: an epoch's remainder rows are left out
+G = 10
+
+class Slow(keras.layers.Layer):
+    # sleeps 20 ms per row on rank 1 (an injected slowdown), passing its input through
+    def call(self, x):
+        if r != 1:
+            return x
+        pause = tf.numpy_function(lambda rows: np.float64(time.sleep(0.02 * rows) or 0.0), [tf.shape(x)[0]],
+                                  tf.float64, stateful=True)
+        pause.set_shape([])
+        return x + tf.cast(pause, x.dtype) * 0
+
+    def compute_output_shape(self, shape):
+        return shape
+
+def model(slow=False):
+    keras.utils.set_random_seed(4)
+    layers = [Slow(dtype="float64")] if slow else []
+    return keras.Sequential([keras.Input((5,))] + layers + [keras.layers.Dense(3, dtype="float64")])
+
+def reference(epochs):
+    # one process, SGD on the global batches in fit()'s order
+    m = model()
+    loss = lambda y, z: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, z))
+    for epoch in range(epochs):
+        order = np.random.default_rng([0, epoch]).permutation(len(X))
+        for k in range(len(X) // G):
+            rows = order[k * G:(k + 1) * G]
+            with tf.GradientTape() as t:
+                l = loss(Y[rows], m(X[rows]))
+            for v, g in zip(m.trainable_variables, t.gradient(l, m.trainable_variables)):
+                v.assign_sub(0.5 * g)
+    return [v.numpy() for v in m.trainable_variables]
+
+out = {}
+for label, kwargs in (("fixed", dict(every=1000, shares=[3, 7])), ("moving", dict(every=2, smoothing=0.0))):
+    m = model(slow=label == "moving")
+    m.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(0.5), local_batch_size=1),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float64"))
+    bal = BatchBalancer(global_batch_size=G, **kwargs)
+    records = fit(m, X, Y, bal, epochs=2)
+    out[label] = ([v.numpy() for v in m.trainable_variables], [rec[:3] for rec in records], bal.history)
+out["want"] = reference(2)
+result = out
+"""
+
+
+@pytest.mark.slow
+def test_keras_fit_with_shares_trains_as_one_global_batch(tmp_path):
+    """fit() shards by share and weights the gradients by it: two epochs
+    equal plain SGD on the global batches, whatever the shares (fixed
+    unequal, or moving every 2 steps with measured times). Tolerance: 1e-12
+    relative, float64 (8 SGD steps, each within a few dozen ulps of the
+    one-process step, see test_weighted_average.py)."""
+    pytest.importorskip("tensorflow", reason="tensorflow-cpu not installed (pip install 'ringreduce[tf]')")
+    import numpy as np
+    from ranks import run_ranks
+    ranks = run_ranks(2, KERAS_FIT, tmp_path, timeout=400, init=False)
+    want = ranks[0].result["want"]
+    for rk in ranks:
+        for label in ("fixed", "moving"):
+            got, records, history = rk.result[label]
+            for g, w in zip(got, want):
+                assert np.allclose(g, w, rtol=1e-12, atol=1e-12), (label, np.max(np.abs(g - w)))
+            assert records == ranks[0].result[label][1] and history == ranks[0].result[label][2]
+        assert [rec[2] for rec in rk.result["fixed"][1]] == [(3, 7)] * 2  # one round an epoch: shares never move
+        assert len(rk.result["moving"][1]) == 4  # rounds of 2 steps, 4 steps an epoch, 2 epochs
+        # rank 1 sleeps 20 ms a row in its step: its share falls below half (a sleep, not CPU: holds under load)
+        assert rk.result["moving"][2][-1][1][1] < 5, rk.result["moving"][2]
