@@ -281,6 +281,12 @@ m = model_for("float32")
 with rrtf.DistributedGradientTape(tf.GradientTape(), local_batch_size=b[r], compression=rrtf.Compression.fp16) as t:
     loss = loss_fn(ys, m(xs))
 out["fp16"] = ([g.numpy() for g in t.gradient(loss, m.trainable_variables)], big_batch_grads(m))
+with rrtf.DistributedGradientTape(tf.GradientTape(), local_batch_size=b[r], compression=rrtf.Compression.int8) as t:
+    loss = loss_fn(ys, m(xs))
+out["int8"] = ([g.numpy() for g in t.gradient(loss, m.trainable_variables)], big_batch_grads(m))
+with tf.GradientTape() as t:
+    loss = loss_fn(ys, m(xs))
+out["int8 largest"] = max(float(np.max(np.abs(g.numpy()))) * b[r] / B for g in t.gradient(loss, m.trainable_variables))
 
 # Bad weights fail the step on every rank, naming the rank; the ring goes on.
 def attempt(weight):
@@ -345,6 +351,11 @@ def test_tensorflow_weighted_gradients_equal_one_big_batch(tmp_path):
         assert is_sparse
         _close([got], [want], 64, "float64")
         _close(*out["fp16"], 4, "float16")  # fp16 on the wire: a few float16 ulps
+        # int8 on the wire (docs/compression.md): each rank rounds its prescaled gradient to L = 127 // N levels
+        # of a block's largest value on any rank (S), so the sum is off by at most N * S / (2 L), plus float32
+        largest = max(other.result["int8 largest"] for other in ranks)
+        for g, w in zip(*out["int8"]):
+            assert np.max(np.abs(g - w)) <= 3 * largest / (2 * (127 // 3)) * 1.001 + 1e-6, np.max(np.abs(g - w))
         assert "rank 1 (-3.0)" in out["negative"], out["negative"]
         assert "sum to 0" in out["zero"], out["zero"]
         assert out["after"] == "ok"
