@@ -261,6 +261,11 @@ mean = [rr.allreduce(g, op="avg") for g in mine]
 opt.set_local_batch_size(1)
 m.fit(xs, ys, batch_size=b[r], epochs=1, shuffle=False, verbose=0)
 out["fit reweighted"] = ([v.numpy() for v in m.trainable_variables], [w - g for w, g in zip(before, mean)])
+import pickle
+opt.set_local_batch_size(b[r])
+clone = pickle.loads(pickle.dumps(opt))  # the weight travels as its value; the clone has a variable of its own
+out["pickled"] = (type(clone)._rr_reduction._weight.numpy().tolist(),
+                  type(clone)._rr_reduction._weight is not type(opt)._rr_reduction._weight)
 
 # Sparse gradients (an embedding's IndexedSlices) and fp16 compression, weighted.
 keras.utils.set_random_seed(2)
@@ -359,6 +364,7 @@ def test_tensorflow_weighted_gradients_equal_one_big_batch(tmp_path):
         assert "rank 1 (-3.0)" in out["negative"], out["negative"]
         assert "sum to 0" in out["zero"], out["zero"]
         assert out["after"] == "ok"
+        assert out["pickled"] == ([1.0, float([2, 5, 9][rk.rank])], True)
         assert "op=Average" in out["sum"]
         assert "already reduced unweighted" in out["late"]
     for rk in ranks[1:]:  # bit-identical everywhere
