@@ -293,6 +293,28 @@ with tf.GradientTape() as t:
     loss = loss_fn(ys, m(xs))
 out["int8 largest"] = max(float(np.max(np.abs(g.numpy()))) * b[r] / B for g in t.gradient(loss, m.trainable_variables))
 
+# On a process set: ranks 0 and 2 average weighted by their batches; a bad weight is named by world and set rank.
+ps = rrtf.add_process_set([0, 2])
+m = model_for("float64")  # on every rank: Keras names layers by count, and gradients are paired by those names
+if r != 1:
+    with rrtf.DistributedGradientTape(tf.GradientTape(), local_batch_size=b[r], process_set=ps) as t:
+        loss = loss_fn(ys, m(xs))
+    got = [g.numpy() for g in t.gradient(loss, m.trainable_variables)]
+    rows = np.r_[0:b[0], b[0] + b[1]:B]
+    with tf.GradientTape() as t:
+        loss = loss_fn(Y[rows], m(X[rows]))
+    out["set"] = (got, [g.numpy() for g in t.gradient(loss, m.trainable_variables)])
+    try:
+        with rrtf.DistributedGradientTape(tf.GradientTape(), local_batch_size=[1, 0, -2][r], process_set=ps) as t:
+            loss = loss_fn(ys, m(xs))
+        t.gradient(loss, m.trainable_variables)
+        out["set bad"] = "ok"
+    except Exception as e:
+        out["set bad"] = f"{type(e).__name__}: {e}"
+# rank 1 waits in the engine (which negotiates the set's work on the world's ring) until the set is done
+rrtf.allreduce(tf.constant(1.0), name="set done")
+rrtf.remove_process_set(ps)
+
 # Bad weights fail the step on every rank, naming the rank; the ring goes on.
 def attempt(weight):
     try:
@@ -364,6 +386,9 @@ def test_tensorflow_weighted_gradients_equal_one_big_batch(tmp_path):
         assert "rank 1 (-3.0)" in out["negative"], out["negative"]
         assert "sum to 0" in out["zero"], out["zero"]
         assert out["after"] == "ok"
+        if rk.rank != 1:
+            _close(*out["set"], 64, "float64")
+            assert "world rank 2 (rank 1 of process set 1) (-2.0)" in out["set bad"], out["set bad"]
         assert out["pickled"] == ([1.0, float([2, 5, 9][rk.rank])], True)
         assert "op=Average" in out["sum"]
         assert "already reduced unweighted" in out["late"]
