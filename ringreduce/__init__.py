@@ -5,10 +5,11 @@
     grads = rr.allreduce(grads, op="avg")
 
 Subpackages and submodules load on first use, as numpy's do:
-`rr.elastic.run`, `rr.compression.PowerSGD`, `rr.tensorflow`, `rr.metrics.serve`
-work without an import of their own. `import ringreduce` itself never imports
-TensorFlow (only touching `rr.tensorflow` does), nor prometheus_client (only
-`rr.metrics`, or init() with RINGREDUCE_METRICS_PORT set, does).
+`rr.elastic.run`, `rr.compression.PowerSGD`, `rr.balance.BatchBalancer`,
+`rr.tensorflow`, `rr.metrics.serve` work without an import of their own.
+`import ringreduce` itself never imports TensorFlow (only touching
+`rr.tensorflow` does), nor prometheus_client (only `rr.metrics`, or init()
+with RINGREDUCE_METRICS_PORT set, does).
 """
 import importlib as _importlib
 import importlib.util as _importlib_util
@@ -56,4 +57,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | {"compression", "elastic", "metrics", "tensorflow"})
+    return sorted(set(globals()) | {"balance", "compression", "elastic", "metrics", "tensorflow"})

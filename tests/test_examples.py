@@ -50,3 +50,25 @@ def test_horovod_keras_script_runs_with_only_its_import_line_changed(tmp_path):
     assert accuracy > 0.85, out.stdout
     assert sorted(os.listdir(tmp_path)) == [f"checkpoint-{e}.keras" for e in range(1, 5)]
     assert out.stdout.count("test accuracy") == 1, "only rank 0 evaluates and prints"
+
+
+def test_balanced_batches_example_trains_the_same_model_as_equal_shares():
+    """examples/balanced_batches.py: equal and balanced shares of each global
+    batch (one rank 4x slower, by a sleep) reach the same accuracy at the
+    same step: the weighted average makes every step one global batch's,
+    whatever the shares."""
+    import json
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    results = {}
+    for mode in ("equal", "balanced"):
+        out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable,
+                              str(REPO / "examples" / "balanced_batches.py"), "--mode", mode, "--steps", "40",
+                              "--every", "5", "--ms-per-sample", "0.2", "--slowdown", "4", "--target", "0.75"],
+                             capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        results[mode] = json.loads(next(ln[4:] for ln in out.stdout.splitlines() if ln.startswith("[0] {")))
+    equal, balanced = results["equal"], results["balanced"]
+    assert equal["final_shares"] == [120, 120] and sum(balanced["final_shares"]) == 240
+    assert balanced["changes"] >= 1 and balanced["final_shares"][1] < 120  # the slow rank's share fell
+    assert equal["steps_to_target"] == balanced["steps_to_target"] is not None
+    assert abs(equal["final_accuracy"] - balanced["final_accuracy"]) <= 1 / 4000  # float rounding: at most 1 row

@@ -22,7 +22,8 @@ launch) use only the public names of core's modules.
     testing.py            hooks for ringreduce's own tests
 """
 from . import cuda, flight_recorder
-from .collectives import allgather, allreduce, alltoall, barrier, broadcast, reduce_scatter
+from .collectives import (allgather, allreduce, alltoall, barrier, broadcast, check_weights, reduce_scatter,
+                          weight_record, weighted_dtypes)
 from .communicator import Communicator, communicator
 from .lifecycle import backend, init, is_initialized, local_rank, local_size, rank, shutdown, size
 from .mpi_backend import available as mpi_unavailable_reason
@@ -33,6 +34,7 @@ from .traffic import reset_stats, stats
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "backend",
     "allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier",
+    "check_weights", "weight_record", "weighted_dtypes",
     "ProcessSet", "add_process_set", "remove_process_set", "find_process_set", "global_process_set",
     "stats", "reset_stats", "shared_empty", "shared_zeros", "shared_empty_like", "is_shared",
     "Communicator", "communicator", "mpi_unavailable_reason", "cuda", "flight_recorder",

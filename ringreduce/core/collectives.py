@@ -6,6 +6,7 @@ pass) or the C ring (ringreduce._core)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import numpy as np
@@ -63,8 +64,11 @@ def _reduce_blobs(payloads, dtype, code, opc, shape):
 
 @recorded("allreduce")
 @_reported("allreduce")
-def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set=None):
-    """Reduces x over all ranks (of process_set); returns a new array, or writes `out` (may be x) and returns it."""
+def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set=None, weight=None):
+    """Reduces x over all ranks (of process_set); returns a new array, or writes `out` (may be x) and returns it.
+    weight (with op="avg"): the weighted mean sum_r(w_r x_r) / sum_r(w_r), see allreduce_weighted."""
+    if weight is not None:
+        return allreduce_weighted(x, weight, op, out, name, process_set)
     # The fast path: small allreduces are all latency (a 4 KiB one takes ~4 us
     # in C), so a call whose shape, dtype, op and name this ring has already
     # seen take the small path reuses that call's plan (ring.plans) and makes
@@ -96,6 +100,125 @@ def allreduce(x, op: str = "sum", out=None, name: str | None = None, process_set
                                                  lambda: ring.comm.try_allreduce_small(plan.head, x, dst, plan.code,
                                                                                        plan.opc))
     return allreduce_checked(x, op, out, name, process_set)
+
+
+# The largest integer weight float64 holds exactly (every integer up to it is exact): the weights travel
+# and are summed as float64.
+MAX_INT_WEIGHT = 1 << 53
+_WEIGHT_FLOAT, _WEIGHT_INT = 0.0, 1.0  # a weight's kind, as it travels
+WEIGHTS_NAME = "ringreduce.allreduce.weights"  # the allgather of the weights (an allgather: see allreduce_weighted)
+
+
+def weighted_dtypes(dtype: np.dtype) -> tuple[np.dtype, np.dtype]:
+    """(the dtype a weighted mean of `dtype` is computed and summed in, the
+    dtype it is returned in): float16 and bfloat16 in float32, returned in
+    their own dtype (rounded once, after the sum: no overflow where the
+    float16 sum would, no subnormal flushed by the prescale); float32 and
+    float64 in their own; integers in float64, returned as float64 (as
+    np.average does: the weighted mean of integers is no integer, and
+    truncating it back would be silently wrong)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        return np.dtype(np.float64), np.dtype(np.float64)
+    if dtype.itemsize == 2:
+        return np.dtype(np.float32), dtype
+    return dtype, dtype
+
+
+def weight_record(weight) -> np.ndarray:
+    """This rank's weight as it travels: float64 [kind, value]. Raises
+    TypeError for anything that is not a real number (bool included); the
+    value's checks (negative, NaN, too large) are made on every rank from
+    the gathered records (check_weights), so every rank raises alike."""
+    w = weight
+    if isinstance(w, np.ndarray) and w.ndim == 0:
+        w = w[()]
+    if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, float, np.integer, np.floating)):
+        raise TypeError(f"weight must be a real number (an int or a float, e.g. this rank's batch size), "
+                        f"not {type(weight).__name__} {weight!r}"[:300])
+    if isinstance(w, (int, np.integer)):
+        return np.array([_WEIGHT_INT, float(w) if abs(int(w)) <= MAX_INT_WEIGHT else np.inf * (1 if w > 0 else -1)])
+    return np.array([_WEIGHT_FLOAT, float(w)])
+
+
+def check_weights(records: np.ndarray, names=None) -> np.ndarray:
+    """Every rank's weights (from the gathered [kind, value] records, rank
+    order), checked alike on every rank: ValueError naming the ranks at
+    fault when a weight is negative, NaN, infinite (or an integer beyond
+    2**53), when ranks mix integer and float weights, or when they sum to
+    zero. Returns the weights as float64. names: how to call rank r."""
+    records = np.asarray(records, dtype=np.float64).reshape(-1, 2)
+    name = names or (lambda r: f"rank {r}")
+    kinds, weights = records[:, 0], records[:, 1]
+    if len(set(kinds.tolist())) > 1:
+        ints = [name(r) for r, k in enumerate(kinds) if k == _WEIGHT_INT]
+        floats = [name(r) for r, k in enumerate(kinds) if k == _WEIGHT_FLOAT]
+        raise ValueError(f"weights must agree in kind on every rank: integer weights on {', '.join(ints)}, "
+                         f"float weights on {', '.join(floats)}")
+    bad = [f"{name(r)} ({'an integer beyond 2**53' if kinds[r] == _WEIGHT_INT and np.isinf(w) else repr(float(w))})"
+           for r, w in enumerate(weights) if not (np.isfinite(w) and w >= 0)]
+    if bad:
+        raise ValueError(f"weights must be finite and >= 0 (integers at most 2**53); bad weight on {', '.join(bad)}")
+    total = math.fsum(weights.tolist())
+    if not total > 0:
+        raise ValueError("weights sum to 0 over every rank: a weighted mean needs some weight")
+    if not np.isfinite(total):
+        raise ValueError(f"weights sum to {total} (float64 overflow): scale them down")
+    return weights
+
+
+def allreduce_weighted(x, weight, op="avg", out=None, name=None, process_set=None):
+    """The weighted mean sum_r(w_r x_r) / sum_r(w_r) over the ranks (of
+    process_set), bit-identical on every rank.
+
+    Costs one allgather of two float64s per rank (every rank's weight, named
+    WEIGHTS_NAME), then one sum allreduce: each rank prescales its x by
+    w_r / W (W: the weights' exact sum, math.fsum in rank order, the same on
+    every rank), so nothing overflows however large the weights, and sums.
+    The dtypes: weighted_dtypes. A rank of weight 0 contributes zeros,
+    whatever its x holds (inf and NaN included). Bad input: a weight that is
+    no real number, op other than "avg", a bad x or out raise TypeError /
+    ValueError on this rank and MismatchError naming it on the others (the
+    usual refusal); bad weight values (check_weights) ValueError on every
+    rank, naming the ranks at fault. A rank passing weight= beside one that
+    does not: MismatchError on every rank (an allgather met an allreduce).
+    Every check comes before data moves; the communicator stays usable."""
+    try:
+        record = weight_record(weight)
+        if op != "avg":
+            raise ValueError(f"weight= takes op='avg' (the weighted mean), not op={op!r}")
+        if type(x) is not np.ndarray:
+            if cuda.is_device_array(x):
+                raise TypeError("weight= takes numpy arrays; copy a GPU array to the host first")
+            x = np.asarray(x)
+        x = native(x) if x.dtype not in DTYPES else x
+        dtype_code(x.dtype)
+        check_name(name)
+        work_dtype, result_dtype = weighted_dtypes(x.dtype)
+        if out is not None and (type(out) is not np.ndarray or out.shape != x.shape
+                                or out.dtype.newbyteorder("=") != result_dtype or not out.flags.writeable):
+            raise ValueError(f"out must be a writeable numpy array of shape {x.shape} and dtype {result_dtype} "
+                             f"(a weighted mean of {x.dtype} is {result_dtype})")
+    except (TypeError, ValueError) as exc:
+        refuse(ALLGATHER, exc, process_set)
+        raise
+    ring = lookup(process_set)
+    records = allgather.__wrapped__(record, name=WEIGHTS_NAME if name is None else f"{WEIGHTS_NAME}:{name}",
+                        process_set=process_set)
+    names = None if ring is _state.ring else (lambda r: f"world rank {ring.ranks[r]} (rank {r} of the set)")
+    weights = check_weights(records, names)
+    mine = float(weights[ring.rank])
+    if mine == 0:
+        scaled = np.zeros(x.shape, work_dtype)
+    else:
+        factor = work_dtype.type(mine / math.fsum(weights.tolist()))
+        scaled = x.astype(work_dtype) * factor
+    summed = allreduce.__wrapped__(scaled, op="sum", name=name, process_set=process_set)  # recorded once
+    result = summed if summed.dtype == result_dtype else summed.astype(result_dtype)
+    if out is None:
+        return result
+    out[...] = result
+    return out
 
 
 def allreduce_checked(x, op, out, name, process_set):

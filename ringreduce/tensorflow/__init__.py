@@ -11,7 +11,9 @@ basics.py: who am I and what is built; ops.py: the collectives as TF ops;
 functions.py: Python objects; errors.py: the errors TF code expects
 (MismatchError, InvalidArgumentError, is_mismatch);
 async_op.py: the asynchronous op collectives use in TF1 graphs; hooks.py: TF1's
-session hook.
+session hook; balance.py: unequal, measured shares of the global batch in
+Keras (ringreduce.tensorflow.balance.fit; DistributedOptimizer's
+local_batch_size= weights the average by them).
 """
 from ringreduce import ProcessSet, add_process_set, remove_process_set
 

@@ -13,6 +13,9 @@ and back through DLPack and are reduced on the GPU. Refused arguments raise
 InvalidArgumentError, mismatches between ranks MismatchError (errors.py)."""
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -79,11 +82,39 @@ def _to_tf(a):
 
 
 
+_waited = [0.0]  # seconds this process's threads have blocked on the engine's results (waiting())
+_waited_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def waiting():
+    """Counts the block's time into waited_seconds(): every wait of this
+    layer for a collective's result (the ops, the gradients' hand-overs)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        spent = time.perf_counter() - start
+        with _waited_lock:
+            _waited[0] += spent
+
+
+def waited_seconds() -> float:
+    """Seconds this process has spent, since it started, blocked on the
+    results of collectives run through this layer (waits on several threads
+    at once add up). A step's compute time is its wall time less what this
+    grew by during it (ringreduce.tensorflow.balance measures so)."""
+    with _waited_lock:
+        return _waited[0]
+
+
 def run_collective(name: str, array, kind: str, process_set, op: str = "sum", root: int = 0, **extra):
     """One collective through the background engine, paired across ranks by
     name; blocks until its result is there."""
     eng = engine()
-    return eng.wait(eng.enqueue(name, array, op=op, kind=kind, root=root, process_set=process_set, **extra))
+    handle = eng.enqueue(name, array, op=op, kind=kind, root=root, process_set=process_set, **extra)
+    with waiting():
+        return eng.wait(handle)
 
 
 def refuse(label: str, kind: str, ps, problem: Exception) -> None:

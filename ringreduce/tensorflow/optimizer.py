@@ -9,9 +9,21 @@ hand the gradients of a group over together, so they travel fused; variables
 registered as local (register_local_var / register_local_source, or the
 Partial* wrappers) keep their own gradient, divided by size when
 scale_local_gradients; backward_passes_per_step k sums k passes locally and
-communicates on every k-th (divided by k if average_aggregated_gradients)."""
+communicates on every k-th (divided by k if average_aggregated_gradients).
+
+Beyond Horovod: local_batch_size= (or set_local_batch_size(n) on the
+optimizer or tape) averages the gradients weighted by each rank's batch
+size, for ranks given unequal shares of the global batch (ringreduce.balance):
+grad = sum_r (b_r / B) grad_r, B = sum_r b_r, which for a mean loss is the
+gradient of one batch of all B samples. Each rank's gradients are
+prescaled by b_r / B and summed in the same one fused allreduce as
+unweighted ones; B comes from one allgather of every rank's batch size per
+step (two float64s a rank), which also checks them on every rank alike
+(ringreduce.core.check_weights: negative, NaN, all zero or of mixed kinds
+fail the step on every rank, naming the rank at fault)."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import keras
@@ -26,6 +38,7 @@ from .compression import Compression
 from .overlap import reduce_gradients
 
 from ringreduce import ProcessSet, global_process_set
+from ringreduce.core import check_weights, weight_record
 
 Average = getattr(_ops, "Average", "avg")
 Sum = getattr(_ops, "Sum", "sum")
@@ -73,10 +86,14 @@ class GradientReduction:
 
     def __init__(self, op=Average, compression=Compression.none, sparse_as_dense=False,
                  gradient_predivide_factor=1.0, num_groups=0, groups=None, process_set=global_process_set,
-                 scale_local_gradients=True, average=None, name=None):
+                 scale_local_gradients=True, average=None, name=None, local_batch_size=None):
         self.op = reduction_op(op, average)
         if gradient_predivide_factor != 1.0 and self.op != "avg":
             raise ValueError("gradient_predivide_factor needs op=Average")
+        self.weighted = local_batch_size is not None  # set_local_batch_size checks op and predivide
+        self._weight = None  # tf.Variable float64 [kind, value] (core.weight_record), made on first use
+        self._owned = False  # _weight is our variable (set from numbers), not the caller's tensor
+        self._reduced = False  # a step was built: its weight source is fixed in it
         if num_groups:
             warnings.warn("num_groups is replaced by groups (as in Horovod)", DeprecationWarning, stacklevel=3)
             groups = num_groups if groups is None else groups
@@ -87,12 +104,93 @@ class GradientReduction:
         self.predivide = float(gradient_predivide_factor)
         self.groups, self.scale_local_gradients = groups, scale_local_gradients
         self.name = name or "RingAllreduce"
+        if self.weighted:
+            self.set_local_batch_size(local_batch_size)
+
+    def __getstate__(self):
+        """Pickled (with a pickled DistributedOptimizer) with its weight's
+        value, not its variable; a tensor weight cannot be pickled."""
+        state = dict(self.__dict__)
+        if self._owned:
+            state["_weight"] = None
+            state["_weight_value"] = self._weight.numpy()
+        elif self._weight is not None:
+            raise TypeError("a DistributedOptimizer weighted by a tensor (local_batch_size=<tensor>) cannot be "
+                            "pickled; set a number with set_local_batch_size first")
+        return state
+
+    def __setstate__(self, state):
+        value = state.pop("_weight_value", None)
+        self.__dict__.update(state)
+        if value is not None:
+            with tf.init_scope():
+                self._weight = tf.Variable(value, dtype=tf.float64, trainable=False, name="ringreduce_batch_weight")
+
+    def set_local_batch_size(self, n) -> None:
+        """This rank's weight from now on: a real number (kept in a variable,
+        read at every step, so a compiled step traced before sees the new
+        value), or a scalar tensor of the step (tf.shape(x)[0]: the batch's
+        own size, read where the gradients are reduced). Checked against the
+        other ranks' when gradients are next reduced."""
+        if self.op != "avg" or self.predivide != 1.0:
+            raise ValueError("local_batch_size weights an average: it needs op=Average and no "
+                             "gradient_predivide_factor")
+        tensor = isinstance(n, (tf.Tensor, tf.Variable))
+        if self._reduced and not (self._owned and not tensor):
+            # a compiled step reads the weight it was built with: only our own variable's value can change under it
+            raise RuntimeError("set_local_batch_size: gradients were already reduced " +
+                               ("unweighted" if not self.weighted else "with a tensor weight") +
+                               ", and a compiled step keeps that; pass local_batch_size= when wrapping instead")
+        if tensor:
+            if n.shape.rank not in (0, None) or not (n.dtype.is_integer or n.dtype.is_floating):
+                raise TypeError(f"local_batch_size must be a scalar number, not a {n.dtype.name} tensor of shape "
+                                f"{n.shape}")
+            kind = 1.0 if n.dtype.is_integer else 0.0
+            self._weight = tf.stack([tf.constant(kind, tf.float64), tf.cast(tf.reshape(n, []), tf.float64)])
+            self._owned = False
+        else:
+            record = weight_record(n)  # TypeError here: not a number at all
+            if self._owned:
+                self._weight.assign(record)
+            elif tf.inside_function():
+                # made inside a traced step (a tape in the step): a constant of that trace, as any Python value there
+                self._weight = tf.constant(record, tf.float64)
+            else:
+                with tf.init_scope():
+                    self._weight = tf.Variable(record, dtype=tf.float64, trainable=False,
+                                               name="ringreduce_batch_weight")
+                self._owned = True
+        self.weighted = True
+
+    def _weight_record(self):
+        """This rank's [kind, value] (float64, core.weight_record's) as a tensor of the step."""
+        return self._weight.read_value() if self._owned else self._weight
+
+    def _prescale(self, ps):
+        """w_r / W as a float64 scalar tensor, W the weights' sum over the
+        set: one allgather of every rank's [kind, value], checked alike on
+        every rank (a bad weight fails the step everywhere, naming the rank)."""
+        if ps.process_set_id == 0:
+            names = None
+        else:
+            ranks = list(ps.ranks)
+            names = lambda r: f"world rank {ranks[r]} (rank {r} of process set {ps.process_set_id})"  # noqa: E731
+        rank = ps.rank()
+        gathered = _ops.allgather(tf.reshape(self._weight_record(), [1, 2]), process_set=ps)
+
+        def factor(records):
+            weights = check_weights(records, names)
+            return np.float64(weights[rank] / np.float64(math.fsum(weights.tolist())))
+        out = tf.numpy_function(factor, [gathered], tf.float64, stateful=False, name="RingBatchWeight")
+        out.set_shape([])
+        return out
 
     def __call__(self, grads, variables, local_ids=frozenset()):
         """Every rank's gradients (of the process set) combined, in the order
         given; local ones stay this rank's own (scaled by 1/size if
         scale_local_gradients; size: the set's)."""
         ps = check_process_set(self.process_set)
+        self._reduced = True
         grads, variables = list(grads), list(variables)
         shared = [i for i, v in enumerate(variables) if id(v) not in local_ids]
         out = list(grads)
@@ -101,7 +199,10 @@ class GradientReduction:
             if shared:
                 sg, sv = [grads[i] for i in shared], [variables[i] for i in shared]
                 op = self.op
-                if self.predivide != 1.0:  # the average split around the sum, as Horovod does
+                if self.weighted:  # the weighted mean as a sum of prescaled gradients
+                    factor = self._prescale(ps)
+                    sg, op = [_scale_by(g, factor) for g in sg], "sum"
+                elif self.predivide != 1.0:  # the average split around the sum, as Horovod does
                     sg, op = [_scale(g, 1.0 / self.predivide) for g in sg], "sum"
                 reduced = reduce_gradients(sg, sv, op, self.compression, self.sparse_as_dense,
                                            groups=self._group_positions(sg, sv), process_set=ps)
@@ -126,6 +227,22 @@ class GradientReduction:
         groups = [[where[id(v)] for v in group if id(v) in where and grads[where[id(v)]] is not None]
                   for group in self.groups]
         return [g for g in groups if g]  # a variable in no group forms a group of its own
+
+
+def _scale_by(g, factor):
+    """g * factor (a float64 scalar tensor), as the weighted average needs:
+    float32 and float64 in their own dtype, 16-bit floats in float32 then
+    rounded once; IndexedSlices by their values. Integer gradients are
+    refused: a weighted mean of them is no integer."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(_scale_by(g.values, factor), g.indices, g.dense_shape)
+    if not g.dtype.is_floating:
+        raise TypeError(f"local_batch_size= averages float gradients; this one is {g.dtype.name}")
+    if g.dtype.size == 2:
+        return tf.cast(tf.cast(g, tf.float32) * tf.cast(factor, tf.float32), g.dtype)
+    return g * tf.cast(factor, g.dtype)
 
 
 class _LocalVariables:
@@ -155,21 +272,23 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          sparse_as_dense=False, backward_passes_per_step=1, op=Average,
                          gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0,
                          groups=None, process_set=global_process_set, scale_local_gradients=True, average=None,
-                         use_locking=False):
+                         use_locking=False, local_batch_size=None):
     """Makes a Keras 3 optimizer distributed: before each update its
     gradients are combined over all ranks (see the module docstring for the
     options). The optimizer is wrapped in place and returned, so a built one
     keeps its state (iterations, slot variables); wrapping a wrapped one
     replaces its options. device_dense, device_sparse and use_locking are
     accepted for Horovod's sake and have no effect: the ring reduces tensors
-    where they are."""
+    where they are. local_batch_size: average weighted by each rank's batch
+    size (module docstring); optimizer.set_local_batch_size(n) changes it
+    between steps."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer, not {type(optimizer).__name__}")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
     reduction = GradientReduction(op, compression, sparse_as_dense, gradient_predivide_factor, num_groups, groups,
                                   process_set, scale_local_gradients, average,
-                                  name or f"Distributed{type(optimizer).__name__}")
+                                  name or f"Distributed{type(optimizer).__name__}", local_batch_size)
     base = getattr(type(optimizer), "_rr_base", type(optimizer))
     optimizer.__class__ = _distributed_class(base, reduction, backward_passes_per_step, average_aggregated_gradients)
     return optimizer
@@ -189,6 +308,12 @@ def _distributed_class(base, reduction, passes, average_passes):
         """This variable's gradient stays this rank's own (not reduced)."""
         _local_variables(self).add_variable(var)
 
+    def set_local_batch_size(self, n):
+        """Gradients are averaged weighted by each rank's batch size from the
+        next step on, this rank's being n (read at each step: a compiled
+        train step traced before sees the new value)."""
+        reduction.set_local_batch_size(n)
+
     def __reduce__(self):
         """Pickled as the plain optimizer (Keras pickles it through its saving
         format), wrapped again with the same options when unpickled: the
@@ -205,7 +330,8 @@ def _distributed_class(base, reduction, passes, average_passes):
     # then records the plain Keras optimizer, which loads without ringreduce.
     # The options live on the class, so from_config and clone_model copy them.
     return type(base.__name__, (base,), {
-        "apply": apply, "register_local_var": register_local_var, "__reduce__": __reduce__, "_rr_base": base,
+        "apply": apply, "register_local_var": register_local_var, "set_local_batch_size": set_local_batch_size,
+        "__reduce__": __reduce__, "_rr_base": base,
         "_rr_reduction": reduction, "__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
@@ -268,12 +394,17 @@ class DistributedGradientTape:
     def __init__(self, gradtape: tf.GradientTape, device_dense="", device_sparse="",
                  compression=Compression.none, sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0,
                  num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True,
-                 average=None):
+                 average=None, local_batch_size=None):
         self._tape = gradtape
         self._reduction = GradientReduction(op, compression, sparse_as_dense, gradient_predivide_factor,
                                             num_groups, groups, process_set, scale_local_gradients, average,
-                                            "DistributedGradientTape")
+                                            "DistributedGradientTape", local_batch_size)
         self._local = _LocalVariables()
+
+    def set_local_batch_size(self, n):
+        """Gradients are averaged weighted by each rank's batch size from now
+        on, this rank's being n (see DistributedOptimizer)."""
+        self._reduction.set_local_batch_size(n)
 
     def register_local_source(self, source):
         """This source's gradient stays this rank's own (not reduced)."""

@@ -28,7 +28,7 @@ from .errors import as_tf_error, raising_tf_errors
 from .compression import Compression, engine_compressor
 from .basics import global_process_set, overlap_enabled  # noqa: F401  (overlap_enabled: read here too)
 from .naming import collective_name
-from .ops import allreduce
+from .ops import allreduce, waiting
 
 _calls = itertools.count(1)  # call sites (one reduce_gradients in one traced step), numbered at trace time
 _EAGER_COUNT = re.compile(r"^grad\.\d+\.")  # naming.py's eager names count up every step
@@ -118,7 +118,8 @@ class HandOvers:
                 if not self._runs[run]:
                     del self._runs[run]
         try:
-            return self.engine().wait(h)
+            with waiting():
+                return self.engine().wait(h)
         except BaseException as e:
             if run is not None:
                 self.withdraw_run(run, failed_call=call)
@@ -255,7 +256,8 @@ def _reduce_all_at_once(dense, out, op, compression, process_set):
         handles = [state.submit(n, op, a, process_set, engine_compressor(compression))
                    for (_, _, n), a in zip(dense, arrays)]
         try:
-            return [state.engine().wait(h) for h in handles]
+            with waiting():
+                return [state.engine().wait(h) for h in handles]
         except BaseException:  # one failed: the rest are withdrawn, so the next step's names are free
             for h in handles:
                 state.engine().withdraw(h)
