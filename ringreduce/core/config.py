@@ -22,6 +22,7 @@ BACKENDS = ("", "socket", "mpi")
 SMALL_ALGORITHMS = ("", "doubling", "ring")
 ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/schedule/host_arena.h rr_arena_mode
 SHM_CMA_MODES = ("auto", "0", "1", "refused")  # csrc/schedule/cma.h
+HIERARCHICAL_MODES = ("auto", "on", "off")  # ringreduce/core/hierarchy.py
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 
 
@@ -57,6 +58,10 @@ class Config:
                                     # holds (ringreduce/engine/response_cache.py); 0: no cache
     small_algorithm: str = ""       # RINGREDUCE_SMALL_ALGORITHM: over MPI, "doubling" (the default:
                                     # recursive doubling) or "ring" (the ring's passes); alike on every rank
+    hierarchical: str = "auto"      # RINGREDUCE_HIERARCHICAL: "auto" (default): the hierarchical allreduce
+                                    # (ringreduce/core/hierarchy.py) from the cost model's crossover, where
+                                    # the world spans hosts with two or more ranks each; "on": for every
+                                    # allreduce on the ring path there; "off": the flat ring; alike on every rank
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -81,6 +86,8 @@ class Config:
                "'doubling', 'ring' or empty")
         _check("RINGREDUCE_CACHE_CAPACITY", self.cache_capacity, 0 <= self.cache_capacity <= MAX_CACHE_CAPACITY,
                f"0 (no cache) .. {MAX_CACHE_CAPACITY} requests")
+        _check("RINGREDUCE_HIERARCHICAL", self.hierarchical, self.hierarchical in HIERARCHICAL_MODES,
+               "auto, on or off")
 
     @property
     def ring_timeout(self) -> float:
@@ -132,6 +139,7 @@ class Config:
             fusion_bytes=get("RINGREDUCE_FUSION_THRESHOLD", d.fusion_bytes, int),
             cache_capacity=get("RINGREDUCE_CACHE_CAPACITY", d.cache_capacity, int),
             small_algorithm=get("RINGREDUCE_SMALL_ALGORITHM", d.small_algorithm, str),
+            hierarchical=get("RINGREDUCE_HIERARCHICAL", d.hierarchical, str),
         )
 
 
@@ -144,6 +152,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_RANK", "RINGREDUCE_SIZE", "RINGREDUCE_ADDR", "RINGREDUCE_SECRET", "RINGREDUCE_LOCAL_RANK",
     "RINGREDUCE_LOCAL_SIZE", "RINGREDUCE_HOST", "RINGREDUCE_ELASTIC_ADDR", "RINGREDUCE_WORKER_ID",
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",
+    "RINGREDUCE_HIERARCHICAL", "RINGREDUCE_HOST_ID",
 })
 
 

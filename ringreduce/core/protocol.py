@@ -221,7 +221,8 @@ def _allreduce_beside_joined(blobs, live, ring) -> None:
             fill = np.iinfo(dtype).max if op == "min" else np.iinfo(dtype).min
     src = np.full(live["shape"], fill, dtype=dtype)
     dst = np.empty_like(src)
-    ring.comm.allreduce(as_raw(src), as_raw(dst), code, live["op"])
+    from .hierarchy import run_allreduce  # hierarchy -> process_sets -> this module: imported here
+    run_allreduce(ring, blobs, src, dst, code, live["op"])  # the path the ranks with data take
 
 
 def _rank_names(ring: Ring | None) -> list | None:

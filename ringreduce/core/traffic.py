@@ -39,8 +39,7 @@ _retired: dict = {"world": None, "counts": [0] * (len(KINDS) + len(VIAS))}
 
 def _comms() -> list:
     with _state.lock:
-        comms = [_state.comm, *(ring.comm for ring in _state.sets.values())]
-    return [comm for comm in comms if comm is not None]
+        return _state.comms()
 
 
 def _counts(comm) -> tuple:

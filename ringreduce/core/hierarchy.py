@@ -1,0 +1,253 @@
+"""The hierarchical allreduce (RINGREDUCE_HIERARCHICAL): for a world of H
+hosts with L ranks each, a large allreduce runs in three phases instead of
+one flat ring of N = H * L ranks:
+
+  1. reduce-scatter inside each host (the host's own ring, its links through
+     shared memory): the rank with local index i ends with chunk i of its
+     host's reduction;
+  2. an allreduce of chunk i across hosts, on the ring of the ranks with
+     local index i on every host (L such rings run at once, one per local
+     index);
+  3. an allgather inside each host of the L reduced chunks.
+
+Each host's link to the others then carries 2(H-1)/H of the tensor instead
+of the flat ring's 2(N-1)/N (1.0x against 1.75x at 2 hosts x 4 ranks).
+
+Every rank ends with the same bits: chunk i is reduced once, in one order
+(the host ring's reduce-scatter order, then the cross ring's), by the ranks
+of cross ring i, whose allreduce leaves it bit-identical on each of them;
+the allgather only copies it. The bits may differ from the flat ring's for
+floats (another order of additions); integer sums are exact either way.
+avg sums in both phases and divides the final chunk once by N (as the flat
+ring does), except for 16-bit floats, which average as running means in
+both phases (their sums could overflow), a mean of equal-weight means.
+
+Which rank is on which host: every rank's shm.host_identity() (hostname and
+network namespace: the identity under which ranks share memory), gathered
+at init. RINGREDUCE_HOST_ID, when set (on every rank), replaces it: a
+testing hook that fakes hosts on one machine. The hierarchy is built at
+init, on the socket backend, when the setting is alike on every rank and
+allows it, there are at least two hosts and every host holds the same
+number (at least two) of ranks; an uneven world (hosts with different
+numbers of ranks) keeps the flat ring. A world declared on one host
+(RINGREDUCE_LOCAL_SIZE equal to its size) skips the probe entirely unless the
+hook is set. Only the world's ring uses it (process sets keep their flat
+rings); device (GPU) arrays keep the flat ring.
+
+`auto` takes the hierarchy for allreduces of at least `crossover_bytes`
+(the cost model below); `on` for every allreduce on the ring path; `off`
+never. Every rank decides alike: from the tensor's byte size, which the
+header pass agreed, and the setting, agreed at init.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import _core
+from ..errors import RingReduceError
+from . import process_sets as _ps, shm as _shm, world as _world
+from .arrays import as_bytes, as_raw, chunk_bounds
+from .protocol import parse
+
+log = logging.getLogger("ringreduce")
+
+HOST_ID_HOOK = "RINGREDUCE_HOST_ID"
+
+# The cost model `auto` decides by (seconds for S bytes):
+#   flat: 2(N-1)/N * S / LINK_BW
+#   hier: 2(L-1)/L * S / SHM_BW + 2(H-1)/H * S / LINK_BW + PHASE_OVERHEAD
+# The flat ring sends 2(N-1)/N of the tensor over each host's link (one ring
+# link in and one out per host); the hierarchy sends 2(H-1)/H over it, spread
+# over L connections, and moves 2(L-1)/L through shared memory besides (the
+# reduce-scatter and the allgather inside the host). LINK_BW is a 10 Gbit/s
+# network, SHM_BW what a host's ring moves through shared memory on a modest
+# machine (docs/performance.md), PHASE_OVERHEAD the two extra C calls and the
+# wait for the slowest host between phases. Ring steps (latency) are not
+# counted: the hierarchy takes fewer, 2(L-1) + 2(H-1) against 2(N-1).
+LINK_BW = 1.25e9      # bytes/s
+SHM_BW = 4e9          # bytes/s
+PHASE_OVERHEAD = 100e-6  # seconds
+
+
+def crossover_bytes(hosts: int, per_host: int, link_bw: float = LINK_BW, shm_bw: float = SHM_BW,
+                    overhead: float = PHASE_OVERHEAD) -> int | None:
+    """Smallest allreduce (bytes) the cost model runs faster hierarchically
+    on hosts x per_host ranks; None where it never does (one host, one rank
+    per host, or shared memory too slow against the link)."""
+    if hosts < 2 or per_host < 2:
+        return None
+    n = hosts * per_host
+    gain = (2 * (n - 1) / n - 2 * (hosts - 1) / hosts) / link_bw - 2 * (per_host - 1) / per_host / shm_bw
+    if gain <= 0:
+        return None
+    return int(overhead / gain) + 1
+
+
+@dataclass
+class Hierarchy:
+    """This rank's place in the hierarchy and its two rings."""
+    hosts: int             # H
+    per_host: int          # L
+    host: int              # this rank's host (hosts numbered in the order of their lowest rank)
+    local: int             # this rank's index among its host's ranks (in rank order)
+    intra: object          # the ring of this host's ranks, local index order
+    cross: object          # the ring of the ranks with this local index, one per host, host order
+    mode: str              # "auto" or "on"
+    threshold: int         # smallest tensor (bytes) that takes it
+    members: list = field(default_factory=list)  # world ranks of each host, hosts in order
+
+    def takes(self, nbytes: int) -> bool:
+        return nbytes >= self.threshold
+
+    def comms(self) -> list:
+        return [c for c in (self.intra, self.cross) if c is not None]
+
+    def close(self) -> None:
+        for c in self.comms():
+            c.close()
+
+    def describe(self) -> dict:
+        return {"hosts": self.hosts, "per_host": self.per_host, "mode": self.mode, "threshold": self.threshold,
+                "host": self.host, "local": self.local}
+
+
+_MEAN_CODES = (_core.FLOAT16, _core.BFLOAT16)
+
+
+def allreduce(h: Hierarchy, src: np.ndarray, dst: np.ndarray, code: int, opc: int) -> None:
+    """dst = the reduction of every world rank's src, in the three phases
+    above. src and dst are C-contiguous arrays of one shape and dtype; dst
+    is src or apart from it. Every world rank calls it with the same size,
+    dtype and op (the header pass agreed them)."""
+    mean = opc == _core.AVG and code in _MEAN_CODES
+    phase_op = _core.SUM if opc == _core.AVG and not mean else opc
+    count = src.size
+    flat_dst = dst.reshape(-1)
+    # 1. inside the host: chunk `local` of dst ends reduced over the host
+    h.intra.reduce_scatter(as_raw(src), as_raw(dst), code, phase_op)
+    lo, hi = chunk_bounds(count, h.per_host, h.local)
+    if hi > lo:  # alike on every rank of the cross ring: count, L and local index are
+        chunk = flat_dst[lo:hi]
+        # 2. across hosts: the chunk ends reduced over the world, the same bits on each host
+        h.cross.allreduce(as_raw(chunk), as_raw(chunk), code, phase_op)
+        if opc == _core.AVG and not mean:
+            _core.divide(as_raw(chunk), code, h.hosts * h.per_host)
+    # 3. inside the host: every rank gets every chunk
+    size = dst.itemsize
+    nbytes = [(b - a) * size for a, b in (chunk_bounds(count, h.per_host, i) for i in range(h.per_host))]
+    h.intra.allgather(as_bytes(dst), nbytes)
+
+
+def run_allreduce(ring, blobs, src: np.ndarray, dst: np.ndarray, code: int, opc: int) -> bool:
+    """The ring path of an allreduce on `ring` whose header pass returned
+    `blobs`: hierarchical where the world's ring has a hierarchy that takes
+    this size and no rank runs it from a device (a GPU rank runs the flat
+    ring on its pinned mirror: core/cuda.py), else the flat ring. Every rank
+    decides alike, from what the header pass agreed. Returns whether it ran
+    hierarchically."""
+    h = getattr(ring, "hierarchy", None)
+    if h is not None and h.takes(src.nbytes) and not any(parse(b)["device"] for b in blobs):
+        allreduce(h, src, dst, code, opc)
+        return True
+    ring.comm.allreduce(as_raw(src), as_raw(dst), code, opc)
+    return False
+
+
+def build(state, mode: str, env=None) -> Hierarchy | None:
+    """Builds this rank's hierarchy for the world just joined (state: the
+    communicator, its world ring made), or None where the flat ring stays.
+    A collective of the world when it probes (see the module's docstring):
+    every rank calls it at the same point of init(). Raises on every rank
+    alike: ValueError when ranks disagree on the setting, RingReduceError
+    when a ring could not be made."""
+    env = os.environ if env is None else env
+    world = state.world
+    hook = env.get(HOST_ID_HOOK)
+    if world.size < 4 or world.source == "MPI communicator" or "table" not in world.extra:
+        return None  # no two hosts of two ranks, or not on sockets (the table: where members listen)
+    if hook is None and world.local_size == world.size:
+        return None  # declared on one host
+    listeners = []
+    try:
+        if mode != "off":
+            listeners = [_world.open_subring_listener(world), _world.open_subring_listener(world)]
+        host_id = hook if hook is not None else _shm.host_identity()
+        offers = _ps._agree({"host": host_id, "mode": mode, "ports": [a.port for a in listeners]},
+                            "ringreduce.hierarchy")
+        modes = [o["mode"] for o in offers]
+        if any(m != modes[0] for m in modes):
+            per_rank = ", ".join(f"rank {r}: {m}" for r, m in enumerate(modes))
+            raise ValueError(f"RINGREDUCE_HIERARCHICAL must be alike on every rank ({per_rank})")
+        hosts: dict = {}
+        for r, o in enumerate(offers):
+            hosts.setdefault(o["host"], []).append(r)
+        members = list(hosts.values())
+        per_host = {len(m) for m in members}
+        if mode == "off" or len(members) < 2 or len(per_host) != 1 or per_host == {1}:
+            if mode == "on" and world.rank == 0 and len(members) > 1 and len(per_host) > 1:
+                log.warning("ringreduce: RINGREDUCE_HIERARCHICAL=on, but hosts hold different numbers of ranks "
+                            "(%s): the flat ring runs", ", ".join(str(len(m)) for m in members))
+            return None
+        L, H = per_host.pop(), len(members)
+        host = next(i for i, m in enumerate(members) if world.rank in m)
+        local = members[host].index(world.rank)
+        intra_ranks = members[host]
+        cross_ranks = [m[local] for m in members]
+        ports = [o["ports"] for o in offers]
+        intra = cross = None
+        failure = None
+        try:
+            intra = _connect(state, world, listeners[0], intra_ranks, [ports[r][0] for r in intra_ranks],
+                             f"host {host}", intra_ranks.index(world.rank))
+            cross = _connect(state, world, listeners[1], cross_ranks, [ports[r][1] for r in cross_ranks],
+                             f"cross ring {local}", cross_ranks.index(world.rank))
+        except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised
+            failure = f"{type(exc).__name__}: {exc}"
+        outcome = _ps._agree({"error": failure}, "ringreduce.hierarchy.done")
+        failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcome) if o.get("error")]
+        if failed:
+            for c in (intra, cross):
+                if c is not None:
+                    c.close()
+            raise RingReduceError("building the hierarchical allreduce's rings failed: " + "; ".join(failed))
+        threshold = 0 if mode == "on" else crossover_bytes(H, L)
+        if threshold is None:
+            intra.close()
+            cross.close()
+            return None
+        return Hierarchy(H, L, host, local, intra, cross, mode, threshold, members)
+    finally:
+        for a in listeners:
+            a.close()
+
+
+def _connect(state, world, listener, ranks: list, ports: list, label: str, me: int):
+    """This rank's Comm on the ring of `ranks` (world ranks, ring order)."""
+    links = _world.connect_subring(world, listener, me, ranks, ports, f"hierarchy {label}",
+                                   state.generation)
+    cfg = world.config
+    comm = _core.Comm(me, len(ranks), links.next_fd, links.prev_fd, links.ctrl_fds, cfg.ring_timeout,
+                      cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
+    try:
+        tag = f"hier-{label.replace(' ', '')}"
+        _shm.attach_arena(comm, me, len(ranks), tag, cfg.arena_slot, cfg.spin, reduce=cfg.arena_reduce)
+        _shm.agree_zero_copy(comm, cfg.shm_zerocopy)
+        _shm.agree_cma(comm, me, len(ranks), cfg.shm_cma)
+    except BaseException:
+        comm.close()
+        raise
+    return _RingComm(comm, label, ranks, links.kinds())
+
+
+
+
+
+class _RingComm(_ps.SetComm):
+    """A hierarchy ring's Comm whose errors name world ranks (as a process set's)."""
+
+    def _where(self) -> str:
+        return f"the hierarchical allreduce's {self._set_id} (world ranks {self._ranks})"
