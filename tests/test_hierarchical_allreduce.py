@@ -87,7 +87,7 @@ result = {"wrong": wrong, "got": got, "world_ring_bytes": _cur.comm.bytes()[0] -
 
 # every allreduce on the ring path: no small path, no host arena
 RING_PATH = {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_ARENA_BYTES": "0"}
-SIZES = "0,1,3,5,1001,65537"
+SIZES = "0,1,3,5,1001,65537,1300001"  # the last: pipelined in pieces of 4 MiB (2 of float32, 3 of 64-bit)
 
 
 def hosts_of(layout):
