@@ -229,8 +229,15 @@ def test_the_cost_model():
     assert hierarchy.crossover_bytes(1, 8) is None and hierarchy.crossover_bytes(8, 1) is None
     two_by_two, two_by_four = hierarchy.crossover_bytes(2, 2), hierarchy.crossover_bytes(2, 4)
     assert 0 < two_by_four < two_by_two < 16 << 20  # more ranks per host: the flat ring loses more
-    # a link as fast as shared memory: the flat ring's one connection is no bottleneck to relieve
-    assert hierarchy.crossover_bytes(2, 2, link_bw=hierarchy.SHM_BW) is None
+    # a link far faster than shared memory: the host's phases cost more than the link saves
+    assert hierarchy.crossover_bytes(2, 4, link_bw=10 * hierarchy.SHM_BW) is None
+    # the crossover is where the model's two times meet
+    for hosts, per_host in ((2, 2), (2, 4), (4, 8)):
+        at = hierarchy.crossover_bytes(hosts, per_host)
+        flat, hier = hierarchy.model_seconds(at, hosts, per_host)
+        assert hier < flat
+        flat, hier = hierarchy.model_seconds(at - 1, hosts, per_host)
+        assert hier >= flat
 
 
 @pytest.mark.timeout(300)

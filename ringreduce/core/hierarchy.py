@@ -58,20 +58,6 @@ log = logging.getLogger("ringreduce")
 
 HOST_ID_HOOK = "RINGREDUCE_HOST_ID"
 
-# The cost model `auto` decides by (seconds for S bytes):
-#   flat: 2(N-1)/N * S / LINK_BW
-#   hier: 2(L-1)/L * S / SHM_BW + 2(H-1)/H * S / LINK_BW + PHASE_OVERHEAD
-# The flat ring sends 2(N-1)/N of the tensor over each host's link (one ring
-# link in and one out per host); the hierarchy sends 2(H-1)/H over it, spread
-# over L connections, and moves 2(L-1)/L through shared memory besides (the
-# reduce-scatter and the allgather inside the host). LINK_BW is a 10 Gbit/s
-# network, SHM_BW what a host's ring moves through shared memory on a modest
-# machine (docs/performance.md), PHASE_OVERHEAD the two extra C calls and the
-# wait for the slowest host between phases. Ring steps (latency) are not
-# counted: the hierarchy takes fewer, 2(L-1) + 2(H-1) against 2(N-1).
-LINK_BW = 1.25e9      # bytes/s
-SHM_BW = 4e9          # bytes/s
-PHASE_OVERHEAD = 100e-6  # seconds
 # The pipeline's pieces are CHUNK_BYTES per rank of the host (L * CHUNK_BYTES
 # in all): from 2 MiB a chunk, the host ring reduces straight in its
 # shared-memory mappings (csrc/schedule/ring.c ZC_MIN_CHUNK), which costs
@@ -82,6 +68,34 @@ PHASE_OVERHEAD = 100e-6  # seconds
 # more than they hide where the ranks share cores.
 CHUNK_BYTES = 2 << 20
 
+# The cost model `auto` decides by (seconds for S bytes, N = H * L):
+#   flat: 2(N-1)/N * S / LINK_BW
+#   hier: max(host, link) + the first and last pieces' host phases + PHASE_OVERHEAD, where
+#         host = 2(L-1)/L * S / SHM_BW, link = 2(H-1)/H * S / LINK_BW
+# The flat ring sends 2(N-1)/N of the tensor over each host's link (one ring
+# link in and one out per host); the hierarchy sends 2(H-1)/H over it, spread
+# over L connections, and moves 2(L-1)/L through shared memory besides (the
+# reduce-scatter and the allgather inside the host), which the pipeline
+# runs beside the link's phase but for a piece at each end. LINK_BW is a
+# 10 Gbit/s network, SHM_BW what a host's ring moves through shared memory
+# on a modest machine (docs/performance.md), PHASE_OVERHEAD the extra calls
+# and the wait for the slowest host between phases. Ring steps (latency) are
+# not counted: the hierarchy takes fewer, 2(L-1) + 2(H-1) against 2(N-1).
+LINK_BW = 1.25e9      # bytes/s
+SHM_BW = 4e9          # bytes/s
+PHASE_OVERHEAD = 100e-6  # seconds
+
+
+def model_seconds(nbytes: int, hosts: int, per_host: int, link_bw: float = LINK_BW, shm_bw: float = SHM_BW,
+                  overhead: float = PHASE_OVERHEAD) -> tuple[float, float]:
+    """(flat, hierarchical): the cost model's seconds for one allreduce."""
+    n = hosts * per_host
+    flat = 2 * (n - 1) / n * nbytes / link_bw
+    host = 2 * (per_host - 1) / per_host / shm_bw
+    link = 2 * (hosts - 1) / hosts * nbytes / link_bw
+    ends = host * min(nbytes, per_host * CHUNK_BYTES)
+    return flat, max(host * nbytes, link) + ends + overhead
+
 
 def crossover_bytes(hosts: int, per_host: int, link_bw: float = LINK_BW, shm_bw: float = SHM_BW,
                     overhead: float = PHASE_OVERHEAD) -> int | None:
@@ -90,11 +104,18 @@ def crossover_bytes(hosts: int, per_host: int, link_bw: float = LINK_BW, shm_bw:
     per host, or shared memory too slow against the link)."""
     if hosts < 2 or per_host < 2:
         return None
-    n = hosts * per_host
-    gain = (2 * (n - 1) / n - 2 * (hosts - 1) / hosts) / link_bw - 2 * (per_host - 1) / per_host / shm_bw
-    if gain <= 0:
+
+    def wins(nbytes):
+        flat, hier = model_seconds(nbytes, hosts, per_host, link_bw, shm_bw, overhead)
+        return hier < flat
+    hi = 1 << 40
+    if not wins(hi):  # the gain grows with the size past the first piece: none here, none below
         return None
-    return int(overhead / gain) + 1
+    lo = 1
+    while lo < hi:  # the smallest size that wins (the gain only grows with it)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if wins(mid) else (mid + 1, hi)
+    return lo
 
 
 @dataclass
