@@ -19,7 +19,7 @@ from .communicator import MAX_PLANS, Plan, Ring, communicator, current as _state
 from .hierarchy import run_allreduce
 from .process_sets import lookup, ring_of
 from .protocol import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES, REDUCE_SCATTER,
-                       REFUSED_PREFIX, agree, all_inline, exchange, header, parse, payloads)
+                       REFUSED_PREFIX, agree, all_inline, any_device, exchange, header, parse, payloads)
 
 
 def refuse(kind: int, problem: Exception, process_set=None) -> None:
@@ -153,7 +153,8 @@ def _allreduce_ring(blobs, ring, src, dst, out, code, opc):
     """The ring allreduce of src into dst, after the header pass agreed."""
     if dst is not src and np.may_share_memory(dst, src):
         src = src.copy()
-    if not run_allreduce(ring, blobs, src, dst, code, opc):  # the flat ring, or hierarchical (core/hierarchy.py)
+    device = any_device(blobs) if ring.hierarchy else False
+    if not run_allreduce(ring, device, src, dst, code, opc):  # the flat ring, or hierarchical (core/hierarchy.py)
         _note_phases(ring.comm)
     return deliver(dst, out)
 

@@ -22,9 +22,10 @@ avg sums in both phases and divides the final chunk once by N (as the flat
 ring does), except for 16-bit floats, which average as running means in
 both phases (their sums could overflow), a mean of equal-weight means.
 
-Which rank is on which host: every rank's shm.host_identity() (hostname and
-network namespace: the identity under which ranks share memory), gathered
-at init. RINGREDUCE_HOST_ID, when set (on every rank), replaces it: a
+Which rank is on which host (ringreduce/core/host_rings.py, which builds
+the rings at init): every rank's shm.host_identity() (hostname and network
+namespace: the identity under which ranks share memory), gathered in one
+header pass of the world's ring. RINGREDUCE_HOST_ID, when set (on every rank), replaces it: a
 testing hook that fakes hosts on one machine. The hierarchy is built at
 init, on the socket backend, when the setting is alike on every rank and
 allows it, there are at least two hosts and every host holds the same
@@ -42,21 +43,13 @@ header pass agreed, and the setting, agreed at init.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import _core
-from ..errors import RingReduceError
-from . import process_sets as _ps, shm as _shm, world as _world
 from .arrays import as_bytes, as_raw, chunk_bounds
-from .protocol import parse
 
-log = logging.getLogger("ringreduce")
-
-HOST_ID_HOOK = "RINGREDUCE_HOST_ID"
 
 # The pipeline's pieces are CHUNK_BYTES per rank of the host (L * CHUNK_BYTES
 # in all): from 2 MiB a chunk, the host ring reduces straight in its
@@ -223,112 +216,16 @@ def allreduce(h: Hierarchy, src: np.ndarray, dst: np.ndarray, code: int, opc: in
         raise
 
 
-def run_allreduce(ring, blobs, src: np.ndarray, dst: np.ndarray, code: int, opc: int) -> bool:
-    """The ring path of an allreduce on `ring` whose header pass returned
-    `blobs`: hierarchical where the world's ring has a hierarchy that takes
-    this size and no rank runs it from a device (a GPU rank runs the flat
-    ring on its pinned mirror: core/cuda.py), else the flat ring. Every rank
-    decides alike, from what the header pass agreed. Returns whether it ran
-    hierarchically."""
-    h = getattr(ring, "hierarchy", None)
-    if h is not None and h.takes(src.nbytes) and not any(parse(b)["device"] for b in blobs):
+def run_allreduce(ring, device: bool, src: np.ndarray, dst: np.ndarray, code: int, opc: int) -> bool:
+    """The ring path of an allreduce on `ring`: hierarchical where the
+    world's ring has a hierarchy that takes this size and no rank runs it
+    from a device (device: any header of the pass says so; a GPU rank runs
+    the flat ring on its pinned mirror, core/cuda.py), else the flat ring.
+    Every rank decides alike, from what the header pass agreed. Returns
+    whether it ran hierarchically."""
+    h = ring.hierarchy
+    if h is not None and not device and h.takes(src.nbytes):
         allreduce(h, src, dst, code, opc)
         return True
     ring.comm.allreduce(as_raw(src), as_raw(dst), code, opc)
     return False
-
-
-def build(state, mode: str, env=None) -> Hierarchy | None:
-    """Builds this rank's hierarchy for the world just joined (state: the
-    communicator, its world ring made), or None where the flat ring stays.
-    A collective of the world when it probes (see the module's docstring):
-    every rank calls it at the same point of init(). Raises on every rank
-    alike: ValueError when ranks disagree on the setting, RingReduceError
-    when a ring could not be made."""
-    env = os.environ if env is None else env
-    world = state.world
-    hook = env.get(HOST_ID_HOOK)
-    if world.size < 4 or world.source == "MPI communicator" or "table" not in world.extra:
-        return None  # no two hosts of two ranks, or not on sockets (the table: where members listen)
-    if hook is None and world.local_size == world.size:
-        return None  # declared on one host
-    listeners = []
-    try:
-        if mode != "off":
-            listeners = [_world.open_subring_listener(world), _world.open_subring_listener(world)]
-        host_id = hook if hook is not None else _shm.host_identity()
-        offers = _ps._agree({"host": host_id, "mode": mode, "ports": [a.port for a in listeners]},
-                            "ringreduce.hierarchy")
-        modes = [o["mode"] for o in offers]
-        if any(m != modes[0] for m in modes):
-            per_rank = ", ".join(f"rank {r}: {m}" for r, m in enumerate(modes))
-            raise ValueError(f"RINGREDUCE_HIERARCHICAL must be alike on every rank ({per_rank})")
-        hosts: dict = {}
-        for r, o in enumerate(offers):
-            hosts.setdefault(o["host"], []).append(r)
-        members = list(hosts.values())
-        per_host = {len(m) for m in members}
-        if mode == "off" or len(members) < 2 or len(per_host) != 1 or per_host == {1}:
-            if mode == "on" and world.rank == 0 and len(members) > 1 and len(per_host) > 1:
-                log.warning("ringreduce: RINGREDUCE_HIERARCHICAL=on, but hosts hold different numbers of ranks "
-                            "(%s): the flat ring runs", ", ".join(str(len(m)) for m in members))
-            return None
-        L, H = per_host.pop(), len(members)
-        host = next(i for i, m in enumerate(members) if world.rank in m)
-        local = members[host].index(world.rank)
-        intra_ranks = members[host]
-        cross_ranks = [m[local] for m in members]
-        ports = [o["ports"] for o in offers]
-        intra = cross = None
-        failure = None
-        try:
-            intra = _connect(state, world, listeners[0], intra_ranks, [ports[r][0] for r in intra_ranks],
-                             f"host {host}", intra_ranks.index(world.rank))
-            cross = _connect(state, world, listeners[1], cross_ranks, [ports[r][1] for r in cross_ranks],
-                             f"cross ring {local}", cross_ranks.index(world.rank))
-        except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised
-            failure = f"{type(exc).__name__}: {exc}"
-        outcome = _ps._agree({"error": failure}, "ringreduce.hierarchy.done")
-        failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcome) if o.get("error")]
-        if failed:
-            for c in (intra, cross):
-                if c is not None:
-                    c.close()
-            raise RingReduceError("building the hierarchical allreduce's rings failed: " + "; ".join(failed))
-        threshold = 0 if mode == "on" else crossover_bytes(H, L)
-        if threshold is None:
-            intra.close()
-            cross.close()
-            return None
-        return Hierarchy(H, L, host, local, intra, cross, mode, threshold, members)
-    finally:
-        for a in listeners:
-            a.close()
-
-
-def _connect(state, world, listener, ranks: list, ports: list, label: str, me: int):
-    """This rank's Comm on the ring of `ranks` (world ranks, ring order)."""
-    links = _world.connect_subring(world, listener, me, ranks, ports, f"hierarchy {label}",
-                                   state.generation)
-    cfg = world.config
-    comm = _core.Comm(me, len(ranks), links.next_fd, links.prev_fd, links.ctrl_fds, cfg.ring_timeout,
-                      cfg.segment_bytes, cfg.spin, tx_shm=links.tx_shm_fd, rx_shm=links.rx_shm_fd)
-    try:
-        tag = f"hier-{label.replace(' ', '')}"
-        _shm.attach_arena(comm, me, len(ranks), tag, cfg.arena_slot, cfg.spin, reduce=cfg.arena_reduce)
-        _shm.agree_zero_copy(comm, cfg.shm_zerocopy)
-        _shm.agree_cma(comm, me, len(ranks), cfg.shm_cma)
-    except BaseException:
-        comm.close()
-        raise
-    return _RingComm(comm, label, ranks, links.kinds())
-
-
-
-
-
-class _RingComm(_ps.SetComm):
-    """A hierarchy ring's Comm whose errors name world ranks (as a process set's)."""
-
-    def _where(self) -> str:
-        return f"the hierarchical allreduce's {self._set_id} (world ranks {self._ranks})"

@@ -8,7 +8,7 @@ import threading
 
 from .. import _core
 from ..errors import RingReduceError
-from . import (autotune as _autotune, config as _config, hierarchy as _hierarchy, mpi_backend, rendezvous_client,
+from . import (autotune as _autotune, config as _config, host_rings as _host_rings, mpi_backend, rendezvous_client,
                shm as _shm, world as _world)
 from .communicator import Ring, current as _state
 
@@ -72,7 +72,7 @@ def init(backend: str | None = None, comm=None) -> None:
         _state.ring = Ring(_state.comm, _state.world.rank, _state.world.size, _state.small_limit,
                             list(range(_state.world.size)))
         try:  # the hosts' rings of the hierarchical allreduce, where the world spans hosts (core/hierarchy.py)
-            _state.ring.hierarchy = _hierarchy.build(_state, _state.world.config.hierarchical)
+            _state.ring.hierarchy = _host_rings.build(_state, _state.world.config.hierarchical)
         except BaseException:
             shutdown()  # a peer lost, or the ranks disagree: leave, so init() may be called again
             raise
