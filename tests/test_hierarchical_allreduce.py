@@ -293,3 +293,45 @@ def test_two_namespaces_of_two_ranks_build_the_hierarchy_by_themselves():
         assert (h["host"], h["local"]) == (rank // 2, rank % 2), g
         assert all(right for right, _ in g["out"]), g
     assert len({json.dumps([d for _, d in g["out"]]) for g in got}) == 1, "ranks differ"
+
+
+DIES_IN_THE_CROSS_PHASE = """
+import signal, time
+class Dying:
+    def allreduce(self, *args):
+        os.kill(os.getpid(), signal.SIGKILL)
+    def __getattr__(self, name):
+        return getattr(_real_cross, name)
+x = np.ones(4 << 20, np.float32)
+rr.allreduce(x)
+if rr.rank() == 3:   # dies between its host's reduce-scatter and the cross ring
+    _real_cross = _cur.ring.hierarchy.cross
+    _cur.ring.hierarchy.cross = Dying()
+t0 = time.time()
+try:
+    rr.allreduce(x)
+    result = "no error"
+except rr.RingReduceError as e:
+    elapsed = time.time() - t0
+    try:
+        rr.allreduce(x)
+        after = "usable"
+    except rr.RingReduceError as e2:
+        after = str(e2)
+    result = (type(e).__name__, getattr(e, "rank", None), str(e), elapsed, after)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lost_mid_schedule_fails_every_survivor_promptly(tmp_path):
+    import signal
+    ranks = run_ranks(4, prelude([2, 2]) + DIES_IN_THE_CROSS_PHASE, tmp_path, init=False, timeout=100, check=False,
+                      env={"RINGREDUCE_HIERARCHICAL": "on", "RINGREDUCE_TIMEOUT": "30"})
+    assert ranks[3].returncode == -signal.SIGKILL
+    for r in ranks[:3]:
+        assert r.returncode == 0, r.stderr[-2000:]
+        kind, lost, message, elapsed, after = r.result
+        assert elapsed < 15, f"rank {r.rank} took {elapsed:.1f} s to notice (RINGREDUCE_TIMEOUT is 30)"
+        if r.rank in (1, 2):  # rank 3's partners: its cross ring's and its host ring's
+            assert kind == "PeerLostError" and lost == 3 and "world rank 3" in message, (r.rank, message)
+        assert after != "usable", f"rank {r.rank}: the world ring went on without rank 3"

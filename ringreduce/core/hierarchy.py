@@ -138,6 +138,17 @@ class Hierarchy:
     def comms(self) -> list:
         return [c for c in (self.intra, self.cross) if c is not None]
 
+    def interrupt(self) -> None:
+        """Ends both rings after a failure on this rank (a peer lost, a
+        timeout, Ctrl-C): a call still running on the worker returns at once,
+        and this rank's peers on either ring raise promptly instead of
+        waiting out RINGREDUCE_TIMEOUT for a rank that left; theirs then end
+        their rings in turn, so the failure reaches every rank, and every
+        later hierarchical allreduce raises (as the flat ring's comm stays
+        unusable after an error)."""
+        for c in self.comms():
+            c.interrupt()
+
     def close(self) -> None:
         for c in self.comms():
             c.close()
@@ -189,9 +200,13 @@ def allreduce(h: Hierarchy, src: np.ndarray, dst: np.ndarray, code: int, opc: in
         h.intra.allgather(as_bytes(flat_dst[a:b]), nbytes)
 
     if len(pieces) == 1:
-        scatter(0)
-        across(0)
-        gather(0)
+        try:
+            scatter(0)
+            across(0)
+            gather(0)
+        except BaseException:
+            h.interrupt()
+            raise
         return
     # The host ring runs scatter 0, scatter 1, gather 0, scatter 2, gather 1, ... on every rank of the
     # host, the cross ring 0, 1, 2, ... on every rank of it: the same order everywhere, whatever the timing.
@@ -208,8 +223,7 @@ def allreduce(h: Hierarchy, src: np.ndarray, dst: np.ndarray, code: int, opc: in
         done[-1].result()
         gather(len(pieces) - 1)
     except BaseException:
-        if any(not f.done() for f in done):
-            h.cross.interrupt()  # the world's collective failed here: the cross ring must not wait on
+        h.interrupt()
         for f in done:
             f.cancel()
         concurrent.futures.wait(done)
