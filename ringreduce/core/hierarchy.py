@@ -71,12 +71,17 @@ CHUNK_BYTES = 2 << 20
 # reduce-scatter and the allgather inside the host), which the pipeline
 # runs beside the link's phase but for a piece at each end. LINK_BW is a
 # 10 Gbit/s network, SHM_BW what a host's ring moves through shared memory
-# on a modest machine (docs/performance.md), PHASE_OVERHEAD the extra calls
-# and the wait for the slowest host between phases. Ring steps (latency) are
-# not counted: the hierarchy takes fewer, 2(L-1) + 2(H-1) against 2(N-1).
+# on a modest machine (docs/performance.md). PHASE_OVERHEAD stands for what
+# the model leaves out: the extra calls, the hand-offs to the worker thread,
+# and each phase waiting for its slowest rank to be scheduled. Ranks with
+# cores of their own pay tens of microseconds for it; 1 ms keeps `auto` off
+# where a little oversubscription would eat the gain (with 8 ranks and other
+# jobs on 2 cores it reached ~10 ms: docs/scaling.md). Ring steps (latency)
+# are not counted otherwise: the hierarchy takes fewer, 2(L-1) + 2(H-1)
+# against 2(N-1).
 LINK_BW = 1.25e9      # bytes/s
 SHM_BW = 4e9          # bytes/s
-PHASE_OVERHEAD = 100e-6  # seconds
+PHASE_OVERHEAD = 1e-3  # seconds
 
 
 def model_seconds(nbytes: int, hosts: int, per_host: int, link_bw: float = LINK_BW, shm_bw: float = SHM_BW,
