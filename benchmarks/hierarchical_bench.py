@@ -160,7 +160,7 @@ def main() -> None:
     reason = can_build()
     if reason:
         sys.exit(f"hierarchical_bench: {reason}; run as root")
-    results = []
+    results, load_before = [], os.getloadavg()
     with Cluster(args.hosts, rate=args.rate) as cluster:
         port = 29700
         for per_host in [int(v) for v in args.per_host.split(",")]:
@@ -172,7 +172,9 @@ def main() -> None:
             print(table(args.hosts, per_host, flat or hier, hier or flat), flush=True)
             print(flush=True)
     print(f"# emulated cluster: {args.hosts} network namespaces, each link {args.rate} (tc tbf) both ways; "
-          f"float32 sum; busbw = algbw * 2(N-1)/N; GB/s = 1e9 B/s; {os.cpu_count()} cores")
+          f"float32 sum; busbw = algbw * 2(N-1)/N; GB/s = 1e9 B/s; {os.cpu_count()} cores; load average "
+          f"{' '.join(f'{v:.1f}' for v in load_before)} before, {' '.join(f'{v:.1f}' for v in os.getloadavg())} "
+          f"after")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
