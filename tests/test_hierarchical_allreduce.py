@@ -335,3 +335,32 @@ def test_a_rank_lost_mid_schedule_fails_every_survivor_promptly(tmp_path):
         if r.rank in (1, 2):  # rank 3's partners: its cross ring's and its host ring's
             assert kind == "PeerLostError" and lost == 3 and "world rank 3" in message, (r.rank, message)
         assert after != "usable", f"rank {r.rank}: the world ring went on without rank 3"
+
+
+BYTES = """
+h = _cur.ring.hierarchy
+S = 8 << 20
+x = np.ones(S // 4, np.float32)
+before = (tuple(h.intra.bytes()), tuple(h.cross.bytes()), tuple(_cur.comm.bytes()))
+rr.allreduce(x)
+after = (tuple(h.intra.bytes()), tuple(h.cross.bytes()), tuple(_cur.comm.bytes()))
+result = [[a - b for a, b in zip(x1, x0)] for x0, x1 in zip(before, after)]
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", [[2, 2], [4, 4]], ids=["2x2", "2x4"])
+def test_bytes_each_ring_carries_are_the_schedules(tmp_path, layout):
+    """The host ring moves 2(L-1)/L of the tensor (reduce-scatter, then
+    allgather), the cross ring 2(H-1)/H of the rank's 1/L slice: a host's
+    link carries L of those, 2(H-1)/H of the tensor, against the flat
+    ring's 2(N-1)/N (docs/architecture.md, bytes per operation)."""
+    hosts, per_host = len(layout), layout[0]
+    S = 8 << 20
+    ranks = run_ranks(sum(layout), prelude(layout) + BYTES, tmp_path, init=False, timeout=100,
+                      env={"RINGREDUCE_HIERARCHICAL": "on"})
+    for r in ranks:
+        intra, cross, world = r.result
+        assert intra[0] == 2 * (per_host - 1) * S // per_host, (r.rank, intra)   # kind "ring": data steps
+        assert cross[0] == 2 * (hosts - 1) * (S // per_host) // hosts, (r.rank, cross)
+        assert world[0] == 0, (r.rank, world)  # the world's ring carried only the header pass
