@@ -55,6 +55,9 @@ def build(state, mode: str, env=None) -> Hierarchy | None:
                             "(%s): the flat ring runs", ", ".join(str(len(m)) for m in members))
             return None
         L, H = per_host.pop(), len(members)
+        threshold = 0 if mode == "on" else crossover_bytes(H, L)
+        if threshold is None:
+            return None  # the cost model never has it win here (alike on every rank: H and L are)
         host = next(i for i, m in enumerate(members) if world.rank in m)
         local = members[host].index(world.rank)
         intra_ranks = members[host]
@@ -76,11 +79,6 @@ def build(state, mode: str, env=None) -> Hierarchy | None:
                 if c is not None:
                     c.close()
             raise RingReduceError("building the hierarchical allreduce's rings failed: " + "; ".join(failed))
-        threshold = 0 if mode == "on" else crossover_bytes(H, L)
-        if threshold is None:
-            intra.close()
-            cross.close()
-            return None
         return Hierarchy(H, L, host, local, intra, cross, mode, threshold, members)
     finally:
         for a in listeners:
