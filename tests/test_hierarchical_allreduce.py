@@ -364,3 +364,38 @@ def test_bytes_each_ring_carries_are_the_schedules(tmp_path, layout):
         assert intra[0] == 2 * (per_host - 1) * S // per_host, (r.rank, intra)   # kind "ring": data steps
         assert cross[0] == 2 * (hosts - 1) * (S // per_host) // hosts, (r.rank, cross)
         assert world[0] == 0, (r.rank, world)  # the world's ring carried only the header pass
+
+
+TUNED = """
+x = np.ones(3 << 20, np.float32) * (rr.rank() + 1)
+result = (_cur.world.extra["hierarchy"], bool((rr.allreduce(x) == 10).all()))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_autotune_times_the_threshold_agrees_caches_and_reads_it_back(tmp_path):
+    from ringreduce.core import autotune
+    env = {"RINGREDUCE_AUTOTUNE": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    ranks = run_ranks(4, prelude([2, 2]) + TUNED, tmp_path, init=False, timeout=220, env=env)
+    thresholds = {r.result[0]["threshold"] for r in ranks}
+    assert len(thresholds) == 1 and all(r.result[1] for r in ranks)
+    threshold = thresholds.pop()
+    assert threshold in (*autotune.HIER_PROBES, autotune.NEVER)
+    files = list((tmp_path / "cache" / "ringreduce" / "autotune").glob("*.hierarchy.json"))
+    assert len(files) == 1
+    cached = json.loads(files[0].read_text())
+    assert cached["threshold"] == threshold and len(cached["flat_seconds"]) == len(autotune.HIER_PROBES)
+    # a second init takes rank 0's cached threshold without timing anything
+    other = autotune.NEVER if threshold != autotune.NEVER else autotune.HIER_PROBES[0]
+    files[0].write_text(json.dumps({**cached, "threshold": other}))
+    again = run_ranks(4, prelude([2, 2]) + TUNED, tmp_path, init=False, timeout=220, env=env)
+    assert [r.result for r in again] == [({**r.result[0], "threshold": other}, True) for r in ranks]
+
+
+def test_the_autotuned_threshold_rule():
+    from ringreduce.core.autotune import HIER_PROBES, NEVER, hierarchy_threshold
+    flat = np.array([1.0, 4.0, 16.0])
+    assert hierarchy_threshold(flat, np.array([0.5, 2.0, 8.0])) == HIER_PROBES[0]
+    assert hierarchy_threshold(flat, np.array([1.2, 2.0, 8.0])) == HIER_PROBES[1]
+    assert hierarchy_threshold(flat, np.array([0.5, 4.5, 8.0])) == HIER_PROBES[2]  # must win at every larger size
+    assert hierarchy_threshold(flat, np.array([0.5, 2.0, 15.5])) == NEVER  # within MARGIN at the largest: flat

@@ -36,7 +36,8 @@ hook is set. Only the world's ring uses it (process sets keep their flat
 rings); device (GPU) arrays keep the flat ring.
 
 `auto` takes the hierarchy for allreduces of at least `crossover_bytes`
-(the cost model below); `on` for every allreduce on the ring path; `off`
+(the cost model below), or under RINGREDUCE_AUTOTUNE=1 of at least the
+crossover timed at init (core/autotune.py, tune_hierarchy); `on` for every allreduce on the ring path; `off`
 never. Every rank decides alike: from the tensor's byte size, which the
 header pass agreed, and the setting, agreed at init.
 """
