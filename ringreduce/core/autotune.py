@@ -28,6 +28,12 @@ At init, once the ring is connected and before the first user collective
                 timed both ways (one-pass small algorithm, and the ring);
                 the limit whose rule (small at or below it) costs least over
                 all those sizes wins.
+       hierarchy: where the world built the hierarchical allreduce under
+                RINGREDUCE_HIERARCHICAL=auto (core/hierarchy.py), flat and
+                hierarchical are timed at HIER_PROBES; it runs from the
+                smallest probe where it wins by MARGIN at that and every
+                larger one (else never), in place of the cost model's
+                crossover (tune_hierarchy; its own cache file, beside).
        Either way the built-in default stays unless a candidate beats it
        by more than MARGIN (5%): here most of the spread is load noise.
        And a candidate that would replace it must do so again in fresh
