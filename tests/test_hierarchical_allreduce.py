@@ -10,9 +10,12 @@ and not divisible by them; forced on and off both; the path taken is checked
 by where the bytes went (the world ring's own ring sends nothing for a
 hierarchical allreduce)."""
 import json
+import os
+import pickle
 import secrets
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -399,3 +402,26 @@ def test_the_autotuned_threshold_rule():
     assert hierarchy_threshold(flat, np.array([1.2, 2.0, 8.0])) == HIER_PROBES[1]
     assert hierarchy_threshold(flat, np.array([0.5, 4.5, 8.0])) == HIER_PROBES[2]  # must win at every larger size
     assert hierarchy_threshold(flat, np.array([0.5, 2.0, 15.5])) == NEVER  # within MARGIN at the largest: flat
+
+
+@pytest.mark.timeout(300)
+def test_over_mpi_two_hosts_of_two_equal_numpy_and_alike_on_every_rank(tmp_path):
+    from test_mpi import MPIRUN, _missing as mpi_missing
+    if mpi_missing() is not None:
+        pytest.skip(str(mpi_missing()))
+    script = tmp_path / "job.py"
+    script.write_text("import os, pickle, sys\nimport numpy as np\nfrom mpi4py import MPI\n"
+                      "os.environ['RINGREDUCE_HOST_ID'] = 'host%d' % (MPI.COMM_WORLD.Get_rank() // 2)\n"
+                      "import ringreduce as rr\nrr.init()\nresult = None\n"
+                      "from ringreduce.core.communicator import current as _cur\n" + EVERY_CASE
+                      + "\npickle.dump(result, open(sys.argv[1] + '.%d' % rr.rank(), 'wb'))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RINGREDUCE_HIERARCHICAL": "on", "SIZES": "1,3,1001,65537",
+           **RING_PATH}
+    proc = subprocess.run([MPIRUN, "-np", "4", sys.executable, str(script), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [pickle.loads((tmp_path / f"out.{r}").read_bytes()) for r in range(4)]
+    check_every_case([types.SimpleNamespace(rank=r, result=res) for r, res in enumerate(results)])
+    for r, res in enumerate(results):
+        assert res["hierarchy"]["hosts"] == 2 and res["hierarchy"]["local"] == r % 2
+        assert res["world_ring_bytes"] == 0

@@ -27,12 +27,12 @@ the rings at init): every rank's shm.host_identity() (hostname and network
 namespace: the identity under which ranks share memory), gathered in one
 header pass of the world's ring. RINGREDUCE_HOST_ID, when set (on every rank), replaces it: a
 testing hook that fakes hosts on one machine. The hierarchy is built at
-init, on the socket backend, when the setting is alike on every rank and
+init (socket or MPI backend) when the setting is alike on every rank and
 allows it, there are at least two hosts and every host holds the same
 number (at least two) of ranks; an uneven world (hosts with different
 numbers of ranks) keeps the flat ring. A world declared on one host
-(RINGREDUCE_LOCAL_SIZE equal to its size) skips the probe entirely unless the
-hook is set. Only the world's ring uses it (process sets keep their flat
+(RINGREDUCE_LOCAL_SIZE equal to its size; over MPI, MPI's shared-memory
+split) skips the probe entirely unless the hook is set. Only the world's ring uses it (process sets keep their flat
 rings); device (GPU) arrays keep the flat ring.
 
 `auto` takes the hierarchy for allreduces of at least `crossover_bytes`

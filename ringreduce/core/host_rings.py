@@ -2,7 +2,8 @@
 its cost model: ringreduce/core/hierarchy.py): which rank is on which host,
 whether the world takes the hierarchy, and each rank's two rings, the one
 among its host's ranks and the one among the ranks of its local index on
-every host, made as process sets' rings are (world.connect_subring) but
+every host, made as process sets' rings are (over sockets
+world.connect_subring, over MPI splits of the world's communicator) but
 registered nowhere: only the world ring's allreduce uses them."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 
 from .. import _core
 from ..errors import RingReduceError
-from . import process_sets as _ps, shm as _shm, world as _world
+from . import mpi_backend as _mpi, process_sets as _ps, shm as _shm, world as _world
 from .hierarchy import Hierarchy, crossover_bytes
 
 log = logging.getLogger("ringreduce")
@@ -29,13 +30,14 @@ def build(state, mode: str, env=None) -> Hierarchy | None:
     env = os.environ if env is None else env
     world = state.world
     hook = env.get(HOST_ID_HOOK)
-    if world.size < 4 or world.source == "MPI communicator" or "table" not in world.extra:
-        return None  # no two hosts of two ranks, or not on sockets (the table: where members listen)
+    over_mpi = world.source == "MPI communicator"
+    if world.size < 4 or not (over_mpi or "table" in world.extra):
+        return None  # no two hosts of two ranks, or no way to connect rings (the table: where members listen)
     if hook is None and world.local_size == world.size:
-        return None  # declared on one host
+        return None  # declared on one host (over MPI: MPI's shared-memory split found one)
     listeners = []
     try:
-        if mode != "off":
+        if mode != "off" and not over_mpi:
             listeners = [_world.open_subring_listener(world), _world.open_subring_listener(world)]
         host_id = hook if hook is not None else _shm.host_identity()
         offers = _ps._agree({"host": host_id, "mode": mode, "ports": [a.port for a in listeners]},
@@ -66,10 +68,13 @@ def build(state, mode: str, env=None) -> Hierarchy | None:
         intra = cross = None
         failure = None
         try:
-            intra = _connect(state, world, listeners[0], intra_ranks, [ports[r][0] for r in intra_ranks],
-                             f"host {host}", intra_ranks.index(world.rank))
-            cross = _connect(state, world, listeners[1], cross_ranks, [ports[r][1] for r in cross_ranks],
-                             f"cross ring {local}", cross_ranks.index(world.rank))
+            if over_mpi:
+                intra, cross = _connect_mpi(state, world, host, local, intra_ranks, cross_ranks)
+            else:
+                intra = _connect(state, world, listeners[0], intra_ranks, [ports[r][0] for r in intra_ranks],
+                                 f"host {host}", intra_ranks.index(world.rank))
+                cross = _connect(state, world, listeners[1], cross_ranks, [ports[r][1] for r in cross_ranks],
+                                 f"cross ring {local}", cross_ranks.index(world.rank))
         except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised
             failure = f"{type(exc).__name__}: {exc}"
         outcome = _ps._agree({"error": failure}, "ringreduce.hierarchy.done")
@@ -104,6 +109,30 @@ def _connect(state, world, listener, ranks: list, ports: list, label: str, me: i
 
 
 
+
+
+def _connect_mpi(state, world, host: int, local: int, intra_ranks: list, cross_ranks: list):
+    """This rank's two Comms over MPI: splits of the communicator the
+    world's ring runs over (every rank splits it twice, by host and then by
+    local index, before connecting either: the splits are collectives of
+    the whole world), each ring its own transport on a duplicate of its
+    split, as a process set's (mpi_backend.process_set_ring)."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD if state.init_args[1] is None else state.init_args[1]
+    subs = [comm.Split(host, local), comm.Split(local, host)]
+    rings = []
+    try:
+        for sub, label, ranks in zip(subs, (f"host {host}", f"cross ring {local}"), (intra_ranks, cross_ranks)):
+            _, ring = _mpi.connect(world.config, sub, tag=f"hier-{label.replace(' ', '')}")
+            rings.append(_RingComm(ring, label, ranks, None))
+    except BaseException:
+        for ring in rings:
+            ring.close()
+        raise
+    finally:
+        for sub in subs:
+            sub.Free()
+    return rings
 
 
 class _RingComm(_ps.SetComm):
