@@ -28,6 +28,12 @@ At init, once the ring is connected and before the first user collective
                 timed both ways (one-pass small algorithm, and the ring);
                 the limit whose rule (small at or below it) costs least over
                 all those sizes wins.
+       hierarchy: where the world built the hierarchical allreduce under
+                RINGREDUCE_HIERARCHICAL=auto (core/hierarchy.py), flat and
+                hierarchical are timed at HIER_PROBES; it runs from the
+                smallest probe where it wins by MARGIN at that and every
+                larger one (else never), in place of the cost model's
+                crossover (tune_hierarchy; its own cache file, beside).
        Either way the built-in default stays unless a candidate beats it
        by more than MARGIN (5%): here most of the spread is load noise.
        And a candidate that would replace it must do so again in fresh
@@ -78,6 +84,8 @@ SEGMENT_PROBES = (1 << 20, 8 << 20)  # bytes of the allreduces that rank segment
 REPS = 4                             # timed rounds of every probe (after a warm-up); the fastest counts
 FUSION_WINDOW = 10                   # working cycles each fusion candidate holds (the first is a warm-up)
 CACHE_VERSION = 1
+HIER_PROBES = (1 << 20, 4 << 20, 16 << 20)  # bytes at which flat and hierarchical allreduces are timed
+NEVER = 1 << 62                      # a hierarchy threshold no tensor reaches
 MARGIN = 0.05                        # a candidate must beat the default by this much to replace it
 
 
@@ -261,6 +269,14 @@ def tune_ring(ring, world, backend: str, env=None):
     if world.rank == 0:
         log.warning("ringreduce autotune (%s): segment %d bytes, small limit %d bytes (%d per tensor), %s",
                     key, choice.segment_bytes, choice.small_bytes, ring.small_limit, how)
+    hier = ring.hierarchy
+    if hier is not None and hier.mode == "auto":
+        hier.threshold, calibrated = tune_hierarchy(ring, path.with_name(f"{key}.hierarchy.json"))
+        if world.rank == 0:
+            log.warning("ringreduce autotune (%s): hierarchical allreduce from %s, %s", key,
+                        "never" if hier.threshold >= NEVER else f"{hier.threshold} bytes",
+                        "calibrated" if calibrated else "from the cache")
+        world.extra["hierarchy"] = hier.describe()
     traffic.reset_stats()  # rr.stats() counts from init() on: the calibration's probes (MBs) are init's own
     world.extra["autotune"] = {"key": key, "segment_bytes": choice.segment_bytes,
                                "small_bytes": choice.small_bytes, "calibrated": choice.calibrated,
@@ -268,6 +284,68 @@ def tune_ring(ring, world, backend: str, env=None):
                                # rank 0's RINGREDUCE_FUSION_THRESHOLD (None: the engine tunes it), for every rank
                                "fusion_bytes": fixed_fusion if fixed_fusion >= 0 else None}
     return config
+
+
+def hierarchy_threshold(flat: np.ndarray, hier: np.ndarray, sizes=HIER_PROBES) -> int:
+    """flat[i], hier[i]: the two schedules' times at sizes[i] (ascending).
+    The smallest size from which the hierarchy beats the flat ring by more
+    than MARGIN at that size and every larger one; NEVER if it does not at
+    the largest."""
+    threshold = NEVER
+    for i in reversed(range(len(sizes))):
+        if hier[i] * (1 + MARGIN) >= flat[i]:
+            break
+        threshold = sizes[i]
+    return threshold
+
+
+def tune_hierarchy(ring, path: Path) -> tuple[int, bool]:
+    """The hierarchical allreduce's threshold on this world (RINGREDUCE_HIERARCHICAL=auto
+    under RINGREDUCE_AUTOTUNE=1): rank 0's cached one, or timed now (each of
+    HIER_PROBES both ways, round-robin, the fastest of REPS rounds, the
+    slowest rank's: the same table everywhere) and cached by rank 0.
+    Returns (threshold, calibrated)."""
+    cached = np.array([-1], np.int64)
+    if ring.rank == 0:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == CACHE_VERSION and data.get("threshold") in (*HIER_PROBES, NEVER):
+                cached[0] = data["threshold"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    cached = int(_c.broadcast(cached, 0, name="ringreduce.autotune.hierarchy.cache")[0])
+    if cached >= 0:
+        return cached, False
+    h, kept = ring.hierarchy, ring.hierarchy.threshold
+    arrays = [np.ones(nbytes // 4, np.float32) for nbytes in HIER_PROBES]
+    local = np.zeros((REPS, 2, len(HIER_PROBES)))
+    try:
+        for rep in range(REPS + 1):
+            for i, x in enumerate(arrays):
+                for way, threshold in enumerate((NEVER, 0)):
+                    h.threshold = threshold
+                    _c.barrier(name="ringreduce.autotune")
+                    t0 = time.perf_counter()
+                    _c.allreduce(x, name="ringreduce.autotune")
+                    if rep:
+                        local[rep - 1, way, i] = time.perf_counter() - t0
+    finally:
+        h.threshold = kept
+    fastest = _c.allreduce(local, op="max", name="ringreduce.autotune.times").min(axis=0)
+    picked = np.array([hierarchy_threshold(fastest[0], fastest[1])], np.int64)
+    threshold = int(_c.broadcast(picked, 0, name="ringreduce.autotune.hierarchy")[0])
+    if ring.rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": CACHE_VERSION, "threshold": threshold,
+                           "flat_seconds": fastest[0].tolist(), "hierarchical_seconds": fastest[1].tolist(),
+                           "sizes": list(HIER_PROBES)}, f)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("ringreduce autotune: could not write the cache %s (%s)", path, exc)
+    return threshold, True
 
 
 def time_probes(ring, probes, segment: int, arrays) -> np.ndarray:

@@ -19,9 +19,11 @@ from .arrays import (DTYPES, OPS, HostArrays, arrays_for, as_bytes, as_raw, chec
 from .flight_recorder import recorded
 from .listeners import collective as _reported  # each call's time and error, to the listeners
 from .communicator import MAX_PLANS, Plan, Ring, communicator, current as _state  # noqa: F401  (Ring: callers)
+from .hierarchy import run_allreduce
 from .process_sets import lookup, ring_of
 from .protocol import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES, REDUCE_SCATTER,
-                       REFUSED_PREFIX, agree, all_inline, exchange, header, marks, parse, payloads, voided)
+                       REFUSED_PREFIX, agree, all_inline, any_device, exchange, header, marks, parse, payloads,
+                       voided)
 
 
 def refuse(kind: int, problem: Exception, process_set=None) -> None:
@@ -292,8 +294,9 @@ def _allreduce_ring(blobs, ring, src, dst, out, code, opc):
     """The ring allreduce of src into dst, after the header pass agreed."""
     if dst is not src and np.may_share_memory(dst, src):
         src = src.copy()
-    ring.comm.allreduce(as_raw(src), as_raw(dst), code, opc)
-    _note_phases(ring.comm)
+    device = any_device(blobs) if ring.hierarchy else False
+    if not run_allreduce(ring, device, src, dst, code, opc):  # the flat ring, or hierarchical (core/hierarchy.py)
+        _note_phases(ring.comm)
     return deliver(dst, out)
 
 
@@ -306,7 +309,8 @@ def record_phases():
     (start, ScatterReduce done, end), CLOCK_MONOTONIC seconds as the C core
     timed them (comm.last_phases), one per ring op, read under the ring's
     lock right after the op. The small one-pass allreduces (arena, recursive
-    doubling, the blob pass) have no such phases and add nothing. The
+    doubling, the blob pass) and the hierarchical ones (three rings, no one
+    ScatterReduce) have no such phases and add nothing. The
     engine's timeline shows them (ringreduce/engine/timeline.py)."""
     log, outer = [], getattr(_phase_log, "log", None)
     _phase_log.log = log

@@ -27,6 +27,8 @@ class Ring:
     lock: object = field(default_factory=threading.RLock, repr=False, compare=False)
     # allreduce's fast path: (shape, dtype, op, name) -> Plan of a small allreduce this ring already ran
     plans: dict = field(default_factory=dict, repr=False)
+    # the world's ring only: its hierarchical allreduce (ringreduce/core/hierarchy.py), or None: the flat ring
+    hierarchy: object = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, attr, value):
         if attr == "small_limit" and "plans" in self.__dict__:  # autotune moved the limit: decide afresh
@@ -105,8 +107,9 @@ class Communicator:
         return self.sets.get(set_id)
 
     def comms(self) -> list:
-        """Every open C communicator: the world's, then each set's this rank is a member of."""
-        return [c for c in [self.comm, *(ring.comm for ring in self.sets.values())] if c is not None]
+        """Every open C communicator: the world's, its hierarchy's rings, then each set's this rank is a member of."""
+        hier = self.ring.hierarchy.comms() if self.ring is not None and self.ring.hierarchy is not None else []
+        return [c for c in [self.comm, *hier, *(ring.comm for ring in tuple(self.sets.values()))] if c is not None]
 
 
 current = Communicator()

@@ -23,6 +23,7 @@ BACKENDS = ("", "socket", "mpi")
 SMALL_ALGORITHMS = ("", "doubling", "ring")
 ARENA_REDUCES = ("auto", "direct", "split", "copy")  # csrc/schedule/host_arena.h rr_arena_mode
 SHM_CMA_MODES = ("auto", "0", "1", "refused")  # csrc/schedule/cma.h
+HIERARCHICAL_MODES = ("auto", "on", "off")  # ringreduce/core/hierarchy.py
 MAX_CACHE_CAPACITY = 1 << 20  # a ready vector of this many bits is 128 KiB a cycle
 MAX_PORT = 65535
 MAX_FLIGHT_RECORDER = 10_000_000  # entries of ringreduce/core/flight_recorder.py (~ 200 bytes each)
@@ -73,6 +74,10 @@ class Config:
                                     # (ringreduce/core/flight_recorder.py); 0: the recorder is off
     flight_dir: str = ""            # RINGREDUCE_FLIGHT_DIR: where dumps go; empty: RINGREDUCE_REPORT_DIR
                                     # (ringrun's report directory), else <tempdir>/ringreduce-flight-<uid>
+    hierarchical: str = "auto"      # RINGREDUCE_HIERARCHICAL: "auto" (default): the hierarchical allreduce
+                                    # (ringreduce/core/hierarchy.py) from the cost model's crossover, where
+                                    # the world spans hosts with two or more ranks each; "on": for every
+                                    # allreduce on the ring path there; "off": the flat ring; alike on every rank
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -106,6 +111,8 @@ class Config:
         straggler_threshold(self.straggler_threshold)
         _check("RINGREDUCE_FLIGHT_RECORDER", self.flight_recorder,
                0 <= self.flight_recorder <= MAX_FLIGHT_RECORDER, f"0 (off) .. {MAX_FLIGHT_RECORDER} collectives")
+        _check("RINGREDUCE_HIERARCHICAL", self.hierarchical, self.hierarchical in HIERARCHICAL_MODES,
+               "auto, on or off")
 
     @property
     def ring_timeout(self) -> float:
@@ -163,6 +170,7 @@ class Config:
             straggler_threshold=get("RINGREDUCE_STRAGGLER_THRESHOLD", d.straggler_threshold, str),
             flight_recorder=get("RINGREDUCE_FLIGHT_RECORDER", d.flight_recorder, int),
             flight_dir=get("RINGREDUCE_FLIGHT_DIR", d.flight_dir, str),
+            hierarchical=get("RINGREDUCE_HIERARCHICAL", d.hierarchical, str),
         )
 
 
@@ -178,6 +186,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",
     "RINGREDUCE_STRAGGLER_WINDOW", "RINGREDUCE_STRAGGLER_THRESHOLD", "RINGREDUCE_REPORT_DIR",
     "RINGREDUCE_FLIGHT_RECORDER", "RINGREDUCE_FLIGHT_DIR",
+    "RINGREDUCE_HIERARCHICAL", "RINGREDUCE_HOST_ID",
 })
 
 

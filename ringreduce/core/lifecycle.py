@@ -8,7 +8,8 @@ import threading
 
 from .. import _core
 from ..errors import RingReduceError
-from . import autotune as _autotune, config as _config, mpi_backend, rendezvous_client, shm as _shm, world as _world
+from . import (autotune as _autotune, config as _config, host_rings as _host_rings, mpi_backend, rendezvous_client,
+               shm as _shm, world as _world)
 from . import listeners as _listeners
 from . import flight_recorder as _flight_recorder
 from .communicator import Ring, current as _state
@@ -73,6 +74,12 @@ def init(backend: str | None = None, comm=None) -> None:
         _state.small_limit = _state.world.config.small_limit(_state.world.size, _state.world.extra.get("arena", False))
         _state.ring = Ring(_state.comm, _state.world.rank, _state.world.size, _state.small_limit,
                             list(range(_state.world.size)))
+        try:  # the hosts' rings of the hierarchical allreduce, where the world spans hosts (core/hierarchy.py)
+            _state.ring.hierarchy = _host_rings.build(_state, _state.world.config.hierarchical)
+        except BaseException:
+            shutdown()  # a peer lost, or the ranks disagree: leave, so init() may be called again
+            raise
+        _state.world.extra["hierarchy"] = _state.ring.hierarchy.describe() if _state.ring.hierarchy else None
         if _autotune.enabled() and _state.world.size > 1:  # before any user collective (ringreduce/core/autotune.py)
             try:
                 _state.world.config = _autotune.tune_ring(_state.ring, _state.world, _state.init_args[0])
@@ -111,13 +118,12 @@ def shutdown() -> None:
     interrupted, so this rank leaves at once and its peers learn that it
     left, instead of waiting it out."""
     if not _state.lock.acquire(blocking=False):
-        for comm in [_state.comm, *(ring.comm for ring in _state.sets.values())]:
-            if comm is not None:
-                comm.interrupt()
+        for comm in _state.comms():
+            comm.interrupt()
         _state.lock.acquire()
     try:
-        for comm in [_state.comm, *(ring.comm for ring in _state.sets.values())]:
-            if comm is not None and comm.busy:  # a Comm call on a thread that took no lock (or took it first)
+        for comm in _state.comms():
+            if comm.busy:  # a Comm call on a thread that took no lock (or took it first)
                 comm.interrupt()
         for ring in _state.sets.values():
             if ring.comm is not None:
@@ -125,6 +131,8 @@ def shutdown() -> None:
             for ps in ring.owners:
                 ps.invalidate()
         _state.sets.clear()
+        if _state.ring is not None and _state.ring.hierarchy is not None:
+            _state.ring.hierarchy.close()
         if _state.comm is not None:
             _state.comm.close()
         _state.comm = _state.world = _state.ring = None

@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import MismatchError, RingReduceError, StaleGenerationError
 from .arrays import BFLOAT16, DTYPE_NAMES, DTYPES, OP_NAMES, as_raw
 from .communicator import Ring, current as _state
+from .hierarchy import run_allreduce
 
 
 ALLREDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST, BARRIER = range(5)
@@ -307,7 +308,13 @@ def _allreduce_beside_joined(blobs, live, ring) -> None:
             fill = np.iinfo(dtype).max if op == "min" else np.iinfo(dtype).min
     src = np.full(live["shape"], fill, dtype=dtype)
     dst = np.empty_like(src)
-    ring.comm.allreduce(as_raw(src), as_raw(dst), code, live["op"])
+    run_allreduce(ring, any_device(blobs) if ring.hierarchy else False, src, dst, code,
+                  live["op"])  # the path the ranks with data take
+
+
+def any_device(blobs) -> bool:
+    """Whether any rank's header says it runs the operation on a device."""
+    return any(parse(b)["device"] for b in blobs)
 
 
 def _rank_names(ring: Ring | None) -> list | None:

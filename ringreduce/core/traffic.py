@@ -40,10 +40,8 @@ _retired: dict = {"world": None, "counts": [0] * (len(KINDS) + len(VIAS))}
 def _comms(locked: bool = True) -> list:
     if locked:
         with _state.lock:
-            comms = [_state.comm, *(ring.comm for ring in _state.sets.values())]
-    else:  # the fields as they are now (one tuple() of a dict's values is one step under the GIL)
-        comms = [_state.comm, *(ring.comm for ring in tuple(_state.sets.values()))]
-    return [comm for comm in comms if comm is not None]
+            return _state.comms()
+    return _state.comms()  # the fields as they are now (it reads the sets in one tuple(), one step under the GIL)
 
 
 def _counts(comm) -> tuple:
