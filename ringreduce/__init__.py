@@ -5,9 +5,9 @@
     grads = rr.allreduce(grads, op="avg")
 
 Subpackages and submodules load on first use, as numpy's do:
-`rr.elastic.run`, `rr.compression.PowerSGD`, `rr.tensorflow` work without an
-import of their own. `import ringreduce` itself never imports TensorFlow; only
-touching `rr.tensorflow` does.
+`rr.elastic.run`, `rr.compression.PowerSGD`, `rr.tensorflow`, `rr.ray.RayExecutor`
+work without an import of their own. `import ringreduce` itself never imports
+TensorFlow or Ray; only touching `rr.tensorflow` or `rr.ray` does.
 """
 import importlib as _importlib
 import importlib.util as _importlib_util
@@ -45,4 +45,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | {"compression", "elastic", "tensorflow"})
+    return sorted(set(globals()) | {"compression", "elastic", "ray", "tensorflow"})
