@@ -171,6 +171,11 @@ class RayExecutor:
         self._serial = 0
         self._broken: str | None = None  # why the ring cannot run another function
 
+    @property
+    def actors(self) -> list:
+        """The workers' Ray actor handles, in rank order (of the last ring formed)."""
+        return [s.actor for s in self.workers]
+
     # ------------------------------------------------------------------ life
 
     def start(self) -> None:
@@ -225,6 +230,7 @@ class RayExecutor:
         joined = self._get([s.actor.join.remote(env) for s, env in zip(self.workers, envs)], "join the ring")
         for slot, (rank, _) in zip(self.workers, joined):
             slot.rank = rank
+        self.workers.sort(key=lambda s: s.rank)  # elastic: the rendezvous gave the ranks
         self._broken = None
 
     def _new_slot(self, bundle: int) -> _Slot:
