@@ -103,7 +103,8 @@ def _died_reason(exc: BaseException) -> str:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, ActorDied):
         return f"its actor died ({exc})"
-    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 class RayExecutor:
