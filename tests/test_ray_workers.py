@@ -79,6 +79,12 @@ def steps_until_killed(marker, victim):
     return "never killed"
 
 
+def compute_for_ever_or_raise(bad_rank):
+    if rr.rank() == bad_rank:
+        raise ValueError("raised at once")
+    time.sleep(3600)  # no collective: never learns of the failure by itself
+
+
 def raise_on(bad_rank):
     if rr.rank() == bad_rank:
         raise ValueError(f"rank {bad_rank}'s own error")
@@ -187,6 +193,28 @@ def test_a_function_error_names_its_rank_and_the_ring_forms_again_for_the_next_r
     out = ex.run(reduce_rank_data, args=(5,))
     assert [o["rank"] for o in out] == [0, 1, 2]
     np.testing.assert_array_equal(out[1]["isum"], np.stack([o["ints"] for o in out]).sum(axis=0))
+
+
+@pytest.mark.slow  # a local Ray cluster, a Python process per actor
+def test_ranks_that_never_end_are_killed_after_the_grace_or_the_run_timeout(executor):
+    ex = executor(num_workers=2, grace=2)
+    ex.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        ex.run(compute_for_ever_or_raise, args=(1,))
+    assert time.monotonic() - started < 60
+    err = info.value
+    assert err.rank == 1 and isinstance(err.errors[1], ValueError)
+    assert "rank 0: TimeoutError: still running 2 s after rank 1 failed; its actor was killed" in str(err)
+    ex.shutdown()
+    ex = executor(num_workers=2)
+    ex.start()
+    with pytest.raises(WorkerFailedError, match=r"rank 0 of 2 failed: TimeoutError: still running when the "
+                                                r"run's timeout \(2 s\) passed") as info:
+        ex.run(compute_for_ever_or_raise, args=(-1,), timeout=2)
+    assert sorted(info.value.errors) == [0, 1]
+    with pytest.raises(RingReduceError, match="shutdown\\(\\) and start\\(\\) again"):
+        ex.run(rank_and_sum)
 
 
 @pytest.mark.slow  # a local Ray cluster, a Python process per actor
