@@ -6,10 +6,10 @@
 
 Subpackages and submodules load on first use, as numpy's do:
 `rr.elastic.run`, `rr.compression.PowerSGD`, `rr.balance.BatchBalancer`,
-`rr.tensorflow`, `rr.metrics.serve` work without an import of their own.
-`import ringreduce` itself never imports TensorFlow (only touching
-`rr.tensorflow` does), nor prometheus_client (only `rr.metrics`, or init()
-with RINGREDUCE_METRICS_PORT set, does).
+`rr.tensorflow`, `rr.metrics.serve`, `rr.ray.RayExecutor` work without an
+import of their own. `import ringreduce` itself never imports TensorFlow or
+Ray (only touching `rr.tensorflow` or `rr.ray` does), nor prometheus_client
+(only `rr.metrics`, or init() with RINGREDUCE_METRICS_PORT set, does).
 """
 import importlib as _importlib
 import importlib.util as _importlib_util
@@ -57,4 +57,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | {"balance", "compression", "elastic", "metrics", "tensorflow"})
+    return sorted(set(globals()) | {"balance", "compression", "elastic", "metrics", "ray", "tensorflow"})

@@ -1,6 +1,6 @@
-"""`rr.elastic`, `rr.compression`, `rr.tensorflow`: subpackages load on first
-attribute access (PEP 562), as numpy's and scipy's do, and `import ringreduce`
-never imports TensorFlow."""
+"""`rr.elastic`, `rr.compression`, `rr.tensorflow`, `rr.ray`: subpackages load
+on first attribute access (PEP 562), as numpy's and scipy's do, and `import
+ringreduce` never imports TensorFlow or Ray."""
 import os
 import subprocess
 import sys
@@ -43,6 +43,24 @@ assert "tensorflow" not in sys.modules
 hvd = rr.tensorflow
 assert "tensorflow" in sys.modules and hvd is sys.modules["ringreduce.tensorflow"]
 assert callable(hvd.allreduce)
+print("OK")
+""")
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr
+
+
+def test_rr_ray_loads_ray_only_on_access():
+    out = run_python("""
+import sys
+import ringreduce as rr
+assert "ray" not in sys.modules, "import ringreduce imported ray"
+assert "ray" in dir(rr)
+import importlib.util
+if importlib.util.find_spec("ray") is None:
+    print("OK")  # without the ray extra there is nothing more to check
+    raise SystemExit
+executor = rr.ray.RayExecutor
+assert "ray" in sys.modules and executor.__name__ == "RayExecutor"
+assert "tensorflow" not in sys.modules, "rr.ray imported tensorflow"
 print("OK")
 """)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr
