@@ -10,6 +10,9 @@ processes) or, when they only run collectives on a healthy world, take the
 `world_pool` fixture (tests/world_pool.py: initialized worlds reused while
 they stay fit).
 """
+import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,6 +40,25 @@ def world_pool(tmp_path_factory):
     pool = wp.WorldPool(tmp_path_factory.mktemp("world_pool"))
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tf_op_compiled_once_per_run(tmp_path_factory):
+    """CXX for the session: tests/cached_cxx.py over the system's c++, so
+    each distinct build of the TensorFlow op runs the compiler once per run,
+    however many op caches the tests build into (xdist workers share it).
+    A test that sets CXX itself keeps its own; with no compiler CXX stays unset."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        yield
+        return
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one run's folder, every worker's
+    wrapper = Path(__file__).resolve().parent / "cached_cxx.py"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CXX", f"{shlex.join([sys.executable, str(wrapper)])} {cxx}")
+        mp.setenv("RR_TEST_CXX_CACHE", str(root / "cxx_cache"))
+        yield
 
 
 @pytest.fixture(autouse=True)
