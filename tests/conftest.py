@@ -1,6 +1,8 @@
 """Fixtures for every test.
 
-The whole suite runs by default (`scripts/test.sh`, CI). For a quick loop,
+The whole suite runs by default (`scripts/test.sh`, CI: two pytest-xdist
+workers, a test file each at a time; tests marked `alone` run while the
+other worker runs none). For a quick loop,
 `.venv/bin/python -m pytest -q -m "not slow"` leaves out the tests marked
 slow (each over 20 s alone: TensorFlow jobs, elastic jobs, the wheel, the
 examples); `-m slow` runs only those.
