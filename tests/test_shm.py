@@ -85,6 +85,7 @@ def _ours():
     return {f for f in os.listdir(shm.SHM_DIR) if f.startswith("ringreduce-")}
 
 
+@pytest.mark.alone
 def test_nothing_is_left_in_dev_shm_even_when_a_rank_is_killed(tmp_path):
     before = _ours()
     run_ranks(3, "rr.allreduce(np.ones(1 << 20))", tmp_path, timeout=60)
@@ -154,6 +155,7 @@ def test_offers_that_cannot_be_shared_are_declined(offer, tmp_path, forgery):
             os.unlink(bad["path"])
 
 
+@pytest.mark.alone
 def test_connect_agrees_on_both_links_of_a_ring_of_two(monkeypatch):
     """Two 'ranks' as threads over socket pairs: each link is shared exactly
     when both ends want it, a full /dev/shm keeps the links on TCP, every
@@ -197,6 +199,7 @@ def test_connect_agrees_on_both_links_of_a_ring_of_two(monkeypatch):
     assert _ours() - before == set()
 
 
+@pytest.mark.alone
 def test_a_link_file_left_by_a_killed_rank_is_removed_by_the_next_maker(tmp_path):
     # A rank SIGKILLed after offering its link file and before its neighbour
     # answered leaves the file under its name (elastic jobs leave such files

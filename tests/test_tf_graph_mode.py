@@ -6,6 +6,7 @@ The case that deadlocked the blocking hand-over: more independent
 collectives than the Session has inter-op threads, started in a different
 order on each rank (12 allreduces on 2 threads here; the blocking
 numpy_function hand-over hangs on it)."""
+import os
 import textwrap
 
 import numpy as np
@@ -26,6 +27,11 @@ PRELUDE = """
     CONFIG = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)
 """
 NAMED = 12
+
+
+def session_cxx() -> dict:
+    """The session's compiler command (conftest.py: one compile of the op per run), for a child given an env of its own."""
+    return {k: os.environ[k] for k in ("CXX", "RR_TEST_CXX_CACHE") if k in os.environ}
 
 
 def job(body: str) -> str:
@@ -314,7 +320,7 @@ def test_python_m_async_op_builds_the_op_ahead(tmp_path):
     import subprocess
     import sys
     env = {"RINGREDUCE_TF_OPS_DIR": str(tmp_path / "ops"), "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO),
-           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **session_cxx()}
     out = subprocess.run([sys.executable, "-m", "ringreduce.tensorflow.async_op"], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -401,7 +407,7 @@ def test_a_damaged_op_library_in_the_cache_is_built_again(tmp_path):
             "path = async_op.library_path()\npath.parent.mkdir(parents=True)\npath.write_bytes(b'\\x7fELF half')\n"
             "async_op.load()\nprint('LOADED', path.read_bytes()[:4] == b'\\x7fELF' and path.stat().st_size > 1000)\n")
     env = {"RINGREDUCE_TF_OPS_DIR": str(tmp_path / "ops"), "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO),
-           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **session_cxx()}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and "LOADED True" in out.stdout, out.stderr[-3000:]
 
