@@ -28,15 +28,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+from harness import parse_bytes  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
 from ringreduce.core.world import discover  # noqa: E402
-
-
-def parse_bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def expected_fill(rank: int, dtype) -> np.ndarray:

@@ -86,7 +86,7 @@ def main() -> int:
 
 def on_off(rr, flight_recorder, call, args) -> tuple[float, float]:
     """(us per call with the recorder on, off): medians over alternating rounds, the slowest rank's."""
-    for _ in range(200):  # warm: plans made, the fast path taken
+    for _ in range(200):  # warm: plans made, the fast path taken (a Keras step traced)
         call()
     times = {True: [], False: []}
     for r in range(2 * args.rounds):
@@ -117,20 +117,8 @@ def keras_steps(args) -> int:
                               keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
     model.compile(optimizer=rrtf.DistributedOptimizer(keras.optimizers.SGD(0.01)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    iters = args.iters
-    for _ in range(50):  # warm: the step traced, the engine's plans made
-        model.train_on_batch(x, y)
-    times = {True: [], False: []}
-    for r in range(2 * args.rounds):
-        on = r % 4 in (0, 3)  # on, off, off, on: neither setting always goes first
-        flight_recorder.configure(flight_recorder.DEFAULT_CAPACITY if on else 0)
-        rr.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            model.train_on_batch(x, y)
-        times[on].append((time.perf_counter() - t0) / iters * 1e3)
-    slowest = rr.allgather(np.array([[statistics.median(times[True]), statistics.median(times[False])]]))
-    on_ms, off_ms = slowest.max(axis=0)
+    on_us, off_us = on_off(rr, flight_recorder, lambda: model.train_on_batch(x, y), args)
+    on_ms, off_ms, iters = on_us / 1e3, off_us / 1e3, args.iters
     flight_recorder.configure(flight_recorder.DEFAULT_CAPACITY)
     if rr.rank() == 0:
         print(f"flight recorder cost: {rr.size()} ranks, Keras MLP 64-256-256-10 batch 32, DistributedOptimizer, "

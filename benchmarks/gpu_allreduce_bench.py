@@ -25,7 +25,7 @@ import numpy as np
 
 import harness
 import ringreduce as rr
-from allreduce_bench import parse_bytes
+from harness import parse_bytes
 
 
 def rr_impl(label: str, xp, count: int, dtype, op: str) -> harness.Impl:

@@ -52,6 +52,13 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
+def parse_bytes(text: str) -> int:
+    """"64M", "1KiB", "4096" -> bytes (K, M, G: powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
 def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     out, b = [], min_bytes
     while b <= max_bytes:

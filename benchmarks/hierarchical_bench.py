@@ -34,19 +34,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-
-def parse_bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def sizes(lo: int, hi: int, factor: int) -> list[int]:
-    out, b = [], lo
-    while b <= hi:
-        out.append(b)
-        b *= factor
-    return out
+from harness import parse_bytes, sizes  # noqa: E402
 
 
 def cpu_seconds() -> float:

@@ -8,6 +8,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..errors import RingReduceError
+
 # Largest blob of the header pass (csrc/schedule/ring.c MAX_BLOB is 64 MiB): the small
 # path sends header + tensor in one blob, so its limit stays well below.
 MAX_SMALL_BYTES = 32 << 20
@@ -188,6 +190,20 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_FLIGHT_RECORDER", "RINGREDUCE_FLIGHT_DIR",
     "RINGREDUCE_HIERARCHICAL", "RINGREDUCE_HOST_ID", "RINGREDUCE_SLURM_TASK",
 })
+
+
+def env_int(env, *names) -> int | None:
+    """The first of the variables `names` set (non-empty) in env, as an int;
+    None when none is set. A value that is no integer raises RingReduceError
+    naming the variable (a launcher's world variables: SLURM_*, RANK, ...)."""
+    for name in names:
+        value = env.get(name, "")
+        if value != "":
+            try:
+                return int(value)
+            except ValueError:
+                raise RingReduceError(f"{name}={value!r} is not an integer") from None
+    return None
 
 
 def warn_unknown(env=None) -> None:

@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import RingReduceError
+from .config import env_int
 
 # torchrun (torch.distributed.run, and torch.distributed.launch) sets these on
 # each process it starts; an operator never sets them on a pod.
@@ -73,16 +74,6 @@ class PodJob:
     host: str                  # the master pod's address
     port: int | None           # ringreduce's rendezvous port there (None: a lone process of one pod, no rendezvous)
     secret: str | None
-
-
-def _int(env, name: str) -> int | None:
-    value = env.get(name, "")
-    if value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise RingReduceError(f"{name}={value!r} is not an integer") from None
 
 
 def started_by_torchrun(env) -> bool:
@@ -113,7 +104,7 @@ def pod_job(env, need_port: bool = True) -> PodJob | None:
             nnodes = int(nnodes_text)
         except ValueError:
             raise RingReduceError(f"PET_NNODES={nnodes_text!r} is not an integer") from None
-        node_rank = _int(env, "PET_NODE_RANK")
+        node_rank = env_int(env, "PET_NODE_RANK")
         if node_rank is None:  # a PyTorchJob without a Master replica gets PET_NNODES alone
             if nnodes == 1:
                 return None  # the only pod: a world of one, as without the operator
@@ -126,7 +117,7 @@ def pod_job(env, need_port: bool = True) -> PodJob | None:
         nproc_name = "PET_NPROC_PER_NODE"
     elif env.get("MASTER_ADDR", "") != "" and env.get("RANK", "") != "" and env.get("WORLD_SIZE", "") != "":
         operator = "PyTorchJob"  # training-operator up to v1.7: a pod's RANK of WORLD_SIZE pods
-        nnodes, node_rank = _int(env, "WORLD_SIZE"), _int(env, "RANK")
+        nnodes, node_rank = env_int(env, "WORLD_SIZE"), env_int(env, "RANK")
         host, port_name, nproc_text, nproc_name = env["MASTER_ADDR"], "MASTER_PORT", "", ""
     else:
         return None
@@ -137,7 +128,7 @@ def pod_job(env, need_port: bool = True) -> PodJob | None:
         raise RingReduceError(f"PET_NPROC_PER_NODE={nproc_text} must be at least 1")
     if nnodes_text and env.get("RANK", "") != "" and env.get("WORLD_SIZE", "") != "":
         # PyTorchJob v1.8 sets both: RANK is the pod's, WORLD_SIZE counts processes (pods when nproc is not fixed)
-        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        rank, world = env_int(env, "RANK"), env_int(env, "WORLD_SIZE")
         if rank != node_rank or world != nnodes * (nproc or 1):
             raise RingReduceError(
                 f"{operator}: RANK={rank} and WORLD_SIZE={world} disagree with PET_NODE_RANK={node_rank}, "
@@ -152,12 +143,12 @@ def pod_job(env, need_port: bool = True) -> PodJob | None:
 
 def rendezvous_port(env, torch_port_name: str) -> int:
     """RINGREDUCE_PORT, else torch's master port + PORT_OFFSET."""
-    own = _int(env, "RINGREDUCE_PORT")
+    own = env_int(env, "RINGREDUCE_PORT")
     if own is not None:
         if not 0 < own < 65536:
             raise RingReduceError(f"RINGREDUCE_PORT={own} must be a port of 1 .. 65535")
         return own
-    torch = _int(env, torch_port_name)
+    torch = env_int(env, torch_port_name)
     if torch is None:
         raise RingReduceError(f"neither RINGREDUCE_PORT nor {torch_port_name} is set: where should rank 0 listen?")
     if not 0 < torch + PORT_OFFSET < 65536:

@@ -54,6 +54,7 @@ import shutil
 import subprocess
 
 from ..errors import RingReduceError
+from .config import env_int
 
 # Ports of derived rendezvous: below the kernel's default ephemeral range
 # (32768-60999), so no connection's own port is ever handed out there. The
@@ -212,16 +213,6 @@ def in_step(env) -> bool:
     return env.get("SLURM_PROCID", "") != "" and step.isdigit() and int(step) < MAX_NORMAL_STEP_ID
 
 
-def _int(env, *names):
-    for name in names:
-        if env.get(name, "") != "":
-            try:
-                return int(env[name])
-            except ValueError:
-                raise RingReduceError(f"{name}={env[name]!r} is not an integer") from None
-    return None
-
-
 def _check_not_inherited(env, rank) -> None:
     """Refuses a process that inherited the environment of the srun task
     that already read this step's world (CLAIM_ENV), being no task itself."""
@@ -245,15 +236,15 @@ def step_world(env, secret: bytes | None, parse_addr) -> dict | None:
     parse_addr reads RINGREDUCE_ADDR (world.py's, as for every launcher)."""
     if any(env.get(n, "") != "" for n in ("RINGREDUCE_SIZE", "RINGREDUCE_LOCAL_RANK", "RINGREDUCE_LOCAL_SIZE")):
         return None
-    size = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if in_step(env) else None
+    size = env_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if in_step(env) else None
     if size is None or size <= 1:
-        tasks = _int(env, "SLURM_STEP_NUM_TASKS")
+        tasks = env_int(env, "SLURM_STEP_NUM_TASKS")
         if env.get("SLURM_PROCID", "") != "" and tasks is not None and tasks > 1:  # no step id: half a step
             raise RingReduceError(f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS={tasks}) but SLURM_STEP_ID is "
                                   "missing, so their world cannot be read: run the tasks under srun itself (it sets both), "
                                   "or use srun --mpi=pmi2/pmix (and mpi4py), or one srun task running ringrun -np N")
         return None
-    rank = _int(env, "SLURM_PROCID")
+    rank = env_int(env, "SLURM_PROCID")
     _check_not_inherited(env, rank)
     missing = [n for n in ("SLURM_JOB_ID", "SLURM_LOCALID", "SLURM_NODEID") if env.get(n, "") == ""]
     nodelist_name = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_NODELIST") if env.get(n)), None)
@@ -264,8 +255,8 @@ def step_world(env, secret: bytes | None, parse_addr) -> dict | None:
         raise RingReduceError(f"srun started {size} tasks but {', '.join(missing)} is not set, so their "
                               "ringreduce world cannot be read (set RINGREDUCE_RANK, RINGREDUCE_SIZE and "
                               "RINGREDUCE_ADDR on every task, or use ringrun -np N)")
-    job, step = _int(env, "SLURM_JOB_ID"), _int(env, "SLURM_STEP_ID", "SLURM_STEPID")
-    local_rank, node_id = _int(env, "SLURM_LOCALID"), _int(env, "SLURM_NODEID")
+    job, step = env_int(env, "SLURM_JOB_ID"), env_int(env, "SLURM_STEP_ID", "SLURM_STEPID")
+    local_rank, node_id = env_int(env, "SLURM_LOCALID"), env_int(env, "SLURM_NODEID")
     try:
         nodes = expand_hostlist(env[nodelist_name])
         per_node = expand_tasks_per_node(env[per_node_name])
@@ -286,7 +277,7 @@ def step_world(env, secret: bytes | None, parse_addr) -> dict | None:
         if rank == 0 and node_id != 0:
             raise RingReduceError(f"rank 0 runs on node {node_id} of the step, not on its first node ({nodes[0]}), "
                                   f"where every rank looks for it ({where}): set RINGREDUCE_ADDR=host:port")
-        port = _int(env, "RINGREDUCE_PORT")
+        port = env_int(env, "RINGREDUCE_PORT")
         if port is not None and not 0 < port < 65536:
             raise RingReduceError(f"RINGREDUCE_PORT={port} is not a port of 1 .. 65535")
         addr = (node_address(nodes[0]), step_port(job, step) if port is None else port)

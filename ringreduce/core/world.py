@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import kubernetes, shm, slurm
-from .config import Config
+from .config import Config, env_int
 from ..errors import RingReduceError
 
 log = logging.getLogger("ringreduce")
@@ -68,16 +68,6 @@ class World:
     config: Config = field(default_factory=Config)
     source: str = "single process"
     extra: dict = field(default_factory=dict)
-
-
-def _env_int(env, *names):
-    for name in names:
-        if env.get(name, "") != "":
-            try:
-                return int(env[name])
-            except ValueError:
-                raise RingReduceError(f"{name}={env[name]!r} is not an integer") from None
-    return None
 
 
 # Other launchers' worlds, which ringreduce does not join: (what started this
@@ -106,16 +96,16 @@ def discover(env=None) -> World:
                      config, "elastic",
                      {"worker": env.get("RINGREDUCE_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"})
 
-    rank = _env_int(env, "RINGREDUCE_RANK")
+    rank = env_int(env, "RINGREDUCE_RANK")
     if rank is not None:
-        size = _env_int(env, "RINGREDUCE_SIZE")
+        size = env_int(env, "RINGREDUCE_SIZE")
         if size is None or not 0 <= rank < size:
             raise RingReduceError(f"RINGREDUCE_RANK={rank} needs RINGREDUCE_SIZE > rank")
         addr = env.get("RINGREDUCE_ADDR")
         if size > 1 and not addr:
             raise RingReduceError("RINGREDUCE_SIZE > 1 needs RINGREDUCE_ADDR=host:port of rank 0")
-        local_rank = _env_int(env, "RINGREDUCE_LOCAL_RANK")
-        local_size = _env_int(env, "RINGREDUCE_LOCAL_SIZE")
+        local_rank = env_int(env, "RINGREDUCE_LOCAL_RANK")
+        local_size = env_int(env, "RINGREDUCE_LOCAL_SIZE")
         given = local_rank is not None
         local_rank, local_size = rank if local_rank is None else local_rank, size if local_size is None else local_size
         if given and not 0 <= local_rank < local_size:  # a GPU is picked by it (ringreduce/tensorflow)
@@ -124,11 +114,11 @@ def discover(env=None) -> World:
         return World(rank, size, local_rank, local_size,
                      _parse_addr(addr) if addr else None, secret_bytes, config, "RINGREDUCE_* environment")
 
-    mpi_rank = _env_int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    mpi_rank = env_int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
     if mpi_rank is not None:
-        size = _env_int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS") or 1  # srun --mpi=pmix
-        local_rank = _env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
-        local_size = _env_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+        size = env_int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS") or 1  # srun --mpi=pmix
+        local_rank = env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+        local_size = env_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
         return World(mpi_rank, size, mpi_rank if local_rank is None else local_rank,
                      size if local_size is None else local_size, None, secret_bytes, config, "mpirun")
 
@@ -147,7 +137,7 @@ def discover(env=None) -> World:
                      secret_bytes, config,
                      f"{pod.operator} pod")
     for launcher, size_name, marker in _FOREIGN_LAUNCHERS:  # each process training alone would be silently wrong
-        size = _env_int(env, size_name) if env.get(marker, "") != "" else None
+        size = env_int(env, size_name) if env.get(marker, "") != "" else None
         if size is not None and size > 1:
             raise RingReduceError(f"{launcher} started {size} processes ({size_name}={size}) but none of them has a "
                                   f"ringreduce world: launch with ringrun -np {size} instead (or set "
