@@ -380,3 +380,49 @@ def test_a_process_sets_allreduce_beside_a_member_that_left_fails_naming_it(tmp_
     """, tmp_path, timeout=60)
     assert ranks[0].result == "left"
     assert "allreduce cannot run: world rank(s) 0 have shut down" in ranks[1].result, ranks[1].result
+
+
+def test_a_join_that_fails_stops_standing_in_on_its_process_sets(tmp_path):
+    # Rank 0's join() fails (its engine's negotiation raises once, while its serving pass waits on the
+    # set's ring). Were that pass left running, it would answer rank 1's next allreduce on the set with
+    # zeros, as if rank 0 were still joined: rank 1 would get its own data back as the sum.
+    ranks = run_ranks(3, """
+        import threading, time
+        from ringreduce import engine as E
+        ps = rr.add_process_set([0, 1])
+        if rr.rank() == 0:
+            eng = E.engine()
+            real, calls = eng.negotiator.negotiate, []
+            def fails_once(*a, **k):
+                if not calls:
+                    calls.append(1)
+                    time.sleep(0.5)  # the serving pass is in the set's ring by now
+                    raise rr.MismatchError("injected")
+                return real(*a, **k)
+            eng.negotiator.negotiate = fails_once
+            try:
+                rr.join()
+                joined = "returned"
+            except rr.MismatchError as e:
+                joined = str(e)
+            serving = [t.name for t in threading.enumerate() if t.name.startswith("ringreduce-joined-set")]
+            try:
+                rr.allreduce(np.ones(3), process_set=ps)
+                after = "ran"
+            except rr.RingReduceError as e:
+                after = type(e).__name__
+            result = (joined, serving, after)
+        elif rr.rank() == 1:
+            time.sleep(2)
+            try:
+                result = ("ran", rr.allreduce(np.ones(3), process_set=ps).tolist())
+            except rr.RingReduceError as e:
+                result = (type(e).__name__, str(e))
+        else:
+            result = None
+        world = rr.allreduce(np.ones(1)).tolist()  # the world's ring goes on
+    """, tmp_path, timeout=90)
+    joined, serving, after = ranks[0].result
+    assert "injected" in joined and serving == [] and after != "ran", ranks[0].result
+    kind, said = ranks[1].result
+    assert kind != "ran" and "rank 0" in said, ranks[1].result

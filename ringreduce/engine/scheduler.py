@@ -155,6 +155,7 @@ class Engine:
         self._joining: threading.Event | None = None  # set while this rank has joined
         self._last_joined: int | None = None
         self._join_error: BaseException | None = None  # why the last join() failed, the engine going on
+        self._serving_stopped = False  # a failed join() ends its serving passes (_stop_serving)
         self._leaving = False  # leave() was called: this rank is shutting down
         # Some rank's request waited at the last pass (a process set's, say, whose
         # members are still coming): negotiate on with nothing of our own, as the
@@ -339,14 +340,36 @@ class Engine:
             self._cond.notify()
         done.wait()
         with self._cond:
+            error = None
             if self._error is not None:
-                raise RingReduceError(f"the engine stopped after an earlier error: {self._error}")
-            if self._join_error is not None:
-                exc, self._join_error = self._join_error, None
-                raise exc
-        for t in servers:  # every member has joined too: their serving passes meet, and each ends
+                error = RingReduceError(f"the engine stopped after an earlier error: {self._error}")
+            elif self._join_error is not None:
+                error, self._join_error = self._join_error, None
+        if error is not None:
+            self._stop_serving(servers)
+            raise error
+        for t, _ in servers:  # every member has joined too: their serving passes meet, and each ends
             t.join()
         return self._last_joined
+
+    def _stop_serving(self, servers: list) -> None:
+        """A join() that failed: this rank no longer stands in on its process
+        sets. A serving pass still waiting on a set's ring would otherwise
+        answer the members' next collective there with zeros, as if this rank
+        were still joined (and hold the ring from this rank's own calls), so
+        that ring is interrupted: the pass ends, the members' collective on
+        the set fails naming this rank, and so does every later one on it
+        here (remove the set and add it again to go on with it)."""
+        with self._set_cond:
+            self._serving_stopped = True
+            self._set_cond.notify_all()
+        for t, ring in servers:
+            if t.is_alive():
+                ring.comm.interrupt()
+        for t, _ in servers:
+            t.join(timeout=10)
+        with self._set_cond:
+            self._serving_stopped = False
 
     def _serve_sets(self) -> list:
         """A joined rank's presence on the rings of its process sets: a
@@ -363,7 +386,7 @@ class Engine:
                 t = threading.Thread(target=self._serve_set, args=(set_id, ring, timeout, left),
                                      name=f"ringreduce-joined-set{set_id}", daemon=True)
                 t.start()
-                servers.append(t)
+                servers.append((t, ring))
         return servers
 
     def _serve_set(self, set_id: int, ring, timeout: float, left: bool) -> None:
@@ -380,9 +403,10 @@ class Engine:
                     return
                 if outcome == STEPPED_ASIDE:
                     with self._set_cond:
-                        while self._set_runs.get(set_id, 0) <= seen and self._error is None and not self._stop:
+                        while (self._set_runs.get(set_id, 0) <= seen and self._error is None and not self._stop
+                               and not self._serving_stopped):
                             self._set_cond.wait()
-                        if self._error is not None or self._stop:
+                        if self._error is not None or self._stop or self._serving_stopped:
                             return
         except RingReduceError:
             return  # the set's ring is lost or closed: its members' own calls say why
