@@ -421,8 +421,13 @@ def test_a_join_that_fails_stops_standing_in_on_its_process_sets(tmp_path):
         else:
             result = None
         world = rr.allreduce(np.ones(1)).tolist()  # the world's ring goes on
+        rr.remove_process_set(ps)  # and the set, removed and added again, works
+        ps = rr.add_process_set([0, 1])
+        again = rr.allreduce(np.ones(3), process_set=ps).tolist() if rr.rank() < 2 else None
+        result = (result, world, again)
     """, tmp_path, timeout=90)
-    joined, serving, after = ranks[0].result
+    joined, serving, after = ranks[0].result[0]
     assert "injected" in joined and serving == [] and after != "ran", ranks[0].result
-    kind, said = ranks[1].result
+    kind, said = ranks[1].result[0]
     assert kind != "ran" and "rank 0" in said, ranks[1].result
+    assert [r.result[1:] for r in ranks] == [([3.0], [2.0] * 3), ([3.0], [2.0] * 3), ([3.0], None)]
