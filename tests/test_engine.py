@@ -352,3 +352,32 @@ def test_a_timeline_is_valid_json_when_the_script_just_ends(tmp_path):
     for path in (trace, tmp_path / "trace.rank1.json"):
         events = json.loads(path.read_text())
         assert any(e.get("name") == "ALLREDUCE" for e in events), path
+
+
+def test_after_a_lost_peer_every_later_request_raises_that_peers_loss_naming_it(tmp_path):
+    ranks = run_ranks(3, """
+        import time
+        from ringreduce import engine as E
+        eng = E.engine()
+        x = np.ones(1000, np.float32)
+        eng.wait(eng.enqueue("w", x, op="sum"))
+        if rr.rank() == 1:
+            os._exit(0)  # dies without a word
+        errors = []
+        for i in range(3):  # the one that meets the loss, then two after the engine stopped
+            try:
+                eng.wait(eng.enqueue(f"w{i}", x, op="sum"))
+                errors.append(None)
+            except rr.RingReduceError as e:
+                errors.append((type(e).__name__, e.rank, str(e)))
+        import pickle
+        with open(os.environ["RR_TEST_RESULT"], "wb") as f:
+            pickle.dump(errors, f)
+        os._exit(0)  # no shutdown: its peer is gone
+    """, tmp_path, timeout=120, env={"RINGREDUCE_TIMEOUT": "10"}, check=False)
+    for r in (ranks[0], ranks[2]):
+        first, *later = r.result
+        assert first[0] == "PeerLostError" and first[1] == 1, r.result
+        for kind, rank, text in later:
+            assert kind == "PeerLostError" and rank == 1, r.result
+            assert text.startswith("the engine stopped after an earlier error: PeerLostError: ") and "rank 1" in text

@@ -277,7 +277,7 @@ class Engine:
         ready = family.mark(array)  # the engine's thread reads array after the caller's stream wrote it
         with self._cond:
             if self._error is not None:
-                raise RingReduceError(f"the engine stopped after an earlier error: {self._error}")
+                raise self._stopped_error()
             if (process_set, name) in self._pending:
                 raise ValueError(f"tensor {name!r} is already in flight")
             self._seq += 1
@@ -332,7 +332,7 @@ class Engine:
         all have joined, the rank that joined last."""
         with self._cond:
             if self._error is not None:
-                raise RingReduceError(f"the engine stopped after an earlier error: {self._error}")
+                raise self._stopped_error()
             if self._joining is not None:
                 raise RuntimeError("join() is already waiting on this rank")
             done = self._joining = threading.Event()
@@ -342,7 +342,7 @@ class Engine:
         with self._cond:
             error = None
             if self._error is not None:
-                error = RingReduceError(f"the engine stopped after an earlier error: {self._error}")
+                error = self._stopped_error()
             elif self._join_error is not None:
                 error, self._join_error = self._join_error, None
         if error is not None:
@@ -351,6 +351,20 @@ class Engine:
         for t, _ in servers:  # every member has joined too: their serving passes meet, and each ends
             t.join()
         return self._last_joined
+
+    def _stopped_error(self) -> RingReduceError:
+        """What a call after the engine stopped raises: the error that stopped
+        it, again (a PeerLostError still names the lost rank, in .rank and
+        in its text), of the same class where that is ringreduce's own."""
+        first = self._error
+        text = f"the engine stopped after an earlier error: {type(first).__name__}: {first}"
+        rank = getattr(first, "rank", None)
+        if isinstance(first, RingReduceError):
+            try:
+                return type(first)(text, rank)
+            except TypeError:  # a subclass made otherwise
+                pass
+        return RingReduceError(text, rank)
 
     def _stop_serving(self, servers: list) -> None:
         """A join() that failed: this rank no longer stands in on its process
