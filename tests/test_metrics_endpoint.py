@@ -101,8 +101,11 @@ result = dict(stats=stats, addr=addr, own=own, text=text, listening=listening, o
         assert res["listening"] == [addr[1]]  # the endpoint, and nothing else, listens
         me = dict(rank=r.rank, local_rank=r.rank, host=res["host"], job="metrics-test-job")
         assert stats["bytes_sent"] > 0
+        assert stats["bytes_received"] > 0
         for via in ("tcp", "shm", "cma", "arena", "mpi"):
             assert value(own, "ringreduce_transport_sent_bytes_total", transport=via, **me) == stats[via], via
+            assert value(own, "ringreduce_transport_received_bytes_total", transport=via, **me) \
+                == stats[f"received_{via}"], via
         for kind in ("ring", "blobs", "alltoall"):
             assert value(own, "ringreduce_purpose_sent_bytes_total", purpose=kind, **me) == stats[kind], kind
         for kind, n in RAN.items():

@@ -37,6 +37,11 @@ def test_a_ring_allreduce_sends_2_n_minus_1_over_n_of_the_tensor(tmp_path, n):
         # an allgather forwards every other rank's block once: sum of all blocks but the receiver's own
         others = sum((q + 1) * 100_000 for q in range(n)) - ((r.rank + 1) % n + 1) * 100_000
         assert abs(res["gather"]["ring"] - others) <= 64 * n, (r.rank, res["gather"], others)
+        # what this rank took in is what prev sent it, every byte: the same counts, header pass included
+        prev = ranks[(r.rank - 1) % n].result
+        assert ring["bytes_received"] == prev["ring"]["bytes_sent"], (ring, prev["ring"])
+        # the allgather (blocks of unequal size) alike: taken in, what prev sent
+        assert res["gather"]["bytes_received"] == prev["gather"]["bytes_sent"], (res["gather"], prev["gather"])
 
 
 ENGINE_JOB = """
@@ -66,7 +71,9 @@ def test_stats_before_init_is_zero():
     import ringreduce as rr
     assert not rr.is_initialized()
     assert rr.stats() == {"ring": 0, "blobs": 0, "alltoall": 0, "bytes_sent": 0,
-                          "tcp": 0, "shm": 0, "cma": 0, "arena": 0, "mpi": 0}
+                          "tcp": 0, "shm": 0, "cma": 0, "arena": 0, "mpi": 0, "bytes_received": 0,
+                          "received_tcp": 0, "received_shm": 0, "received_cma": 0, "received_arena": 0,
+                          "received_mpi": 0}
 
 
 ONE_HOST_JOB = """
@@ -101,12 +108,22 @@ def test_a_one_host_job_counts_what_the_ring_sends_by_the_way_it_went(tmp_path, 
         assert abs(big["ring"] - expected) <= 4 * n, (r.rank, big, expected)
         assert 0 < big["blobs"] < 512 and expected - 4 * n <= big["bytes_sent"] <= expected + 4 * n + 512, big
         assert 0 < small["bytes_sent"] < 512, small  # a header and 40 bytes of data, not nothing
+        received = sum(big[f"received_{w}"] for w in WAYS)
+        assert received == big["bytes_received"], big
+        # the ring's data from prev: what prev's ring sent it, by the same way
+        prev = ranks[(r.rank - 1) % n].result["big"]
+        assert abs(big["received_shm"] + big["received_cma"] + big["received_tcp"] - prev["ring"]) <= 512, (big, prev)
         if setting == "default":
             assert big["tcp"] == small["tcp"] == 0, (big, small)  # nothing crossed a socket
             assert big["shm"] + big["cma"] == big["ring"] and big["arena"] == big["blobs"], big
             assert small["arena"] == small["bytes_sent"], small
+            # a slot written once is read by each other rank of the host: received n - 1 times over
+            everyone = [x.result["small"] for x in ranks]
+            assert sum(x["received_arena"] for x in everyone) == (n - 1) * sum(x["arena"] for x in everyone)
+            assert big["received_tcp"] == small["received_tcp"] == 0, (big, small)
         else:
             assert big["tcp"] == big["bytes_sent"] and small["tcp"] == small["bytes_sent"], (big, small)
+            assert big["received_tcp"] == big["bytes_received"] == prev["bytes_sent"], (big, prev)
 
 
 MPI_SNIPPET = """

@@ -157,6 +157,7 @@ PyObject *core_arena_file_bytes(PyObject *m, PyObject *args);
 /* counters.c */
 PyObject *Comm_bytes(CommObject *self, PyObject *ignored);
 PyObject *Comm_bytes_via(CommObject *self, PyObject *ignored);
+PyObject *Comm_bytes_received(CommObject *self, PyObject *ignored);
 PyObject *Comm_cma_ops(CommObject *self, PyObject *ignored);
 PyObject *Comm_mapped_ops(CommObject *self, PyObject *ignored);
 PyObject *Comm_zero_copy_ops(CommObject *self, PyObject *ignored);

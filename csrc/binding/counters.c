@@ -37,6 +37,14 @@ PyObject *Comm_bytes(CommObject *self, PyObject *Py_UNUSED(ignored))
     return Py_BuildValue("(KKK)", s[RR_SENT_RING], s[RR_SENT_BLOBS], s[RR_SENT_ALLTOALL]);
 }
 
+/* Bytes of the others' data this rank took in, by how they came (RR_VIA_* order). */
+PyObject *Comm_bytes_received(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    const unsigned long long *v = self->ring && self->ring->transport ? self->ring->transport->received : NULL;
+    if (!v) return Py_BuildValue("(KKKKK)", 0ULL, 0ULL, 0ULL, 0ULL, 0ULL);
+    return Py_BuildValue("(KKKKK)", v[RR_VIA_TCP], v[RR_VIA_SHM], v[RR_VIA_CMA], v[RR_VIA_ARENA], v[RR_VIA_MPI]);
+}
+
 /* The same bytes by how they went; both tuples sum alike. */
 PyObject *Comm_bytes_via(CommObject *self, PyObject *Py_UNUSED(ignored))
 {

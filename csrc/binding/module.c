@@ -21,6 +21,8 @@ static PyMethodDef Comm_methods[] = {
      "bytes sent to the next rank so far: (ring data steps, blob exchanges, alltoall)"},
     {"bytes_via", (PyCFunction)Comm_bytes_via, METH_NOARGS,
      "the same bytes by how they went: (tcp, shm, cma, arena, mpi); both tuples sum alike"},
+    {"bytes_received", (PyCFunction)Comm_bytes_received, METH_NOARGS,
+     "bytes of the others' data taken in so far, by how they came: (tcp, shm, cma, arena, mpi)"},
     {"set_segment", (PyCFunction)Comm_set_segment, METH_VARARGS,
      "set_segment(bytes): the ring's pipeline segment from the next operation on (rounded up to 64); returns it"},
     {"set_small_algorithm", (PyCFunction)Comm_set_small_algorithm, METH_VARARGS,

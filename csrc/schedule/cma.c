@@ -189,6 +189,7 @@ int rr_cma_steps(rr_ring *ring, const char *src, char *buf, const size_t *off, c
          * was in the operation while we read, so the bytes were its data. */
         if ((rc = t->ops->prev_alive(t, NULL, err)) != RR_OK) return fail(ring, rc, err);
         t->ops->rx_consume(t, TOKEN);
+        rr_count_received(t, RR_VIA_CMA, len[c]); /* read out of prev (mapped or by process_vm_readv) */
         /* Staged: a chunk final here goes up while the ring goes on. */
         if (ring->stage && g >= reduce_until - 1 && (rc = rr_stage_final(ring->stage, c, err)) != RR_OK)
             return fail(ring, rc, err);

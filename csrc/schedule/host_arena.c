@@ -232,6 +232,7 @@ int rr_arena_round(rr_arena *a, rr_transport *t, const void *head, size_t hlen, 
         size_t n;
         rr_arena_blob(a, i, &n);
         if (n > a->slot) *all_fit = 0;
+        if (i != a->rank) rr_count_received(t, RR_VIA_ARENA, 8 + (n <= a->slot ? n : 0)); /* as its writer counted */
     }
     return RR_OK;
 }
@@ -335,6 +336,7 @@ int rr_arena_allreduce_split(rr_arena *a, rr_transport *t, size_t hlen, const vo
         int rc = wait_for(a, t, i, round, err);
         if (rc != RR_OK) return rc;
         memcpy((char *)out + LO(i) * esize, buffer(a, i, round) + 8 + hlen + LO(i) * esize, (HI(i) - LO(i)) * esize);
+        if (i != r) rr_count_received(t, RR_VIA_ARENA, 8 + (HI(i) - LO(i)) * esize); /* as its writer counted */
     }
 #undef LO
 #undef HI

@@ -286,6 +286,7 @@ static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const
                 if (n > m) n = m;
                 absorb(N, src, buf, at, in, n, w, rcv.g, reduce_until, dtype, op);
                 ops->rx_consume(t, n);
+                rr_count_received(t, t->tx_via, n);
                 rr_transport_commit(t, RR_SENT_RING, n);
                 snd.at += n;
                 rcv.at += n;
@@ -295,6 +296,7 @@ static int ring_steps_zero_copy(rr_ring *ring, const char *src, char *buf, const
                  * fused; but receiving never waits on a piece from src. */
                 absorb(N, src, buf, at, in, n, NULL, rcv.g, reduce_until, dtype, op);
                 ops->rx_consume(t, n);
+                rr_count_received(t, t->tx_via, n);
                 rcv.at += n;
                 moved = 1;
             }

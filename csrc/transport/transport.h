@@ -128,6 +128,12 @@ struct rr_transport {
      * made (0: TCP). */
     unsigned long long via[RR_VIA_KINDS];
     int tx_via;
+    /* Bytes of the others' data this rank has taken in, by how they came
+     * (RR_VIA_*): from prev (exchange, the zero-copy windows, read out of
+     * prev by CMA), from any peer (sendrecv), from the host arena's slots
+     * of the other ranks (one slot written, counted sent once, is received
+     * by every other rank of the host that reads it). rr_count_received. */
+    unsigned long long received[RR_VIA_KINDS];
 };
 
 /* n bytes sent for `kind`, by way of `via`: the one place sent[] and via[] grow. */
@@ -137,6 +143,9 @@ static inline void rr_count_sent(rr_transport *t, int kind, int via, unsigned lo
     t->via[via] += n;
 }
 
+/* n bytes of a peer's data taken in by way of `via`: the one place received[] grows. */
+static inline void rr_count_received(rr_transport *t, int via, unsigned long long n) { t->received[via] += n; }
+
 /* Every exchange goes through here, so what a rank sends is counted in one
  * place, whatever the transport (ringreduce.stats() reads it). */
 static inline int rr_transport_exchange(rr_transport *t, int kind, const void *sbuf, size_t slen, size_t *sent,
@@ -144,6 +153,7 @@ static inline int rr_transport_exchange(rr_transport *t, int kind, const void *s
 {
     int rc = t->ops->exchange(t, sbuf, slen, sent, rbuf, rlen, rcvd, err);
     rr_count_sent(t, kind, t->tx_via, *sent);
+    rr_count_received(t, t->tx_via, *rcvd);
     return rc;
 }
 
@@ -154,14 +164,16 @@ static inline void rr_transport_commit(rr_transport *t, int kind, size_t n)
     rr_count_sent(t, kind, t->tx_via, n);
 }
 
-/* sendrecv's counterpart of rr_transport_exchange: what was sent is counted. */
+/* sendrecv's counterpart of rr_transport_exchange: what was sent and received is counted. */
 static inline int rr_transport_sendrecv(rr_transport *t, int kind, int peer, int depth, const void *const *sbufs,
                                         const size_t *slens, int nsend, void **rbufs, size_t *rlens, int nrecv,
                                         rr_error *err)
 {
     int rc = t->ops->sendrecv(t, peer, depth, sbufs, slens, nsend, rbufs, rlens, nrecv, err);
-    if (rc == RR_OK)
+    if (rc == RR_OK) {
         for (int i = 0; i < nsend; i++) rr_count_sent(t, kind, t->tx_via, slens[i]);
+        for (int i = 0; i < nrecv; i++) rr_count_received(t, t->tx_via, rlens[i]);
+    }
     return rc;
 }
 

@@ -98,11 +98,18 @@ class Collector:
         def family(kind, name, doc, extra=(), **kw):
             return kind(name, doc, labels=list(LABELS) + list(extra), **kw)
 
-        sent = traffic.stats_now() if initialized else {k: 0 for k in traffic.KINDS + traffic.VIAS}
+        sent = (traffic.stats_now() if initialized
+                else {k: 0 for k in traffic.KINDS + traffic.VIAS + traffic.RECEIVED})
         f = family(CounterMetricFamily, "ringreduce_transport_sent_bytes",
                    "Bytes this rank sent since init or reset_stats, by transport (rr.stats())", ["transport"])
         for via in traffic.VIAS:
             f.add_metric(base + [via], sent[via])
+        yield f
+        f = family(CounterMetricFamily, "ringreduce_transport_received_bytes",
+                   "Bytes of the other ranks' data this rank took in since init or reset_stats, by transport "
+                   "(rr.stats()); a host arena slot is received by every other rank of the host", ["transport"])
+        for via, key in zip(traffic.VIAS, traffic.RECEIVED):
+            f.add_metric(base + [via], sent[key])
         yield f
         f = family(CounterMetricFamily, "ringreduce_purpose_sent_bytes",
                    "Bytes this rank sent since init or reset_stats, by purpose: ring data steps, blobs "
