@@ -146,27 +146,32 @@ def call({params}):
     if counter is None:
         counter = _by_set.setdefault(ps, _count(1))
     adopted = _local.adopt
-    now = _mono()
-    if adopted is not None:  # the engine's requests: this collective runs them
-        _local.adopt = None
-        seq = _next(counter)
-        for e in adopted:
-            e[{SEQ}], e[{T_START}], e[{STATE}] = seq, now, STARTED
-        record = adopted
-    else:
+    if adopted is None:  # a direct call: an entry of its own
         x = {x}
         # the fields in the order of ID, SEQ, NAME, KIND, ... above
         e = [_next(_ids), _next(counter), {name}, _kind, _getattr(x, "nbytes", None), _getattr(x, "dtype", None),
-             {op}, ps, _state.generation, _module._step, None, now, None, STARTED, None]
+             {op}, ps, _state.generation, _module._step, None, _mono(), None, STARTED, None]
         _module._entries.append(e)
-        record = (e,)
+        try:
+            result = _fn({passed})
+        except _BaseException as exc:
+            _fail((e,), exc)
+            raise
+        e[{T_END}] = _mono()
+        e[{STATE}] = DONE
+        return result
+    # the engine's requests: this collective runs them
+    _local.adopt = None
+    seq, now = _next(counter), _mono()
+    for e in adopted:
+        e[{SEQ}], e[{T_START}], e[{STATE}] = seq, now, STARTED
     try:
         result = _fn({passed})
     except _BaseException as exc:
-        _fail(record, exc)
+        _fail(adopted, exc)
         raise
     now = _mono()
-    for e in record:
+    for e in adopted:
         if e[{STATE}] is STARTED:
             e[{T_END}] = now
             e[{STATE}] = DONE
