@@ -568,3 +568,67 @@ def test_a_small_device_allreduce_goes_through_a_bounce_buffer_beside_host_ranks
         sums, calls = r.result
         assert sums == [True] * 4, (r.rank, sums)
         assert calls == (4 if r.rank % 2 == 0 else 0), (r.rank, calls)
+
+
+def test_a_small_message_from_a_fresh_thread_gets_its_pinned_buffer(tmp_path, hostcuda_dir):
+    """The first small message of a thread that never ran a collective (an
+    engine's or the user's): its bounce buffer is pinned memory, which CUDA
+    registers only in a context current on the calling thread, so the device
+    is made current there before the buffer is taken."""
+    [rank] = run_ranks(1, job("""
+        import threading
+        from ringreduce.core.cuda import through_bounce
+        x = np.arange(1000, dtype=np.float32)
+        src = Buf(x)
+        out = []
+        def double(view):
+            a = np.frombuffer(view, dtype=np.float32)
+            a *= 2
+        def first_message():
+            try:
+                out.append(through_bounce(dev, src.ptr, src.ptr, x.nbytes, double))
+            except rr.RingReduceError as exc:
+                out.append(str(exc))
+        t = threading.Thread(target=first_message)
+        t.start()
+        t.join()
+        result = out, src.get(np.float32)
+    """, kind="hostcuda"), tmp_path, env={"LD_LIBRARY_PATH": str(hostcuda_dir)}, timeout=60)
+    out, got = rank.result
+    assert out == [True], out
+    assert np.array_equal(got, 2 * np.arange(1000, dtype=np.float32))
+
+
+def test_a_forked_child_lets_go_of_the_parents_cuda_device(tmp_path, hostcuda_dir):
+    """CUDA does not survive fork, and the pinned mirror and bounce buffers
+    are not inherited (MADV_DONTFORK): a child that inherited the ring's
+    device gets a clear error if it uses it, and dropping it (its exit,
+    a gc) touches neither the driver nor the absent pages, so the child
+    does not crash; the parent's device keeps working."""
+    [rank] = run_ranks(1, job("""
+        import gc
+        from ringreduce.core.cuda import through_bounce
+        x = np.arange(1000, dtype=np.float32)
+        src = Buf(x)
+        assert through_bounce(dev, src.ptr, src.ptr, x.nbytes, lambda view: None)  # pinned memory taken
+        pid = os.fork()
+        if pid == 0:
+            try:
+                through_bounce(dev, src.ptr, src.ptr, x.nbytes, lambda view: None)
+                code = 2
+            except rr.RingReduceError as exc:
+                code = 3 if "fork" in str(exc) else 4
+            del dev
+            gc.collect()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        def double(view):
+            a = np.frombuffer(view, dtype=np.float32)
+            a *= 2
+        still = through_bounce(dev, src.ptr, src.ptr, x.nbytes, double)
+        result = status, still, src.get(np.float32)
+    """, kind="hostcuda"), tmp_path, env={"LD_LIBRARY_PATH": str(hostcuda_dir)}, timeout=60)
+    status, still, got = rank.result
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3, \
+        f"child: {'signal %d' % os.WTERMSIG(status) if os.WIFSIGNALED(status) else 'exit %d' % os.WEXITSTATUS(status)}"
+    assert still and np.array_equal(got, 2 * np.arange(1000, dtype=np.float32))

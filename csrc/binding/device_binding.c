@@ -160,18 +160,20 @@ static PyObject *Device_bounce_down(DeviceObject *self, PyObject *args)
     /* Never waits for another thread's collective on this device: that one
      * may wait on peers that wait on this very message. */
     if (pthread_mutex_trylock(&self->mu) == 0) {
-        slot = rr_device_bounce(d, (size_t)n, &err);
+        /* The device first made usable on this thread: taking a slot may
+         * allocate pinned memory, which CUDA registers in the current context. */
+        rc = d->ops->begin(d, &err);
+        if (rc == RR_OK) slot = rr_device_bounce(d, (size_t)n, &err);
         if (slot >= 0 && n) {
-            rc = d->ops->begin(d, &err);
-            if (rc == RR_OK) rc = rr_dev_to_host(d, d->bounce[slot].buf, p, (size_t)n, &err);
+            rc = rr_dev_to_host(d, d->bounce[slot].buf, p, (size_t)n, &err);
             if (rc == RR_OK) rc = rr_device_sync(d, &err);
             if (rc != RR_OK) rr_device_bounce_release(d, slot);
         }
         pthread_mutex_unlock(&self->mu);
     }
     Py_END_ALLOW_THREADS
+    if (rc != RR_OK || slot == -1) return raise_device_error(&err);
     if (slot == -2) Py_RETURN_NONE;
-    if (slot < 0 || rc != RR_OK) return raise_device_error(&err);
     PyObject *view = PyMemoryView_FromMemory(d->bounce[slot].buf, n, PyBUF_WRITE);
     if (!view) {
         Py_BEGIN_ALLOW_THREADS

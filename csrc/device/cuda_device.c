@@ -92,7 +92,13 @@ typedef struct {
     CUevent event[EVENTS]; /* ticket t is event[(t - 1) % EVENTS] */
     uint64_t marked, finished;
     CUfunction reduce[RR_NUM_DTYPES][4], divide[RR_NUM_DTYPES], mean[RR_NUM_MEAN_DTYPES];
+    pid_t pid; /* the process that made it: CUDA does not survive fork */
 } cuda_device;
+
+/* A child forked after the device was made holds the parent's handles, but
+ * CUDA state does not cross fork and the pinned pages did not either
+ * (host_alloc): such a child must never touch the driver, only let go. */
+static int forked_away(const rr_device *d) { return ((const cuda_device *)d)->pid != getpid(); }
 
 static int check(CUresult r, const char *what, rr_error *err)
 {
@@ -105,6 +111,11 @@ static int check(CUresult r, const char *what, rr_error *err)
 
 static int begin(rr_device *d, rr_error *err)
 {
+    if (forked_away(d)) {
+        rr_set_error(err, RR_E_DEVICE, -1, "CUDA: this GPU device belongs to the process that forked this one "
+                     "(CUDA does not survive fork): use the GPU only in processes that did not inherit it");
+        return err->code;
+    }
     return check(cu.cuCtxSetCurrent(((cuda_device *)d)->ctx), "cuCtxSetCurrent", err);
 }
 
@@ -191,10 +202,11 @@ static uint64_t mark(rr_device *d, rr_error *err)
 /* Pinned host memory that other processes can still read: plain anonymous
  * pages, registered with the driver. The ring's Cross Memory Attach path
  * reads a peer's mirror with process_vm_readv, which fails (EFAULT) on the
- * driver's own mappings that cuMemHostAlloc hands out. Not inherited by a
- * fork: copy-on-write could otherwise move this process's pages away from
- * the ones the GPU copies to. A page in front keeps the mapping's length for
- * the unmap. */
+ * driver's own mappings that cuMemHostAlloc hands out. The registered pages
+ * are not inherited by a fork: copy-on-write could otherwise move this
+ * process's pages away from the ones the GPU copies to. A page in front,
+ * inherited, keeps the mapping's length for the unmap, so a forked child
+ * can still let go of the mapping (host_free). */
 static void *host_alloc(rr_device *d, size_t n)
 {
     (void)d;
@@ -202,7 +214,7 @@ static void *host_alloc(rr_device *d, size_t n)
     char *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) return NULL;
     memcpy(base, &len, sizeof len);
-    madvise(base, len, MADV_DONTFORK);
+    madvise(base + page, len - page, MADV_DONTFORK);
     if (cu.cuMemHostRegister_v2(base + page, len - page, CU_MEMHOSTREGISTER_PORTABLE) != CUDA_SUCCESS) {
         munmap(base, len);
         return NULL;
@@ -212,12 +224,11 @@ static void *host_alloc(rr_device *d, size_t n)
 
 static void host_free(rr_device *d, void *p)
 {
-    (void)d;
     if (!p) return;
     char *base = (char *)p - (size_t)sysconf(_SC_PAGESIZE);
     size_t len;
     memcpy(&len, base, sizeof len);
-    cu.cuMemHostUnregister(p);
+    if (!forked_away(d)) cu.cuMemHostUnregister(p);
     munmap(base, len);
 }
 
@@ -228,12 +239,12 @@ static void *dev_alloc(rr_device *d, size_t n)
     return cu.cuMemAlloc_v2(&p, n ? n : 1) == CUDA_SUCCESS ? (void *)p : NULL;
 }
 
-static void dev_free(rr_device *d, void *p) { (void)d; if (p) cu.cuMemFree_v2((CUdeviceptr)p); }
+static void dev_free(rr_device *d, void *p) { if (p && !forked_away(d)) cu.cuMemFree_v2((CUdeviceptr)p); }
 
 static void destroy(rr_device *d)
 {
     cuda_device *c = (cuda_device *)d;
-    if (c->ctx) {
+    if (c->ctx && !forked_away(d)) {
         cu.cuCtxSetCurrent(c->ctx);
         for (int i = 0; i < EVENTS; i++) if (c->event[i]) cu.cuEventDestroy_v2(c->event[i]);
         if (c->stream) cu.cuStreamDestroy_v2(c->stream);
@@ -254,6 +265,7 @@ rr_device *rr_cuda_device_create(int ordinal, void *const reduce[RR_NUM_DTYPES][
     cuda_device *c = calloc(1, sizeof *c);
     if (!c) { rr_set_error(err, RR_E_SYSTEM, -1, "out of memory"); return NULL; }
     c->base.ops = &cuda_ops;
+    c->pid = getpid();
     for (int t = 0; t < RR_NUM_DTYPES; t++) {
         c->divide[t] = divide_fn[t];
         for (int o = 0; o < 4; o++) c->reduce[t][o] = reduce[t][o];
