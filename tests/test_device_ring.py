@@ -171,7 +171,8 @@ def test_single_rank_copies_on_the_device(tmp_path, device):
 
 def test_a_failing_device_fails_every_rank(tmp_path, device):
     """Rank 1 hands the device a host pointer: its device refuses the work,
-    rank 1 raises that, and the others learn rank 1 is gone, none hangs."""
+    rank 1 raises that, naming itself, and the others learn rank 1 is gone,
+    none hangs."""
     ranks = run_ranks(3, job("""
         x = np.ones(100_000, dtype=np.float32)
         try:
@@ -182,10 +183,11 @@ def test_a_failing_device_fails_every_rank(tmp_path, device):
                 comm.allreduce_device(dev, src.ptr, src.ptr, x.nbytes, codes["float32"], opcodes["sum"])
             result = "no error"
         except rr.RingReduceError as exc:
-            result = (type(exc).__name__, str(exc))
+            result = (type(exc).__name__, str(exc), exc.rank)
     """, kind=device[0]), tmp_path, env=env_for(device, 2), timeout=60)
-    kind, msg = ranks[1].result
+    kind, msg, at_fault = ranks[1].result
     assert kind == "RingReduceError"
+    assert at_fault == 1 and msg.startswith("rank 1: "), (at_fault, msg)
     assert ("host pointer" if device[0] == "emulated" else "cuMemcpyDtoHAsync failed: invalid argument") in msg, msg
     for r in (ranks[0], ranks[2]):
         assert r.result != "no error"

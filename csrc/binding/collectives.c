@@ -4,6 +4,7 @@
  * arguments, runs the ring's call under RUN_LOCKED (the GIL released for the
  * whole operation) and turns its error into an exception (finish).
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -154,7 +155,19 @@ PyObject *Comm_alltoall(CommObject *self, PyObject *args)
  * given as integers, Python having checked them (cupy's data.ptr); both the
  * Comm and the Device are held for the whole operation. */
 #define RUN_ON_DEVICE(self, d, err, CALL) \
-    RUN_LOCKED(self, err, pthread_mutex_lock(&(d)->mu); CALL; pthread_mutex_unlock(&(d)->mu))
+    RUN_LOCKED(self, err, pthread_mutex_lock(&(d)->mu); CALL; pthread_mutex_unlock(&(d)->mu); \
+               own_device_error(self, &(err)))
+
+/* A failure of this rank's own device (a CUDA call) names this rank, as the
+ * peers' PeerLostError does: the message says which of the ranks' GPUs failed. */
+static void own_device_error(CommObject *self, rr_error *err)
+{
+    if (err->code != RR_E_DEVICE || err->rank >= 0) return;
+    err->rank = self->ring->rank;
+    char msg[sizeof err->msg];
+    snprintf(msg, sizeof msg, "rank %d: %s", err->rank, err->msg);
+    memcpy(err->msg, msg, sizeof msg);
+}
 
 static int pointer(PyObject *obj, void **p)
 {
