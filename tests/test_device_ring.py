@@ -634,3 +634,42 @@ def test_a_forked_child_lets_go_of_the_parents_cuda_device(tmp_path, hostcuda_di
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3, \
         f"child: {'signal %d' % os.WTERMSIG(status) if os.WIFSIGNALED(status) else 'exit %d' % os.WEXITSTATUS(status)}"
     assert still and np.array_equal(got, 2 * np.arange(1000, dtype=np.float32))
+
+
+def test_a_device_rank_out_of_gpu_memory_refuses_before_data_moves(tmp_path):
+    """A large GPU allreduce allocates its contiguous input and its result on
+    the GPU; a rank whose allocation fails (cupy's OutOfMemoryError is a
+    MemoryError) raises it before its header goes out, and the others raise
+    MismatchError naming it at once, instead of waiting in the ring for a
+    rank that will not come (and pairing with its next collective). The
+    ring stays usable: the next allreduce gives the right sums everywhere."""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        import time, types
+        r = rr.rank()
+        class OutOfMemory(MemoryError):
+            pass
+        def no_memory(*args, **kwargs):
+            raise OutOfMemory("out of memory allocating 4194304 bytes")
+        if r == 1:
+            Emulated.xp = types.SimpleNamespace(**{k: getattr(np, k) for k in dir(np) if not k.startswith("__")})
+            Emulated.xp.empty_like = no_memory
+        x = np.full(1 << 20, r + 1, dtype=np.float32)
+        start = time.monotonic()
+        try:
+            rr.allreduce(x.view(Dev) if r % 2 == 1 else x, op="sum")
+            first = "no error"
+        except (MemoryError, rr.RingReduceError) as exc:
+            first = (type(exc).__name__, str(exc))
+        took = time.monotonic() - start
+        Emulated.xp = np
+        y = rr.allreduce(x.view(Dev) if r % 2 == 1 else x, op="sum")
+        result = first, took, bool(np.array_equal(np.asarray(y), np.full(1 << 20, 6, dtype=np.float32)))
+        """), tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "20"})
+    kind, msg = ranks[1].result[0]
+    assert kind == "OutOfMemory", ranks[1].result
+    for k in (0, 2):
+        first, took, _ = ranks[k].result
+        assert first[0] == "MismatchError" and "rank 1" in first[1] and "out of memory" in first[1], first
+        assert took < 10, took
+    for k in ranks:
+        assert k.result[2], (k.rank, "wrong sums after the refusal")

@@ -347,13 +347,21 @@ def _allreduce_device(x, op, out, name, process_set=None):
             if got is None:  # the device busy with other threads: through pageable memory
                 got = g.from_host(allreduce.__wrapped__(g.to_host(x), op, name=name, process_set=process_set), like=x)
             return deliver(got, out, g.xp)
+    try:
+        # GPU memory is taken before the header goes out: a rank out of it
+        # (cupy's OutOfMemoryError is a MemoryError) refuses, and the others
+        # raise at once instead of waiting in the ring for it.
+        with g.on(x):
+            src = g.xp.ascontiguousarray(x)
+            dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
+            if dst is not src and g.xp.may_share_memory(dst, src):
+                src = src.copy()
+    except Exception as exc:
+        refuse(ALLREDUCE, exc, process_set)
+        raise
     with ring.lock, g.on(x):
         head = header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
         exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
-        src = g.xp.ascontiguousarray(x)
-        dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
-        if dst is not src and g.xp.may_share_memory(dst, src):
-            src = src.copy()
         g.allreduce(ring.comm, src, dst, code, opc)
         _note_phases(ring.comm)
         return deliver(dst, out, g.xp)
