@@ -271,3 +271,28 @@ def test_cuda_casts_round_like_ml_dtypes(kernels, name):
     assert got[1:].tobytes() == want[1:].tobytes() and np.isnan(got[:1].view(dt(name)).astype(np.float32)).all()
     back = kernels.cast(got, name, "float32", 4)
     assert back[4:] == want[1:].view(dt(name)).astype(np.float32).tobytes()
+
+
+def test_the_kernel_wrappers_refuse_strided_or_mismatched_arrays():
+    """The kernels take bare pointers and walk dst's count of elements from
+    each one: a strided view would be read as if contiguous (silently wrong)
+    and a shorter input past its end (faulting the GPU context). The
+    wrappers refuse both with ValueError before anything launches, so this
+    holds with or without a GPU (cupy arrays where there is one)."""
+    xp = np
+    if WHY_NO_GPU is None:
+        import cupy as xp
+    a, b, out = (xp.arange(64, dtype=xp.float32) for _ in range(3))
+    h16 = xp.zeros(64, dtype=xp.uint16)
+    calls = [
+        lambda: cuda.reduce3(out[:32], a[::2], b[:32], "sum"),
+        lambda: cuda.reduce3(out, a, b[:32], "sum"),
+        lambda: cuda.mean_fold(h16[::2], h16[:32], h16[:32], 2, dtype="float16"),
+        lambda: cuda.mean_fold(h16, h16, h16[:32], 2, dtype="float16"),
+        lambda: cuda.divide(a[::2], 3),
+        lambda: cuda.cast(h16[:32], a, dst_dtype="float16"),
+        lambda: cuda.cast(h16[::2], a[:32], dst_dtype="float16"),
+    ]
+    for i, call in enumerate(calls):
+        with pytest.raises(ValueError, match="C-contiguous arrays of"):
+            call()

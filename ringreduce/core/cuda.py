@@ -87,15 +87,27 @@ def launch_grid(count: int) -> tuple[int]:
     return (max(1, min((count + THREADS - 1) // THREADS, 65535)),)
 
 
+def _flat(*arrays, count: int) -> None:
+    """The kernels take bare pointers and walk count elements from each: an
+    array that is strided or of another size would be read or written
+    wrongly (or past its end, faulting the context), so it is refused."""
+    for a in arrays:
+        if not a.flags.c_contiguous or a.size != count:
+            raise ValueError(f"ringreduce's CUDA kernels take C-contiguous arrays of {count} elements, "
+                             f"not {'a strided one' if not a.flags.c_contiguous else f'one of {a.size}'}")
+
+
 def reduce3(dst, a, b, op: str, dtype=None) -> None:
     """dst = a OP b, element-wise (avg reduces as sum; 16-bit floats average
     with mean_fold); dst may be a. `dtype`
     names the element type where the arrays are raw views (cupy has no
-    bfloat16: pass uint16 arrays and dtype="bfloat16")."""
+    bfloat16: pass uint16 arrays and dtype="bfloat16"). All three arrays are
+    C-contiguous and of one size (ValueError otherwise)."""
     if op == "avg":
         op = "sum"
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
+    _flat(dst, a, b, count=dst.size)
     kernel = kernels().get_function(f"rr_reduce_{_dtype_name(dtype or dst.dtype)}_{op}")
     count = dst.size
     kernel(launch_grid(count), (THREADS,), (dst, a, b, np.uint64(count)))
@@ -103,22 +115,27 @@ def reduce3(dst, a, b, op: str, dtype=None) -> None:
 
 def mean_fold(dst, x, mean, k: int, dtype=None) -> None:
     """dst = (mean * (k-1) + x) / k for 16-bit floats, in double, rounded once:
-    one fold of an average, as the CPU kernels do it; dst may be x or mean."""
+    one fold of an average, as the CPU kernels do it; dst may be x or mean
+    (C-contiguous, one size, as reduce3)."""
     name = _dtype_name(dtype or dst.dtype)
     if name not in MEAN_DTYPES:
         raise TypeError(f"running means are for {MEAN_DTYPES}, not {name}")
+    _flat(dst, x, mean, count=dst.size)
     kernel = kernels().get_function(f"rr_mean_{name}")
     kernel(launch_grid(dst.size), (THREADS,), (dst, x, mean, np.uint64(dst.size), np.int32(k)))
 
 
 def divide(buf, n: int, dtype=None) -> None:
-    """buf /= n, as the CPU kernels do it (integers floor-divide)."""
+    """buf /= n, as the CPU kernels do it (integers floor-divide); buf C-contiguous."""
+    _flat(buf, count=buf.size)
     kernel = kernels().get_function(f"rr_divide_{_dtype_name(dtype or buf.dtype)}")
     kernel(launch_grid(buf.size), (THREADS,), (buf, np.uint64(buf.size), np.int32(n)))
 
 
 def cast(dst, src, dst_dtype=None, src_dtype=None) -> None:
-    """float32 <-> float16 / bfloat16, rounding to nearest even (compression)."""
+    """float32 <-> float16 / bfloat16, rounding to nearest even (compression);
+    dst and src C-contiguous, of one size."""
+    _flat(dst, src, count=src.size)
     frm, to = _dtype_name(src_dtype or src.dtype), _dtype_name(dst_dtype or dst.dtype)
     kernel = kernels().get_function(f"rr_cast_{frm}_to_{to}")
     kernel(launch_grid(src.size), (THREADS,), (dst, src, np.uint64(src.size)))
