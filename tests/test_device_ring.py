@@ -673,3 +673,66 @@ def test_a_device_rank_out_of_gpu_memory_refuses_before_data_moves(tmp_path):
         assert took < 10, took
     for k in ranks:
         assert k.result[2], (k.rank, "wrong sums after the refusal")
+
+
+def test_a_small_device_allreduce_whose_gpu_fails_first_is_refused(tmp_path):
+    """rr.allreduce of a small GPU array whose trip down fails (a CUDA
+    error, GPU memory out) before this rank's host allreduce began: it
+    raises that, and the host ranks beside it raise MismatchError naming it
+    at once, instead of waiting for a collective that will not come; the
+    ring stays usable. A failure after the host allreduce (the trip up) is
+    this rank's alone: the others have their sums."""
+    ranks = run_ranks(3, job("""
+        import contextlib, time
+        from ringreduce.core import cuda
+        from ringreduce.core.cuda import through_bounce
+
+        class Dev(np.ndarray):
+            pass
+
+        class Family:
+            xp = np
+            fail = None
+            asarray = staticmethod(lambda x: x)
+            on = staticmethod(lambda x: contextlib.nullcontext())
+            to_host = staticmethod(lambda x: np.asarray(x).copy())
+            from_host = staticmethod(lambda a, like: np.asarray(a).view(Dev))
+
+            def allreduce_small(self, x, out, reduce):
+                a = np.asarray(x)
+                if Family.fail == "down":
+                    raise rr.RingReduceError("CUDA: cuMemcpyDtoHAsync failed: an illegal memory access was encountered")
+                src, dst = Buf(a), Buf(np.zeros_like(a))
+                work = lambda view: reduce(np.frombuffer(view, dtype=a.dtype).reshape(a.shape))
+                through_bounce(dev, src.ptr, dst.ptr, a.nbytes, work)
+                if Family.fail == "up":
+                    raise rr.RingReduceError("CUDA: cuMemcpyHtoDAsync failed: an illegal memory access was encountered")
+                return dst.get(a.dtype).reshape(a.shape).view(Dev)
+
+        family = Family()
+        cuda.is_device_array = lambda x: isinstance(x, Dev)
+        collectives.cuda.is_device_array = cuda.is_device_array
+        from ringreduce.core import arrays as core_arrays
+        core_arrays.device_arrays = lambda: family
+        r = rr.rank()
+        x = (np.arange(1000) % 7 + r).astype(np.float32)
+        want = (np.arange(1000) % 7 * 3 + 3).astype(np.float32)
+        out = []
+        for fail in ("down", "up", None):
+            Family.fail = fail if r == 0 else None
+            start = time.monotonic()
+            try:
+                y = rr.allreduce(x.view(Dev) if r == 0 else x, op="sum")
+                out.append(bool(np.array_equal(np.asarray(y), want)))
+            except rr.RingReduceError as exc:
+                out.append((type(exc).__name__, str(exc)[:300], time.monotonic() - start < 10))
+        result = out
+    """), tmp_path, env={**env_for(("emulated", {}), 2), "RINGREDUCE_TIMEOUT": "20"}, timeout=120)
+    down, up, last = ranks[0].result
+    assert down[0] == "RingReduceError" and "cuMemcpyDtoHAsync" in down[1], down
+    assert up[0] == "RingReduceError" and "cuMemcpyHtoDAsync" in up[1], up
+    assert last is True
+    for k in (1, 2):
+        down, up, last = ranks[k].result
+        assert down[0] == "MismatchError" and "rank 0" in down[1] and "cuMemcpyDtoHAsync" in down[1] and down[2], down
+        assert up is True and last is True, ranks[k].result

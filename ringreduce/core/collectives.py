@@ -340,12 +340,21 @@ def _allreduce_device(x, op, out, name, process_set=None):
     if x.nbytes <= ring.allreduce_limit:  # outside the ring's lock, which allreduce() takes after _state.lock
         # Latency-bound: one copy each way through a pinned bounce buffer and
         # the host path in place there (host kernels: the host ring's bits).
+        met = []  # whether this rank's host allreduce began: from there the others have met it
+
         def reduce(host):
+            met.append(True)
             allreduce.__wrapped__(host, op, out=host, name=name, process_set=process_set)  # recorded once
         with g.on(x):
-            got = g.allreduce_small(x, out, reduce)
-            if got is None:  # the device busy with other threads: through pageable memory
-                got = g.from_host(allreduce.__wrapped__(g.to_host(x), op, name=name, process_set=process_set), like=x)
+            try:
+                got = g.allreduce_small(x, out, reduce)
+                host = g.to_host(x) if got is None else None  # the device busy with other threads: pageable memory
+            except Exception as exc:
+                if not met:  # the GPU failed first (out of memory, a CUDA error): the others raise at once
+                    refuse(ALLREDUCE, exc, process_set)
+                raise
+            if got is None:
+                got = g.from_host(allreduce.__wrapped__(host, op, name=name, process_set=process_set), like=x)
             return deliver(got, out, g.xp)
     try:
         # GPU memory is taken before the header goes out: a rank out of it
