@@ -278,7 +278,7 @@ def test_16_bit_average_on_device_keeps_the_range(tmp_path, device, mode):
 EMULATED_FAMILY = """
 import contextlib
 from ringreduce import _core
-from ringreduce.core import collectives as C, cuda
+from ringreduce.core import arrays as core_arrays, collectives as C, cuda
 device = _core.Device.emulated(0)
 
 class Dev(np.ndarray):
@@ -305,10 +305,11 @@ class Emulated:
                [None, dst])
     def allgather(self, comm, flat, nbytes):
         staged([flat.nbytes], [flat], lambda b: comm.allgather_device(device, b, nbytes), [flat])
+    small_trip = staticmethod(lambda x, down=True: contextlib.nullcontext(core_arrays._HostTrip(x)))
+    result = staticmethod(lambda trip, a, like: a.view(Dev))
 
 cuda.is_device_array = lambda x: isinstance(x, Dev)
 C.cuda.is_device_array = cuda.is_device_array
-from ringreduce.core import arrays as core_arrays
 core_arrays.device_arrays = Emulated
 """
 
@@ -568,3 +569,202 @@ def test_a_small_device_allreduce_goes_through_a_bounce_buffer_beside_host_ranks
         sums, calls = r.result
         assert sums == [True] * 4, (r.rank, sums)
         assert calls == (4 if r.rank % 2 == 0 else 0), (r.rank, calls)
+
+
+# A device array family over the test's device (emulated, or the CUDA device on the
+# host driver), as ringreduce.core.cuda.DeviceArrays is over cupy: small
+# collectives' data goes through cuda.SmallTrip on the ring's device, results
+# come back as Dev arrays read out of device memory.
+SMALL_FAMILY = """
+import contextlib
+from ringreduce.core import arrays as core_arrays, cuda
+
+class Dev(np.ndarray):
+    pass
+
+def copy_up(host, ptr):
+    memory.write(ptr, host.tobytes())
+
+class Family:
+    xp = np
+    uploads = 0
+    asarray = staticmethod(lambda x: x)
+    on = staticmethod(lambda x: contextlib.nullcontext())
+    to_host = staticmethod(lambda x: np.asarray(x).copy())
+    from_host = staticmethod(lambda a, like: np.asarray(a).copy().view(Dev))
+
+    @contextlib.contextmanager
+    def small_trip(self, x, down=True):
+        a = np.ascontiguousarray(np.asarray(x))
+        src = Buf(a)  # x in device memory
+        trip = cuda.SmallTrip(dev if down else None, src.ptr, a.nbytes, lambda: a, copy_up)
+        try:
+            yield trip
+        finally:
+            trip.close()
+
+    def result(self, trip, a, like):
+        box = {}
+        def alloc(h):
+            box["buf"] = Buf(np.zeros_like(h))
+            return box["buf"], box["buf"].ptr
+        def upload(h):
+            Family.uploads += 1
+            return h.copy().view(Dev)
+        got = trip.result(a, alloc, upload)
+        return got.get(a.dtype).reshape(a.shape).view(Dev) if "buf" in box else got
+
+family = Family()
+cuda.is_device_array = lambda x: isinstance(x, Dev)
+collectives.cuda.is_device_array = cuda.is_device_array
+core_arrays.device_arrays = lambda: family
+"""
+
+
+@pytest.mark.parametrize("mode", ["device", "mixed"])
+def test_small_collectives_on_device_bounce_with_the_host_bits(tmp_path, device, mode):
+    """Small reduce_scatter, allgather, broadcast and alltoall of device arrays
+    go through one of the device's pinned bounce buffers (cuda.SmallTrip): at
+    most two device copies per rank and collective (down and up; an
+    allgather's larger result goes up the pageable way), no pinned memory
+    allocated once a size has passed (the host driver counts it), and the
+    host ring's bits on every rank, beside host ranks too. With every bounce
+    buffer taken they go through pageable memory: no device copy, the same
+    bits."""
+    ranks = run_ranks(3, job(SMALL_FAMILY + textwrap.dedent("""
+        N, r = rr.size(), rr.rank()
+        on = on_device(mode)
+        wrap = (lambda a: a.view(Dev)) if on else (lambda a: a)
+        pinned = lambda: memory.stats()["pinned_blocks"] if kind == "hostcuda" else 0
+        bad, copies = [], {}
+
+        def check(what, got, want):
+            got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+            for g, w in zip(got, want):
+                if on and isinstance(w, np.ndarray) and w.dtype != np.int32 and not isinstance(g, Dev):
+                    bad.append((what, "not a device array"))
+                g, w = np.asarray(g), np.asarray(w)
+                if g.shape != w.shape or g.dtype != w.dtype or g.tobytes() != w.tobytes():
+                    bad.append(what)
+
+        def run(what, f, x):
+            before = dev.counts()["copies"]
+            got = f(wrap(x))
+            copies[what] = dev.counts()["copies"] - before
+            check(what, got, f(x))  # the host ring's result
+
+        def everything(tag):
+            for dtype in ["float32", "bfloat16", "int16", "float64"]:
+                for count in [0, 1, N + 1, 1000]:
+                    x = make_input(r, (count,), dtype, "sum")
+                    run((tag, "rs", dtype, count), rr.reduce_scatter, x)
+                    run((tag, "ag", dtype, count), rr.allgather, x[:count // 2 + r] if count else x)
+                    run((tag, "bc", dtype, count), lambda a: rr.broadcast(a, root=N - 1), x)
+                    rows = make_input(r, (N * (count // 4 + 1), 3), dtype, "sum")
+                    run((tag, "a2a", dtype, count), rr.alltoall, rows)
+
+        everything("first")
+        blocks = pinned()
+        everything("again")
+        new_blocks = pinned() - blocks
+        held = [dev.bounce_down(Buf(np.zeros(4, np.float32)).ptr, 16) for _ in range(8)]
+        x = make_input(r, (1000,), "float32", "sum")
+        run(("held", "rs"), rr.reduce_scatter, x)
+        run(("held", "bc"), lambda a: rr.broadcast(a, root=0), x)
+        for slot, view in held:
+            view.release()
+            dev.bounce_release(slot)
+        run(("free", "rs"), rr.reduce_scatter, x)
+        result = bad, copies, new_blocks, Family.uploads
+    """), mode, 2, device[0]), tmp_path, env=env_for(device, 2), timeout=120)
+    for k in ranks:
+        bad, copies, new_blocks, uploads = k.result
+        assert bad == [], f"rank {k.rank}: {bad[:5]}"
+        if mode == "mixed" and k.rank % 2 == 1:
+            assert set(copies.values()) == {0} and uploads == 0, (k.rank, copies)
+            continue
+        assert max(copies.values()) <= 2, (k.rank, {w: c for w, c in copies.items() if c > 2})
+        for (tag, kind, *rest), c in copies.items():
+            if tag in ("first", "again") and kind in ("rs", "bc") and rest[1] >= 3:  # a chunk on every rank
+                assert c == 2, (k.rank, tag, kind, rest, c)  # down and up through the bounce buffer
+            if tag in ("first", "again") and kind == "ag" and rest[1] and rest[1] // 2 + k.rank:  # rows here
+                assert c >= 1, (k.rank, tag, kind, rest, c)
+        assert copies[("held", "rs")] == 0 and copies[("held", "bc")] == 0, copies
+        assert copies[("free", "rs")] == 2, copies
+        assert new_blocks == 0
+        assert uploads > 0  # allgather's results, larger than the buffer
+
+
+def test_a_small_messages_trip_up_never_waits_for_a_staged_collective(tmp_path, device):
+    """Rank 0's small message has its bounce buffer when another thread starts
+    a staged collective (cuda.staged) that holds the device until rank 1
+    joins, and rank 1 joins only once rank 0's small message is done: the
+    trip up must not wait for the collective (a deadlock across the two
+    processes). It goes up another way (copy_up), its slot is parked and
+    handed back when the collective ends: every slot is free again after."""
+    ranks = run_ranks(2, job("""
+        import threading, time
+        from ringreduce.core import cuda
+        go = os.environ["RR_TEST_GO"]
+        x = np.ones(1 << 20, dtype=np.float32)
+        big = Buf(x)
+        out = {}
+        if rr.rank() == 0:
+            small = Buf(np.arange(16, dtype=np.float32))
+            ups = []
+            def copy_up(host, ptr):
+                ups.append(host.nbytes)
+                memory.write(ptr, host.tobytes())
+            def collective():
+                with cuda.staged(dev):
+                    comm.allreduce_device(dev, big.ptr, big.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+            t = threading.Thread(target=collective)
+            def work(view):
+                np.frombuffer(view, np.float32)[:] *= 3
+                t.start()
+                time.sleep(0.5)  # the thread holds the device, waiting for rank 1
+            start = time.monotonic()
+            out["bounced"] = cuda.through_bounce(dev, small.ptr, small.ptr, 64, work, copy_up)
+            out["took"] = time.monotonic() - start
+            out["small"] = small.get(np.float32).tolist()
+            out["ups"] = list(ups)
+            open(go, "w").close()  # now rank 1 joins the collective
+            t.join()
+            out["parked"] = len(cuda._gate(dev).pending)
+            ups.clear()
+            out["after"] = [cuda.through_bounce(dev, small.ptr, small.ptr, 64, lambda v: None, copy_up)
+                            for _ in range(9)]
+            out["held"] = [dev.bounce_down(small.ptr, 4) is not None for _ in range(8)]
+            out["ups_after"] = list(ups)
+        else:
+            while not os.path.exists(go):
+                time.sleep(0.05)
+            comm.allreduce_device(dev, big.ptr, big.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+        out["sum"] = float(big.get(np.float32)[-1])
+        result = out
+    """, kind=device[0]), tmp_path, env=env_for(device, 2, RR_TEST_GO=str(tmp_path / "go")), timeout=60)
+    out = ranks[0].result
+    assert out["bounced"] is True and out["took"] < 2.0, out
+    assert out["small"] == [3.0 * i for i in range(16)] and out["ups"] == [64], out
+    assert out["parked"] == 0, "the collective's end hands the parked slot back"
+    assert out["after"] == [True] * 9 and out["held"] == [True] * 8 and out["ups_after"] == [], out
+    assert out["sum"] == 2.0 and ranks[1].result["sum"] == 2.0
+
+
+def test_an_array_left_over_the_bounce_buffer_neither_fails_nor_leaks_the_slot(tmp_path, device):
+    """through_bounce's host work keeps a numpy array over the buffer past
+    the call (so the view cannot be released): the result still goes up and
+    the slot is handed back, ten times over (eight slots)."""
+    [rank] = run_ranks(1, job("""
+        from ringreduce.core.cuda import through_bounce
+        x = np.arange(100, dtype=np.float32)
+        src, dst = Buf(x), Buf(np.zeros_like(x))
+        kept = []
+        def work(view):
+            a = np.frombuffer(view, dtype=np.float32)
+            a += 1
+            kept.append(a)  # outlives the call
+        result = [through_bounce(dev, src.ptr, dst.ptr, x.nbytes, work) and dst.get(np.float32).tolist()
+                  for _ in range(10)]
+    """, kind=device[0]), tmp_path, env=env_for(device, 2))
+    assert rank.result == [[float(i + 1) for i in range(100)]] * 10
