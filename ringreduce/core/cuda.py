@@ -307,14 +307,18 @@ class SmallTrip:
 
     def __init__(self, device, src_ptr: int, nbytes: int, to_host, copy_up):
         got = None if device is None else _take_slot(device, src_ptr, nbytes)
-        self.device, self.copy_up, self.nbytes = device, copy_up, nbytes
+        self.device, self.copy_up, self.nbytes, self._to_host = device, copy_up, nbytes, to_host
         if got is None:
-            # as bytes by a view: numpy's buffer protocol has no bfloat16
-            self.slot, self.view = None, None
-            self.host = np.ascontiguousarray(to_host()).reshape(-1).view(np.uint8)
+            self.slot, self.view, self._host = None, None, None  # the pageable copy, made when asked
         else:
             self.slot, self.view = got
-            self.host = np.frombuffer(self.view, np.uint8)
+            self._host = np.frombuffer(self.view, np.uint8)
+
+    @property
+    def host(self) -> np.ndarray:
+        if self._host is None:  # as bytes by a view: numpy's buffer protocol has no bfloat16
+            self._host = np.ascontiguousarray(self._to_host()).reshape(-1).view(np.uint8)
+        return self._host
 
     @property
     def bounced(self) -> bool:
@@ -330,8 +334,7 @@ class SmallTrip:
             return upload(a)
         out, ptr = alloc(a)
         slot, view = self.slot, self.view
-        self.slot = self.view = None
-        self.host = None
+        self.slot = self.view = self._host = None
         np.frombuffer(view, np.uint8, a.nbytes)[...] = a.reshape(-1).view(np.uint8)
         _go_up(self.device, slot, view, ptr, a.nbytes, self.copy_up)
         return out
@@ -339,8 +342,7 @@ class SmallTrip:
     def close(self) -> None:
         if self.slot is not None:
             slot, view = self.slot, self.view
-            self.slot = self.view = None
-            self.host = None
+            self.slot = self.view = self._host = None
             _release(view)
             _hand_back(self.device, slot)
 
