@@ -99,7 +99,7 @@ assert (cp.arange(3) * 2).tolist() == [0, 2, 4]
 cuda.kernels()
 print('ringreduce GPU kernels:', 'fatbin' if cuda.FATBIN.exists() else 'NVRTC', '; NVRTC', cp.cuda.nvrtc.getVersion())"
 stage limits 45 $PY benchmarks/gpu_limits.py --bytes 256M --seconds 0.5 $DRY
-stage tests 150 --tail 30 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout=140 \
+stage tests 150 --tail 30 $PY -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_cuda.py tests/test_gpu_collectives.py
 stage bench-N2 90 --tail 40 $PY -m ringreduce.launch.ringrun -np 2 $PY benchmarks/gpu_allreduce_bench.py --no-progress $DRY
 stage bench-N4 120 --tail 40 $PY -m ringreduce.launch.ringrun -np 4 $PY benchmarks/gpu_allreduce_bench.py --no-progress $DRY
