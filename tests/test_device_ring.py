@@ -768,3 +768,106 @@ def test_an_array_left_over_the_bounce_buffer_neither_fails_nor_leaks_the_slot(t
                   for _ in range(10)]
     """, kind=device[0]), tmp_path, env=env_for(device, 2))
     assert rank.result == [[float(i + 1) for i in range(100)]] * 10
+
+
+# cupy's part of ringreduce.core.cuda.DeviceArrays, over the host CUDA driver: arrays
+# are numpy views of the driver's device memory (bounds-checked there), so
+# DeviceArrays itself, unchanged, runs the collectives on the ring's CUDA device.
+CUPY_ON_HOSTCUDA = """
+import ctypes, types
+from ringreduce.core import arrays as core_arrays, cuda
+
+class Place:
+    id = 0
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        pass
+
+class G(np.ndarray):  # a cupy array
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+    @property
+    def device(self):
+        return Place()
+
+def empty(shape, dtype=np.float32):
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = (ctypes.c_uint8 * max(n, 1)).from_address(memory.alloc(n))
+    return np.frombuffer(raw, np.uint8, n).view(dtype).reshape(shape).view(G)
+
+def asarray(a):
+    a = np.ascontiguousarray(np.asarray(a))
+    out = empty(a.shape, a.dtype)
+    np.asarray(out)[...] = a
+    return out
+
+stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
+def memcpy(dst, src, n, kind, stream_ptr):
+    ctypes.memmove(dst, src, n)
+xp = types.SimpleNamespace(
+    ndarray=G, empty=empty, asarray=asarray, empty_like=lambda a: empty(a.shape, a.dtype),
+    ascontiguousarray=lambda a: a if a.flags.c_contiguous else asarray(a),
+    asnumpy=lambda a: np.array(np.asarray(a)), may_share_memory=np.may_share_memory, copyto=np.copyto,
+    cuda=types.SimpleNamespace(get_current_stream=lambda: stream,
+                               runtime=types.SimpleNamespace(memcpyAsync=memcpy, memcpyHostToDevice=1)))
+family = object.__new__(cuda.DeviceArrays)
+family.xp = xp
+cuda.ring_device = lambda ordinal: dev
+cuda.is_device_array = lambda x: isinstance(x, G)
+core_arrays.device_arrays = lambda: family
+"""
+
+
+def test_device_arrays_run_the_small_collectives_through_bounce_buffers(tmp_path, hostcuda_dir):
+    """ringreduce.core.cuda.DeviceArrays on the ring's CUDA device (the host
+    driver; cupy's few calls stand in): small allreduce, reduce_scatter,
+    allgather, broadcast and alltoall of GPU arrays, beside host ranks, give
+    the host ring's bits as GPU arrays, each in at most two device copies
+    (allreduce, reduce_scatter and broadcast exactly two: down and up through
+    a bounce buffer), none from pageable memory; a large allreduce runs staged
+    (holding the device's gate) and leaves no slot parked."""
+    env = {"LD_LIBRARY_PATH": str(hostcuda_dir)}
+    ranks = run_ranks(3, job(CUPY_ON_HOSTCUDA + textwrap.dedent("""
+        N, r = rr.size(), rr.rank()
+        on = r % 2 == 0
+        bad, copies = [], {}
+
+        def run(what, f, x):
+            before = dev.counts()["copies"]
+            got = f(asarray(x) if on else x)
+            copies[what] = dev.counts()["copies"] - before
+            want = f(x)
+            got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+            for g, w in zip(got, want):
+                if on and w.dtype != np.int32 and not isinstance(g, G):
+                    bad.append((what, "not a GPU array", type(g)))
+                if np.asarray(g).tobytes() != w.tobytes() or g.shape != w.shape:
+                    bad.append(what)
+
+        for dtype in ["float32", "bfloat16", "int64"]:
+            for count in [1, N + 1, 999]:
+                x = make_input(r, (count,), dtype, "sum")
+                run(("ar", dtype, count), lambda a: rr.allreduce(a), x)
+                run(("rs", dtype, count), rr.reduce_scatter, x)
+                run(("ag", dtype, count), rr.allgather, x[:count // 2 + 1])
+                run(("bc", dtype, count), lambda a: rr.broadcast(a, root=1), x)
+                run(("a2a", dtype, count), rr.alltoall, make_input(r, (N * (count // 3 + 1), 2), dtype, "sum"))
+        big = make_input(r, (300_001,), "float32", "sum")
+        run(("ar", "big"), lambda a: rr.allreduce(a), big)
+        result = bad, copies, memory.stats()["pageable_copies"], len(cuda._gate(dev).pending)
+    """), kind="hostcuda"), tmp_path, env=env, timeout=120)
+    for k in ranks:
+        bad, copies, pageable, parked = k.result
+        assert bad == [], f"rank {k.rank}: {bad[:5]}"
+        assert pageable == 0 and parked == 0, (k.rank, pageable, parked)
+        if k.rank % 2:
+            assert set(copies.values()) == {0}, copies
+            continue
+        small = {w: c for w, c in copies.items() if w[1] != "big"}
+        assert max(small.values()) <= 2, {w: c for w, c in small.items() if c > 2}
+        assert all(c == 2 for w, c in small.items() if w[0] in ("ar", "rs", "bc") and w[2] >= 3), small  # a chunk on every rank of 3
+        assert copies[("ar", "big")] >= 2
