@@ -52,7 +52,7 @@ stage() {
     if [ "$limit" -lt 10 ]; then
         echo "skipped: ${left}s left of GPU_CHECK_SECONDS=$BUDGET"
         failed=$((failed + 1))
-        return
+        return 1
     fi
     echo "\$ $* (timeout ${limit}s)"
     echo
@@ -71,6 +71,7 @@ stage() {
     echo "($name: $((SECONDS - start))s)"
     [ "$rc" -eq 0 ] || failed=$((failed + 1))
     [ -n "$LOGS" ] || rm -f "$log"
+    return "$rc"
 }
 
 echo "# ringreduce GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -88,7 +89,11 @@ if command -v nvcc >/dev/null; then
     arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
     export RINGREDUCE_CUDA=1 RINGREDUCE_CUDA_ARCHS=${RINGREDUCE_CUDA_ARCHS:-${arch:-80,90}}
 fi
-stage build 180 --tail 15 $PY setup.py -q build_ext --inplace
+if ! stage build 180 --tail 15 $PY setup.py -q build_ext --inplace && [ -n "${RINGREDUCE_CUDA:-}" ]; then
+    # the fatbin failed to build, say: without it cupy compiles the kernels with NVRTC at run time
+    unset RINGREDUCE_CUDA
+    stage build-without-fatbin 120 --tail 15 $PY setup.py -q build_ext --inplace
+fi
 # cupy compiles its own elementwise kernels with NVRTC: check that works before the rest leans on it.
 [ -n "$DRY" ] || stage sanity 60 $PY -c "
 import cupy as cp

@@ -3,6 +3,7 @@ one): their argument parsing, their markdown tables (an implementation that
 did not run says n/a, never crashes the report; ratios and wrong results
 show), and a --dry run end to end on two ranks, numpy standing in for cupy
 and gloo on CPU tensors where torch is installed (n/a where not)."""
+import os
 import subprocess
 import sys
 
@@ -76,3 +77,19 @@ def test_a_dry_run_on_two_ranks_prints_every_row_right():
         assert cells[-1] == "0", line  # no wrong element anywhere
         assert all(float(c) > 0 for c in cells[1:3] + cells[4:6]), line  # staged, IPC, numpy, mixed ran
     assert "WRONG" not in out.stdout
+
+
+def test_the_gpu_check_keeps_to_its_time_budget():
+    """benchmarks/gpu_check.sh with too little time for any stage: it prints
+    its header, says each stage was skipped (never starts one it cannot
+    finish), and exits with the number of stages not done."""
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "GPU_CHECK_SECONDS": "5", "PYTHON": sys.executable}
+    out = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=REPO)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("# ringreduce GPU check") and any(line.startswith("$ ") for line in lines[:4])
+    skipped = [line for line in lines if line.startswith("skipped: ")]
+    stages = [line[3:] for line in lines if line.startswith("## ")]
+    assert {"build", "limits", "tests", "bench-N2", "bench-N4"} <= set(stages), stages
+    assert len(skipped) == len(stages) == out.returncode, out.stdout
+    assert lines[-1].startswith("# done in") and f"{len(stages)} stage(s) failed, timed out or skipped" in lines[-1]
