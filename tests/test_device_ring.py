@@ -722,7 +722,9 @@ def test_a_small_messages_trip_up_never_waits_for_a_staged_collective(tmp_path, 
             def work(view):
                 np.frombuffer(view, np.float32)[:] *= 3
                 t.start()
-                time.sleep(0.5)  # the thread holds the device, waiting for rank 1
+                while not cuda._gate(dev).lock.locked():  # the thread holds the device, waiting for rank 1
+                    time.sleep(0.01)
+                time.sleep(0.2)  # and is inside the C collective, holding the device's own lock
             start = time.monotonic()
             out["bounced"] = cuda.through_bounce(dev, small.ptr, small.ptr, 64, work, copy_up)
             out["took"] = time.monotonic() - start
