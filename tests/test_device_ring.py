@@ -280,7 +280,7 @@ def test_16_bit_average_on_device_keeps_the_range(tmp_path, device, mode):
 EMULATED_FAMILY = """
 import contextlib
 from ringreduce import _core
-from ringreduce.core import collectives as C, cuda
+from ringreduce.core import arrays as core_arrays, collectives as C, cuda
 device = _core.Device.emulated(0)
 
 class Dev(np.ndarray):
@@ -307,10 +307,11 @@ class Emulated:
                [None, dst])
     def allgather(self, comm, flat, nbytes):
         staged([flat.nbytes], [flat], lambda b: comm.allgather_device(device, b, nbytes), [flat])
+    small_trip = staticmethod(lambda x, down=True: core_arrays._HostTrip(x))
+    result = staticmethod(lambda trip, a, like: a.view(Dev))
 
 cuda.is_device_array = lambda x: isinstance(x, Dev)
 C.cuda.is_device_array = cuda.is_device_array
-from ringreduce.core import arrays as core_arrays
 core_arrays.device_arrays = Emulated
 """
 
@@ -736,3 +737,307 @@ def test_a_small_device_allreduce_whose_gpu_fails_first_is_refused(tmp_path):
         down, up, last = ranks[k].result
         assert down[0] == "MismatchError" and "rank 0" in down[1] and "cuMemcpyDtoHAsync" in down[1] and down[2], down
         assert up is True and last is True, ranks[k].result
+
+
+# A device array family over the test's device (emulated, or the CUDA device on the
+# host driver), as ringreduce.core.cuda.DeviceArrays is over cupy: small
+# collectives' data goes through cuda.SmallTrip on the ring's device, results
+# come back as Dev arrays read out of device memory.
+SMALL_FAMILY = """
+import contextlib
+from ringreduce.core import arrays as core_arrays, cuda
+
+class Dev(np.ndarray):
+    pass
+
+def copy_up(host, ptr):
+    memory.write(ptr, host.tobytes())
+
+class Family:
+    xp = np
+    uploads = 0
+    asarray = staticmethod(lambda x: x)
+    on = staticmethod(lambda x: contextlib.nullcontext())
+    to_host = staticmethod(lambda x: np.asarray(x).copy())
+    from_host = staticmethod(lambda a, like: np.asarray(a).copy().view(Dev))
+
+    @contextlib.contextmanager
+    def small_trip(self, x, down=True):
+        a = np.ascontiguousarray(np.asarray(x))
+        src = Buf(a)  # x in device memory
+        trip = cuda.SmallTrip(dev if down else None, src.ptr, a.nbytes, lambda: a, copy_up)
+        try:
+            yield trip
+        finally:
+            trip.close()
+
+    def result(self, trip, a, like):
+        box = {}
+        def alloc(h):
+            box["buf"] = Buf(np.zeros_like(h))
+            return box["buf"], box["buf"].ptr
+        def upload(h):
+            Family.uploads += 1
+            return h.copy().view(Dev)
+        got = trip.result(a, alloc, upload)
+        return got.get(a.dtype).reshape(a.shape).view(Dev) if "buf" in box else got
+
+family = Family()
+cuda.is_device_array = lambda x: isinstance(x, Dev)
+collectives.cuda.is_device_array = cuda.is_device_array
+core_arrays.device_arrays = lambda: family
+"""
+
+
+@pytest.mark.parametrize("mode", ["device", "mixed"])
+def test_small_collectives_on_device_bounce_with_the_host_bits(tmp_path, device, mode):
+    """Small reduce_scatter, allgather, broadcast and alltoall of device arrays
+    go through one of the device's pinned bounce buffers (cuda.SmallTrip): at
+    most two device copies per rank and collective (down and up; an
+    allgather's larger result goes up the pageable way), no pinned memory
+    allocated once a size has passed (the host driver counts it), and the
+    host ring's bits on every rank, beside host ranks too. With every bounce
+    buffer taken they go through pageable memory: no device copy, the same
+    bits."""
+    ranks = run_ranks(3, job(SMALL_FAMILY + textwrap.dedent("""
+        N, r = rr.size(), rr.rank()
+        on = on_device(mode)
+        wrap = (lambda a: a.view(Dev)) if on else (lambda a: a)
+        pinned = lambda: memory.stats()["pinned_blocks"] if kind == "hostcuda" else 0
+        bad, copies = [], {}
+
+        def check(what, got, want):
+            got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+            for g, w in zip(got, want):
+                if on and isinstance(w, np.ndarray) and w.dtype != np.int32 and not isinstance(g, Dev):
+                    bad.append((what, "not a device array"))
+                g, w = np.asarray(g), np.asarray(w)
+                if g.shape != w.shape or g.dtype != w.dtype or g.tobytes() != w.tobytes():
+                    bad.append(what)
+
+        def run(what, f, x):
+            before = dev.counts()["copies"]
+            got = f(wrap(x))
+            copies[what] = dev.counts()["copies"] - before
+            check(what, got, f(x))  # the host ring's result
+
+        def everything(tag):
+            for dtype in ["float32", "bfloat16", "int16", "float64"]:
+                for count in [0, 1, N + 1, 1000]:
+                    x = make_input(r, (count,), dtype, "sum")
+                    run((tag, "rs", dtype, count), rr.reduce_scatter, x)
+                    run((tag, "ag", dtype, count), rr.allgather, x[:count // 2 + r] if count else x)
+                    run((tag, "bc", dtype, count), lambda a: rr.broadcast(a, root=N - 1), x)
+                    rows = make_input(r, (N * (count // 4 + 1), 3), dtype, "sum")
+                    run((tag, "a2a", dtype, count), rr.alltoall, rows)
+
+        everything("first")
+        blocks = pinned()
+        everything("again")
+        new_blocks = pinned() - blocks
+        held = [dev.bounce_down(Buf(np.zeros(4, np.float32)).ptr, 16) for _ in range(8)]
+        x = make_input(r, (1000,), "float32", "sum")
+        run(("held", "rs"), rr.reduce_scatter, x)
+        run(("held", "bc"), lambda a: rr.broadcast(a, root=0), x)
+        for slot, view in held:
+            view.release()
+            dev.bounce_release(slot)
+        run(("free", "rs"), rr.reduce_scatter, x)
+        result = bad, copies, new_blocks, Family.uploads
+    """), mode, 2, device[0]), tmp_path, env=env_for(device, 2), timeout=120)
+    for k in ranks:
+        bad, copies, new_blocks, uploads = k.result
+        assert bad == [], f"rank {k.rank}: {bad[:5]}"
+        if mode == "mixed" and k.rank % 2 == 1:
+            assert set(copies.values()) == {0} and uploads == 0, (k.rank, copies)
+            continue
+        assert max(copies.values()) <= 2, (k.rank, {w: c for w, c in copies.items() if c > 2})
+        for (tag, kind, *rest), c in copies.items():
+            if tag in ("first", "again") and kind in ("rs", "bc") and rest[1] >= 3:  # a chunk on every rank
+                assert c == 2, (k.rank, tag, kind, rest, c)  # down and up through the bounce buffer
+            if tag in ("first", "again") and kind == "ag" and rest[1] and rest[1] // 2 + k.rank:  # rows here
+                assert c >= 1, (k.rank, tag, kind, rest, c)
+        assert copies[("held", "rs")] == 0 and copies[("held", "bc")] == 0, copies
+        assert copies[("free", "rs")] == 2, copies
+        assert new_blocks == 0
+        assert uploads > 0  # allgather's results, larger than the buffer
+
+
+def test_a_small_messages_trip_up_never_waits_for_a_staged_collective(tmp_path, device):
+    """Rank 0's small message has its bounce buffer when another thread starts
+    a staged collective (cuda.staged) that holds the device until rank 1
+    joins, and rank 1 joins only once rank 0's small message is done: the
+    trip up must not wait for the collective (a deadlock across the two
+    processes). It goes up another way (copy_up), its slot is parked and
+    handed back when the collective ends: every slot is free again after."""
+    ranks = run_ranks(2, job("""
+        import threading, time
+        from ringreduce.core import cuda
+        go = os.environ["RR_TEST_GO"]
+        x = np.ones(1 << 20, dtype=np.float32)
+        big = Buf(x)
+        out = {}
+        if rr.rank() == 0:
+            small = Buf(np.arange(16, dtype=np.float32))
+            ups = []
+            def copy_up(host, ptr):
+                ups.append(host.nbytes)
+                memory.write(ptr, host.tobytes())
+            def collective():
+                with cuda.staged(dev):
+                    comm.allreduce_device(dev, big.ptr, big.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+            t = threading.Thread(target=collective)
+            def work(view):
+                np.frombuffer(view, np.float32)[:] *= 3
+                t.start()
+                while not cuda._gate(dev).lock.locked():  # the thread holds the device, waiting for rank 1
+                    time.sleep(0.01)
+                time.sleep(0.2)  # and is inside the C collective, holding the device's own lock
+            start = time.monotonic()
+            out["bounced"] = cuda.through_bounce(dev, small.ptr, small.ptr, 64, work, copy_up)
+            out["took"] = time.monotonic() - start
+            out["small"] = small.get(np.float32).tolist()
+            out["ups"] = list(ups)
+            open(go, "w").close()  # now rank 1 joins the collective
+            t.join()
+            out["parked"] = len(cuda._gate(dev).pending)
+            ups.clear()
+            out["after"] = [cuda.through_bounce(dev, small.ptr, small.ptr, 64, lambda v: None, copy_up)
+                            for _ in range(9)]
+            out["held"] = [dev.bounce_down(small.ptr, 4) is not None for _ in range(8)]
+            out["ups_after"] = list(ups)
+        else:
+            while not os.path.exists(go):
+                time.sleep(0.05)
+            comm.allreduce_device(dev, big.ptr, big.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+        out["sum"] = float(big.get(np.float32)[-1])
+        result = out
+    """, kind=device[0]), tmp_path, env=env_for(device, 2, RR_TEST_GO=str(tmp_path / "go")), timeout=60)
+    out = ranks[0].result
+    assert out["bounced"] is True and out["took"] < 2.0, out
+    assert out["small"] == [3.0 * i for i in range(16)] and out["ups"] == [64], out
+    assert out["parked"] == 0, "the collective's end hands the parked slot back"
+    assert out["after"] == [True] * 9 and out["held"] == [True] * 8 and out["ups_after"] == [], out
+    assert out["sum"] == 2.0 and ranks[1].result["sum"] == 2.0
+
+
+def test_an_array_left_over_the_bounce_buffer_neither_fails_nor_leaks_the_slot(tmp_path, device):
+    """through_bounce's host work keeps a numpy array over the buffer past
+    the call (so the view cannot be released): the result still goes up and
+    the slot is handed back, ten times over (eight slots)."""
+    [rank] = run_ranks(1, job("""
+        from ringreduce.core.cuda import through_bounce
+        x = np.arange(100, dtype=np.float32)
+        src, dst = Buf(x), Buf(np.zeros_like(x))
+        kept = []
+        def work(view):
+            a = np.frombuffer(view, dtype=np.float32)
+            a += 1
+            kept.append(a)  # outlives the call
+        result = [through_bounce(dev, src.ptr, dst.ptr, x.nbytes, work) and dst.get(np.float32).tolist()
+                  for _ in range(10)]
+    """, kind=device[0]), tmp_path, env=env_for(device, 2))
+    assert rank.result == [[float(i + 1) for i in range(100)]] * 10
+
+
+# cupy's part of ringreduce.core.cuda.DeviceArrays, over the host CUDA driver: arrays
+# are numpy views of the driver's device memory (bounds-checked there), so
+# DeviceArrays itself, unchanged, runs the collectives on the ring's CUDA device.
+CUPY_ON_HOSTCUDA = """
+import ctypes, types
+from ringreduce.core import arrays as core_arrays, cuda
+
+class Place:
+    id = 0
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        pass
+
+class G(np.ndarray):  # a cupy array
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+    @property
+    def device(self):
+        return Place()
+
+def empty(shape, dtype=np.float32):
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = (ctypes.c_uint8 * max(n, 1)).from_address(memory.alloc(n))
+    return np.frombuffer(raw, np.uint8, n).view(dtype).reshape(shape).view(G)
+
+def asarray(a):
+    a = np.ascontiguousarray(np.asarray(a))
+    out = empty(a.shape, a.dtype)
+    np.asarray(out)[...] = a
+    return out
+
+stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
+def memcpy(dst, src, n, kind, stream_ptr):
+    ctypes.memmove(dst, src, n)
+xp = types.SimpleNamespace(
+    ndarray=G, empty=empty, asarray=asarray, empty_like=lambda a: empty(a.shape, a.dtype),
+    ascontiguousarray=lambda a: a if a.flags.c_contiguous else asarray(a),
+    asnumpy=lambda a: np.array(np.asarray(a)), may_share_memory=np.may_share_memory, copyto=np.copyto,
+    cuda=types.SimpleNamespace(get_current_stream=lambda: stream,
+                               runtime=types.SimpleNamespace(memcpyAsync=memcpy, memcpyHostToDevice=1)))
+family = object.__new__(cuda.DeviceArrays)
+family.xp = xp
+cuda.ring_device = lambda ordinal: dev
+cuda.is_device_array = lambda x: isinstance(x, G)
+core_arrays.device_arrays = lambda: family
+"""
+
+
+def test_device_arrays_run_the_small_collectives_through_bounce_buffers(tmp_path, hostcuda_dir):
+    """ringreduce.core.cuda.DeviceArrays on the ring's CUDA device (the host
+    driver; cupy's few calls stand in): small allreduce, reduce_scatter,
+    allgather, broadcast and alltoall of GPU arrays, beside host ranks, give
+    the host ring's bits as GPU arrays, each in at most two device copies
+    (allreduce, reduce_scatter and broadcast exactly two: down and up through
+    a bounce buffer), none from pageable memory; a large allreduce runs staged
+    (holding the device's gate) and leaves no slot parked."""
+    env = {"LD_LIBRARY_PATH": str(hostcuda_dir)}
+    ranks = run_ranks(3, job(CUPY_ON_HOSTCUDA + textwrap.dedent("""
+        N, r = rr.size(), rr.rank()
+        on = r % 2 == 0
+        bad, copies = [], {}
+
+        def run(what, f, x):
+            before = dev.counts()["copies"]
+            got = f(asarray(x) if on else x)
+            copies[what] = dev.counts()["copies"] - before
+            want = f(x)
+            got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+            for g, w in zip(got, want):
+                if on and w.dtype != np.int32 and not isinstance(g, G):
+                    bad.append((what, "not a GPU array", type(g)))
+                if np.asarray(g).tobytes() != w.tobytes() or g.shape != w.shape:
+                    bad.append(what)
+
+        for dtype in ["float32", "bfloat16", "int64"]:
+            for count in [1, N + 1, 999]:
+                x = make_input(r, (count,), dtype, "sum")
+                run(("ar", dtype, count), lambda a: rr.allreduce(a), x)
+                run(("rs", dtype, count), rr.reduce_scatter, x)
+                run(("ag", dtype, count), rr.allgather, x[:count // 2 + 1])
+                run(("bc", dtype, count), lambda a: rr.broadcast(a, root=1), x)
+                run(("a2a", dtype, count), rr.alltoall, make_input(r, (N * (count // 3 + 1), 2), dtype, "sum"))
+        big = make_input(r, (300_001,), "float32", "sum")
+        run(("ar", "big"), lambda a: rr.allreduce(a), big)
+        result = bad, copies, memory.stats()["pageable_copies"], len(cuda._gate(dev).pending)
+    """), kind="hostcuda"), tmp_path, env=env, timeout=120)
+    for k in ranks:
+        bad, copies, pageable, parked = k.result
+        assert bad == [], f"rank {k.rank}: {bad[:5]}"
+        assert pageable == 0 and parked == 0, (k.rank, pageable, parked)
+        if k.rank % 2:
+            assert set(copies.values()) == {0}, copies
+            continue
+        small = {w: c for w, c in copies.items() if w[1] != "big"}
+        assert max(small.values()) <= 2, {w: c for w, c in small.items() if c > 2}
+        assert all(c == 2 for w, c in small.items() if w[0] in ("ar", "rs", "bc") and w[2] >= 3), small  # a chunk on every rank of 3
+        assert copies[("ar", "big")] >= 2

@@ -44,6 +44,13 @@ for count in [5, 300_007]:
     check(("allgather", count), rr.allgather(xp.asarray(rows)), rr.allgather(rows))
     b = np.arange(count, dtype=np.float64) * (r + 1)
     check(("broadcast", count), rr.broadcast(xp.asarray(b), root=n - 1), rr.broadcast(b, root=n - 1))
+    pieces = np.full((n * (count // 10 + 1) + r, 2), r, dtype=np.int16)  # rank r sends r more rows to the last
+    splits = [count // 10 + 1] * (n - 1) + [count // 10 + 1 + r]
+    got, got_splits = rr.alltoall(xp.asarray(pieces), splits=splits)
+    want, want_splits = rr.alltoall(pieces, splits=splits)
+    check(("alltoall", count), got, want)
+    if got_splits.tobytes() != want_splits.tobytes():
+        bad.append(("alltoall splits", count))
 result = bad
 """
 

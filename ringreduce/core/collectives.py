@@ -388,15 +388,17 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
         refuse(REDUCE_SCATTER, exc, process_set)
         raise
     w = lookup(process_set)
-    with w.lock, g.on(x):
+    # A small one's bytes go down and its result up through a bounce buffer on a GPU (cuda.SmallTrip).
+    with w.lock, g.on(x), g.small_trip(x, down=x.nbytes <= w.small_limit) as trip:
         small = x.nbytes <= w.small_limit
         head = header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small, device=g is not HostArrays)
-        blobs = exchange(head, g.to_host(x).tobytes() if small else b"",
+        blobs = exchange(head, trip.host.tobytes() if small else b"",
                           ("op", "dtype", "shape", "name"), "reduce_scatter", w)
         lo, hi = chunk_bounds(x.size, w.size, w.rank)
         if all_inline(blobs):
             mine = _reduce_blobs(payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
-            return g.from_host(mine, like=x)
+            return g.result(trip, mine, like=x)
+        trip.close()
         work = g.xp.empty(x.size, dtype=x.dtype)
         g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
         return work[lo:hi].copy()
@@ -415,17 +417,20 @@ def allgather(x, name: str | None = None, process_set=None):
     if x.ndim == 0:
         x = x.reshape(1)
     w = lookup(process_set)
-    with w.lock, g.on(x):
+    # A small one's bytes go down through a bounce buffer on a GPU (cuda.SmallTrip); the result, N times
+    # larger, up through it where it fits, else the pageable way.
+    with w.lock, g.on(x), g.small_trip(x, down=x.nbytes <= w.small_limit) as trip:
         small = x.nbytes <= w.small_limit
         head = header(ALLGATHER, 0, 0, x.shape, name, inline=small, descr=x.dtype, device=g is not HostArrays)
-        blobs = exchange(head, g.to_host(x).tobytes() if small else b"",
+        blobs = exchange(head, trip.host.tobytes() if small else b"",
                           ("dtype", "trailing", "name"), "allgather", w)
         heads = [parse(b) for b in blobs]
         rows = [h["shape"][0] for h in heads]
         shape = (sum(rows),) + x.shape[1:]
         if all(h["inline"] for h in heads):
             joined = np.concatenate([np.frombuffer(h["payload"], dtype=np.uint8) for h in heads])
-            return g.from_host(joined.view(x.dtype).reshape(shape), like=x)
+            return g.result(trip, joined.view(x.dtype).reshape(shape), like=x)
+        trip.close()
         out = g.xp.empty(shape, dtype=x.dtype)
         flat = as_bytes(out)
         row_bytes = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
@@ -459,16 +464,19 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
                                   f"(ranks {w.ranks})")
         refuse(BROADCAST, problem, process_set)
         raise problem
-    with w.lock, g.on(x):
+    # A small one's bytes go down (on the root; elsewhere the buffer only carries the result) and the result
+    # up through a bounce buffer on a GPU (cuda.SmallTrip).
+    with w.lock, g.on(x), g.small_trip(x, down=x.nbytes <= w.small_limit) as trip:
         root = w.ranks.index(root) if w is not _state.ring else root
         small = x.nbytes <= w.small_limit
         head = header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype)
-        blobs = exchange(head, g.to_host(x).tobytes() if small and w.rank == root else b"",
+        blobs = exchange(head, trip.host.tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast", w)
         if all_inline(blobs):
             # Copied as bytes: numpy copies a padded structured dtype field by field, dropping the padding.
             data = np.frombuffer(blobs[root], np.uint8, offset=len(head)).copy().view(x.dtype).reshape(x.shape)
-            return g.from_host(data, like=x)
+            return g.result(trip, data, like=x)
+        trip.close()
         buf = g.xp.empty(x.shape, dtype=x.dtype)
         if w.rank == root:  # as bytes, padding included (see above)
             as_bytes(buf)[...] = as_bytes(g.xp.ascontiguousarray(x))
@@ -523,19 +531,20 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
     except (TypeError, ValueError) as exc:
         refuse(ALLTOALL, exc, process_set)
         raise
-    host = np.ascontiguousarray(g.to_host(x))
     w = lookup(process_set)
-    with w.lock, g.on(x):
+    # A small one's bytes go down through a bounce buffer on a GPU and the result up through it where it fits
+    # (cuda.SmallTrip); a large one's through the host's pageable memory (the ring's alltoall is the host's).
+    small = x.nbytes <= w.small_limit
+    with w.lock, g.on(x), g.small_trip(x, down=small) as trip:
         n, me = w.size, w.rank
-        small = host.nbytes <= w.small_limit
-        head = header(ALLTOALL, _SPLITS_EQUAL if given is None else _SPLITS_GIVEN, 0, host.shape, name,
-                       inline=small, descr=host.dtype, splits=given or ())
-        blobs = exchange(head, host.tobytes() if small else b"", ("dtype", "trailing", "name"), "alltoall", w)
+        head = header(ALLTOALL, _SPLITS_EQUAL if given is None else _SPLITS_GIVEN, 0, x.shape, name,
+                       inline=small, descr=x.dtype, splits=given or ())
+        blobs = exchange(head, trip.host.tobytes() if small else b"", ("dtype", "trailing", "name"), "alltoall", w)
         heads = [parse(b) for b in blobs]
         matrix = _split_matrix(heads, n)
-        row_bytes = host.itemsize * int(np.prod(host.shape[1:], dtype=np.int64))
+        row_bytes = x.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
         received_splits = np.array([matrix[o][me] for o in range(n)], dtype=np.int32)
-        out = np.empty((int(received_splits.sum()),) + host.shape[1:], dtype=host.dtype)
+        out = np.empty((int(received_splits.sum()),) + x.shape[1:], dtype=x.dtype)
         flat = as_bytes(out)
         if all(h["inline"] for h in heads):
             at = 0
@@ -545,8 +554,8 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
                 flat[at:at + size] = np.frombuffer(h["payload"], dtype=np.uint8)[start:start + size]
                 at += size
         else:
-            w.comm.alltoall(as_bytes(host), flat, [rows * row_bytes for per in matrix for rows in per])
-        return g.from_host(out, like=x), received_splits
+            w.comm.alltoall(trip.host, flat, [rows * row_bytes for per in matrix for rows in per])
+        return g.result(trip, out, like=x), received_splits
 
 
 @recorded("barrier")

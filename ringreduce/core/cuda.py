@@ -10,7 +10,9 @@ GPU; importing this module never needs either.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -172,7 +174,111 @@ def kernel_table(handle):
     return reduce, divide, mean
 
 
-def through_bounce(device, src_ptr: int, dst_ptr: int, nbytes: int, work) -> bool:
+class _Gate:
+    """A device's gate: held by a staged collective on the device for its
+    whole run (staged()), which in C holds the device's own lock as long,
+    waiting on peers. A small message's trip up takes the gate only if it is
+    free: the C lock is then held by nothing that waits on peers, so the trip
+    up never waits behind a staged collective (which could wait on peers that
+    wait on this small message: a deadlock across processes). Slots whose
+    hand-back had to wait for the device are `pending`, handed back by the
+    gate's next holder."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pending: list[int] = []
+
+
+_gates: dict = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(device) -> _Gate:
+    with _gates_lock:
+        gate = _gates.get(device)
+        if gate is None:
+            gate = _gates[device] = _Gate()
+        return gate
+
+
+def _hand_back_pending(device, gate: _Gate) -> None:
+    """Hands back the slots parked while a staged collective held the device;
+    called with gate.lock held (no staged collective holds the C lock)."""
+    while gate.pending:
+        device.bounce_release(gate.pending.pop())
+
+
+@contextlib.contextmanager
+def staged(device):
+    """Around a staged collective on device (Comm.*_device): holds the
+    device's gate for the run (see _Gate), then hands back parked slots.
+    Staged collectives on one device run one at a time either way (the C
+    lock); this makes the small messages' trips up see it."""
+    gate = _gate(device)
+    with gate.lock:
+        try:
+            yield device
+        finally:
+            _hand_back_pending(device, gate)
+
+
+def _release(view) -> None:
+    try:
+        view.release()
+    except BufferError:  # an array over it outlived the host work: its bytes stay valid until the slot's next use
+        pass
+
+
+def _hand_back(device, slot: int) -> None:
+    """The slot back to the device, unused: now where the gate is free, else
+    parked (never waiting behind a staged collective)."""
+    gate = _gate(device)
+    if gate.lock.acquire(blocking=False):
+        try:
+            _hand_back_pending(device, gate)
+            device.bounce_release(slot)
+        finally:
+            gate.lock.release()
+    else:
+        gate.pending.append(slot)
+
+
+def _go_up(device, slot: int, view, dst_ptr: int, nbytes: int, copy_up) -> None:
+    """The slot's first nbytes to dst_ptr, and the slot handed back. With the
+    device's gate free: bounce_up (one copy on the ring's stream). While a
+    staged collective holds the device: copy_up(host, dst_ptr) copies them
+    (host: a numpy uint8 array over the slot), and the slot is parked for
+    the gate's next holder to hand back: the trip never waits for the
+    collective."""
+    gate = _gate(device)
+    if gate.lock.acquire(blocking=False):
+        try:
+            _release(view)
+            _hand_back_pending(device, gate)
+            device.bounce_up(slot, dst_ptr, nbytes)
+        finally:
+            gate.lock.release()
+        return
+    try:
+        if nbytes:
+            copy_up(np.frombuffer(view, np.uint8, nbytes), dst_ptr)
+    finally:
+        _release(view)
+        gate.pending.append(slot)
+
+
+def _take_slot(device, src_ptr: int, nbytes: int):
+    """bounce_down, after handing back parked slots where the gate is free."""
+    gate = _gate(device)
+    if gate.pending and gate.lock.acquire(blocking=False):
+        try:
+            _hand_back_pending(device, gate)
+        finally:
+            gate.lock.release()
+    return device.bounce_down(src_ptr, nbytes)
+
+
+def through_bounce(device, src_ptr: int, dst_ptr: int, nbytes: int, work, copy_up=None) -> bool:
     """The small messages' path on a GPU: nbytes at device pointer src_ptr go
     down into one of the device's cached pinned bounce buffers (one copy),
     work(view) runs on the host in place in that buffer (a writable
@@ -182,23 +288,80 @@ def through_bounce(device, src_ptr: int, dst_ptr: int, nbytes: int, work) -> boo
     threads hold every bounce buffer or run a collective on the device (a
     small message never waits for one: it may wait on peers that wait on
     this message); if work raises, the buffer is handed back and nothing
-    goes up."""
-    got = device.bounce_down(src_ptr, nbytes)
+    goes up. The trip up never waits for a staged collective either (_go_up:
+    copy_up(host, dst_ptr) copies then, when given; without it the trip up
+    waits for the device)."""
+    got = _take_slot(device, src_ptr, nbytes)
     if got is None:
         return False
     slot, view = got
     try:
         work(view)
     except BaseException:
-        try:
-            view.release()
-        except BufferError:  # the traceback still holds an array over it: nothing reads it again
-            pass
-        device.bounce_release(slot)
+        _release(view)  # the traceback may still hold an array over it: nothing reads it again
+        _hand_back(device, slot)
         raise
-    view.release()
-    device.bounce_up(slot, dst_ptr, nbytes)
+    if copy_up is None:
+        _release(view)
+        device.bounce_up(slot, dst_ptr, nbytes)
+    else:
+        _go_up(device, slot, view, dst_ptr, nbytes, copy_up)
     return True
+
+
+class SmallTrip:
+    """A small collective's data (not allreduce: its result may differ in
+    size) through one of the device's pinned bounce buffers: x's nbytes come
+    down in one copy (`host`: a numpy uint8 array over them), the header pass
+    runs on the host, and result() sends the result up in one copy through
+    the same buffer where it fits: two device operations, nothing allocated
+    once a message of the size has passed. Where no bounce buffer can be had
+    (every slot taken, or the device busy with another thread's collective),
+    `host` is a pageable copy (to_host()) and the result goes up through
+    upload(). A result larger than the buffer (an allgather's) hands the
+    buffer back and goes up through upload(). close() hands the buffer back
+    unused (the ring's path, or an error); it is idempotent."""
+
+    def __init__(self, device, src_ptr: int, nbytes: int, to_host, copy_up):
+        got = None if device is None else _take_slot(device, src_ptr, nbytes)
+        self.device, self.copy_up, self.nbytes, self._to_host = device, copy_up, nbytes, to_host
+        if got is None:
+            self.slot, self.view, self._host = None, None, None  # the pageable copy, made when asked
+        else:
+            self.slot, self.view = got
+            self._host = np.frombuffer(self.view, np.uint8)
+
+    @property
+    def host(self) -> np.ndarray:
+        if self._host is None:  # as bytes by a view: numpy's buffer protocol has no bfloat16
+            self._host = np.ascontiguousarray(self._to_host()).reshape(-1).view(np.uint8)
+        return self._host
+
+    @property
+    def bounced(self) -> bool:
+        return self.slot is not None
+
+    def result(self, a: np.ndarray, alloc, upload):
+        """a (C-contiguous host array) on the device: alloc(a) gives (device
+        array, its pointer) for the copy up through the buffer; upload(a)
+        gives a device array the pageable way."""
+        a = np.ascontiguousarray(a)
+        if self.slot is None or a.nbytes > self.nbytes:
+            self.close()
+            return upload(a)
+        out, ptr = alloc(a)
+        slot, view = self.slot, self.view
+        self.slot = self.view = self._host = None
+        np.frombuffer(view, np.uint8, a.nbytes)[...] = a.reshape(-1).view(np.uint8)
+        _go_up(self.device, slot, view, ptr, a.nbytes, self.copy_up)
+        return out
+
+    def close(self) -> None:
+        if self.slot is not None:
+            slot, view = self.slot, self.view
+            self.slot = self.view = self._host = None
+            _release(view)
+            _hand_back(self.device, slot)
 
 
 class DeviceArrays:
@@ -248,6 +411,14 @@ class DeviceArrays:
         self.xp.cuda.get_current_stream().synchronize()
         return ring_device(array.device.id)
 
+    def copy_up(self, host: np.ndarray, dst_ptr: int) -> None:
+        """host's bytes to device pointer dst_ptr, on cupy's current stream,
+        waited for: a small message's trip up while the ring's device is busy."""
+        rt = self.xp.cuda.runtime
+        stream = self.xp.cuda.get_current_stream()
+        rt.memcpyAsync(dst_ptr, host.ctypes.data, host.nbytes, rt.memcpyHostToDevice, stream.ptr)
+        stream.synchronize()
+
     def allreduce_small(self, x, out, reduce):
         """x's allreduce through a pinned bounce buffer (through_bounce):
         reduce(host) reduces a numpy array in place there. The result is out
@@ -260,16 +431,41 @@ class DeviceArrays:
         def work(view):
             reduce(np.frombuffer(view, dtype=src.dtype).reshape(src.shape))
 
-        return dst if through_bounce(device, src.data.ptr, dst.data.ptr, src.nbytes, work) else None
+        return dst if through_bounce(device, src.data.ptr, dst.data.ptr, src.nbytes, work, self.copy_up) else None
+
+    @contextlib.contextmanager
+    def small_trip(self, x, down: bool = True):
+        """A small collective's trip for x (SmallTrip): its bytes down through
+        a bounce buffer, the result up through it; the buffer handed back on
+        the way out whatever happens. down=False: no bounce buffer (host is
+        the pageable copy, the result goes up the pageable way)."""
+        src = self.xp.ascontiguousarray(x)
+        device = self._ready(src) if down else None
+        trip = SmallTrip(device, src.data.ptr, src.nbytes, lambda: self.to_host(src), self.copy_up)
+        try:
+            yield trip
+        finally:
+            trip.close()
+
+    def result(self, trip: SmallTrip, a: np.ndarray, like):
+        """a on like's device, through trip (SmallTrip.result)."""
+        def alloc(h):
+            out = self.xp.empty(h.shape, dtype=h.dtype)  # under on(like): callers run there
+            return out, out.data.ptr
+        return trip.result(a, alloc, lambda h: self.from_host(h, like))
 
     def allreduce(self, comm, src, dst, code, opc):
-        comm.allreduce_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+        with staged(self._ready(src)) as device:
+            comm.allreduce_device(device, src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
 
     def reduce_scatter(self, comm, src, dst, code, opc):
-        comm.reduce_scatter_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+        with staged(self._ready(src)) as device:
+            comm.reduce_scatter_device(device, src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
 
     def allgather(self, comm, flat, nbytes):
-        comm.allgather_device(self._ready(flat), flat.data.ptr, nbytes)
+        with staged(self._ready(flat)) as device:
+            comm.allgather_device(device, flat.data.ptr, nbytes)
 
     def broadcast(self, comm, buf, root):
-        comm.broadcast_device(self._ready(buf), buf.data.ptr, buf.nbytes, root)
+        with staged(self._ready(buf)) as device:
+            comm.broadcast_device(device, buf.data.ptr, buf.nbytes, root)

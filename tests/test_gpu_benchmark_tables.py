@@ -1,0 +1,95 @@
+"""The GPU check's benchmarks without a GPU (benchmarks/gpu_check.sh runs them on
+one): their argument parsing, their markdown tables (an implementation that
+did not run says n/a, never crashes the report; ratios and wrong results
+show), and a --dry run end to end on two ranks, numpy standing in for cupy
+and gloo on CPU tensors where torch is installed (n/a where not)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ranks import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_allreduce_bench as bench  # noqa: E402
+import gpu_limits  # noqa: E402
+import harness  # noqa: E402
+
+
+def row(impl, nbytes, seconds, wrong=0, n=2):
+    algbw = nbytes / seconds / 1e9
+    return harness.Row(impl, "allreduce", nbytes, nbytes // 4, "float32", "sum", seconds, algbw,
+                       algbw * harness.BUSBW_FACTOR["allreduce"](n), wrong, 0.0)
+
+
+def test_the_sizes_and_switches_parse():
+    args = bench.parse_args([])
+    assert args.sizes == [64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20] and not args.dry
+    args = bench.parse_args(["--sizes", "4K,2M", "--dry", "--no-gloo", "--no-ipc"])
+    assert args.sizes == [4096, 2 << 20] and args.dry and args.no_gloo and args.no_ipc
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sizes", "6"])  # not a whole number of float32
+
+
+def test_the_table_gives_ratios_and_says_n_a_for_what_did_not_run():
+    # staged at half numpy's busbw, IPC at twice staged's, no gloo; one wrong element at 1 MiB
+    rows = [row("staged", 1 << 20, 2e-3), row("numpy", 1 << 20, 1e-3), row("ipc", 1 << 20, 1e-3, wrong=1),
+            row("mixed", 1 << 20, 1e-3), row("staged", 64 << 10, 400e-6), row("numpy", 64 << 10, 100e-6)]
+    text = bench.report(rows, "title", ["gloo: n/a (torch not importable)"])
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| size | rr cupy staged"))
+    assert header.count("|") == len(bench.BUSBW_COLUMNS) + 7
+    big = next(line for line in lines if line.startswith("| 1 MiB |") and "n/a" in line and line.count("|") > 8)
+    cells = [c.strip() for c in big.strip("|").split("|")]
+    head = [c.strip() for c in header.strip("|").split("|")]
+    got = dict(zip(head, cells))
+    assert got["gloo CUDA"] == "n/a" and got["staged/gloo"] == "n/a"
+    assert got["staged/numpy"] == "0.50" and got["IPC/staged"] == "2.00" and got["mixed/numpy"] == "1.00"
+    assert got["#wrong"] == "1"
+    small = next(line for line in lines if line.startswith("| 64 KiB |") and line.count("|") > 8)
+    assert "| n/a | n/a |" in small  # no IPC, no gloo at 64 KiB
+    times = [line for line in lines if line.startswith("| 64 KiB |")][-1]
+    assert "| 400.0 |" in times and "| 100.0 |" in times  # the latency, in us
+    assert "WRONG RESULTS: ipc at 1 MiB: 1 elements" in text
+    assert "gloo: n/a (torch not importable)" in text
+
+
+def test_the_limits_table_runs_on_the_host_without_a_gpu(capsys):
+    gpu_limits.main(["--dry", "--bytes", "1M", "--seconds", "0.01"])
+    out = capsys.readouterr().out
+    for name in ("D2H, pinned", "H2D, pinned", "D2H, pageable", "H2D, pageable", "device x += y", "device D2D copy"):
+        line = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+        assert float(line.split("|")[2]) > 0
+
+
+def test_a_dry_run_on_two_ranks_prints_every_row_right():
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable,
+                          str(REPO / "benchmarks" / "gpu_allreduce_bench.py"), "--dry", "--sizes", "64K,1M",
+                          "--repeats", "1"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line[line.index("|"):] for line in out.stdout.splitlines() if "|" in line]  # past ringrun's "[0] "
+    rows = [line for line in lines if line.startswith(("| 64 KiB |", "| 1 MiB |"))]
+    busbw = [line for line in rows if line.count("|") > 8]
+    assert len(busbw) == 2, out.stdout
+    for line in busbw:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        assert cells[-1] == "0", line  # no wrong element anywhere
+        assert all(float(c) > 0 for c in cells[1:3] + cells[4:6]), line  # staged, IPC, numpy, mixed ran
+    assert "WRONG" not in out.stdout
+
+
+def test_the_gpu_check_keeps_to_its_time_budget():
+    """benchmarks/gpu_check.sh with too little time for any stage: it prints
+    its header, says each stage was skipped (never starts one it cannot
+    finish), and exits with the number of stages not done."""
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "GPU_CHECK_SECONDS": "5", "PYTHON": sys.executable}
+    out = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=REPO)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("# ringreduce GPU check") and any(line.startswith("$ ") for line in lines[:4])
+    skipped = [line for line in lines if line.startswith("skipped: ")]
+    stages = [line[3:] for line in lines if line.startswith("## ")]
+    assert {"build", "limits", "tests", "bench-N2", "bench-N4"} <= set(stages), stages
+    assert len(skipped) == len(stages) == out.returncode, out.stdout
+    assert lines[-1].startswith("# done in") and f"{len(stages)} stage(s) failed, timed out or skipped" in lines[-1]
