@@ -308,6 +308,7 @@ class Emulated:
     def allgather(self, comm, flat, nbytes):
         staged([flat.nbytes], [flat], lambda b: comm.allgather_device(device, b, nbytes), [flat])
     small_trip = staticmethod(lambda x, down=True: core_arrays._HostTrip(x))
+    ready = staticmethod(lambda x: None)
     result = staticmethod(lambda trip, a, like: a.view(Dev))
 
 cuda.is_device_array = lambda x: isinstance(x, Dev)
@@ -761,15 +762,12 @@ class Family:
     to_host = staticmethod(lambda x: np.asarray(x).copy())
     from_host = staticmethod(lambda a, like: np.asarray(a).copy().view(Dev))
 
-    @contextlib.contextmanager
+    ready = staticmethod(lambda x: None)
+
     def small_trip(self, x, down=True):
         a = np.ascontiguousarray(np.asarray(x))
         src = Buf(a)  # x in device memory
-        trip = cuda.SmallTrip(dev if down else None, src.ptr, a.nbytes, lambda: a, copy_up)
-        try:
-            yield trip
-        finally:
-            trip.close()
+        return cuda.SmallTrip(dev if down else None, src.ptr, a.nbytes, lambda: a, copy_up)
 
     def result(self, trip, a, like):
         box = {}
@@ -1041,3 +1039,56 @@ def test_device_arrays_run_the_small_collectives_through_bounce_buffers(tmp_path
         assert max(small.values()) <= 2, {w: c for w, c in small.items() if c > 2}
         assert all(c == 2 for w, c in small.items() if w[0] in ("ar", "rs", "bc") and w[2] >= 3), small  # a chunk on every rank of 3
         assert copies[("ar", "big")] >= 2
+
+
+def test_a_device_collective_whose_gpu_fails_before_its_header_is_refused(tmp_path):
+    """reduce_scatter, allgather, broadcast and alltoall of a GPU array whose
+    preparation fails on one rank (its trip down, a GPU allocation of the
+    ring's path): that rank raises its error, and the others raise
+    MismatchError naming it at once, instead of waiting in the ring for it
+    or pairing their collective with its next one. The ring stays usable:
+    the same collective right after gives the host ring's bits."""
+    ranks = run_ranks(3, job(SMALL_FAMILY + textwrap.dedent("""
+        import time
+        N, r = rr.size(), rr.rank()
+        fail = {"on": False}
+        small_trip = Family.small_trip
+
+        def failing_trip(self, x, down=True):
+            if fail["on"]:
+                raise rr.RingReduceError("CUDA: cuMemcpyDtoHAsync failed: an illegal memory access was encountered")
+            return small_trip(self, x, down)
+        Family.small_trip = failing_trip
+
+        def wrap(a):
+            return a.view(Dev) if r == 0 else a
+        small = make_input(r, (1000,), "float32", "sum")
+        rows = make_input(r, (N * 5, 3), "float32", "sum")
+        calls = {"rs": lambda a: rr.reduce_scatter(a), "ag": rr.allgather,
+                 "bc": lambda a: rr.broadcast(a, root=N - 1), "a2a": rr.alltoall}
+        out = {}
+        for what, f in calls.items():
+            x = rows if what == "a2a" else small
+            fail["on"] = r == 0
+            start = time.monotonic()
+            try:
+                f(wrap(x))
+                first = "no error"
+            except rr.RingReduceError as exc:
+                first = (type(exc).__name__, str(exc))
+            took = time.monotonic() - start
+            fail["on"] = False
+            got, want = f(wrap(x)), f(x)
+            got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+            same = all(np.asarray(g).tobytes() == np.asarray(w).tobytes() for g, w in zip(got, want))
+            out[what] = first, took, same
+        result = out
+    """), "device", 2, "emulated"), tmp_path, timeout=120, env={"RINGREDUCE_TIMEOUT": "20"})
+    for what, (first, took, same) in ranks[0].result.items():
+        assert first[0] == "RingReduceError" and "cuMemcpyDtoHAsync" in first[1], (what, first)
+        assert same, what
+    for k in (1, 2):
+        for what, (first, took, same) in ranks[k].result.items():
+            assert first[0] == "MismatchError" and "rank 0" in first[1] and "cuMemcpyDtoHAsync" in first[1], (what, first)
+            assert took < 10, (what, took)
+            assert same, (k, what)

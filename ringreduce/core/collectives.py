@@ -376,6 +376,32 @@ def _allreduce_device(x, op, out, name, process_set=None):
         return deliver(dst, out, g.xp)
 
 
+def _prepared(g, x, kind, process_set, down: bool, host: bool, alloc=None):
+    """What a collective needs of x before its header goes out: x's small
+    trip (g.small_trip: its bytes down through a bounce buffer where down),
+    its host bytes where host, and alloc()'s buffers (None without alloc).
+    On a GPU any of it can fail (a CUDA error, out of GPU memory, the
+    kernels' first compile): this rank then refuses, so the others raise
+    MismatchError naming it at once instead of waiting for it in the ring or
+    pairing their collective with its next one. Made outside the ring's
+    lock, which refuse takes after the communicator's."""
+    if g is HostArrays:
+        return g.small_trip(x), alloc() if alloc else None
+    trip = None
+    try:
+        with g.on(x):
+            g.ready(x)
+            trip = g.small_trip(x, down=down)
+            if host:
+                trip.host  # noqa: B018  the pageable copy where no bounce buffer was had
+            return trip, alloc() if alloc else None
+    except Exception as exc:
+        if trip is not None:
+            trip.close()
+        refuse(kind, exc, process_set)
+        raise
+
+
 @recorded("reduce_scatter")
 @_reported("reduce_scatter")
 def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None):
@@ -389,8 +415,11 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
         raise
     w = lookup(process_set)
     # A small one's bytes go down and its result up through a bounce buffer on a GPU (cuda.SmallTrip).
-    with w.lock, g.on(x), g.small_trip(x, down=x.nbytes <= w.small_limit) as trip:
-        small = x.nbytes <= w.small_limit
+    small = x.nbytes <= w.small_limit
+    ring_bufs = lambda: (g.xp.ascontiguousarray(x), g.xp.empty(x.size, dtype=x.dtype))  # noqa: E731
+    trip, bufs = _prepared(g, x, REDUCE_SCATTER, process_set, down=small, host=small,
+                           alloc=None if small else ring_bufs)
+    with trip, w.lock, g.on(x):
         head = header(REDUCE_SCATTER, opc, code, x.shape, name, inline=small, device=g is not HostArrays)
         blobs = exchange(head, trip.host.tobytes() if small else b"",
                           ("op", "dtype", "shape", "name"), "reduce_scatter", w)
@@ -399,8 +428,8 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
             mine = _reduce_blobs(payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
             return g.result(trip, mine, like=x)
         trip.close()
-        work = g.xp.empty(x.size, dtype=x.dtype)
-        g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
+        src, work = bufs or ring_bufs()  # made here where this rank's limit said small and another's did not
+        g.reduce_scatter(w.comm, src, work, code, opc)
         return work[lo:hi].copy()
 
 
@@ -419,8 +448,9 @@ def allgather(x, name: str | None = None, process_set=None):
     w = lookup(process_set)
     # A small one's bytes go down through a bounce buffer on a GPU (cuda.SmallTrip); the result, N times
     # larger, up through it where it fits, else the pageable way.
-    with w.lock, g.on(x), g.small_trip(x, down=x.nbytes <= w.small_limit) as trip:
-        small = x.nbytes <= w.small_limit
+    small = x.nbytes <= w.small_limit
+    trip, _ = _prepared(g, x, ALLGATHER, process_set, down=small, host=small)
+    with trip, w.lock, g.on(x):
         head = header(ALLGATHER, 0, 0, x.shape, name, inline=small, descr=x.dtype, device=g is not HostArrays)
         blobs = exchange(head, trip.host.tobytes() if small else b"",
                           ("dtype", "trailing", "name"), "allgather", w)
@@ -466,9 +496,12 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
         raise problem
     # A small one's bytes go down (on the root; elsewhere the buffer only carries the result) and the result
     # up through a bounce buffer on a GPU (cuda.SmallTrip).
-    with w.lock, g.on(x), g.small_trip(x, down=x.nbytes <= w.small_limit) as trip:
-        root = w.ranks.index(root) if w is not _state.ring else root
-        small = x.nbytes <= w.small_limit
+    root = w.ranks.index(root) if w is not _state.ring else root
+    small = x.nbytes <= w.small_limit
+    ring_buf = lambda: g.xp.empty(x.shape, dtype=x.dtype)  # noqa: E731
+    trip, buf = _prepared(g, x, BROADCAST, process_set, down=small, host=small and w.rank == root,
+                          alloc=None if small else ring_buf)
+    with trip, w.lock, g.on(x):
         head = header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype)
         blobs = exchange(head, trip.host.tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast", w)
@@ -477,7 +510,8 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
             data = np.frombuffer(blobs[root], np.uint8, offset=len(head)).copy().view(x.dtype).reshape(x.shape)
             return g.result(trip, data, like=x)
         trip.close()
-        buf = g.xp.empty(x.shape, dtype=x.dtype)
+        if buf is None:  # this rank's limit said small, another's did not
+            buf = ring_buf()
         if w.rank == root:  # as bytes, padding included (see above)
             as_bytes(buf)[...] = as_bytes(g.xp.ascontiguousarray(x))
         g.broadcast(w.comm, buf, root)
@@ -535,7 +569,8 @@ def alltoall(x, splits=None, name: str | None = None, process_set=None):
     # A small one's bytes go down through a bounce buffer on a GPU and the result up through it where it fits
     # (cuda.SmallTrip); a large one's through the host's pageable memory (the ring's alltoall is the host's).
     small = x.nbytes <= w.small_limit
-    with w.lock, g.on(x), g.small_trip(x, down=small) as trip:
+    trip, _ = _prepared(g, x, ALLTOALL, process_set, down=small, host=True)
+    with trip, w.lock, g.on(x):
         n, me = w.size, w.rank
         head = header(ALLTOALL, _SPLITS_EQUAL if given is None else _SPLITS_GIVEN, 0, x.shape, name,
                        inline=small, descr=x.dtype, splits=given or ())

@@ -363,6 +363,12 @@ class SmallTrip:
             _release(view)
             _hand_back(self.device, slot)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class DeviceArrays:
     """What the collectives need to run on GPU arrays (cupy): allocate like
@@ -433,19 +439,21 @@ class DeviceArrays:
 
         return dst if through_bounce(device, src.data.ptr, dst.data.ptr, src.nbytes, work, self.copy_up) else None
 
-    @contextlib.contextmanager
-    def small_trip(self, x, down: bool = True):
-        """A small collective's trip for x (SmallTrip): its bytes down through
-        a bounce buffer, the result up through it; the buffer handed back on
-        the way out whatever happens. down=False: no bounce buffer (host is
-        the pageable copy, the result goes up the pageable way)."""
+    def ready(self, x) -> None:
+        """Makes the ring's device for x's GPU (on first use: its stream,
+        its kernels, compiled where no fatbin was built), so a collective can
+        fail on it before its header goes out."""
+        ring_device(x.device.id)
+
+    def small_trip(self, x, down: bool = True) -> SmallTrip:
+        """A small collective's trip for x (SmallTrip, its own context
+        manager): its bytes down through a bounce buffer now, the result up
+        through it; the buffer handed back on the way out whatever happens.
+        down=False: no bounce buffer (host is the pageable copy, the result
+        goes up the pageable way)."""
         src = self.xp.ascontiguousarray(x)
         device = self._ready(src) if down else None
-        trip = SmallTrip(device, src.data.ptr, src.nbytes, lambda: self.to_host(src), self.copy_up)
-        try:
-            yield trip
-        finally:
-            trip.close()
+        return SmallTrip(device, src.data.ptr, src.nbytes, lambda: self.to_host(src), self.copy_up)
 
     def result(self, trip: SmallTrip, a: np.ndarray, like):
         """a on like's device, through trip (SmallTrip.result)."""
