@@ -1092,3 +1092,37 @@ def test_a_device_collective_whose_gpu_fails_before_its_header_is_refused(tmp_pa
             assert first[0] == "MismatchError" and "rank 0" in first[1] and "cuMemcpyDtoHAsync" in first[1], (what, first)
             assert took < 10, (what, took)
             assert same, (k, what)
+
+
+def test_a_device_rank_whose_ring_device_cannot_be_made_refuses_a_large_allreduce(tmp_path):
+    """The ring's device is made on a GPU's first collective (its stream, its
+    kernels compiled where no fatbin was built): a rank where that fails
+    raises it before its header goes out, and the others raise MismatchError
+    naming it at once instead of waiting in the ring for it; the ring stays
+    usable."""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        import time
+        r = rr.rank()
+        def no_device(x):
+            raise rr.RingReduceError("GPU arrays need cupy and a CUDA device: no usable CUDA device")
+        if r == 1:
+            Emulated.ready = staticmethod(no_device)
+        x = np.full(1 << 20, r + 1, dtype=np.float32)
+        start = time.monotonic()
+        try:
+            rr.allreduce(x.view(Dev) if r == 1 else x, op="sum")
+            first = "no error"
+        except rr.RingReduceError as exc:
+            first = (type(exc).__name__, str(exc))
+        took = time.monotonic() - start
+        Emulated.ready = staticmethod(lambda x: None)
+        y = rr.allreduce(x.view(Dev) if r == 1 else x, op="sum")
+        result = first, took, bool(np.array_equal(np.asarray(y), np.full(1 << 20, 6, dtype=np.float32)))
+        """), tmp_path, timeout=90, env={"RINGREDUCE_TIMEOUT": "20"})
+    assert ranks[1].result[0][0] == "RingReduceError", ranks[1].result
+    for k in (0, 2):
+        first, took, _ = ranks[k].result
+        assert first[0] == "MismatchError" and "rank 1" in first[1] and "no usable CUDA device" in first[1], first
+        assert took < 10, took
+    for k in ranks:
+        assert k.result[2], (k.rank, "wrong sums after the refusal")

@@ -357,10 +357,11 @@ def _allreduce_device(x, op, out, name, process_set=None):
                 got = g.from_host(allreduce.__wrapped__(host, op, name=name, process_set=process_set), like=x)
             return deliver(got, out, g.xp)
     try:
-        # GPU memory is taken before the header goes out: a rank out of it
-        # (cupy's OutOfMemoryError is a MemoryError) refuses, and the others
+        # The ring's device and GPU memory are had before the header goes out:
+        # a rank without them (cupy's OutOfMemoryError is a MemoryError) refuses, and the others
         # raise at once instead of waiting in the ring for it.
         with g.on(x):
+            g.ready(x)  # the ring's device, made on first use (its kernels loaded)
             src = g.xp.ascontiguousarray(x)
             dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
             if dst is not src and g.xp.may_share_memory(dst, src):
