@@ -133,6 +133,7 @@ PyObject *Comm_allgather(CommObject *self, PyObject *args);
 PyObject *Comm_broadcast(CommObject *self, PyObject *args);
 PyObject *Comm_alltoall(CommObject *self, PyObject *args);
 PyObject *Comm_allreduce_device(CommObject *self, PyObject *args);
+PyObject *Comm_allreduce_ipc(CommObject *self, PyObject *args);
 PyObject *Comm_reduce_scatter_device(CommObject *self, PyObject *args);
 PyObject *Comm_allgather_device(CommObject *self, PyObject *args);
 PyObject *Comm_broadcast_device(CommObject *self, PyObject *args);

@@ -9,6 +9,7 @@
 
 #include "binding/binding.h"
 #include "binding/device_binding.h"
+#include "schedule/ipc.h"
 
 /* allreduce(src, dst, dtype, op) and reduce_scatter(src, dst, dtype, op):
  * src is only read and may be dst. */
@@ -185,6 +186,26 @@ static PyObject *reduce_on_device(CommObject *self, PyObject *args, int scatter)
 }
 
 PyObject *Comm_allreduce_device(CommObject *self, PyObject *args) { return reduce_on_device(self, args, 0); }
+
+/* allreduce_ipc(device, src, dst, nbytes, dtype, op): the IPC path
+ * (csrc/schedule/ipc.c), where every rank agreed on it (core/device_ipc.py). */
+PyObject *Comm_allreduce_ipc(CommObject *self, PyObject *args)
+{
+    PyObject *dev_obj, *src_obj, *dst_obj;
+    Py_ssize_t nbytes;
+    int dtype, op;
+    void *src, *dst;
+    if (!PyArg_ParseTuple(args, "OOOnii", &dev_obj, &src_obj, &dst_obj, &nbytes, &dtype, &op) ||
+        !valid_dtype_op(dtype, op) || pointer(src_obj, &src) || pointer(dst_obj, &dst))
+        return NULL;
+    DeviceObject *d = device_arg(dev_obj);
+    if (!d || check_usable(self)) return NULL;
+    size_t count = (size_t)nbytes / rr_dtype_size((rr_dtype)dtype);
+    rr_error err = {0};
+    RUN_ON_DEVICE(self, d, err,
+                  err.code = rr_allreduce_ipc(self->ring, d->dev, src, dst, count, (rr_dtype)dtype, (rr_op)op, &err));
+    return finish(self, &err);
+}
 
 PyObject *Comm_reduce_scatter_device(CommObject *self, PyObject *args)
 {

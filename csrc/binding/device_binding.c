@@ -20,8 +20,9 @@ static PyObject *wrap(rr_device *dev, int emulated)
 static PyObject *Device_emulated(PyObject *Py_UNUSED(cls), PyObject *args)
 {
     int patience = 2;
-    if (!PyArg_ParseTuple(args, "|i", &patience)) return NULL;
-    rr_device *dev = rr_emulated_device_create(patience < 0 ? 0 : patience);
+    const char *ipc = "emulated";
+    if (!PyArg_ParseTuple(args, "|iz", &patience, &ipc)) return NULL;
+    rr_device *dev = rr_emulated_device_create_as(patience < 0 ? 0 : patience, ipc ? ipc : "");
     return dev ? wrap(dev, 1) : PyErr_NoMemory();
 }
 
@@ -235,6 +236,24 @@ static PyObject *Device_bounce_release(DeviceObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Device.ipc_identity() -> str, or None where this device refuses IPC:
+ * what ranks compare to agree on the IPC path (core/device_ipc.py). */
+static PyObject *Device_ipc_identity(DeviceObject *self, PyObject *Py_UNUSED(ignored))
+{
+    char id[RR_IPC_IDENTITY] = {0};
+    rr_error err = {0};
+    int rc = RR_E_DEVICE;
+    rr_device *d = self->dev;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    if (d->ops->ipc_identity && d->ops->begin(d, &err) == RR_OK) rc = d->ops->ipc_identity(d, id, &err);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (rc != RR_OK || !id[0]) Py_RETURN_NONE;
+    id[RR_IPC_IDENTITY - 1] = 0;
+    return PyUnicode_DecodeLatin1(id, (Py_ssize_t)strlen(id), NULL);
+}
+
 /* Device.counts() -> dict: the device operations queued since the device was
  * made (rr_device_counts): a testing hook for what a collective costs. */
 static PyObject *Device_counts(DeviceObject *self, PyObject *Py_UNUSED(ignored))
@@ -245,7 +264,9 @@ static PyObject *Device_counts(DeviceObject *self, PyObject *Py_UNUSED(ignored))
     c = self->dev->counts;
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{sKsKsK}", "copies", c.copies, "events", c.events, "waits", c.waits);
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "copies", c.copies, "events", c.events, "waits", c.waits,
+                         "host_copies", c.host_copies, "kernels", c.kernels, "ipc_opens", c.ipc_opens,
+                         "ipc_exports", c.ipc_exports);
 }
 
 static void Device_dealloc(DeviceObject *self)
@@ -261,7 +282,11 @@ static void Device_dealloc(DeviceObject *self)
 
 static PyMethodDef Device_methods[] = {
     {"emulated", (PyCFunction)Device_emulated, METH_VARARGS | METH_STATIC,
-     "emulated(patience=2) -> a device in host memory whose work runs late (tests; csrc/device/device_emulated.c)"},
+     "emulated(patience=2, ipc='emulated') -> a device in host memory whose work runs late (tests; "
+     "csrc/device/device_emulated.c); ipc: its identity for the IPC path (devices of equal identity open each "
+     "other's windows), None to refuse IPC"},
+    {"ipc_identity", (PyCFunction)Device_ipc_identity, METH_NOARGS,
+     "ipc_identity() -> str or None: what ranks compare to agree on the IPC path; None: this device refuses IPC"},
     {"cuda", (PyCFunction)Device_cuda, METH_VARARGS | METH_STATIC,
      "cuda(ordinal, reduce, divide, mean) -> the CUDA device, with the kernels' CUfunction handles"},
     {"alloc", (PyCFunction)Device_alloc, METH_VARARGS, "alloc(nbytes) -> pointer (emulated device)"},
@@ -276,7 +301,8 @@ static PyMethodDef Device_methods[] = {
     {"bounce_release", (PyCFunction)Device_bounce_release, METH_VARARGS,
      "bounce_release(slot): frees a bounce slot without copying"},
     {"counts", (PyCFunction)Device_counts, METH_NOARGS,
-     "counts() -> {'copies', 'events', 'waits'}: device operations queued since the device was made (testing hook)"},
+     "counts() -> {'copies', 'events', 'waits', 'host_copies', 'kernels', 'ipc_opens', 'ipc_exports'}: device "
+     "operations queued since the device was made (testing hook)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -55,6 +55,8 @@ static PyMethodDef Comm_methods[] = {
      "alltoall(src, dst, bytes): block bytes[r*N + d] of src goes to rank d; dst gets every rank's block for us"},
     {"allreduce_device", (PyCFunction)Comm_allreduce_device, METH_VARARGS,
      "allreduce_device(device, src, dst, nbytes, dtype, op): allreduce of device memory (pointers)"},
+    {"allreduce_ipc", (PyCFunction)Comm_allreduce_ipc, METH_VARARGS,
+     "allreduce_ipc(device, src, dst, nbytes, dtype, op): allreduce of device memory, device to device (IPC path)"},
     {"reduce_scatter_device", (PyCFunction)Comm_reduce_scatter_device, METH_VARARGS,
      "reduce_scatter_device(device, src, dst, nbytes, dtype, op)"},
     {"allgather_device", (PyCFunction)Comm_allgather_device, METH_VARARGS,

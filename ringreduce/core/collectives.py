@@ -349,12 +349,12 @@ def _allreduce_device(x, op, out, name, process_set=None):
             return deliver(got, out, g.xp)
     with ring.lock, g.on(x):
         head = header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
-        exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+        blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
         src = g.xp.ascontiguousarray(x)
         dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
         if dst is not src and g.xp.may_share_memory(dst, src):
             src = src.copy()
-        g.allreduce(ring.comm, src, dst, code, opc)
+        g.allreduce(ring, src, dst, code, opc, blobs)  # device to device, or staged (core/device_ipc.py)
         _note_phases(ring.comm)
         return deliver(dst, out, g.xp)
 

@@ -245,8 +245,12 @@ class DeviceArrays:
 
         return dst if through_bounce(device, src.data.ptr, dst.data.ptr, src.nbytes, work) else None
 
-    def allreduce(self, comm, src, dst, code, opc):
-        comm.allreduce_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+    def allreduce(self, ring, src, dst, code, opc, blobs):
+        """The ring allreduce of src into dst after the header pass gave
+        blobs: device to device where the ring agreed on IPC, else staged
+        (core/device_ipc.py)."""
+        from . import device_ipc
+        device_ipc.allreduce(ring, self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc, blobs)
 
     def reduce_scatter(self, comm, src, dst, code, opc):
         comm.reduce_scatter_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)

@@ -1,0 +1,71 @@
+"""GPU arrays device to device through CUDA IPC (csrc/schedule/ipc.c): the
+IPC path of an allreduce, beside the staged path (the host ring on a pinned
+mirror, csrc/schedule/ring.c).
+
+Which path a ring takes is agreed once, the first time every rank of it
+runs an allreduce on a device (each rank's header says so: a ring with a
+host rank keeps the staged path), by one blob pass in which every rank
+gives its host, its device's IPC identity (the GPU's UUID; none where the
+device or driver refuses IPC) and its RINGREDUCE_CUDA_IPC setting. Every
+rank takes the IPC path when every rank is on one host, one device
+identity and the setting on; otherwise every rank takes the staged path,
+which is never an error. Every rank sees the same blobs, so every rank
+decides alike; the decision is kept on the ring (Ring.ipc)."""
+from __future__ import annotations
+
+import json
+
+from . import shm as _shm
+from .communicator import current as _state
+from .protocol import parse
+
+AGREE_HEAD = b"RRIPC1"  # the agreement's blobs, so a stray pass shows as a protocol error
+
+
+def wanted() -> bool:
+    """This rank's RINGREDUCE_CUDA_IPC (the world's config; on by default)."""
+    world = _state.world
+    return bool(getattr(world.config, "cuda_ipc", True)) if world is not None else True
+
+
+def offer(device, want: bool) -> dict:
+    """What this rank gives in the agreement."""
+    identity = device.ipc_identity() if want else None
+    return {"host": _shm.host_identity(), "pidns": _shm.pid_namespace(), "want": want, "device": identity}
+
+
+def decide(offers: list[dict]) -> bool:
+    """The agreement's verdict from every rank's offer (the same list on every rank)."""
+    first = offers[0]
+    return all(o["want"] and o["device"] and o["device"] == first["device"] and o["host"] == first["host"]
+               and o["pidns"] == first["pidns"] for o in offers)
+
+
+def agree(ring, device) -> bool:
+    """The ring's path for device allreduces, agreed by every rank on its first
+    one (collective: every rank calls it at the same point, under the ring's
+    lock), then kept."""
+    if ring.ipc is None:
+        mine = json.dumps(offer(device, wanted())).encode()
+        blobs = ring.comm.exchange_blobs(AGREE_HEAD, mine)
+        offers = [json.loads(b[len(AGREE_HEAD):]) for b in blobs]
+        ring.ipc = decide(offers)
+    return ring.ipc
+
+
+def takes_ipc(ring, device, blobs) -> bool:
+    """Whether this allreduce, whose headers are `blobs`, takes the IPC path:
+    a ring of two or more ranks, every one on a device, that agreed on it."""
+    return ring.size > 1 and all(parse(b)["device"] for b in blobs) and agree(ring, device)
+
+
+def allreduce(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int, blobs) -> bool:
+    """The ring allreduce of device memory src into dst (pointers) on
+    `device` (ringreduce._core.Device), after the header pass gave `blobs`:
+    the IPC path where the ring agreed on it, else the staged path. Returns
+    whether it took the IPC path."""
+    if takes_ipc(ring, device, blobs):
+        ring.comm.allreduce_ipc(device, src, dst, nbytes, code, opc)
+        return True
+    ring.comm.allreduce_device(device, src, dst, nbytes, code, opc)
+    return False

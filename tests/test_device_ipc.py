@@ -1,0 +1,252 @@
+"""The IPC path for device buffers (csrc/schedule/ipc.c, ringreduce/core/device_ipc.py):
+ranks whose devices open each other's memory allreduce device to device, with
+the host ring's bits, exchanging window handles once and caching them; the
+path is agreed by every rank, and anything that refuses it (the setting off
+on one rank, a device that refuses IPC, another GPU, a host rank in the ring)
+makes every rank take the staged path instead, never an error.
+
+Each case runs on the emulated device (its IPC windows are memfd mappings,
+its work runs late, its pointers fault on the host) and on the CUDA device
+(csrc/device/cuda_device.c) over the host CUDA driver (tests/hostcuda.py), whose
+cuIpc* calls share memfd-backed device memory between processes and whose
+streams run late too: a window read before its owner's work ran gives wrong
+bits.
+"""
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+from ranks import run_ranks
+
+SETUP = """
+import os
+from cases import DTYPES, OPS, make_input, np_dtype
+from ringreduce import _core
+from ringreduce.core import collectives, device_ipc
+from ringreduce.core.protocol import ALLREDUCE, exchange, header
+ring = collectives.communicator().ring
+comm = ring.comm
+if kind == "emulated":
+    dev = memory = _core.Device.emulated(patience, identity)
+else:
+    from hostcuda import HostCuda
+    memory = HostCuda()  # the driver libcuda.so.1 that the CUDA device opens too
+    dev = memory.ring_device()
+codes = {d: collectives.dtype_code(np_dtype(d)) for d in DTYPES}
+opcodes = collectives.OPS
+
+class Buf:
+    # An array's bytes in device memory.
+    def __init__(self, a):
+        self.nbytes, self.ptr = a.nbytes, memory.alloc(max(a.nbytes, 1))
+        memory.write(self.ptr, a.tobytes())
+    def get(self, dtype):
+        return np.frombuffer(memory.read(self.ptr, self.nbytes), dtype=dtype).copy()
+
+NAN_BITS = {2: 0x7E00, 4: 0x7FC00000, 8: 0x7FF8000000000000}
+UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+def rough_input(rank, count, dtype, op):
+    # Floats whose sums, products and means round, so another fold order or
+    # operand role gives other bits; NaNs with this rank's payload, alone or
+    # meeting other ranks' (x86 keeps the first operand's payload). Integers
+    # as make_input (exact: wrapping is the same in any order).
+    x = make_input(rank, (count,), dtype, op)
+    if dtype not in ("float16", "bfloat16", "float32", "float64"):
+        return x
+    rng = np.random.default_rng([rank, count, 7])
+    v = rng.standard_normal(count) * np.exp2(rng.integers(-6, 6, count))
+    if op == "prod":
+        v = 1 + rng.standard_normal(count) / 8
+    x = v.astype(np_dtype(dtype))
+    bits = x.view(UINT[x.itemsize])
+    nan = NAN_BITS[x.itemsize] if dtype != "bfloat16" else 0x7FC0
+    i = np.arange(count)
+    bits[(i % 101 == rank) | (i % 211 == 0)] = nan | (rank + 1)
+    return x
+
+def host_allreduce(x, dtype, op):
+    out = np.empty_like(x)
+    comm.allreduce(x.view(np.uint8), out.view(np.uint8), codes[dtype], opcodes[op])
+    return out
+
+def device_allreduce(x, dtype, op, in_place, on_device=True):
+    # As collectives' GPU allreduce does it: the header pass, then the path the ring agreed on.
+    head = header(ALLREDUCE, opcodes[op], codes[dtype], x.shape, None, False, device=on_device)
+    blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+    if not on_device:
+        return host_allreduce(x, dtype, op), False
+    src = Buf(x)
+    dst = src if in_place else Buf(np.zeros_like(x))
+    ipc = device_ipc.allreduce(ring, dev, src.ptr, dst.ptr, x.nbytes, codes[dtype], opcodes[op], blobs)
+    if not in_place:
+        assert src.get(x.dtype).tobytes() == x.tobytes(), "input changed"
+    got = dst.get(x.dtype)
+    memory.free(src.ptr)
+    if not in_place:
+        memory.free(dst.ptr)
+    return got, ipc
+"""
+
+
+def job(body: str, kind: str, patience: int = 2, identity: str = "emulated", pre: str = "") -> str:
+    """A rank's code: pre (run before the device is made), SETUP, then body."""
+    return (f"kind, patience, identity = {kind!r}, {patience}, {identity!r}\n" + pre + SETUP
+            + textwrap.dedent(body))
+
+
+@pytest.fixture(params=["emulated", "hostcuda"])
+def device(request):
+    """(kind, environment) for the ranks: the CUDA kind finds the host driver
+    through LD_LIBRARY_PATH."""
+    if request.param == "emulated":
+        return "emulated", {}
+    folder = request.getfixturevalue("hostcuda_dir")
+    return "hostcuda", {"LD_LIBRARY_PATH": f"{folder}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+
+
+def env_for(device, patience=2, **extra):
+    return {**device[1], "HOSTCUDA_PATIENCE": str(patience), **extra}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ipc_allreduce_equals_the_host_ring(tmp_path, device, n):
+    """Every dtype and op (avg included: sum then divide, 16-bit floats as
+    running means), sizes of 0, 1, fewer elements than ranks, not divisible
+    by N and a few MiB, in place and out of place: the bits of the host ring
+    on every rank, and the IPC path taken, with no trip through the host."""
+    ranks = run_ranks(n, job("""
+        bad, paths = [], set()
+        before = dev.counts()
+        N = rr.size()
+        for dtype in DTYPES:
+            for op in OPS:
+                for count in [0, 1, N - 1, 2 * N + 1, 5_003]:
+                    x = rough_input(rr.rank(), count, dtype, op)
+                    want = host_allreduce(x, dtype, op)  # checked against numpy in test_allreduce.py
+                    got, ipc = device_allreduce(x, dtype, op, in_place=count % 2 == 1)
+                    paths.add(ipc)
+                    if got.tobytes() != want.tobytes():
+                        bad.append((dtype, op, count))
+        for dtype, op in [("float32", "sum"), ("bfloat16", "avg")]:  # a few MiB
+            x = rough_input(rr.rank(), (3 << 20) // 4 + 3, dtype, op)
+            got, ipc = device_allreduce(x, dtype, op, in_place=False)
+            paths.add(ipc)
+            if got.tobytes() != host_allreduce(x, dtype, op).tobytes():
+                bad.append((dtype, op, x.size))
+        after = dev.counts()
+        result = bad, paths, {k: after[k] - before[k] for k in after}
+    """, device[0]), tmp_path, env=env_for(device, RINGREDUCE_SEGMENT_BYTES="4096"), timeout=400)
+    for r in ranks:
+        bad, paths, counts = r.result
+        assert bad == [], f"rank {r.rank}: {bad[:5]}"
+        assert paths == {True}, paths
+        assert counts["host_copies"] == 0, counts  # device to device only
+        assert counts["kernels"] > 0 and counts["ipc_opens"] >= n - 1, counts
+
+
+def test_handles_are_exchanged_once_and_again_when_a_window_grows(tmp_path, device):
+    """A peer's window is opened once and cached across calls; when a rank's
+    window grows (a larger tensor), its peers open the new one, once."""
+    ranks = run_ranks(3, job("""
+        def opens():
+            return dev.counts()["ipc_opens"], dev.counts()["ipc_exports"]
+        x = make_input(rr.rank(), (10_000,), "float32", "sum")
+        steps = []
+        for _ in range(4):
+            got, ipc = device_allreduce(x, "float32", "sum", in_place=False)
+            assert ipc and got.tobytes() == host_allreduce(x, "float32", "sum").tobytes()
+            steps.append(opens())
+        y = make_input(rr.rank(), (400_000,), "float32", "sum")  # larger than every window: all grow
+        for _ in range(3):
+            got, ipc = device_allreduce(y, "float32", "sum", in_place=True)
+            assert ipc and got.tobytes() == host_allreduce(y, "float32", "sum").tobytes()
+            steps.append(opens())
+        result = steps
+    """, device[0]), tmp_path, env=env_for(device), timeout=120)
+    for r in ranks:
+        steps = r.result
+        assert steps[:4] == [(2, 1)] * 4, steps  # two peers opened once, one window exported
+        assert steps[4:] == [(4, 2)] * 3, steps  # each peer's new window opened once more
+
+
+@pytest.mark.parametrize("refusal", ["setting", "device", "other_gpu"])
+def test_one_refusing_rank_sends_every_rank_to_the_staged_path(tmp_path, device, refusal):
+    """RINGREDUCE_CUDA_IPC=0 on one rank, a device that refuses IPC on one
+    rank, or one rank on another GPU: every rank takes the staged path (the
+    same bits), none raises."""
+    if refusal == "setting":
+        pre = "if os.environ['RINGREDUCE_RANK'] == '1':\n    os.environ['RINGREDUCE_CUDA_IPC'] = '0'\nrr.init()\n"
+    elif device[0] == "emulated":
+        pre = "rr.init()\nidentity = {'device': None, 'other_gpu': 'emulated-1'}[refusal] if rr.rank() == 1 else identity\n"
+    else:
+        var = {"device": "HOSTCUDA_IPC", "other_gpu": "HOSTCUDA_UUID_SALT"}[refusal]
+        value = {"device": "0", "other_gpu": "1"}[refusal]
+        pre = f"if os.environ['RINGREDUCE_RANK'] == '1':\n    os.environ[{var!r}] = {value!r}\nrr.init()\n"
+    body = job("""
+        out = []
+        for count in [7, 100_003]:
+            x = make_input(rr.rank(), (count,), "float64", "sum")
+            got, ipc = device_allreduce(x, "float64", "sum", in_place=False)
+            out.append((ipc, got.tobytes() == host_allreduce(x, "float64", "sum").tobytes()))
+        result = out, dev.counts()["host_copies"] > 0
+    """, device[0], pre=f"refusal = {refusal!r}\n" + pre)
+    ranks = run_ranks(3, body, tmp_path, env=env_for(device), timeout=120, init=False)
+    for r in ranks:
+        out, staged = r.result
+        assert out == [(False, True), (False, True)], (r.rank, out)
+        assert staged
+
+
+def test_a_ring_with_a_host_rank_stays_staged(tmp_path, device):
+    """A host rank among device ranks: no agreement is even run, the device
+    ranks take the staged path, every rank gets the host ring's bits."""
+    ranks = run_ranks(3, job("""
+        x = make_input(rr.rank(), (50_001,), "float32", "avg")
+        got, ipc = device_allreduce(x, "float32", "avg", in_place=False, on_device=rr.rank() != 2)
+        result = ipc, got.tobytes() == host_allreduce(x, "float32", "avg").tobytes(), ring.ipc
+    """, device[0]), tmp_path, env=env_for(device), timeout=120)
+    for r in ranks:
+        assert r.result == (False, True, None), (r.rank, r.result)
+
+
+def test_a_peer_lost_during_the_ipc_path_fails_every_rank(tmp_path):
+    """A rank that dies between two IPC allreduces: the others raise
+    PeerLostError naming it, none hangs."""
+    ranks = run_ranks(3, job("""
+        x = make_input(rr.rank(), (100_000,), "float32", "sum")
+        got, ipc = device_allreduce(x, "float32", "sum", in_place=False)
+        assert ipc
+        if rr.rank() == 1:
+            os._exit(0)
+        try:
+            device_allreduce(x, "float32", "sum", in_place=False)
+            result = "no error"
+        except rr.RingReduceError as exc:
+            result = (type(exc).__name__, str(exc))
+    """, "emulated"), tmp_path, timeout=120, check=False)
+    for r in (ranks[0], ranks[2]):
+        assert r.result != "no error"
+        assert r.result[0] == "PeerLostError" and "rank 1" in r.result[1], r.result
+
+
+def test_a_device_failing_on_one_rank_fails_every_rank_naming_it(tmp_path):
+    """Rank 1 hands the IPC path a host pointer: its device refuses the copy,
+    and every rank raises naming rank 1, in the same handshake (no hang)."""
+    ranks = run_ranks(3, job("""
+        x = make_input(rr.rank(), (100_000,), "float32", "sum")
+        head = header(ALLREDUCE, opcodes["sum"], codes["float32"], x.shape, None, False, device=True)
+        blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+        src = Buf(x)
+        ptr = x.ctypes.data if rr.rank() == 1 else src.ptr
+        try:
+            device_ipc.allreduce(ring, dev, ptr, src.ptr, x.nbytes, codes["float32"], opcodes["sum"], blobs)
+            result = "no error"
+        except rr.RingReduceError as exc:
+            result = (type(exc).__name__, str(exc))
+    """, "emulated"), tmp_path, timeout=60)
+    assert "host pointer" in ranks[1].result[1], ranks[1].result
+    for r in (ranks[0], ranks[2]):
+        assert r.result[0] == "RingReduceError" and "rank 1" in r.result[1] and "host pointer" in r.result[1], r.result
