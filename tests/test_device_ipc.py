@@ -67,6 +67,17 @@ def rough_input(rank, count, dtype, op):
     bits[(i % 101 == rank) | (i % 211 == 0)] = nan | (rank + 1)
     return x
 
+def same_bits(got, want, dtype, op):
+    # The host ring's bits. On the CUDA device a sum or product of NaNs may
+    # be another NaN (CUDA's canonical one; x86 keeps whichever operand the
+    # compiler put first): which NaN it is may differ there, nothing else
+    # (tests/test_cuda.py holds the kernels to the same rule). The emulated
+    # device reduces with the host kernels: every bit.
+    if kind == "emulated" or op in ("min", "max") or dtype not in ("float16", "bfloat16", "float32", "float64"):
+        return got.tobytes() == want.tobytes()
+    nan = np.isnan(want.astype(np.float64))
+    return np.array_equal(np.isnan(got.astype(np.float64)), nan) and got[~nan].tobytes() == want[~nan].tobytes()
+
 def host_allreduce(x, dtype, op):
     out = np.empty_like(x)
     comm.allreduce(x.view(np.uint8), out.view(np.uint8), codes[dtype], opcodes[op])
@@ -116,9 +127,11 @@ def test_ipc_allreduce_equals_the_host_ring(tmp_path, device, n):
     """Every dtype and op (avg included: sum then divide, 16-bit floats as
     running means), sizes of 0, 1, fewer elements than ranks, not divisible
     by N and a few MiB, in place and out of place: the bits of the host ring
-    on every rank, and the IPC path taken, with no trip through the host."""
+    (same_bits), the same bits on every rank, and the IPC path taken, with no
+    trip through the host."""
     ranks = run_ranks(n, job("""
-        bad, paths = [], set()
+        import hashlib
+        bad, paths, digest = [], set(), hashlib.sha256()
         before = dev.counts()
         N = rr.size()
         for dtype in DTYPES:
@@ -128,20 +141,23 @@ def test_ipc_allreduce_equals_the_host_ring(tmp_path, device, n):
                     want = host_allreduce(x, dtype, op)  # checked against numpy in test_allreduce.py
                     got, ipc = device_allreduce(x, dtype, op, in_place=count % 2 == 1)
                     paths.add(ipc)
-                    if got.tobytes() != want.tobytes():
+                    digest.update(got.tobytes())
+                    if not same_bits(got, want, dtype, op):
                         bad.append((dtype, op, count))
         for dtype, op in [("float32", "sum"), ("bfloat16", "avg")]:  # a few MiB
             x = rough_input(rr.rank(), (3 << 20) // 4 + 3, dtype, op)
             got, ipc = device_allreduce(x, dtype, op, in_place=False)
             paths.add(ipc)
-            if got.tobytes() != host_allreduce(x, dtype, op).tobytes():
+            digest.update(got.tobytes())
+            if not same_bits(got, host_allreduce(x, dtype, op), dtype, op):
                 bad.append((dtype, op, x.size))
         after = dev.counts()
-        result = bad, paths, {k: after[k] - before[k] for k in after}
+        result = bad, paths, {k: after[k] - before[k] for k in after}, digest.hexdigest()
     """, device[0]), tmp_path, env=env_for(device, RINGREDUCE_SEGMENT_BYTES="4096"), timeout=400)
+    assert len({r.result[3] for r in ranks}) == 1, "ranks differ"  # each chunk reduced once, then copied
     for r in ranks:
-        bad, paths, counts = r.result
-        assert bad == [], f"rank {r.rank}: {bad[:5]}"
+        bad, paths, counts, _ = r.result
+        assert bad == [], f"rank {r.rank}: {sorted(set(b[:2] for b in bad))}"
         assert paths == {True}, paths
         assert counts["host_copies"] == 0, counts  # device to device only
         assert counts["kernels"] > 0 and counts["ipc_opens"] >= n - 1, counts
@@ -168,22 +184,40 @@ def test_handles_are_exchanged_once_and_again_when_a_window_grows(tmp_path, devi
     """, device[0]), tmp_path, env=env_for(device), timeout=120)
     for r in ranks:
         steps = r.result
-        assert steps[:4] == [(2, 1)] * 4, steps  # two peers opened once, one window exported
-        assert steps[4:] == [(4, 2)] * 3, steps  # each peer's new window opened once more
+        # the agreement exported a first window and opened the peers'; the first allreduce grew every window
+        # and opened each peer's new one, once; later calls open nothing
+        assert steps[:4] == [(4, 2)] * 4, steps
+        assert steps[4:] == [(6, 3)] * 3, steps  # a larger tensor: each window grows, each opened once more
 
 
-@pytest.mark.parametrize("refusal", ["setting", "device", "other_gpu"])
+REFUSALS = ["setting", "device", "other_gpu"]
+
+
+@pytest.mark.parametrize("refusal", REFUSALS)
 def test_one_refusing_rank_sends_every_rank_to_the_staged_path(tmp_path, device, refusal):
     """RINGREDUCE_CUDA_IPC=0 on one rank, a device that refuses IPC on one
-    rank, or one rank on another GPU: every rank takes the staged path (the
-    same bits), none raises."""
+    rank (it cannot export memory), or one rank on another GPU: every rank
+    takes the staged path (the same bits), none raises."""
+    run_with_one_refusing_rank(tmp_path, device, refusal)
+
+
+def test_a_rank_that_cannot_open_its_peers_memory_sends_every_rank_to_the_staged_path(tmp_path, hostcuda_dir):
+    """IPC not permitted (cuIpcOpenMemHandle fails on rank 1, as in a
+    container that cannot reach its peers' processes; the host CUDA driver
+    refuses on request, the emulated device cannot): the agreement's opens
+    fail there, and every rank takes the staged path."""
+    run_with_one_refusing_rank(tmp_path, ("hostcuda", {"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}),
+                       "open")
+
+
+def run_with_one_refusing_rank(tmp_path, device, refusal):
     if refusal == "setting":
         pre = "if os.environ['RINGREDUCE_RANK'] == '1':\n    os.environ['RINGREDUCE_CUDA_IPC'] = '0'\nrr.init()\n"
     elif device[0] == "emulated":
         pre = "rr.init()\nidentity = {'device': None, 'other_gpu': 'emulated-1'}[refusal] if rr.rank() == 1 else identity\n"
     else:
-        var = {"device": "HOSTCUDA_IPC", "other_gpu": "HOSTCUDA_UUID_SALT"}[refusal]
-        value = {"device": "0", "other_gpu": "1"}[refusal]
+        var = {"device": "HOSTCUDA_IPC", "other_gpu": "HOSTCUDA_UUID_SALT", "open": "HOSTCUDA_IPC_OPEN"}[refusal]
+        value = {"device": "0", "other_gpu": "1", "open": "0"}[refusal]
         pre = f"if os.environ['RINGREDUCE_RANK'] == '1':\n    os.environ[{var!r}] = {value!r}\nrr.init()\n"
     body = job("""
         out = []
@@ -250,3 +284,27 @@ def test_a_device_failing_on_one_rank_fails_every_rank_naming_it(tmp_path):
     assert "host pointer" in ranks[1].result[1], ranks[1].result
     for r in (ranks[0], ranks[2]):
         assert r.result[0] == "RingReduceError" and "rank 1" in r.result[1] and "host pointer" in r.result[1], r.result
+
+
+def test_the_cuda_device_frees_its_window_and_closes_its_peers(tmp_path, hostcuda_dir):
+    """On the host CUDA driver: the IPC path copies nothing through pageable
+    memory, and dropping the device frees its window (cuMemFree) and closes
+    every peer's (cuIpcCloseMemHandle), so nothing stays mapped."""
+    ranks = run_ranks(3, job("""
+        import gc
+        x = make_input(rr.rank(), (30_000,), "int32", "sum")
+        for n in (30_000, 300_000):
+            x = make_input(rr.rank(), (n,), "int32", "sum")
+            got, ipc = device_allreduce(x, "int32", "sum", in_place=False)
+            assert ipc and got.tobytes() == host_allreduce(x, "int32", "sum").tobytes()
+        during = memory.stats()
+        del dev
+        gc.collect()
+        result = during, memory.stats()
+    """, "hostcuda"), tmp_path, env={"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"},
+        timeout=120)
+    for r in ranks:
+        during, after = r.result
+        assert during["ipc_open"] == 2 and during["device_blocks"] == 1, during  # peers' windows; its own
+        assert during["pageable_copies"] == 0 and during["sticky_error"] == 0, during
+        assert after["ipc_open"] == 0 and after["device_blocks"] == 0 and after["contexts"] == 0, after

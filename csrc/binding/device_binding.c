@@ -236,22 +236,52 @@ static PyObject *Device_bounce_release(DeviceObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* Device.ipc_identity() -> str, or None where this device refuses IPC:
- * what ranks compare to agree on the IPC path (core/device_ipc.py). */
-static PyObject *Device_ipc_identity(DeviceObject *self, PyObject *Py_UNUSED(ignored))
+/* Device.ipc_offer() -> (identity, handle) or None: what this rank gives in
+ * the IPC path's agreement (core/device_ipc.py): its device's identity (the
+ * GPU's UUID) and its window's handle (bytes), the window made now if need
+ * be; None where the device refuses IPC or cannot export a window. */
+static PyObject *Device_ipc_offer(DeviceObject *self, PyObject *Py_UNUSED(ignored))
 {
     char id[RR_IPC_IDENTITY] = {0};
+    rr_ipc_handle h;
     rr_error err = {0};
     int rc = RR_E_DEVICE;
     rr_device *d = self->dev;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
-    if (d->ops->ipc_identity && d->ops->begin(d, &err) == RR_OK) rc = d->ops->ipc_identity(d, id, &err);
+    if (d->ops->ipc_identity && d->ops->begin(d, &err) == RR_OK && d->ops->ipc_identity(d, id, &err) == RR_OK)
+        rc = rr_device_ipc_window(d, 1, &err);
+    h = d->window.handle;
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
-    if (rc != RR_OK || !id[0]) Py_RETURN_NONE;
     id[RR_IPC_IDENTITY - 1] = 0;
-    return PyUnicode_DecodeLatin1(id, (Py_ssize_t)strlen(id), NULL);
+    if (rc != RR_OK || !id[0]) Py_RETURN_NONE;
+    return Py_BuildValue("(Ny#)", PyUnicode_DecodeLatin1(id, (Py_ssize_t)strlen(id), NULL), (const char *)&h,
+                         (Py_ssize_t)sizeof h);
+}
+
+/* Device.ipc_probe(handle) -> bool: whether a peer's window (its
+ * ipc_offer's handle) opens here; kept open (cached) when it does. */
+static PyObject *Device_ipc_probe(DeviceObject *self, PyObject *args)
+{
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
+    rr_ipc_handle h;
+    int ok = b.len == (Py_ssize_t)sizeof h;
+    if (ok) memcpy(&h, b.buf, sizeof h);
+    PyBuffer_Release(&b);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "not an IPC handle");
+        return NULL;
+    }
+    rr_error err = {0};
+    rr_device *d = self->dev;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    ok = d->ops->ipc_open && d->ops->begin(d, &err) == RR_OK && rr_device_ipc_peer(d, &h, &err) != NULL;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
 }
 
 /* Device.counts() -> dict: the device operations queued since the device was
@@ -285,8 +315,10 @@ static PyMethodDef Device_methods[] = {
      "emulated(patience=2, ipc='emulated') -> a device in host memory whose work runs late (tests; "
      "csrc/device/device_emulated.c); ipc: its identity for the IPC path (devices of equal identity open each "
      "other's windows), None to refuse IPC"},
-    {"ipc_identity", (PyCFunction)Device_ipc_identity, METH_NOARGS,
-     "ipc_identity() -> str or None: what ranks compare to agree on the IPC path; None: this device refuses IPC"},
+    {"ipc_offer", (PyCFunction)Device_ipc_offer, METH_NOARGS,
+     "ipc_offer() -> (identity, handle) or None: this device's part in the IPC path's agreement; None: it refuses"},
+    {"ipc_probe", (PyCFunction)Device_ipc_probe, METH_VARARGS,
+     "ipc_probe(handle) -> bool: whether a peer's IPC window opens on this device (kept open when it does)"},
     {"cuda", (PyCFunction)Device_cuda, METH_VARARGS | METH_STATIC,
      "cuda(ordinal, reduce, divide, mean) -> the CUDA device, with the kernels' CUfunction handles"},
     {"alloc", (PyCFunction)Device_alloc, METH_VARARGS, "alloc(nbytes) -> pointer (emulated device)"},

@@ -4,13 +4,20 @@ mirror, csrc/schedule/ring.c).
 
 Which path a ring takes is agreed once, the first time every rank of it
 runs an allreduce on a device (each rank's header says so: a ring with a
-host rank keeps the staged path), by one blob pass in which every rank
-gives its host, its device's IPC identity (the GPU's UUID; none where the
-device or driver refuses IPC) and its RINGREDUCE_CUDA_IPC setting. Every
-rank takes the IPC path when every rank is on one host, one device
-identity and the setting on; otherwise every rank takes the staged path,
-which is never an error. Every rank sees the same blobs, so every rank
-decides alike; the decision is kept on the ring (Ring.ipc)."""
+host rank keeps the staged path), in two blob passes. In the first every
+rank gives its host, its RINGREDUCE_CUDA_IPC setting, its device's IPC
+identity (the GPU's UUID) and its window's handle (none where the device
+or driver refuses IPC or cannot export memory). Where every rank is on one
+host and one device identity with the setting on, each rank opens every
+peer's window (and keeps it open: the first operation needs no opening);
+the second pass says whether every open succeeded. Every rank takes the
+IPC path when it did; otherwise every rank takes the staged path, which is
+never an error. Every rank sees the same blobs, so every rank decides
+alike; the decision is kept on the ring (Ring.ipc).
+
+A rank that later runs on another device than the one it agreed with
+fails the IPC path's handshake on every rank, naming itself (its window
+will not open on its peers), never silently."""
 from __future__ import annotations
 
 import json
@@ -29,13 +36,16 @@ def wanted() -> bool:
 
 
 def offer(device, want: bool) -> dict:
-    """What this rank gives in the agreement."""
-    identity = device.ipc_identity() if want else None
-    return {"host": _shm.host_identity(), "pidns": _shm.pid_namespace(), "want": want, "device": identity}
+    """What this rank gives in the agreement's first pass."""
+    got = device.ipc_offer() if want else None
+    identity, handle = got if got is not None else (None, b"")
+    return {"host": _shm.host_identity(), "pidns": _shm.pid_namespace(), "want": want, "device": identity,
+            "handle": handle.hex()}
 
 
-def decide(offers: list[dict]) -> bool:
-    """The agreement's verdict from every rank's offer (the same list on every rank)."""
+def candidates(offers: list[dict]) -> bool:
+    """Whether every rank may take the IPC path, from every rank's offer (the
+    same list on every rank): all on one host and one device, all willing."""
     first = offers[0]
     return all(o["want"] and o["device"] and o["device"] == first["device"] and o["host"] == first["host"]
                and o["pidns"] == first["pidns"] for o in offers)
@@ -47,9 +57,11 @@ def agree(ring, device) -> bool:
     lock), then kept."""
     if ring.ipc is None:
         mine = json.dumps(offer(device, wanted())).encode()
-        blobs = ring.comm.exchange_blobs(AGREE_HEAD, mine)
-        offers = [json.loads(b[len(AGREE_HEAD):]) for b in blobs]
-        ring.ipc = decide(offers)
+        offers = [json.loads(b[len(AGREE_HEAD):]) for b in ring.comm.exchange_blobs(AGREE_HEAD, mine)]
+        able = candidates(offers) and all(device.ipc_probe(bytes.fromhex(o["handle"]))
+                                          for q, o in enumerate(offers) if q != ring.rank)
+        votes = ring.comm.exchange_blobs(AGREE_HEAD, b"1" if able else b"0")
+        ring.ipc = all(v[len(AGREE_HEAD):] == b"1" for v in votes)
     return ring.ipc
 
 
