@@ -25,7 +25,7 @@ import os
 from cases import DTYPES, OPS, make_input, np_dtype
 from ringreduce import _core
 from ringreduce.core import collectives, device_ipc
-from ringreduce.core.protocol import ALLREDUCE, exchange, header
+from ringreduce.core.protocol import ALLREDUCE, all_device, exchange, header
 ring = collectives.communicator().ring
 comm = ring.comm
 if kind == "emulated":
@@ -91,7 +91,7 @@ def device_allreduce(x, dtype, op, in_place, on_device=True):
         return host_allreduce(x, dtype, op), False
     src = Buf(x)
     dst = src if in_place else Buf(np.zeros_like(x))
-    ipc = device_ipc.allreduce(ring, dev, src.ptr, dst.ptr, x.nbytes, codes[dtype], opcodes[op], blobs)
+    ipc = device_ipc.allreduce(ring, dev, src.ptr, dst.ptr, x.nbytes, codes[dtype], opcodes[op], all_device(blobs))
     if not in_place:
         assert src.get(x.dtype).tobytes() == x.tobytes(), "input changed"
     got = dst.get(x.dtype)
@@ -276,7 +276,7 @@ def test_a_device_failing_on_one_rank_fails_every_rank_naming_it(tmp_path):
         src = Buf(x)
         ptr = x.ctypes.data if rr.rank() == 1 else src.ptr
         try:
-            device_ipc.allreduce(ring, dev, ptr, src.ptr, x.nbytes, codes["float32"], opcodes["sum"], blobs)
+            device_ipc.allreduce(ring, dev, ptr, src.ptr, x.nbytes, codes["float32"], opcodes["sum"], all_device(blobs))
             result = "no error"
         except rr.RingReduceError as exc:
             result = (type(exc).__name__, str(exc))

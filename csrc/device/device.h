@@ -12,6 +12,11 @@
  * Small messages go through a pinned bounce buffer kept per device
  * (rr_device_bounce): one copy down, one copy up.
  *
+ * Where every rank's device opens every other's memory (CUDA IPC), an
+ * allreduce runs device to device instead (csrc/schedule/ipc.c): each device
+ * keeps an exported window (rr_device_ipc_window) and the peers' windows it
+ * opened (rr_device_ipc_peer), and reduces with its own kernels.
+ *
  * Two implementations: CUDA through the driver API (cuda_device.c, loaded at
  * run time, so the package needs no CUDA to build or import), and an emulated
  * device in host memory (device_emulated.c) whose work runs late and whose

@@ -22,8 +22,8 @@ from .communicator import MAX_PLANS, Plan, Ring, communicator, current as _state
 from .hierarchy import run_allreduce
 from .process_sets import lookup, ring_of
 from .protocol import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES, REDUCE_SCATTER,
-                       REFUSED_PREFIX, agree, all_inline, any_device, exchange, header, marks, parse, payloads,
-                       voided)
+                       REFUSED_PREFIX, agree, all_device, all_inline, any_device, exchange, header, marks, parse,
+                       payloads, voided)
 
 
 def refuse(kind: int, problem: Exception, process_set=None) -> None:
@@ -354,7 +354,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
         dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
         if dst is not src and g.xp.may_share_memory(dst, src):
             src = src.copy()
-        g.allreduce(ring, src, dst, code, opc, blobs)  # device to device, or staged (core/device_ipc.py)
+        g.allreduce(ring, src, dst, code, opc, all_device(blobs))  # device to device, or staged (core/device_ipc.py)
         _note_phases(ring.comm)
         return deliver(dst, out, g.xp)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RingReduceError
+from . import device_ipc
 
 PACKAGE = Path(__file__).resolve().parent.parent  # ringreduce/, holding the fatbin and (in a wheel) csrc/
 FATBIN = PACKAGE / "reduce_kernels.fatbin"
@@ -245,12 +246,11 @@ class DeviceArrays:
 
         return dst if through_bounce(device, src.data.ptr, dst.data.ptr, src.nbytes, work) else None
 
-    def allreduce(self, ring, src, dst, code, opc, blobs):
-        """The ring allreduce of src into dst after the header pass gave
-        blobs: device to device where the ring agreed on IPC, else staged
-        (core/device_ipc.py)."""
-        from . import device_ipc
-        device_ipc.allreduce(ring, self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc, blobs)
+    def allreduce(self, ring, src, dst, code, opc, all_device):
+        """The ring allreduce of src into dst after the header pass (all_device:
+        every rank runs it on a device): device to device where the ring
+        agreed on IPC, else staged (core/device_ipc.py)."""
+        device_ipc.allreduce(ring, self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc, all_device)
 
     def reduce_scatter(self, comm, src, dst, code, opc):
         comm.reduce_scatter_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)

@@ -24,7 +24,6 @@ import json
 
 from . import shm as _shm
 from .communicator import current as _state
-from .protocol import parse
 
 AGREE_HEAD = b"RRIPC1"  # the agreement's blobs, so a stray pass shows as a protocol error
 
@@ -65,18 +64,20 @@ def agree(ring, device) -> bool:
     return ring.ipc
 
 
-def takes_ipc(ring, device, blobs) -> bool:
-    """Whether this allreduce, whose headers are `blobs`, takes the IPC path:
-    a ring of two or more ranks, every one on a device, that agreed on it."""
-    return ring.size > 1 and all(parse(b)["device"] for b in blobs) and agree(ring, device)
+def takes_ipc(ring, device, all_device: bool) -> bool:
+    """Whether this allreduce takes the IPC path: a ring of two or more ranks,
+    every one on a device (all_device: every header of its pass says so,
+    protocol.all_device), that agreed on it."""
+    return ring.size > 1 and all_device and agree(ring, device)
 
 
-def allreduce(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int, blobs) -> bool:
+def allreduce(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int, all_device: bool) -> bool:
     """The ring allreduce of device memory src into dst (pointers) on
-    `device` (ringreduce._core.Device), after the header pass gave `blobs`:
-    the IPC path where the ring agreed on it, else the staged path. Returns
-    whether it took the IPC path."""
-    if takes_ipc(ring, device, blobs):
+    `device` (ringreduce._core.Device), after a header pass in which every
+    rank said it runs on a device (all_device) or not: the IPC path where
+    the ring agreed on it, else the staged path. Returns whether it took
+    the IPC path."""
+    if takes_ipc(ring, device, all_device):
         ring.comm.allreduce_ipc(device, src, dst, nbytes, code, opc)
         return True
     ring.comm.allreduce_device(device, src, dst, nbytes, code, opc)
