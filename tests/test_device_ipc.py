@@ -308,3 +308,123 @@ def test_the_cuda_device_frees_its_window_and_closes_its_peers(tmp_path, hostcud
         assert during["ipc_open"] == 2 and during["device_blocks"] == 1, during  # peers' windows; its own
         assert during["pageable_copies"] == 0 and during["sticky_error"] == 0, during
         assert after["ipc_open"] == 0 and after["device_blocks"] == 0 and after["contexts"] == 0, after
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_reduce_scatter_allgather_broadcast_take_the_ipc_path(tmp_path, device, n):
+    """reduce_scatter (this rank's chunk, the host ring's bits), allgather of
+    uneven blocks (some empty) and broadcast from every root, device to
+    device, with no trip through the host."""
+    ranks = run_ranks(n, job("""
+        N, r = rr.size(), rr.rank()
+        out, paths = {}, set()
+        before = dev.counts()
+        for count in [1, N - 1, 3 * N + 2, 30_011]:
+            x = rough_input(r, count, "float32", "sum")
+            head = header(ALLREDUCE, opcodes["sum"], codes["float32"], x.shape, None, False, device=True)
+            blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+            src, dst = Buf(x), Buf(np.zeros_like(x))
+            paths.add(device_ipc.reduce_scatter(ring, dev, src.ptr, dst.ptr, x.nbytes, codes["float32"],
+                                                opcodes["sum"], all_device(blobs)))
+            lo, hi = collectives.chunk_bounds(count, N, r)
+            want = host_allreduce(x, "float32", "sum")[lo:hi]
+            out[("rs", count)] = same_bits(dst.get(x.dtype)[lo:hi], want, "float32", "sum")
+
+            rows = [(count + i * 7) % 50_000 if i != 1 else 0 for i in range(N)]  # uneven, one empty
+            full = np.zeros(sum(rows), dtype=np.int16)
+            at = sum(rows[:r])
+            full[at:at + rows[r]] = np.arange(rows[r], dtype=np.int16) + r
+            buf = Buf(full)
+            paths.add(device_ipc.allgather(ring, dev, buf.ptr, [k * 2 for k in rows], True))
+            want = np.concatenate([np.arange(k, dtype=np.int16) + i for i, k in enumerate(rows)])
+            out[("ag", count)] = np.array_equal(buf.get(np.int16), want)
+
+            for root in range(N):
+                b = np.arange(count, dtype=np.int64) * (root + 1) if r == root else np.zeros(count, np.int64)
+                buf = Buf(b)
+                paths.add(device_ipc.broadcast(ring, dev, buf.ptr, b.nbytes, root, True))
+                out[("bc", count, root)] = np.array_equal(buf.get(np.int64), np.arange(count, dtype=np.int64) * (root + 1))
+        after = dev.counts()
+        result = out, paths, after["host_copies"] - before["host_copies"]
+    """, device[0]), tmp_path, env=env_for(device), timeout=180)
+    for r in ranks:
+        out, paths, host_copies = r.result
+        assert all(out.values()), (r.rank, [k for k, v in out.items() if not v])
+        assert paths == {True} and host_copies == 0, (paths, host_copies)
+
+
+# A device array family (as ringreduce/core/cuda.py DeviceArrays) over the
+# emulated device: the public collectives then run on its device paths.
+EMULATED_FAMILY = """
+import contextlib
+from ringreduce import _core
+from ringreduce.core import arrays as core_arrays, collectives as C, cuda, device_ipc
+device = _core.Device.emulated(2)
+
+class Dev(np.ndarray):
+    pass
+
+def on_device(sizes, fill, run, read_into):
+    # device buffers for the C call, the host arrays copied in and out
+    ptrs = [device.alloc(max(n, 1)) for n in sizes]
+    for p, a in zip(ptrs, fill):
+        device.write(p, a.tobytes())
+    run(*ptrs)
+    for p, a in zip(ptrs, read_into):
+        if a is not None:
+            a.view(np.uint8).reshape(-1)[:] = np.frombuffer(device.read(p, a.nbytes), np.uint8)
+    for p in ptrs:
+        device.free(p)
+
+class Emulated:
+    xp = np
+    asarray = staticmethod(lambda x: x)
+    on = staticmethod(lambda x: contextlib.nullcontext())
+    to_host = staticmethod(lambda x: np.asarray(x))
+    from_host = staticmethod(lambda a, like: a.view(Dev))
+    def allreduce(self, ring, src, dst, code, opc, all_device):
+        on_device([src.nbytes, dst.nbytes], [src],
+                  lambda s, d: device_ipc.allreduce(ring, device, s, d, src.nbytes, code, opc, all_device), [None, dst])
+    def reduce_scatter(self, ring, src, dst, code, opc, all_device):
+        on_device([src.nbytes, dst.nbytes], [src],
+                  lambda s, d: device_ipc.reduce_scatter(ring, device, s, d, src.nbytes, code, opc, all_device),
+                  [None, dst])
+    def allgather(self, ring, flat, nbytes, all_device):
+        on_device([flat.nbytes], [flat], lambda b: device_ipc.allgather(ring, device, b, nbytes, all_device), [flat])
+    def broadcast(self, ring, buf, root, all_device):
+        on_device([buf.nbytes], [buf], lambda b: device_ipc.broadcast(ring, device, b, buf.nbytes, root, all_device),
+                  [buf])
+
+cuda.is_device_array = lambda x: isinstance(x, Dev)
+C.cuda.is_device_array = cuda.is_device_array
+core_arrays.device_arrays = Emulated
+"""
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_the_public_collectives_take_the_ipc_path_where_agreed(tmp_path, setting):
+    """rr.allreduce, reduce_scatter, allgather and broadcast on device arrays
+    of every rank: device to device with the setting on (the ring agreed once,
+    no host copy), the staged path with RINGREDUCE_CUDA_IPC=0; the same
+    results either way."""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        r, N = rr.rank(), rr.size()
+        x = ((np.arange(300_001) % 13) * (r + 1)).astype(np.float32)
+        before = device.counts()
+        y = rr.allreduce(x.view(Dev), op="avg")
+        s = rr.reduce_scatter(x.view(Dev))
+        g = rr.allgather((np.arange(100_003) + r).astype(np.int32).view(Dev))
+        b = rr.broadcast((np.arange(200_000) * (r + 1)).astype(np.int64).view(Dev), root=2)
+        after = device.counts()
+        lo, hi = C.chunk_bounds(x.size, N, r)
+        want = (np.arange(300_001) % 13).astype(np.float32) * 6
+        ok = (np.array_equal(np.asarray(y), want / 3), np.array_equal(np.asarray(s), want[lo:hi]),
+              np.array_equal(np.asarray(g), np.concatenate([np.arange(100_003) + k for k in range(N)]).astype(np.int32)),
+              np.array_equal(np.asarray(b), np.arange(200_000) * 3))
+        result = ok, C.communicator().ring.ipc, after["host_copies"] - before["host_copies"]
+    """), tmp_path, timeout=120, env={"RINGREDUCE_CUDA_IPC": setting})
+    for k in ranks:
+        ok, ipc, host_copies = k.result
+        assert ok == (True, True, True, True), (k.rank, ok)
+        assert ipc is (setting == "1")
+        assert (host_copies == 0) is (setting == "1"), host_copies

@@ -123,65 +123,153 @@ static int reduce_own_chunk(rr_device *dev, char *const *win, char *scratch, cha
     return rc == RR_OK ? rr_device_sync(dev, err) : rc;
 }
 
-int rr_allreduce_ipc(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype,
-                     rr_op op, rr_error *err)
+/* An IPC operation's frame: the chunk table (offsets, lengths), the peers'
+ * windows once open, and the status of this rank's own work so far. */
+typedef struct {
+    size_t *off, *len;
+    char **win;
+    rr_error local;
+} frame;
+
+static int frame_init(rr_ring *ring, frame *f, rr_error *err)
 {
-    const int N = ring->size, r = ring->rank;
-    const size_t esize = rr_dtype_size(dtype), bytes = count * esize;
-    if (esize == 0 || op < 0 || op >= RR_NUM_OPS) {
-        rr_set_error(err, RR_E_INVALID, -1, "unsupported dtype %d or op %d", (int)dtype, (int)op);
-        return err->code;
-    }
-    if (N == 1 || bytes == 0) return rr_allreduce(ring, dev, src, dst, count, dtype, op, err);
-    ring->phase_times[0] = ring->phase_times[1] = ring->phase_times[2] = monotonic_s();
-    size_t *off = malloc(sizeof *off * (size_t)N), *len = malloc(sizeof *len * (size_t)N);
-    char **win = calloc((size_t)N, sizeof *win);
+    const int N = ring->size;
+    memset(f, 0, sizeof *f);
+    f->off = calloc((size_t)N, sizeof *f->off);
+    f->len = calloc((size_t)N, sizeof *f->len);
+    f->win = calloc((size_t)N, sizeof *f->win);
+    if (f->off && f->len && f->win) return RR_OK;
+    free(f->off);
+    free(f->len);
+    free(f->win);
+    rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+    return err->code;
+}
+
+/* Copy in and the first handshake: the window made to hold `need` bytes,
+ * [at, at + n) of src copied to the same place in it (n may be 0), waited
+ * for; then every rank's handle, and the peers' windows opened (cached). */
+static int open_phase(rr_ring *ring, rr_device *dev, frame *f, size_t need, const char *src, size_t at, size_t n,
+                      rr_error *err)
+{
     shake *all = NULL;
-    if (!off || !len || !win) {
-        free(off);
-        free(len);
-        free(win);
-        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
-        return err->code;
-    }
-    size_t at = 0, longest = 0;
-    for (int i = 0; i < N; i++) {
-        off[i] = at;
-        len[i] = rr_chunk_count(count, N, i) * esize;
-        at += len[i];
-        if (len[i] > longest) longest = len[i];
-    }
-    const size_t scratch_at = (bytes + 255) / 256 * 256;
+    int rc = dev->ops->begin(dev, &f->local);
+    if (rc == RR_OK) rc = rr_device_ipc_window(dev, need ? need : 1, &f->local);
+    if (rc == RR_OK && n) rc = rr_dev_copy(dev, (char *)dev->window.ptr + at, src + at, n, &f->local);
+    if (rc == RR_OK) rc = rr_device_sync(dev, &f->local);
+    if ((rc = handshake(ring, &f->local, &dev->window.handle, &all, err)) != RR_OK) return rc;
+    for (int q = 0; q < ring->size && f->local.code == RR_OK; q++)
+        f->win[q] = q == ring->rank ? dev->window.ptr : rr_device_ipc_peer(dev, &all[q].handle, &f->local);
+    free(all);
+    return RR_OK;
+}
 
-    /* Copy in. A local failure travels in the handshake, so every rank stops alike. */
-    rr_error local = {0};
-    int rc = dev->ops->begin(dev, &local);
-    if (rc == RR_OK) rc = rr_device_ipc_window(dev, scratch_at + longest, &local);
-    if (rc == RR_OK) rc = rr_dev_copy(dev, dev->window.ptr, src, bytes, &local);
-    if (rc == RR_OK) rc = rr_device_sync(dev, &local);
-    if ((rc = handshake(ring, &local, &dev->window.handle, &all, err)) != RR_OK) goto out;
+/* A phase's end: this rank's queued work waited for, then a handshake. */
+static int phase_end(rr_ring *ring, rr_device *dev, frame *f, rr_error *err)
+{
+    if (f->local.code == RR_OK) rr_device_sync(dev, &f->local);
+    return handshake(ring, &f->local, NULL, NULL, err);
+}
 
-    for (int q = 0; q < N && local.code == RR_OK; q++)
-        win[q] = q == r ? dev->window.ptr : rr_device_ipc_peer(dev, &all[q].handle, &local);
-    if (local.code == RR_OK)
-        reduce_own_chunk(dev, win, (char *)dev->window.ptr + scratch_at, dst, off, len, N, r, esize, dtype, op,
-                         &local);
-    if ((rc = handshake(ring, &local, NULL, NULL, err)) != RR_OK) goto out;
-    ring->phase_times[1] = monotonic_s(); /* every chunk reduced: the gather starts */
-
-    for (int q = 0; q < N && local.code == RR_OK; q++)
-        if (len[q]) rr_dev_copy(dev, (char *)dst + off[q], win[q] + off[q], len[q], &local);
-    if (local.code == RR_OK) rr_device_sync(dev, &local);
-    rc = handshake(ring, &local, NULL, NULL, err);
-    ring->phase_times[2] = monotonic_s();
-out:
+static int frame_end(rr_device *dev, frame *f, int rc)
+{
     if (rc != RR_OK) {
         rr_error ignored;
         rr_device_sync(dev, &ignored); /* nothing left in flight on the windows */
     }
-    free(all);
-    free(off);
-    free(len);
-    free(win);
+    free(f->off);
+    free(f->len);
+    free(f->win);
     return rc;
+}
+
+static int check_reduction(rr_dtype dtype, rr_op op, rr_error *err)
+{
+    if (rr_dtype_size(dtype) && op >= 0 && op < RR_NUM_OPS) return RR_OK;
+    rr_set_error(err, RR_E_INVALID, -1, "unsupported dtype %d or op %d", (int)dtype, (int)op);
+    return err->code;
+}
+
+/* allreduce (gather = 1) or reduce-scatter (gather = 0: only chunk r of dst
+ * is written). */
+static int reduce_ipc(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype,
+                      rr_op op, int gather, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank;
+    const size_t esize = rr_dtype_size(dtype), bytes = count * esize;
+    frame f;
+    if (frame_init(ring, &f, err)) return err->code;
+    size_t at = 0, longest = 0;
+    for (int i = 0; i < N; i++) {
+        f.off[i] = at;
+        f.len[i] = rr_chunk_count(count, N, i) * esize;
+        at += f.len[i];
+        if (f.len[i] > longest) longest = f.len[i];
+    }
+    const size_t scratch_at = (bytes + 255) / 256 * 256;
+    int rc = open_phase(ring, dev, &f, scratch_at + longest, src, 0, bytes, err);
+    if (rc != RR_OK) return frame_end(dev, &f, rc);
+    if (f.local.code == RR_OK)
+        reduce_own_chunk(dev, f.win, (char *)dev->window.ptr + scratch_at, dst, f.off, f.len, N, r, esize, dtype,
+                         op, &f.local);
+    if (!gather) { /* this rank's chunk is all it keeps */
+        if (f.local.code == RR_OK && f.len[r])
+            rr_dev_copy(dev, (char *)dst + f.off[r], f.win[r] + f.off[r], f.len[r], &f.local);
+        return frame_end(dev, &f, phase_end(ring, dev, &f, err));
+    }
+    if ((rc = phase_end(ring, dev, &f, err)) != RR_OK) return frame_end(dev, &f, rc);
+    ring->phase_times[1] = monotonic_s(); /* every chunk reduced: the gather starts */
+    for (int q = 0; q < N && f.local.code == RR_OK; q++)
+        if (f.len[q]) rr_dev_copy(dev, (char *)dst + f.off[q], f.win[q] + f.off[q], f.len[q], &f.local);
+    return frame_end(dev, &f, phase_end(ring, dev, &f, err));
+}
+
+int rr_allreduce_ipc(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype,
+                     rr_op op, rr_error *err)
+{
+    if (check_reduction(dtype, op, err)) return err->code;
+    if (ring->size == 1 || count == 0) return rr_allreduce(ring, dev, src, dst, count, dtype, op, err);
+    ring->phase_times[0] = ring->phase_times[1] = monotonic_s();
+    int rc = reduce_ipc(ring, dev, src, dst, count, dtype, op, 1, err);
+    ring->phase_times[2] = monotonic_s();
+    return rc;
+}
+
+int rr_reduce_scatter_ipc(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype,
+                          rr_op op, rr_error *err)
+{
+    if (check_reduction(dtype, op, err)) return err->code;
+    if (ring->size == 1 || count == 0) return rr_reduce_scatter(ring, dev, src, dst, count, dtype, op, err);
+    return reduce_ipc(ring, dev, src, dst, count, dtype, op, 0, err);
+}
+
+int rr_allgather_ipc(rr_ring *ring, rr_device *dev, void *buf, const size_t *nbytes, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank;
+    size_t total = 0;
+    for (int i = 0; i < N; i++) total += nbytes[i];
+    if (N == 1 || total == 0) return rr_allgather(ring, dev, buf, nbytes, err);
+    frame f;
+    if (frame_init(ring, &f, err)) return err->code;
+    for (int i = 0; i < N; i++) {
+        f.off[i] = i ? f.off[i - 1] + nbytes[i - 1] : 0;
+        f.len[i] = nbytes[i];
+    }
+    int rc = open_phase(ring, dev, &f, total, buf, f.off[r], f.len[r], err);
+    if (rc != RR_OK) return frame_end(dev, &f, rc);
+    for (int q = 0; q < N && f.local.code == RR_OK; q++)
+        if (q != r && f.len[q]) rr_dev_copy(dev, (char *)buf + f.off[q], f.win[q] + f.off[q], f.len[q], &f.local);
+    return frame_end(dev, &f, phase_end(ring, dev, &f, err));
+}
+
+int rr_broadcast_ipc(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int root, rr_error *err)
+{
+    const int N = ring->size, r = ring->rank;
+    if (N == 1 || nbytes == 0) return RR_OK;
+    frame f;
+    if (frame_init(ring, &f, err)) return err->code;
+    int rc = open_phase(ring, dev, &f, nbytes, buf, 0, r == root ? nbytes : 0, err);
+    if (rc != RR_OK) return frame_end(dev, &f, rc);
+    if (r != root && f.local.code == RR_OK) rr_dev_copy(dev, buf, f.win[root], nbytes, &f.local);
+    return frame_end(dev, &f, phase_end(ring, dev, &f, err));
 }

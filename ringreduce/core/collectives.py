@@ -381,7 +381,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
             mine = _reduce_blobs(payloads(blobs, len(head)), x.dtype, code, opc, (x.size,))[lo:hi].copy()
             return g.from_host(mine, like=x)
         work = g.xp.empty(x.size, dtype=x.dtype)
-        g.reduce_scatter(w.comm, g.xp.ascontiguousarray(x), work, code, opc)
+        g.reduce_scatter(w, g.xp.ascontiguousarray(x), work, code, opc, all_device(blobs))
         return work[lo:hi].copy()
 
 
@@ -415,7 +415,7 @@ def allgather(x, name: str | None = None, process_set=None):
         nbytes = [r * row_bytes for r in rows]
         at = sum(nbytes[:w.rank])
         flat[at:at + nbytes[w.rank]] = as_bytes(g.xp.ascontiguousarray(x))
-        g.allgather(w.comm, flat, nbytes)
+        g.allgather(w, flat, nbytes, all_device(blobs))
         return out
 
 
@@ -445,7 +445,8 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
     with w.lock, g.on(x):
         root = w.ranks.index(root) if w is not _state.ring else root
         small = x.nbytes <= w.small_limit
-        head = header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype)
+        head = header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype,
+                      device=g is not HostArrays)
         blobs = exchange(head, g.to_host(x).tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast", w)
         if all_inline(blobs):
@@ -455,7 +456,7 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
         buf = g.xp.empty(x.shape, dtype=x.dtype)
         if w.rank == root:  # as bytes, padding included (see above)
             as_bytes(buf)[...] = as_bytes(g.xp.ascontiguousarray(x))
-        g.broadcast(w.comm, buf, root)
+        g.broadcast(w, buf, root, all_device(blobs))
         return buf
 
 

@@ -246,17 +246,18 @@ class DeviceArrays:
 
         return dst if through_bounce(device, src.data.ptr, dst.data.ptr, src.nbytes, work) else None
 
+    # The ring's collectives, after their header pass (all_device: every rank
+    # runs it on a device): device to device where the ring agreed on IPC,
+    # else staged (core/device_ipc.py).
     def allreduce(self, ring, src, dst, code, opc, all_device):
-        """The ring allreduce of src into dst after the header pass (all_device:
-        every rank runs it on a device): device to device where the ring
-        agreed on IPC, else staged (core/device_ipc.py)."""
         device_ipc.allreduce(ring, self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc, all_device)
 
-    def reduce_scatter(self, comm, src, dst, code, opc):
-        comm.reduce_scatter_device(self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+    def reduce_scatter(self, ring, src, dst, code, opc, all_device):
+        device_ipc.reduce_scatter(ring, self._ready(src), src.data.ptr, dst.data.ptr, src.nbytes, code, opc,
+                                  all_device)
 
-    def allgather(self, comm, flat, nbytes):
-        comm.allgather_device(self._ready(flat), flat.data.ptr, nbytes)
+    def allgather(self, ring, flat, nbytes, all_device):
+        device_ipc.allgather(ring, self._ready(flat), flat.data.ptr, nbytes, all_device)
 
-    def broadcast(self, comm, buf, root):
-        comm.broadcast_device(self._ready(buf), buf.data.ptr, buf.nbytes, root)
+    def broadcast(self, ring, buf, root, all_device):
+        device_ipc.broadcast(ring, self._ready(buf), buf.data.ptr, buf.nbytes, root, all_device)

@@ -1,9 +1,10 @@
 """GPU arrays device to device through CUDA IPC (csrc/schedule/ipc.c): the
-IPC path of an allreduce, beside the staged path (the host ring on a pinned
+IPC path of the collectives on the ring (allreduce, reduce_scatter,
+allgather, broadcast), beside the staged path (the host ring on a pinned
 mirror, csrc/schedule/ring.c).
 
 Which path a ring takes is agreed once, the first time every rank of it
-runs an allreduce on a device (each rank's header says so: a ring with a
+runs a collective on a device (each rank's header says so: a ring with a
 host rank keeps the staged path), in two blob passes. In the first every
 rank gives its host, its RINGREDUCE_CUDA_IPC setting, its device's IPC
 identity (the GPU's UUID) and its window's handle (none where the device
@@ -76,9 +77,28 @@ def allreduce(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int
     `device` (ringreduce._core.Device), after a header pass in which every
     rank said it runs on a device (all_device) or not: the IPC path where
     the ring agreed on it, else the staged path. Returns whether it took
-    the IPC path."""
-    if takes_ipc(ring, device, all_device):
-        ring.comm.allreduce_ipc(device, src, dst, nbytes, code, opc)
-        return True
-    ring.comm.allreduce_device(device, src, dst, nbytes, code, opc)
-    return False
+    the IPC path. The collectives below choose alike."""
+    ipc = takes_ipc(ring, device, all_device)
+    (ring.comm.allreduce_ipc if ipc else ring.comm.allreduce_device)(device, src, dst, nbytes, code, opc)
+    return ipc
+
+
+def reduce_scatter(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int, all_device: bool) -> bool:
+    """Chunk `rank` of dst gets the reduction (ring.c's chunks)."""
+    ipc = takes_ipc(ring, device, all_device)
+    (ring.comm.reduce_scatter_ipc if ipc else ring.comm.reduce_scatter_device)(device, src, dst, nbytes, code, opc)
+    return ipc
+
+
+def allgather(ring, device, buf: int, nbytes: list, all_device: bool) -> bool:
+    """In place: block i of buf (nbytes[i] bytes) is rank i's."""
+    ipc = takes_ipc(ring, device, all_device)
+    (ring.comm.allgather_ipc if ipc else ring.comm.allgather_device)(device, buf, nbytes)
+    return ipc
+
+
+def broadcast(ring, device, buf: int, nbytes: int, root: int, all_device: bool) -> bool:
+    """In place: root's nbytes at buf on every rank."""
+    ipc = takes_ipc(ring, device, all_device)
+    (ring.comm.broadcast_ipc if ipc else ring.comm.broadcast_device)(device, buf, nbytes, root)
+    return ipc
