@@ -1,4 +1,4 @@
-/* The IPC path: an allreduce of device buffers among ranks whose devices
+/* The IPC path: collectives of device buffers among ranks whose devices
  * can open each other's memory (one GPU, or GPUs of one host with peer
  * access; agreed by every rank first, ringreduce/core/device_ipc.py), device
  * to device, with no trip through host memory.
@@ -25,6 +25,12 @@
  * the last fold is rank c's, and a sum-average divides at the end. Device
  * kernels give the host kernels' bits, so every rank ends with the bits the
  * host ring gives, NaN payloads included.
+ *
+ * reduce-scatter is the allreduce without its gather (this rank's chunk
+ * copied out of its window; two handshakes), allgather copies this rank's
+ * block into its window and then every other block out of its owner's,
+ * broadcast copies the root's buffer into the root's window and out of it
+ * on every other rank.
  *
  * The waits are host waits on this device's stream before each handshake,
  * so a peer never reads a window before its owner's work on it has run.

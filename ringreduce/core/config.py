@@ -80,7 +80,7 @@ class Config:
                                     # (ringreduce/core/hierarchy.py) from the cost model's crossover, where
                                     # the world spans hosts with two or more ranks each; "on": for every
                                     # allreduce on the ring path there; "off": the flat ring; alike on every rank
-    cuda_ipc: bool = True           # RINGREDUCE_CUDA_IPC: 1 (default): allreduces of GPU arrays go device to
+    cuda_ipc: bool = True           # RINGREDUCE_CUDA_IPC: 1 (default): collectives of GPU arrays go device to
                                     # device through CUDA IPC where every rank's GPU can open every other's
                                     # memory (ringreduce/core/device_ipc.py); 0: this rank refuses, and every
                                     # rank takes the staged path (the host ring on a pinned mirror)
