@@ -33,7 +33,7 @@ if kind == "emulated":
 else:
     from hostcuda import HostCuda
     memory = HostCuda()  # the driver libcuda.so.1 that the CUDA device opens too
-    dev = memory.ring_device()
+    dev = memory.ring_device(rr.rank() % int(os.environ.get("HOSTCUDA_DEVICES", "1")))  # ranks across its GPUs
 codes = {d: collectives.dtype_code(np_dtype(d)) for d in DTYPES}
 opcodes = collectives.OPS
 
@@ -196,8 +196,9 @@ REFUSALS = ["setting", "device", "other_gpu"]
 @pytest.mark.parametrize("refusal", REFUSALS)
 def test_one_refusing_rank_sends_every_rank_to_the_staged_path(tmp_path, device, refusal):
     """RINGREDUCE_CUDA_IPC=0 on one rank, a device that refuses IPC on one
-    rank (it cannot export memory), or one rank on another GPU: every rank
-    takes the staged path (the same bits), none raises."""
+    rank (it cannot export memory), or one rank on a GPU the others cannot
+    reach (no peer access; not visible to them): every rank takes the staged
+    path (the same bits), none raises."""
     run_with_one_refusing_rank(tmp_path, device, refusal)
 
 
@@ -208,6 +209,25 @@ def test_a_rank_that_cannot_open_its_peers_memory_sends_every_rank_to_the_staged
     fail there, and every rank takes the staged path."""
     run_with_one_refusing_rank(tmp_path, ("hostcuda", {"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}),
                        "open")
+
+
+@pytest.mark.parametrize("peer_access", ["1", "0"])
+def test_ranks_on_two_gpus_take_the_ipc_path_where_they_have_peer_access(tmp_path, hostcuda_dir, peer_access):
+    """Ranks spread over two GPUs of one host (the host CUDA driver's): device
+    to device where the GPUs have peer access, else (HOSTCUDA_PEER_ACCESS=0)
+    every rank takes the staged path; the host ring's bits either way."""
+    ranks = run_ranks(4, job("""
+        out = []
+        for dtype, op in [("float32", "sum"), ("float16", "avg"), ("int64", "max")]:
+            x = rough_input(rr.rank(), 70_001, dtype, op)
+            got, ipc = device_allreduce(x, dtype, op, in_place=False)
+            out.append((ipc, same_bits(got, host_allreduce(x, dtype, op), dtype, op)))
+        result = out
+    """, "hostcuda"), tmp_path, timeout=120,
+        env={"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}", "HOSTCUDA_DEVICES": "2",
+             "HOSTCUDA_PEER_ACCESS": peer_access})
+    for r in ranks:
+        assert r.result == [(peer_access == "1", True)] * 3, (r.rank, r.result)
 
 
 def run_with_one_refusing_rank(tmp_path, device, refusal):

@@ -260,12 +260,15 @@ static PyObject *Device_ipc_offer(DeviceObject *self, PyObject *Py_UNUSED(ignore
                          (Py_ssize_t)sizeof h);
 }
 
-/* Device.ipc_probe(handle) -> bool: whether a peer's window (its
- * ipc_offer's handle) opens here; kept open (cached) when it does. */
+/* Device.ipc_probe(handle, identity) -> bool: whether this device reaches
+ * the peer's device (identity: its ipc_offer's; the same GPU, or another
+ * with peer access) and the peer's window (its handle) opens here; kept
+ * open (cached) when it does. */
 static PyObject *Device_ipc_probe(DeviceObject *self, PyObject *args)
 {
     Py_buffer b;
-    if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
+    const char *identity;
+    if (!PyArg_ParseTuple(args, "y*s", &b, &identity)) return NULL;
     rr_ipc_handle h;
     int ok = b.len == (Py_ssize_t)sizeof h;
     if (ok) memcpy(&h, b.buf, sizeof h);
@@ -278,7 +281,8 @@ static PyObject *Device_ipc_probe(DeviceObject *self, PyObject *args)
     rr_device *d = self->dev;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
-    ok = d->ops->ipc_open && d->ops->begin(d, &err) == RR_OK && rr_device_ipc_peer(d, &h, &err) != NULL;
+    ok = d->ops->ipc_open && d->ops->begin(d, &err) == RR_OK && d->ops->ipc_reaches(d, identity) &&
+         rr_device_ipc_peer(d, &h, &err) != NULL;
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(ok);
@@ -318,7 +322,8 @@ static PyMethodDef Device_methods[] = {
     {"ipc_offer", (PyCFunction)Device_ipc_offer, METH_NOARGS,
      "ipc_offer() -> (identity, handle) or None: this device's part in the IPC path's agreement; None: it refuses"},
     {"ipc_probe", (PyCFunction)Device_ipc_probe, METH_VARARGS,
-     "ipc_probe(handle) -> bool: whether a peer's IPC window opens on this device (kept open when it does)"},
+     "ipc_probe(handle, identity) -> bool: whether this device reaches the peer's (the same GPU, or peer access) "
+     "and the peer's IPC window opens here (kept open when it does)"},
     {"cuda", (PyCFunction)Device_cuda, METH_VARARGS | METH_STATIC,
      "cuda(ordinal, reduce, divide, mean) -> the CUDA device, with the kernels' CUfunction handles"},
     {"alloc", (PyCFunction)Device_alloc, METH_VARARGS, "alloc(nbytes) -> pointer (emulated device)"},

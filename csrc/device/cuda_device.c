@@ -62,6 +62,8 @@ typedef struct { char bytes[16]; } CUuuid;
  * the device refuses IPC and the staged path runs. */
 #define IPC_FUNCTIONS(X)                                                    \
     X(cuDeviceGetUuid, (CUuuid *, CUdevice))                                \
+    X(cuDeviceGetCount, (int *))                                            \
+    X(cuDeviceCanAccessPeer, (int *, CUdevice, CUdevice))                   \
     X(cuIpcGetMemHandle, (CUipcMemHandle *, CUdeviceptr))                   \
     X(cuIpcOpenMemHandle_v2, (CUdeviceptr *, CUipcMemHandle, unsigned))     \
     X(cuIpcCloseMemHandle, (CUdeviceptr))
@@ -260,9 +262,17 @@ static void destroy(rr_device *d)
 
 static int ipc_loaded(rr_error *err)
 {
-    if (cu.cuDeviceGetUuid && cu.cuIpcGetMemHandle && cu.cuIpcOpenMemHandle_v2 && cu.cuIpcCloseMemHandle) return RR_OK;
+    if (cu.cuDeviceGetUuid && cu.cuDeviceGetCount && cu.cuDeviceCanAccessPeer && cu.cuIpcGetMemHandle &&
+        cu.cuIpcOpenMemHandle_v2 && cu.cuIpcCloseMemHandle)
+        return RR_OK;
     rr_set_error(err, RR_E_DEVICE, -1, "CUDA: the driver has no IPC (cuIpc*)");
     return err->code;
+}
+
+static void uuid_text(const CUuuid *id, char out[RR_IPC_IDENTITY])
+{
+    int at = snprintf(out, RR_IPC_IDENTITY, "cuda:");
+    for (int i = 0; i < 16; i++) at += snprintf(out + at, RR_IPC_IDENTITY - (size_t)at, "%02x", (unsigned char)id->bytes[i]);
 }
 
 /* The GPU's UUID: ranks on one GPU open each other's memory. */
@@ -271,9 +281,29 @@ static int ipc_identity(rr_device *d, char out[RR_IPC_IDENTITY], rr_error *err)
     CUuuid id;
     if (ipc_loaded(err) || check(cu.cuDeviceGetUuid(&id, ((cuda_device *)d)->dev), "cuDeviceGetUuid", err))
         return err->code;
-    int at = snprintf(out, RR_IPC_IDENTITY, "cuda:");
-    for (int i = 0; i < 16; i++) at += snprintf(out + at, RR_IPC_IDENTITY - (size_t)at, "%02x", (unsigned char)id.bytes[i]);
+    uuid_text(&id, out);
     return RR_OK;
+}
+
+/* Its own GPU, or a GPU visible here (by UUID) that it has peer access to. */
+static int ipc_reaches(rr_device *d, const char *identity)
+{
+    cuda_device *c = (cuda_device *)d;
+    rr_error ignored;
+    int n = 0;
+    if (ipc_loaded(&ignored) || cu.cuDeviceGetCount(&n) != CUDA_SUCCESS) return 0;
+    for (int i = 0; i < n; i++) {
+        CUuuid id;
+        char text[RR_IPC_IDENTITY];
+        CUdevice other;
+        int can = 0;
+        if (cu.cuDeviceGet(&other, i) != CUDA_SUCCESS || cu.cuDeviceGetUuid(&id, other) != CUDA_SUCCESS) continue;
+        uuid_text(&id, text);
+        if (strcmp(text, identity)) continue;
+        if (other == c->dev) return 1;
+        return cu.cuDeviceCanAccessPeer(&can, c->dev, other) == CUDA_SUCCESS && can;
+    }
+    return 0; /* not visible here (CUDA_VISIBLE_DEVICES): no peer access known */
 }
 
 static void *ipc_export(rr_device *d, size_t n, rr_ipc_handle *h, rr_error *err)
@@ -318,7 +348,7 @@ static void ipc_close(rr_device *d, void *p, const rr_ipc_handle *h)
 
 static const rr_device_ops cuda_ops = {
     begin, to_host, to_device, copy, reduce3, mean_fold, divide, mark, done, host_alloc, host_free, dev_alloc, dev_free, destroy,
-    ipc_identity, ipc_export, ipc_unexport, ipc_open, ipc_close,
+    ipc_identity, ipc_reaches, ipc_export, ipc_unexport, ipc_open, ipc_close,
 };
 
 rr_device *rr_cuda_device_create(int ordinal, void *const reduce[RR_NUM_DTYPES][4],

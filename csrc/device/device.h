@@ -76,8 +76,11 @@ typedef struct rr_device_ops {
      * memory (the GPU's UUID), or fails when this device refuses IPC.
      * ipc_export allocates n bytes of device memory that other processes
      * can open and fills the handle's data (ipc_unexport frees it);
-     * ipc_open maps a peer's export here, ipc_close unmaps it. */
+     * ipc_open maps a peer's export here, ipc_close unmaps it. ipc_reaches
+     * says whether this device's kernels can read the memory of the device
+     * of that identity (itself, or another GPU with peer access). */
     int (*ipc_identity)(rr_device *d, char out[RR_IPC_IDENTITY], rr_error *err);
+    int (*ipc_reaches)(rr_device *d, const char *identity);
     void *(*ipc_export)(rr_device *d, size_t n, rr_ipc_handle *h, rr_error *err);
     void (*ipc_unexport)(rr_device *d, void *p, const rr_ipc_handle *h);
     void *(*ipc_open)(rr_device *d, const rr_ipc_handle *h, rr_error *err);

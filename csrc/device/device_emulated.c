@@ -197,6 +197,13 @@ static int ipc_identity(rr_device *d, char out[RR_IPC_IDENTITY], rr_error *err)
     return RR_OK;
 }
 
+/* Emulated GPUs have no peer access: only its own identity. */
+static int ipc_reaches(rr_device *d, const char *identity)
+{
+    emulated *e = (emulated *)d;
+    return e->identity[0] && strcmp(identity, e->identity) == 0;
+}
+
 typedef struct { int32_t pid, fd; } emulated_handle;
 
 static void *map_shared(int fd, size_t n)
@@ -252,7 +259,7 @@ static void ipc_close(rr_device *d, void *p, const rr_ipc_handle *h)
 
 static const rr_device_ops emulated_ops = {
     begin, to_host, to_device, copy, reduce3, mean_fold, divide, mark, done, host_alloc, host_free, dev_alloc, dev_free, destroy,
-    ipc_identity, ipc_export, ipc_unexport, ipc_open, ipc_close,
+    ipc_identity, ipc_reaches, ipc_export, ipc_unexport, ipc_open, ipc_close,
 };
 
 static rr_device *create(int patience, const char *identity)

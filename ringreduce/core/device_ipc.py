@@ -9,9 +9,10 @@ host rank keeps the staged path), in two blob passes. In the first every
 rank gives its host, its RINGREDUCE_CUDA_IPC setting, its device's IPC
 identity (the GPU's UUID) and its window's handle (none where the device
 or driver refuses IPC or cannot export memory). Where every rank is on one
-host and one device identity with the setting on, each rank opens every
-peer's window (and keeps it open: the first operation needs no opening);
-the second pass says whether every open succeeded. Every rank takes the
+host with the setting on, each rank checks that its device reaches every
+peer's (the same GPU, or another with peer access) and opens every peer's
+window (and keeps it open: the first operation needs no opening); the
+second pass says whether every rank succeeded. Every rank takes the
 IPC path when it did; otherwise every rank takes the staged path, which is
 never an error. Every rank sees the same blobs, so every rank decides
 alike; the decision is kept on the ring (Ring.ipc).
@@ -45,10 +46,11 @@ def offer(device, want: bool) -> dict:
 
 def candidates(offers: list[dict]) -> bool:
     """Whether every rank may take the IPC path, from every rank's offer (the
-    same list on every rank): all on one host and one device, all willing."""
+    same list on every rank): all on one host (and pid namespace: the
+    handles name processes), all willing and able to export."""
     first = offers[0]
-    return all(o["want"] and o["device"] and o["device"] == first["device"] and o["host"] == first["host"]
-               and o["pidns"] == first["pidns"] for o in offers)
+    return all(o["want"] and o["device"] and o["host"] == first["host"] and o["pidns"] == first["pidns"]
+               for o in offers)
 
 
 def agree(ring, device) -> bool:
@@ -58,7 +60,7 @@ def agree(ring, device) -> bool:
     if ring.ipc is None:
         mine = json.dumps(offer(device, wanted())).encode()
         offers = [json.loads(b[len(AGREE_HEAD):]) for b in ring.comm.exchange_blobs(AGREE_HEAD, mine)]
-        able = candidates(offers) and all(device.ipc_probe(bytes.fromhex(o["handle"]))
+        able = candidates(offers) and all(device.ipc_probe(bytes.fromhex(o["handle"]), o["device"])
                                           for q, o in enumerate(offers) if q != ring.rank)
         votes = ring.comm.exchange_blobs(AGREE_HEAD, b"1" if able else b"0")
         ring.ipc = all(v[len(AGREE_HEAD):] == b"1" for v in votes)

@@ -28,6 +28,8 @@
  *   HOSTCUDA_IPC_OPEN=0 cuIpcOpenMemHandle (CUDA_ERROR_NOT_SUPPORTED: IPC not
  *   permitted, as in a container without the peer's processes), and
  *   HOSTCUDA_UUID_SALT changes cuDeviceGetUuid's answer: another "GPU".
+ *   Devices (HOSTCUDA_DEVICES) have peer access to each other unless
+ *   HOSTCUDA_PEER_ACCESS=0.
  * - hostcuda_stats() counts what is alive, so tests catch leaks.
  * Every entry point takes one lock: work runs in the order it was queued.
  */
@@ -580,6 +582,23 @@ CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice d)
     memcpy(uuid->bytes, "hostcuda", 8);
     memcpy(uuid->bytes + 8, &d, 4);
     memcpy(uuid->bytes + 12, &salt, 4);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetCount(int *n)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    *n = devices;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (d < 0 || d >= devices || peer < 0 || peer >= devices) return CUDA_ERROR_INVALID_DEVICE;
+    *can = d != peer && env_int("HOSTCUDA_PEER_ACCESS", 1) != 0;
     return CUDA_SUCCESS;
 }
 
