@@ -17,9 +17,10 @@ IPC path when it did; otherwise every rank takes the staged path, which is
 never an error. Every rank sees the same blobs, so every rank decides
 alike; the decision is kept on the ring (Ring.ipc).
 
-A rank that later runs on another device than the one it agreed with
-fails the IPC path's handshake on every rank, naming itself (its window
-will not open on its peers), never silently."""
+A rank that later runs on a device its peers cannot reach makes the next
+IPC collective fail on every rank (its new window does not open on its
+peers; the handshake tells every rank, naming the rank whose open failed),
+never silently."""
 from __future__ import annotations
 
 import json
