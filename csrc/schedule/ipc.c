@@ -95,7 +95,7 @@ static int handshake(rr_ring *ring, const rr_error *mine, const rr_ipc_handle *h
     for (int q = 0; rc == RR_OK && q < ring->size; q++) {
         if (!got[q].code) continue;
         if (q == ring->rank) *err = *mine;
-        else rr_set_error(err, RR_E_DEVICE, q, "the IPC allreduce failed on rank %d: %.*s", q, MESSAGE - 1,
+        else rr_set_error(err, RR_E_DEVICE, q, "the IPC collective failed on rank %d: %.*s", q, MESSAGE - 1,
                           got[q].message);
         rc = err->code;
     }
