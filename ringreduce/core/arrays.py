@@ -107,11 +107,11 @@ class HostArrays:
     def wait(marker) -> None:
         pass
 
-    @staticmethod
-    def allreduce(comm, src, dst, code, opc):
-        comm.allreduce(as_raw(src), as_raw(dst), code, opc)
-
     # The ring's collectives after their header pass, as DeviceArrays' (all_device: unused here).
+    @staticmethod
+    def allreduce(ring, src, dst, code, opc, all_device=False):
+        ring.comm.allreduce(as_raw(src), as_raw(dst), code, opc)
+
     @staticmethod
     def reduce_scatter(ring, src, dst, code, opc, all_device=False):
         ring.comm.reduce_scatter(as_raw(src), as_raw(dst), code, opc)
