@@ -451,3 +451,30 @@ def test_the_public_collectives_take_the_ipc_path_where_agreed(tmp_path, setting
         assert ok == (True, True, True, True), (k.rank, ok)
         assert ipc is (setting == "1")
         assert (host_copies == 0) is (setting == "1"), host_copies
+
+
+def test_the_agreement_reads_only_its_own_blobs():
+    """Every rank's agreement blob carries its head; a blob without it (a rank
+    whose collectives are out of step) fails the agreement naming that rank,
+    never parsed as an offer."""
+    from ringreduce import RingReduceError
+    from ringreduce.core import device_ipc
+    head = device_ipc.AGREE_HEAD
+    assert device_ipc.agreement_payloads([head + b"1", head + b"0"]) == [b"1", b"0"]
+    with pytest.raises(RingReduceError, match="rank 1"):
+        device_ipc.agreement_payloads([head + b"1", b"RRIPC0junk", head + b"1"])
+
+
+def test_the_agreement_asks_every_rank_to_be_on_one_host_willing_and_able():
+    """The first pass's verdict, the same on every rank from the same offers:
+    every rank willing (RINGREDUCE_CUDA_IPC), able to export (an identity),
+    on one host and pid namespace; whether the GPUs reach each other is each
+    rank's probe, in the second pass."""
+    from ringreduce.core import device_ipc
+
+    def offer(**changes):
+        return {"host": "h", "pidns": 1, "want": True, "device": "cuda:00", "handle": "", **changes}
+
+    assert device_ipc.candidates([offer(), offer(device="cuda:11")])
+    for bad in [{"want": False}, {"device": None}, {"host": "other"}, {"pidns": 2}]:
+        assert not device_ipc.candidates([offer(), offer(**bad)]), bad

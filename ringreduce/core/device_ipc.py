@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 
 from . import shm as _shm
+from ..errors import RingReduceError
 from .communicator import current as _state
 
-AGREE_HEAD = b"RRIPC1"  # the agreement's blobs, so a stray pass shows as a protocol error
+AGREE_HEAD = b"RRIPC1"  # the agreement's blobs: a pass that met anything else fails, naming the rank
 
 
 def wanted() -> bool:
@@ -54,17 +55,28 @@ def candidates(offers: list[dict]) -> bool:
                for o in offers)
 
 
+def agreement_payloads(blobs) -> list[bytes]:
+    """The agreement's blobs without their head; RingReduceError on every
+    rank naming the first rank whose blob is no agreement blob (its
+    collectives are out of step with the others')."""
+    for q, b in enumerate(blobs):
+        if bytes(b[:len(AGREE_HEAD)]) != AGREE_HEAD:
+            raise RingReduceError(f"the GPU path's agreement met something else from rank {q}: "
+                                  "the ranks' collectives are out of step")
+    return [bytes(b[len(AGREE_HEAD):]) for b in blobs]
+
+
 def agree(ring, device) -> bool:
-    """The ring's path for device allreduces, agreed by every rank on its first
+    """The ring's path for device collectives, agreed by every rank on its first
     one (collective: every rank calls it at the same point, under the ring's
     lock), then kept."""
     if ring.ipc is None:
         mine = json.dumps(offer(device, wanted())).encode()
-        offers = [json.loads(b[len(AGREE_HEAD):]) for b in ring.comm.exchange_blobs(AGREE_HEAD, mine)]
+        offers = [json.loads(p) for p in agreement_payloads(ring.comm.exchange_blobs(AGREE_HEAD, mine))]
         able = candidates(offers) and all(device.ipc_probe(bytes.fromhex(o["handle"]), o["device"])
                                           for q, o in enumerate(offers) if q != ring.rank)
         votes = ring.comm.exchange_blobs(AGREE_HEAD, b"1" if able else b"0")
-        ring.ipc = all(v[len(AGREE_HEAD):] == b"1" for v in votes)
+        ring.ipc = all(v == b"1" for v in agreement_payloads(votes))
     return ring.ipc
 
 
