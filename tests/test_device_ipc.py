@@ -478,3 +478,27 @@ def test_the_agreement_asks_every_rank_to_be_on_one_host_willing_and_able():
     assert device_ipc.candidates([offer(), offer(device="cuda:11")])
     for bad in [{"want": False}, {"device": None}, {"host": "other"}, {"pidns": 2}]:
         assert not device_ipc.candidates([offer(), offer(**bad)]), bad
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_an_ipc_allreduce_costs_what_the_docs_say(tmp_path, device, n):
+    """Once the peers' windows are open, an allreduce costs each rank N + 1
+    copies on the device (in, and every chunk out), none to or from the host,
+    N - 1 kernels (N for a sum-average: the division), 3 host waits and no
+    opens (docs/api.md's counts)."""
+    ranks = run_ranks(n, job("""
+        costs = {}
+        for op in ["sum", "avg"]:
+            x = rough_input(rr.rank(), 100_003, "float32", op)
+            device_allreduce(x, "float32", op, in_place=False)  # the windows grow and open
+            before = dev.counts()
+            got, ipc = device_allreduce(x, "float32", op, in_place=False)
+            after = dev.counts()
+            costs[op] = {k: after[k] - before[k] for k in after}
+        result = costs
+    """, device[0]), tmp_path, env=env_for(device), timeout=120)
+    for r in ranks:
+        for op, kernels in [("sum", n - 1), ("avg", n)]:
+            c = r.result[op]
+            assert (c["copies"], c["host_copies"], c["kernels"], c["waits"], c["ipc_opens"], c["ipc_exports"]) == \
+                (n + 1, 0, kernels, 3, 0, 0), (r.rank, op, c)

@@ -106,7 +106,7 @@ static int handshake(rr_ring *ring, const rr_error *mine, const rr_ipc_handle *h
 }
 
 /* Rank r's part between the first and second handshakes: chunk r folded
- * out of every window into its own (see above), then waited for. */
+ * out of every window into its own (see above); the phase's end waits. */
 static int reduce_own_chunk(rr_device *dev, char *const *win, char *scratch, char *dst, const size_t *off,
                             const size_t *len, int N, int r, size_t esize, rr_dtype dtype, rr_op op, rr_error *err)
 {
@@ -126,7 +126,7 @@ static int reduce_own_chunk(rr_device *dev, char *const *win, char *scratch, cha
         acc = out;
     }
     if (rc == RR_OK && op == RR_AVG && !mean) rc = rr_dev_divide(dev, win[r] + off[r], count, dtype, N, err);
-    return rc == RR_OK ? rr_device_sync(dev, err) : rc;
+    return rc;
 }
 
 /* An IPC operation's frame: the chunk table (offsets, lengths), the peers'
