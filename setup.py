@@ -32,7 +32,7 @@ CORE_SOURCES = ["csrc/common/error.c",
                 "csrc/transport/tcp.c", "csrc/transport/control_star.c", "csrc/transport/shm_link.c",
                 "csrc/memory/shared_region.c", "csrc/memory/peer_map.c",
                 "csrc/schedule/ring.c", "csrc/schedule/recursive_doubling.c", "csrc/schedule/alltoall.c",
-                "csrc/schedule/host_arena.c", "csrc/schedule/cma.c",
+                "csrc/schedule/host_arena.c", "csrc/schedule/cma.c", "csrc/schedule/ipc.c",
                 "csrc/binding/module.c", "csrc/binding/comm.c", "csrc/binding/errors.c", "csrc/binding/signals.c",
                 "csrc/binding/collectives.c", "csrc/binding/tuning.c", "csrc/binding/counters.c",
                 "csrc/binding/kernels.c", "csrc/binding/device_binding.c", "csrc/binding/shared_region_binding.c"]

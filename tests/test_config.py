@@ -20,6 +20,7 @@ BAD = {
     "RINGREDUCE_ARENA_BYTES": ["-1", str(32 << 20), "big"],
     "RINGREDUCE_FUSION_THRESHOLD": ["-1"],
     "RINGREDUCE_CACHE_CAPACITY": ["-1", "lots", str((1 << 20) + 1)],
+    "RINGREDUCE_CUDA_IPC": ["2", "yes", "off"],
 }
 
 
@@ -27,6 +28,12 @@ BAD = {
 def test_a_setting_that_makes_no_sense_names_itself(name, value):
     with pytest.raises(ValueError, match=name):
         Config.from_env({name: value})
+
+
+def test_cuda_ipc_is_on_by_default_and_zero_turns_it_off():
+    assert Config.from_env({}).cuda_ipc is True
+    assert Config.from_env({"RINGREDUCE_CUDA_IPC": "1"}).cuda_ipc is True
+    assert Config.from_env({"RINGREDUCE_CUDA_IPC": "0"}).cuda_ipc is False
 
 
 def test_timeout_zero_and_inf_mean_never_and_huge_values_stay_huge():

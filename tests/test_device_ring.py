@@ -280,7 +280,7 @@ def test_16_bit_average_on_device_keeps_the_range(tmp_path, device, mode):
 EMULATED_FAMILY = """
 import contextlib
 from ringreduce import _core
-from ringreduce.core import arrays as core_arrays, collectives as C, cuda
+from ringreduce.core import arrays as core_arrays, collectives as C, cuda, device_ipc
 device = _core.Device.emulated(0)
 
 class Dev(np.ndarray):
@@ -302,11 +302,11 @@ class Emulated:
     on = staticmethod(lambda x: contextlib.nullcontext())
     to_host = staticmethod(lambda x: np.asarray(x))
     from_host = staticmethod(lambda a, like: a.view(Dev))
-    def allreduce(self, comm, src, dst, code, opc):
-        staged([src.nbytes, dst.nbytes], [src], lambda s, d: comm.allreduce_device(device, s, d, src.nbytes, code, opc),
-               [None, dst])
-    def allgather(self, comm, flat, nbytes):
-        staged([flat.nbytes], [flat], lambda b: comm.allgather_device(device, b, nbytes), [flat])
+    def allreduce(self, ring, src, dst, code, opc, all_device):
+        staged([src.nbytes, dst.nbytes], [src],
+               lambda s, d: device_ipc.allreduce(ring, device, s, d, src.nbytes, code, opc, all_device), [None, dst])
+    def allgather(self, ring, flat, nbytes, all_device):
+        staged([flat.nbytes], [flat], lambda b: device_ipc.allgather(ring, device, b, nbytes, all_device), [flat])
     small_trip = staticmethod(lambda x, down=True: core_arrays._HostTrip(x))
     ready = staticmethod(lambda x: None)
     result = staticmethod(lambda trip, a, like: a.view(Dev))

@@ -10,6 +10,7 @@
 
 #include "binding/binding.h"
 #include "binding/device_binding.h"
+#include "schedule/ipc.h"
 
 /* allreduce(src, dst, dtype, op) and reduce_scatter(src, dst, dtype, op):
  * src is only read and may be dst. */
@@ -175,8 +176,10 @@ static int pointer(PyObject *obj, void **p)
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* allreduce_device(device, src, dst, nbytes, dtype, op), reduce_scatter_device(...) */
-static PyObject *reduce_on_device(CommObject *self, PyObject *args, int scatter)
+/* allreduce_device(device, src, dst, nbytes, dtype, op), reduce_scatter_device(...), and their IPC
+ * paths allreduce_ipc(...), reduce_scatter_ipc(...) (csrc/schedule/ipc.c), where every rank agreed on
+ * it (core/device_ipc.py) */
+static PyObject *reduce_on_device(CommObject *self, PyObject *args, int scatter, int ipc)
 {
     PyObject *dev_obj, *src_obj, *dst_obj;
     Py_ssize_t nbytes;
@@ -189,22 +192,23 @@ static PyObject *reduce_on_device(CommObject *self, PyObject *args, int scatter)
     if (!d || check_usable(self)) return NULL;
     size_t count = (size_t)nbytes / rr_dtype_size((rr_dtype)dtype);
     rr_error err = {0};
+    rr_device *dv = d->dev;
+    rr_ring *ring = self->ring;
     RUN_ON_DEVICE(self, d, err,
-                  err.code = scatter ? rr_reduce_scatter(self->ring, d->dev, src, dst, count, (rr_dtype)dtype,
-                                                         (rr_op)op, &err)
-                                     : rr_allreduce(self->ring, d->dev, src, dst, count, (rr_dtype)dtype, (rr_op)op,
-                                                    &err));
+                  err.code = scatter ? (ipc ? rr_reduce_scatter_ipc : rr_reduce_scatter)(
+                                           ring, dv, src, dst, count, (rr_dtype)dtype, (rr_op)op, &err)
+                                     : (ipc ? rr_allreduce_ipc : rr_allreduce)(
+                                           ring, dv, src, dst, count, (rr_dtype)dtype, (rr_op)op, &err));
     return finish(self, &err);
 }
 
-PyObject *Comm_allreduce_device(CommObject *self, PyObject *args) { return reduce_on_device(self, args, 0); }
+PyObject *Comm_allreduce_device(CommObject *self, PyObject *args) { return reduce_on_device(self, args, 0, 0); }
+PyObject *Comm_reduce_scatter_device(CommObject *self, PyObject *args) { return reduce_on_device(self, args, 1, 0); }
+PyObject *Comm_allreduce_ipc(CommObject *self, PyObject *args) { return reduce_on_device(self, args, 0, 1); }
+PyObject *Comm_reduce_scatter_ipc(CommObject *self, PyObject *args) { return reduce_on_device(self, args, 1, 1); }
 
-PyObject *Comm_reduce_scatter_device(CommObject *self, PyObject *args)
-{
-    return reduce_on_device(self, args, 1);
-}
-
-PyObject *Comm_allgather_device(CommObject *self, PyObject *args)
+/* allgather_device(device, buf, nbytes), allgather_ipc(...): in place */
+static PyObject *allgather_on_device(CommObject *self, PyObject *args, int ipc)
 {
     PyObject *dev_obj, *ptr, *sizes;
     void *buf;
@@ -215,12 +219,16 @@ PyObject *Comm_allgather_device(CommObject *self, PyObject *args)
     size_t *nbytes = block_sizes(self, sizes, &total);
     if (!nbytes) return NULL;
     rr_error err = {0};
-    RUN_ON_DEVICE(self, d, err, rr_allgather(self->ring, d->dev, buf, nbytes, &err));
+    RUN_ON_DEVICE(self, d, err, (ipc ? rr_allgather_ipc : rr_allgather)(self->ring, d->dev, buf, nbytes, &err));
     PyMem_Free(nbytes);
     return finish(self, &err);
 }
 
-PyObject *Comm_broadcast_device(CommObject *self, PyObject *args)
+PyObject *Comm_allgather_device(CommObject *self, PyObject *args) { return allgather_on_device(self, args, 0); }
+PyObject *Comm_allgather_ipc(CommObject *self, PyObject *args) { return allgather_on_device(self, args, 1); }
+
+/* broadcast_device(device, buf, nbytes, root), broadcast_ipc(...): in place */
+static PyObject *broadcast_on_device(CommObject *self, PyObject *args, int ipc)
 {
     PyObject *dev_obj, *ptr;
     Py_ssize_t nbytes;
@@ -234,9 +242,13 @@ PyObject *Comm_broadcast_device(CommObject *self, PyObject *args)
         return NULL;
     }
     rr_error err = {0};
-    RUN_ON_DEVICE(self, d, err, rr_broadcast(self->ring, d->dev, buf, (size_t)nbytes, root, &err));
+    RUN_ON_DEVICE(self, d, err,
+                  (ipc ? rr_broadcast_ipc : rr_broadcast)(self->ring, d->dev, buf, (size_t)nbytes, root, &err));
     return finish(self, &err);
 }
+
+PyObject *Comm_broadcast_device(CommObject *self, PyObject *args) { return broadcast_on_device(self, args, 0); }
+PyObject *Comm_broadcast_ipc(CommObject *self, PyObject *args) { return broadcast_on_device(self, args, 1); }
 
 /* Every blob in rank order, as a list of bytes. */
 static PyObject *blob_list(const void *all, const size_t *lens, int N)

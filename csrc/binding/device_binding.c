@@ -20,8 +20,9 @@ static PyObject *wrap(rr_device *dev, int emulated)
 static PyObject *Device_emulated(PyObject *Py_UNUSED(cls), PyObject *args)
 {
     int patience = 2;
-    if (!PyArg_ParseTuple(args, "|i", &patience)) return NULL;
-    rr_device *dev = rr_emulated_device_create(patience < 0 ? 0 : patience);
+    const char *ipc = "emulated";
+    if (!PyArg_ParseTuple(args, "|iz", &patience, &ipc)) return NULL;
+    rr_device *dev = rr_emulated_device_create_as(patience < 0 ? 0 : patience, ipc ? ipc : "");
     return dev ? wrap(dev, 1) : PyErr_NoMemory();
 }
 
@@ -237,6 +238,58 @@ static PyObject *Device_bounce_release(DeviceObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Device.ipc_offer() -> (identity, handle) or None: what this rank gives in
+ * the IPC path's agreement (core/device_ipc.py): its device's identity (the
+ * GPU's UUID) and its window's handle (bytes), the window made now if need
+ * be; None where the device refuses IPC or cannot export a window. */
+static PyObject *Device_ipc_offer(DeviceObject *self, PyObject *Py_UNUSED(ignored))
+{
+    char id[RR_IPC_IDENTITY] = {0};
+    rr_ipc_handle h;
+    rr_error err = {0};
+    int rc = RR_E_DEVICE;
+    rr_device *d = self->dev;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    if (d->ops->ipc_identity && d->ops->begin(d, &err) == RR_OK && d->ops->ipc_identity(d, id, &err) == RR_OK)
+        rc = rr_device_ipc_window(d, 1, &err);
+    h = d->window.handle;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    id[RR_IPC_IDENTITY - 1] = 0;
+    if (rc != RR_OK || !id[0]) Py_RETURN_NONE;
+    return Py_BuildValue("(Ny#)", PyUnicode_DecodeLatin1(id, (Py_ssize_t)strlen(id), NULL), (const char *)&h,
+                         (Py_ssize_t)sizeof h);
+}
+
+/* Device.ipc_probe(handle, identity) -> bool: whether this device reaches
+ * the peer's device (identity: its ipc_offer's; the same GPU, or another
+ * with peer access) and the peer's window (its handle) opens here; kept
+ * open (cached) when it does. */
+static PyObject *Device_ipc_probe(DeviceObject *self, PyObject *args)
+{
+    Py_buffer b;
+    const char *identity;
+    if (!PyArg_ParseTuple(args, "y*s", &b, &identity)) return NULL;
+    rr_ipc_handle h;
+    int ok = b.len == (Py_ssize_t)sizeof h;
+    if (ok) memcpy(&h, b.buf, sizeof h);
+    PyBuffer_Release(&b);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "not an IPC handle");
+        return NULL;
+    }
+    rr_error err = {0};
+    rr_device *d = self->dev;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    ok = d->ops->ipc_open && d->ops->begin(d, &err) == RR_OK && d->ops->ipc_reaches(d, identity) &&
+         rr_device_ipc_peer(d, &h, &err) != NULL;
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
 /* Device.counts() -> dict: the device operations queued since the device was
  * made (rr_device_counts): a testing hook for what a collective costs. */
 static PyObject *Device_counts(DeviceObject *self, PyObject *Py_UNUSED(ignored))
@@ -247,7 +300,9 @@ static PyObject *Device_counts(DeviceObject *self, PyObject *Py_UNUSED(ignored))
     c = self->dev->counts;
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{sKsKsK}", "copies", c.copies, "events", c.events, "waits", c.waits);
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "copies", c.copies, "events", c.events, "waits", c.waits,
+                         "host_copies", c.host_copies, "kernels", c.kernels, "ipc_opens", c.ipc_opens,
+                         "ipc_exports", c.ipc_exports);
 }
 
 static void Device_dealloc(DeviceObject *self)
@@ -263,7 +318,14 @@ static void Device_dealloc(DeviceObject *self)
 
 static PyMethodDef Device_methods[] = {
     {"emulated", (PyCFunction)Device_emulated, METH_VARARGS | METH_STATIC,
-     "emulated(patience=2) -> a device in host memory whose work runs late (tests; csrc/device/device_emulated.c)"},
+     "emulated(patience=2, ipc='emulated') -> a device in host memory whose work runs late (tests; "
+     "csrc/device/device_emulated.c); ipc: its identity for the IPC path (devices of equal identity open each "
+     "other's windows), None to refuse IPC"},
+    {"ipc_offer", (PyCFunction)Device_ipc_offer, METH_NOARGS,
+     "ipc_offer() -> (identity, handle) or None: this device's part in the IPC path's agreement; None: it refuses"},
+    {"ipc_probe", (PyCFunction)Device_ipc_probe, METH_VARARGS,
+     "ipc_probe(handle, identity) -> bool: whether this device reaches the peer's (the same GPU, or peer access) "
+     "and the peer's IPC window opens here (kept open when it does)"},
     {"cuda", (PyCFunction)Device_cuda, METH_VARARGS | METH_STATIC,
      "cuda(ordinal, reduce, divide, mean) -> the CUDA device, with the kernels' CUfunction handles"},
     {"alloc", (PyCFunction)Device_alloc, METH_VARARGS, "alloc(nbytes) -> pointer (emulated device)"},
@@ -278,7 +340,8 @@ static PyMethodDef Device_methods[] = {
     {"bounce_release", (PyCFunction)Device_bounce_release, METH_VARARGS,
      "bounce_release(slot): frees a bounce slot without copying"},
     {"counts", (PyCFunction)Device_counts, METH_NOARGS,
-     "counts() -> {'copies', 'events', 'waits'}: device operations queued since the device was made (testing hook)"},
+     "counts() -> {'copies', 'events', 'waits', 'host_copies', 'kernels', 'ipc_opens', 'ipc_exports'}: device "
+     "operations queued since the device was made (testing hook)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,6 +8,7 @@
  * primary context, the context cupy uses; tickets are events recorded on it.
  */
 #include <dlfcn.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -22,12 +23,15 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef struct CUfunc_st *CUfunction;
+typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { char bytes[16]; } CUuuid;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_NOT_READY 600
 #define CU_STREAM_NON_BLOCKING 1
 #define CU_EVENT_DISABLE_TIMING 2
 #define CU_MEMHOSTREGISTER_PORTABLE 1
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 1
 
 #define DRIVER_FUNCTIONS(X)                                                                     \
     X(cuInit, (unsigned))                                                                       \
@@ -54,9 +58,20 @@ typedef struct CUfunc_st *CUfunction;
     X(cuLaunchKernel, (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, \
                        unsigned, CUstream, void **, void **))
 
+/* The IPC path's (ipc.c), loaded where the driver has them: without them
+ * the device refuses IPC and the staged path runs. */
+#define IPC_FUNCTIONS(X)                                                    \
+    X(cuDeviceGetUuid, (CUuuid *, CUdevice))                                \
+    X(cuDeviceGetCount, (int *))                                            \
+    X(cuDeviceCanAccessPeer, (int *, CUdevice, CUdevice))                   \
+    X(cuIpcGetMemHandle, (CUipcMemHandle *, CUdeviceptr))                   \
+    X(cuIpcOpenMemHandle_v2, (CUdeviceptr *, CUipcMemHandle, unsigned))     \
+    X(cuIpcCloseMemHandle, (CUdeviceptr))
+
 typedef struct {
 #define FIELD(name, args) CUresult (*name) args;
     DRIVER_FUNCTIONS(FIELD)
+    IPC_FUNCTIONS(FIELD)
 #undef FIELD
 } driver;
 
@@ -74,6 +89,9 @@ static int load_driver(rr_error *err)
             cu_missing = "libcuda.so.1 lacks " #name;
         DRIVER_FUNCTIONS(LOAD)
 #undef LOAD
+#define LOAD_IPC(name, args) if (lib) cu.name = (CUresult(*) args)dlsym(lib, #name);
+        IPC_FUNCTIONS(LOAD_IPC)
+#undef LOAD_IPC
         if (!cu_missing && cu.cuInit(0) != CUDA_SUCCESS) cu_missing = "cuInit failed (no usable GPU)";
         cu_loaded = 1;
     }
@@ -253,8 +271,95 @@ static void destroy(rr_device *d)
     free(c);
 }
 
+static int ipc_loaded(rr_error *err)
+{
+    if (cu.cuDeviceGetUuid && cu.cuDeviceGetCount && cu.cuDeviceCanAccessPeer && cu.cuIpcGetMemHandle &&
+        cu.cuIpcOpenMemHandle_v2 && cu.cuIpcCloseMemHandle)
+        return RR_OK;
+    rr_set_error(err, RR_E_DEVICE, -1, "CUDA: the driver has no IPC (cuIpc*)");
+    return err->code;
+}
+
+static void uuid_text(const CUuuid *id, char out[RR_IPC_IDENTITY])
+{
+    int at = snprintf(out, RR_IPC_IDENTITY, "cuda:");
+    for (int i = 0; i < 16; i++) at += snprintf(out + at, RR_IPC_IDENTITY - (size_t)at, "%02x", (unsigned char)id->bytes[i]);
+}
+
+/* The GPU's UUID: ranks on one GPU open each other's memory. */
+static int ipc_identity(rr_device *d, char out[RR_IPC_IDENTITY], rr_error *err)
+{
+    CUuuid id;
+    if (ipc_loaded(err) || check(cu.cuDeviceGetUuid(&id, ((cuda_device *)d)->dev), "cuDeviceGetUuid", err))
+        return err->code;
+    uuid_text(&id, out);
+    return RR_OK;
+}
+
+/* Its own GPU, or a GPU visible here (by UUID) that it has peer access to. */
+static int ipc_reaches(rr_device *d, const char *identity)
+{
+    cuda_device *c = (cuda_device *)d;
+    rr_error ignored;
+    int n = 0;
+    if (ipc_loaded(&ignored) || cu.cuDeviceGetCount(&n) != CUDA_SUCCESS) return 0;
+    for (int i = 0; i < n; i++) {
+        CUuuid id;
+        char text[RR_IPC_IDENTITY];
+        CUdevice other;
+        int can = 0;
+        if (cu.cuDeviceGet(&other, i) != CUDA_SUCCESS || cu.cuDeviceGetUuid(&id, other) != CUDA_SUCCESS) continue;
+        uuid_text(&id, text);
+        if (strcmp(text, identity)) continue;
+        if (other == c->dev) return 1;
+        return cu.cuDeviceCanAccessPeer(&can, c->dev, other) == CUDA_SUCCESS && can;
+    }
+    return 0; /* not visible here (CUDA_VISIBLE_DEVICES): no peer access known */
+}
+
+static void *ipc_export(rr_device *d, size_t n, rr_ipc_handle *h, rr_error *err)
+{
+    (void)d;
+    CUdeviceptr p = 0;
+    CUipcMemHandle mh;
+    if (ipc_loaded(err) || check(cu.cuMemAlloc_v2(&p, n ? n : 1), "cuMemAlloc (IPC window)", err)) return NULL;
+    if (check(cu.cuIpcGetMemHandle(&mh, p), "cuIpcGetMemHandle", err)) {
+        cu.cuMemFree_v2(p);
+        return NULL;
+    }
+    memcpy(h->data, &mh, sizeof mh);
+    return (void *)p;
+}
+
+static void ipc_unexport(rr_device *d, void *p, const rr_ipc_handle *h)
+{
+    (void)d;
+    (void)h;
+    cu.cuMemFree_v2((CUdeviceptr)p);
+}
+
+static void *ipc_open(rr_device *d, const rr_ipc_handle *h, rr_error *err)
+{
+    (void)d;
+    CUdeviceptr p = 0;
+    CUipcMemHandle mh;
+    memcpy(&mh, h->data, sizeof mh);
+    if (ipc_loaded(err) ||
+        check(cu.cuIpcOpenMemHandle_v2(&p, mh, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle", err))
+        return NULL;
+    return (void *)p;
+}
+
+static void ipc_close(rr_device *d, void *p, const rr_ipc_handle *h)
+{
+    (void)d;
+    (void)h;
+    cu.cuIpcCloseMemHandle((CUdeviceptr)p);
+}
+
 static const rr_device_ops cuda_ops = {
     begin, to_host, to_device, copy, reduce3, mean_fold, divide, mark, done, host_alloc, host_free, dev_alloc, dev_free, destroy,
+    ipc_identity, ipc_reaches, ipc_export, ipc_unexport, ipc_open, ipc_close,
 };
 
 rr_device *rr_cuda_device_create(int ordinal, void *const reduce[RR_NUM_DTYPES][4],

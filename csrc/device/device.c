@@ -2,6 +2,8 @@
 #include "device/device.h"
 
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 /* Grows *buf to hold at least want bytes of pinned memory (by half again, so
  * a stream of slowly growing tensors does not reallocate each time). */
@@ -42,11 +44,77 @@ void rr_device_bounce_release(rr_device *d, int slot)
     if (slot >= 0 && slot < RR_BOUNCE_SLOTS) d->bounce[slot].busy = 0;
 }
 
+/* This process's devices, numbered: with the pid, an IPC owner no other
+ * device on the host has. */
+static uint64_t next_serial;
+
+int rr_device_ipc_window(rr_device *d, size_t bytes, rr_error *err)
+{
+    if (!d->ops->ipc_export) {
+        rr_set_error(err, RR_E_DEVICE, -1, "this device has no IPC");
+        return err->code;
+    }
+    if (d->window.ptr && d->window.handle.bytes >= bytes) return RR_OK;
+    rr_ipc_handle h = d->window.handle;
+    if (d->window.ptr) {
+        rr_device_sync(d, err); /* nothing of ours still reads or writes the old one */
+        d->ops->ipc_unexport(d, d->window.ptr, &d->window.handle);
+        d->window.ptr = NULL;
+    } else {
+        h.owner = ((uint64_t)getpid() << 20) | (__atomic_fetch_add(&next_serial, 1, __ATOMIC_RELAXED) & 0xfffff);
+    }
+    h.generation++;
+    h.bytes = bytes + bytes / 2; /* grown by half again, as the mirror */
+    memset(h.data, 0, sizeof h.data);
+    d->counts.ipc_exports++;
+    if (!(d->window.ptr = d->ops->ipc_export(d, h.bytes, &h, err))) {
+        d->window.handle = h;
+        d->window.handle.bytes = 0;
+        return err->code;
+    }
+    d->window.handle = h;
+    return RR_OK;
+}
+
+void *rr_device_ipc_peer(rr_device *d, const rr_ipc_handle *h, rr_error *err)
+{
+    int at = -1;
+    for (int i = 0; i < d->npeers; i++) {
+        if (d->peers[i].handle.owner != h->owner) continue;
+        if (d->peers[i].handle.generation == h->generation) return d->peers[i].ptr;
+        at = i; /* that owner's window grew: the old one goes */
+        d->ops->ipc_close(d, d->peers[i].ptr, &d->peers[i].handle);
+        d->peers[i].ptr = NULL;
+        break;
+    }
+    if (at < 0) {
+        struct rr_ipc_peer *more = realloc(d->peers, sizeof *more * (size_t)(d->npeers + 1));
+        if (!more) {
+            rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+            return NULL;
+        }
+        d->peers = more;
+        at = d->npeers++;
+    }
+    d->counts.ipc_opens++;
+    void *p = d->ops->ipc_open(d, h, err);
+    if (!p) { /* forget the owner: the next operation tries afresh */
+        d->peers[at] = d->peers[--d->npeers];
+        return NULL;
+    }
+    d->peers[at].handle = *h;
+    d->peers[at].ptr = p;
+    return p;
+}
+
 void rr_device_destroy(rr_device *d)
 {
     if (!d) return;
     rr_error ignored;
     if (d->ops->begin(d, &ignored) == RR_OK) rr_device_sync(d, &ignored);
+    for (int i = 0; i < d->npeers; i++) d->ops->ipc_close(d, d->peers[i].ptr, &d->peers[i].handle);
+    free(d->peers);
+    if (d->window.ptr) d->ops->ipc_unexport(d, d->window.ptr, &d->window.handle);
     d->ops->host_free(d, d->mirror);
     for (int i = 0; i < RR_BOUNCE_SLOTS; i++) d->ops->host_free(d, d->bounce[i].buf);
     d->ops->destroy(d);

@@ -12,6 +12,11 @@
  * Small messages go through a pinned bounce buffer kept per device
  * (rr_device_bounce): one copy down, one copy up.
  *
+ * Where every rank's device opens every other's memory (CUDA IPC), an
+ * allreduce runs device to device instead (csrc/schedule/ipc.c): each device
+ * keeps an exported window (rr_device_ipc_window) and the peers' windows it
+ * opened (rr_device_ipc_peer), and reduces with its own kernels.
+ *
  * Two implementations: CUDA through the driver API (cuda_device.c, loaded at
  * run time, so the package needs no CUDA to build or import), and an emulated
  * device in host memory (device_emulated.c) whose work runs late and whose
@@ -27,6 +32,18 @@
 #include "common/error.h"
 
 typedef struct rr_device rr_device;
+
+/* A device allocation another process on the host can open (CUDA IPC): the
+ * exporter (owner: unique per process and device), which of its windows
+ * (generation: a new one each time it grows), their size, and the
+ * implementation's handle bytes (CUDA: a CUipcMemHandle). */
+typedef struct rr_ipc_handle {
+    uint64_t owner, generation, bytes;
+    unsigned char data[64];
+} rr_ipc_handle;
+
+/* The longest device identity (rr_device_ops.ipc_identity), NUL included. */
+#define RR_IPC_IDENTITY 128
 
 /* All but alloc/free/destroy queue work on the device's stream and return
  * RR_OK or an error code with err filled. */
@@ -54,6 +71,20 @@ typedef struct rr_device_ops {
     void *(*dev_alloc)(rr_device *d, size_t n);
     void (*dev_free)(rr_device *d, void *p);
     void (*destroy)(rr_device *d);
+    /* CUDA IPC (ipc.c), all NULL where the device has none. ipc_identity
+     * writes what two ranks compare to know they can open each other's
+     * memory (the GPU's UUID), or fails when this device refuses IPC.
+     * ipc_export allocates n bytes of device memory that other processes
+     * can open and fills the handle's data (ipc_unexport frees it);
+     * ipc_open maps a peer's export here, ipc_close unmaps it. ipc_reaches
+     * says whether this device's kernels can read the memory of the device
+     * of that identity (itself, or another GPU with peer access). */
+    int (*ipc_identity)(rr_device *d, char out[RR_IPC_IDENTITY], rr_error *err);
+    int (*ipc_reaches)(rr_device *d, const char *identity);
+    void *(*ipc_export)(rr_device *d, size_t n, rr_ipc_handle *h, rr_error *err);
+    void (*ipc_unexport)(rr_device *d, void *p, const rr_ipc_handle *h);
+    void *(*ipc_open)(rr_device *d, const rr_ipc_handle *h, rr_error *err);
+    void (*ipc_close)(rr_device *d, void *p, const rr_ipc_handle *h);
 } rr_device_ops;
 
 /* What a device has been asked to do since it was made: every call below
@@ -63,6 +94,10 @@ typedef struct rr_device_counts {
     unsigned long long copies;  /* to_host, to_device, copy: the work the ring queues */
     unsigned long long events;  /* mark: a ticket (an event recorded) */
     unsigned long long waits;   /* done(wait = 1): the host blocked on a ticket */
+    unsigned long long host_copies; /* of copies, to_host and to_device: trips through host memory */
+    unsigned long long kernels; /* reduce3, mean_fold, divide */
+    unsigned long long ipc_opens; /* ipc_open: a peer's window mapped here */
+    unsigned long long ipc_exports; /* ipc_export: this device's window (re)made */
 } rr_device_counts;
 
 /* Small messages in flight at once through one device (threads, process
@@ -80,6 +115,15 @@ struct rr_device {
         int busy;
     } bounce[RR_BOUNCE_SLOTS];
     rr_device_counts counts;
+    struct {              /* the IPC path (ipc.c): this device's window, grown only */
+        void *ptr;
+        rr_ipc_handle handle;
+    } window;
+    struct rr_ipc_peer {  /* peers' windows open here, one per owner (ipc.c) */
+        rr_ipc_handle handle;
+        void *ptr;
+    } *peers;
+    int npeers;
 };
 
 /* Makes the mirror hold at least mirror_bytes. */
@@ -91,6 +135,15 @@ int rr_device_reserve(rr_device *d, size_t mirror_bytes, rr_error *err);
  * serializes calls on one device. */
 int rr_device_bounce(rr_device *d, size_t bytes, rr_error *err);
 void rr_device_bounce_release(rr_device *d, int slot);
+/* The IPC path's window (ipc.c): makes this device's exported window hold
+ * at least bytes (grown only, a new generation each time; the old one is
+ * freed once this device's queued work is done). */
+int rr_device_ipc_window(rr_device *d, size_t bytes, rr_error *err);
+/* A peer's window mapped here: opened once per owner and generation and
+ * cached (a new generation closes the owner's old mapping). NULL with err
+ * filled when it cannot be opened. */
+void *rr_device_ipc_peer(rr_device *d, const rr_ipc_handle *h, rr_error *err);
+
 /* Frees the buffers, then the device. */
 void rr_device_destroy(rr_device *d);
 
@@ -102,17 +155,36 @@ int rr_device_sync(rr_device *d, rr_error *err);
 static inline int rr_dev_to_host(rr_device *d, void *host, const void *dev, size_t n, rr_error *err)
 {
     d->counts.copies++;
+    d->counts.host_copies++;
     return d->ops->to_host(d, host, dev, n, err);
 }
 static inline int rr_dev_to_device(rr_device *d, void *dev, const void *host, size_t n, rr_error *err)
 {
     d->counts.copies++;
+    d->counts.host_copies++;
     return d->ops->to_device(d, dev, host, n, err);
 }
 static inline int rr_dev_copy(rr_device *d, void *dst, const void *src, size_t n, rr_error *err)
 {
     d->counts.copies++;
     return d->ops->copy(d, dst, src, n, err);
+}
+static inline int rr_dev_reduce3(rr_device *d, void *dst, const void *a, const void *b, size_t count,
+                                 rr_dtype dtype, rr_op op, rr_error *err)
+{
+    d->counts.kernels++;
+    return d->ops->reduce3(d, dst, a, b, count, dtype, op, err);
+}
+static inline int rr_dev_mean_fold(rr_device *d, void *dst, const void *x, const void *mean, size_t count,
+                                   rr_dtype dtype, int k, rr_error *err)
+{
+    d->counts.kernels++;
+    return d->ops->mean_fold(d, dst, x, mean, count, dtype, k, err);
+}
+static inline int rr_dev_divide(rr_device *d, void *buf, size_t count, rr_dtype dtype, int n, rr_error *err)
+{
+    d->counts.kernels++;
+    return d->ops->divide(d, buf, count, dtype, n, err);
 }
 static inline uint64_t rr_dev_mark(rr_device *d, rr_error *err)
 {
@@ -128,6 +200,10 @@ static inline int rr_dev_done(rr_device *d, uint64_t ticket, int wait, rr_error 
 /* patience: how many times a ticket is asked about before its work runs
  * (0: only when waited for); see device_emulated.c. */
 rr_device *rr_emulated_device_create(int patience);
+/* The same claiming another identity for IPC (two devices open each
+ * other's windows when their identities match; "" refuses IPC): tests of
+ * the agreement and its fallback. */
+rr_device *rr_emulated_device_create_as(int patience, const char *identity);
 /* ordinal: the CUDA device; functions: CUfunction handles of the kernels in
  * csrc/kernels/cuda/reduce.cu, reduce[dtype][op] (sum, prod, min, max), divide[dtype]
  * and mean[dtype] (float16, bfloat16). NULL with err filled when CUDA cannot be loaded. */

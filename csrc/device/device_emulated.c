@@ -9,9 +9,18 @@
  *   for, does the work up to it run. So the ring always meets work in flight
  *   and must not send a mirror segment or reuse a slot before its ticket is
  *   done; with patience 0 work piles up as far as the ring lets it.
+ * - IPC windows are memfd mappings (shared with the processes that open
+ *   them through /proc/<pid>/fd/<fd>), tagged like all device memory; a
+ *   peer's work on them also runs late, so the IPC path's handshakes must
+ *   wait for each side's work before the other reads.
  */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "device/device.h"
 #include "kernels/reduce.h"
@@ -38,6 +47,7 @@ typedef struct {
     size_t head, len, cap; /* q[head .. len) not yet run */
     uint64_t marked, finished;
     int patience, asked; /* asked: questions since work last ran */
+    char identity[RR_IPC_IDENTITY]; /* empty: IPC refused */
 } emulated;
 
 static int begin(rr_device *d, rr_error *err) { (void)d; (void)err; return RR_OK; }
@@ -176,18 +186,95 @@ static void destroy(rr_device *d)
     free(e);
 }
 
+static int ipc_identity(rr_device *d, char out[RR_IPC_IDENTITY], rr_error *err)
+{
+    emulated *e = (emulated *)d;
+    if (!e->identity[0]) {
+        rr_set_error(err, RR_E_DEVICE, -1, "emulated device: IPC refused (made so)");
+        return err->code;
+    }
+    memcpy(out, e->identity, RR_IPC_IDENTITY);
+    return RR_OK;
+}
+
+/* Emulated GPUs have no peer access: only its own identity. */
+static int ipc_reaches(rr_device *d, const char *identity)
+{
+    emulated *e = (emulated *)d;
+    return e->identity[0] && strcmp(identity, e->identity) == 0;
+}
+
+typedef struct { int32_t pid, fd; } emulated_handle;
+
+static void *map_shared(int fd, size_t n)
+{
+    void *p = mmap(NULL, n ? n : 1, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    return p == MAP_FAILED ? NULL : (void *)((uintptr_t)p | TAG);
+}
+
+static void *ipc_export(rr_device *d, size_t n, rr_ipc_handle *h, rr_error *err)
+{
+    (void)d;
+    int fd = memfd_create("ringreduce-ipc-window", MFD_CLOEXEC);
+    void *p = NULL;
+    if (fd >= 0 && ftruncate(fd, (off_t)(n ? n : 1)) == 0) p = map_shared(fd, n);
+    if (!p) {
+        rr_set_error(err, RR_E_DEVICE, -1, "emulated device: no IPC window of %zu bytes", n);
+        if (fd >= 0) close(fd);
+        return NULL;
+    }
+    emulated_handle eh = {(int32_t)getpid(), fd};
+    memcpy(h->data, &eh, sizeof eh);
+    return p;
+}
+
+static void ipc_unexport(rr_device *d, void *p, const rr_ipc_handle *h)
+{
+    (void)d;
+    emulated_handle eh;
+    memcpy(&eh, h->data, sizeof eh);
+    munmap(to_host_ptr(p), h->bytes ? h->bytes : 1);
+    close(eh.fd);
+}
+
+static void *ipc_open(rr_device *d, const rr_ipc_handle *h, rr_error *err)
+{
+    (void)d;
+    emulated_handle eh;
+    memcpy(&eh, h->data, sizeof eh);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)eh.pid, (int)eh.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    void *p = fd >= 0 ? map_shared(fd, h->bytes) : NULL;
+    if (fd >= 0) close(fd);
+    if (!p) rr_set_error(err, RR_E_DEVICE, -1, "emulated device: cannot open IPC window %s", path);
+    return p;
+}
+
+static void ipc_close(rr_device *d, void *p, const rr_ipc_handle *h)
+{
+    (void)d;
+    munmap(to_host_ptr(p), h->bytes ? h->bytes : 1);
+}
+
 static const rr_device_ops emulated_ops = {
     begin, to_host, to_device, copy, reduce3, mean_fold, divide, mark, done, host_alloc, host_free, dev_alloc, dev_free, destroy,
+    ipc_identity, ipc_reaches, ipc_export, ipc_unexport, ipc_open, ipc_close,
 };
 
-rr_device *rr_emulated_device_create(int patience)
+static rr_device *create(int patience, const char *identity)
 {
     emulated *e = calloc(1, sizeof *e);
     if (!e) return NULL;
     e->patience = patience;
     e->base.ops = &emulated_ops;
+    snprintf(e->identity, sizeof e->identity, "%s", identity);
     return &e->base;
 }
+
+/* Every emulated device of a host is one "GPU": all open each other's windows. */
+rr_device *rr_emulated_device_create(int patience) { return create(patience, "emulated"); }
+rr_device *rr_emulated_device_create_as(int patience, const char *identity) { return create(patience, identity); }
 
 /* For the binding's test helpers: emulated device memory seen from the host. */
 void *rr_emulated_host_view(const void *dev) { return to_host_ptr(dev); }

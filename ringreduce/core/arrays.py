@@ -139,21 +139,22 @@ class HostArrays:
     def result(trip, a, like):
         return a
 
+    # The ring's collectives after their header pass, as DeviceArrays' (all_device: unused here).
     @staticmethod
-    def allreduce(comm, src, dst, code, opc):
-        comm.allreduce(as_raw(src), as_raw(dst), code, opc)
+    def allreduce(ring, src, dst, code, opc, all_device=False):
+        ring.comm.allreduce(as_raw(src), as_raw(dst), code, opc)
 
     @staticmethod
-    def reduce_scatter(comm, src, dst, code, opc):
-        comm.reduce_scatter(as_raw(src), as_raw(dst), code, opc)
+    def reduce_scatter(ring, src, dst, code, opc, all_device=False):
+        ring.comm.reduce_scatter(as_raw(src), as_raw(dst), code, opc)
 
     @staticmethod
-    def allgather(comm, flat, nbytes):
-        comm.allgather(flat, nbytes)
+    def allgather(ring, flat, nbytes, all_device=False):
+        ring.comm.allgather(flat, nbytes)
 
     @staticmethod
-    def broadcast(comm, buf, root):
-        comm.broadcast(as_bytes(buf), root)  # any dtype: the buffer protocol has no code for some
+    def broadcast(ring, buf, root, all_device=False):
+        ring.comm.broadcast(as_bytes(buf), root)  # any dtype: the buffer protocol has no code for some
 
 
 @functools.lru_cache(maxsize=None)

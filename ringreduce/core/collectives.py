@@ -22,8 +22,8 @@ from .communicator import MAX_PLANS, Plan, Ring, communicator, current as _state
 from .hierarchy import run_allreduce
 from .process_sets import lookup, ring_of
 from .protocol import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES, REDUCE_SCATTER,
-                       REFUSED_PREFIX, agree, all_inline, any_device, exchange, header, marks, parse, payloads,
-                       voided)
+                       REFUSED_PREFIX, agree, all_device, all_inline, any_device, exchange, header, marks, parse,
+                       payloads, voided)
 
 
 def refuse(kind: int, problem: Exception, process_set=None) -> None:
@@ -371,8 +371,8 @@ def _allreduce_device(x, op, out, name, process_set=None):
         raise
     with ring.lock, g.on(x):
         head = header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
-        exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
-        g.allreduce(ring.comm, src, dst, code, opc)
+        blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+        g.allreduce(ring, src, dst, code, opc, all_device(blobs))  # device to device, or staged (core/device_ipc.py)
         _note_phases(ring.comm)
         return deliver(dst, out, g.xp)
 
@@ -430,7 +430,7 @@ def reduce_scatter(x, op: str = "sum", name: str | None = None, process_set=None
             return g.result(trip, mine, like=x)
         trip.close()
         src, work = bufs or ring_bufs()  # made here where this rank's limit said small and another's did not
-        g.reduce_scatter(w.comm, src, work, code, opc)
+        g.reduce_scatter(w, src, work, code, opc, all_device(blobs))
         return work[lo:hi].copy()
 
 
@@ -468,7 +468,7 @@ def allgather(x, name: str | None = None, process_set=None):
         nbytes = [r * row_bytes for r in rows]
         at = sum(nbytes[:w.rank])
         flat[at:at + nbytes[w.rank]] = as_bytes(g.xp.ascontiguousarray(x))
-        g.allgather(w.comm, flat, nbytes)
+        g.allgather(w, flat, nbytes, all_device(blobs))
         return out
 
 
@@ -503,7 +503,8 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
     trip, buf = _prepared(g, x, BROADCAST, process_set, down=small, host=small and w.rank == root,
                           alloc=None if small else ring_buf)
     with trip, w.lock, g.on(x):
-        head = header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype)
+        head = header(BROADCAST, 0, 0, x.shape, name, root=root, inline=small, descr=x.dtype,
+                      device=g is not HostArrays)
         blobs = exchange(head, trip.host.tobytes() if small and w.rank == root else b"",
                           ("dtype", "shape", "root", "name"), "broadcast", w)
         if all_inline(blobs):
@@ -515,7 +516,7 @@ def broadcast(x, root: int = 0, name: str | None = None, process_set=None):
             buf = ring_buf()
         if w.rank == root:  # as bytes, padding included (see above)
             as_bytes(buf)[...] = as_bytes(g.xp.ascontiguousarray(x))
-        g.broadcast(w.comm, buf, root)
+        g.broadcast(w, buf, root, all_device(blobs))
         return buf
 
 

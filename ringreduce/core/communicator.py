@@ -29,6 +29,9 @@ class Ring:
     plans: dict = field(default_factory=dict, repr=False)
     # the world's ring only: its hierarchical allreduce (ringreduce/core/hierarchy.py), or None: the flat ring
     hierarchy: object = field(default=None, repr=False, compare=False)
+    # whether this ring's GPU allreduces go device to device (core/device_ipc.py), agreed by every rank on its
+    # first one; None: not yet agreed
+    ipc: object = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, attr, value):
         if attr == "small_limit" and "plans" in self.__dict__:  # autotune moved the limit: decide afresh

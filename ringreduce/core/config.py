@@ -80,6 +80,10 @@ class Config:
                                     # (ringreduce/core/hierarchy.py) from the cost model's crossover, where
                                     # the world spans hosts with two or more ranks each; "on": for every
                                     # allreduce on the ring path there; "off": the flat ring; alike on every rank
+    cuda_ipc: bool = True           # RINGREDUCE_CUDA_IPC: 1 (default): collectives of GPU arrays go device to
+                                    # device through CUDA IPC where every rank's GPU can open every other's
+                                    # memory (ringreduce/core/device_ipc.py); 0: this rank refuses, and every
+                                    # rank takes the staged path (the host ring on a pinned mirror)
 
     def __post_init__(self):
         _check("RINGREDUCE_TIMEOUT", self.timeout, self.timeout >= 0, "0 (never time out), a number of seconds, or inf")
@@ -115,6 +119,7 @@ class Config:
                0 <= self.flight_recorder <= MAX_FLIGHT_RECORDER, f"0 (off) .. {MAX_FLIGHT_RECORDER} collectives")
         _check("RINGREDUCE_HIERARCHICAL", self.hierarchical, self.hierarchical in HIERARCHICAL_MODES,
                "auto, on or off")
+        _check("RINGREDUCE_CUDA_IPC", self.cuda_ipc, isinstance(self.cuda_ipc, bool), "0 or 1")
 
     @property
     def ring_timeout(self) -> float:
@@ -173,6 +178,7 @@ class Config:
             flight_recorder=get("RINGREDUCE_FLIGHT_RECORDER", d.flight_recorder, int),
             flight_dir=get("RINGREDUCE_FLIGHT_DIR", d.flight_dir, str),
             hierarchical=get("RINGREDUCE_HIERARCHICAL", d.hierarchical, str),
+            cuda_ipc=get("RINGREDUCE_CUDA_IPC", d.cuda_ipc, _switch),
         )
 
 
@@ -188,7 +194,7 @@ KNOWN_NAMES = frozenset({
     "RINGREDUCE_TIMELINE", "RINGREDUCE_OVERLAP", "RINGREDUCE_TF_OPS_DIR", "RINGREDUCE_CUDA", "RINGREDUCE_CUDA_ARCHS",
     "RINGREDUCE_STRAGGLER_WINDOW", "RINGREDUCE_STRAGGLER_THRESHOLD", "RINGREDUCE_REPORT_DIR",
     "RINGREDUCE_FLIGHT_RECORDER", "RINGREDUCE_FLIGHT_DIR",
-    "RINGREDUCE_HIERARCHICAL", "RINGREDUCE_HOST_ID", "RINGREDUCE_SLURM_TASK",
+    "RINGREDUCE_HIERARCHICAL", "RINGREDUCE_HOST_ID", "RINGREDUCE_SLURM_TASK", "RINGREDUCE_CUDA_IPC",
 })
 
 

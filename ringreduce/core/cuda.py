@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RingReduceError
+from . import device_ipc
 
 PACKAGE = Path(__file__).resolve().parent.parent  # ringreduce/, holding the fatbin and (in a wheel) csrc/
 FATBIN = PACKAGE / "reduce_kernels.fatbin"
@@ -462,18 +463,22 @@ class DeviceArrays:
             return out, out.data.ptr
         return trip.result(a, alloc, lambda h: self.from_host(h, like))
 
-    def allreduce(self, comm, src, dst, code, opc):
+    # The ring's collectives, after their header pass (all_device: every rank
+    # runs it on a device): device to device where the ring agreed on IPC,
+    # else staged (core/device_ipc.py). Either holds the device (its lock in
+    # C) for the whole run, so each also holds the device's gate (staged).
+    def allreduce(self, ring, src, dst, code, opc, all_device):
         with staged(self._ready(src)) as device:
-            comm.allreduce_device(device, src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+            device_ipc.allreduce(ring, device, src.data.ptr, dst.data.ptr, src.nbytes, code, opc, all_device)
 
-    def reduce_scatter(self, comm, src, dst, code, opc):
+    def reduce_scatter(self, ring, src, dst, code, opc, all_device):
         with staged(self._ready(src)) as device:
-            comm.reduce_scatter_device(device, src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+            device_ipc.reduce_scatter(ring, device, src.data.ptr, dst.data.ptr, src.nbytes, code, opc, all_device)
 
-    def allgather(self, comm, flat, nbytes):
+    def allgather(self, ring, flat, nbytes, all_device):
         with staged(self._ready(flat)) as device:
-            comm.allgather_device(device, flat.data.ptr, nbytes)
+            device_ipc.allgather(ring, device, flat.data.ptr, nbytes, all_device)
 
-    def broadcast(self, comm, buf, root):
+    def broadcast(self, ring, buf, root, all_device):
         with staged(self._ready(buf)) as device:
-            comm.broadcast_device(device, buf.data.ptr, buf.nbytes, root)
+            device_ipc.broadcast(ring, device, buf.data.ptr, buf.nbytes, root, all_device)

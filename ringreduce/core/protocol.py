@@ -312,6 +312,11 @@ def _allreduce_beside_joined(blobs, live, ring) -> None:
                   live["op"])  # the path the ranks with data take
 
 
+def all_device(blobs) -> bool:
+    """Whether every rank's header says it runs the operation on a device."""
+    return all(parse(b)["device"] for b in blobs)
+
+
 def any_device(blobs) -> bool:
     """Whether any rank's header says it runs the operation on a device."""
     return any(parse(b)["device"] for b in blobs)

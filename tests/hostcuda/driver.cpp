@@ -20,12 +20,25 @@
  * - An async copy from or to pageable memory (neither cuMemHostAlloc'ed nor
  *   cuMemHostRegister'ed) runs at once, as CUDA runs it, and is counted:
  *   staging must be pinned to overlap.
+ * - cuMemAlloc'ed memory is a memfd mapping, so cuIpcGetMemHandle can hand
+ *   it to another process, which maps it with cuIpcOpenMemHandle (through
+ *   /proc/<pid>/fd: one host, as CUDA IPC is); the opened range is device
+ *   memory there for the rules above. HOSTCUDA_IPC=0 (read at each call)
+ *   makes cuIpcGetMemHandle refuse (CUDA_ERROR_NOT_SUPPORTED),
+ *   HOSTCUDA_IPC_OPEN=0 cuIpcOpenMemHandle (CUDA_ERROR_NOT_SUPPORTED: IPC not
+ *   permitted, as in a container without the peer's processes), and
+ *   HOSTCUDA_UUID_SALT changes cuDeviceGetUuid's answer: another "GPU".
+ *   Devices (HOSTCUDA_DEVICES) have peer access to each other unless
+ *   HOSTCUDA_PEER_ACCESS=0.
  * - hostcuda_stats() counts what is alive, so tests catch leaks.
  * Every entry point takes one lock: work runs in the order it was queued.
  */
 #include "cuda_builtins.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -56,7 +69,11 @@ enum : CUresult {
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
 };
+
+typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { char bytes[16]; } CUuuid;
 
 namespace {
 
@@ -107,8 +124,24 @@ const int MAX_DEVICES = 8;
 
 struct Block {
     size_t n;
-    bool api; /* from cuMemAlloc, not hostcuda_alloc */
+    bool api;          /* from cuMemAlloc, not hostcuda_alloc */
+    int fd = -1;       /* cuMemAlloc's: the memfd it maps, for IPC */
+    bool opened = false; /* another process's, mapped by cuIpcOpenMemHandle */
 };
+
+/* What cuIpcGetMemHandle puts in a CUipcMemHandle. */
+struct IpcHandle {
+    uint32_t magic;
+    int32_t pid, fd;
+    uint64_t n;
+};
+const uint32_t IPC_MAGIC = 0x48434950; /* "HCIP" */
+
+size_t mapped_size(size_t n)
+{
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    return (n + page - 1) / page * page;
+}
 
 std::recursive_mutex mu;
 bool initialized;
@@ -297,6 +330,7 @@ CUresult cuGetErrorString(CUresult r, const char **s)
         {CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"},
         {CUDA_ERROR_NOT_READY, "device not ready"},
         {CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"},
+        {CUDA_ERROR_NOT_SUPPORTED, "operation not supported"},
     };
     auto it = text.find(r);
     *s = it == text.end() ? nullptr : it->second;
@@ -493,12 +527,32 @@ CUresult cuMemHostUnregister(void *p)
 static CUresult device_alloc(CUdeviceptr *dp, size_t n, bool api)
 {
     if (n == 0) return CUDA_ERROR_INVALID_VALUE;
-    void *p = aligned_alloc(256, (n + 255) / 256 * 256); /* cuMemAlloc aligns to 256 bytes */
-    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    void *p;
+    int fd = -1;
+    if (api) { /* page aligned, so also 256 as cuMemAlloc's */
+        fd = memfd_create("hostcuda-device", MFD_CLOEXEC);
+        p = fd >= 0 && ftruncate(fd, (off_t)mapped_size(n)) == 0
+                ? mmap(nullptr, mapped_size(n), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+        if (p == MAP_FAILED) {
+            if (fd >= 0) close(fd);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    } else if (!(p = aligned_alloc(256, (n + 255) / 256 * 256))) { /* cuMemAlloc aligns to 256 bytes */
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     memset(p, 0xcd, n); /* device memory starts as garbage, not zeros */
-    device_blocks[(uintptr_t)p] = Block{n, api};
+    Block b{n, api};
+    b.fd = fd;
+    device_blocks[(uintptr_t)p] = b;
     *dp = (CUdeviceptr)p;
     return CUDA_SUCCESS;
+}
+
+static void release(uintptr_t p, const Block &b)
+{
+    if (b.fd >= 0 || b.opened) munmap((void *)p, mapped_size(b.n));
+    else free((void *)p);
+    if (b.fd >= 0) close(b.fd);
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *dp, size_t n)
@@ -512,8 +566,86 @@ CUresult cuMemFree_v2(CUdeviceptr dp)
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
     if (CUresult r = need_context()) return r;
-    if (!device_blocks.erase((uintptr_t)dp)) return CUDA_ERROR_INVALID_VALUE;
-    free((void *)dp);
+    auto it = device_blocks.find((uintptr_t)dp);
+    if (it == device_blocks.end() || !it->second.api) return CUDA_ERROR_INVALID_VALUE;
+    release(it->first, it->second);
+    device_blocks.erase(it);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice d)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (d < 0 || d >= devices) return CUDA_ERROR_INVALID_DEVICE;
+    int32_t salt = env_int("HOSTCUDA_UUID_SALT", 0);
+    memcpy(uuid->bytes, "hostcuda", 8);
+    memcpy(uuid->bytes + 8, &d, 4);
+    memcpy(uuid->bytes + 12, &salt, 4);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetCount(int *n)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    *n = devices;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (d < 0 || d >= devices || peer < 0 || peer >= devices) return CUDA_ERROR_INVALID_DEVICE;
+    *can = d != peer && env_int("HOSTCUDA_PEER_ACCESS", 1) != 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr dp)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (env_int("HOSTCUDA_IPC", 1) == 0) return CUDA_ERROR_NOT_SUPPORTED;
+    auto it = device_blocks.find((uintptr_t)dp);
+    if (it == device_blocks.end() || it->second.fd < 0) return CUDA_ERROR_INVALID_VALUE; /* a cuMemAlloc base only */
+    IpcHandle ih{IPC_MAGIC, (int32_t)getpid(), it->second.fd, it->second.n};
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, &ih, sizeof ih);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dp, CUipcMemHandle h, unsigned flags)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    IpcHandle ih;
+    memcpy(&ih, h.reserved, sizeof ih);
+    if (ih.magic != IPC_MAGIC || flags > 1 || ih.n == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (env_int("HOSTCUDA_IPC_OPEN", 1) == 0) return CUDA_ERROR_NOT_SUPPORTED;
+    if (ih.pid == (int32_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT; /* CUDA opens no handle of its own process */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)ih.pid, (int)ih.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return CUDA_ERROR_INVALID_HANDLE;
+    void *p = mmap(nullptr, mapped_size(ih.n), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    Block b{ih.n, false};
+    b.opened = true;
+    device_blocks[(uintptr_t)p] = b;
+    *dp = (CUdeviceptr)p;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr dp)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    auto it = device_blocks.find((uintptr_t)dp);
+    if (it == device_blocks.end() || !it->second.opened) return CUDA_ERROR_INVALID_VALUE;
+    release(it->first, it->second);
+    device_blocks.erase(it);
     return CUDA_SUCCESS;
 }
 
@@ -572,20 +704,26 @@ CUdeviceptr hostcuda_alloc(size_t n)
 void hostcuda_free(CUdeviceptr p)
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
-    if (device_blocks.erase((uintptr_t)p)) free((void *)p);
+    auto it = device_blocks.find((uintptr_t)p);
+    if (it == device_blocks.end() || it->second.api || it->second.opened) return;
+    release(it->first, it->second);
+    device_blocks.erase(it);
 }
 
 /* What is alive and what happened: retained contexts, streams, events,
  * cuMemAlloc blocks, pinned blocks (allocated or registered), pageable async copies, kernel
- * launches, and the sticky error (0: none). */
-void hostcuda_stats(long long out[8])
+ * launches, the sticky error (0: none), and other processes' memory open by IPC. */
+void hostcuda_stats(long long out[9])
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
-    long long retained = 0, api_blocks = 0;
+    long long retained = 0, api_blocks = 0, opened = 0;
     for (int d = 0; d < MAX_DEVICES; d++) retained += contexts[d].retained;
-    for (auto &kv : device_blocks) api_blocks += kv.second.api;
-    long long v[8] = {retained, (long long)streams.size(), (long long)events.size(), api_blocks,
-                      (long long)pinned_blocks.size(), pageable_copies, launches, sticky};
+    for (auto &kv : device_blocks) {
+        api_blocks += kv.second.api;
+        opened += kv.second.opened;
+    }
+    long long v[9] = {retained, (long long)streams.size(), (long long)events.size(), api_blocks,
+                      (long long)pinned_blocks.size(), pageable_copies, launches, sticky, opened};
     memcpy(out, v, sizeof v);
 }
 

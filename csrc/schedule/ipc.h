@@ -1,0 +1,22 @@
+/* The IPC path (ipc.c): collectives of device buffers, device to device,
+ * among ranks whose devices open each other's memory. */
+#ifndef RINGREDUCE_IPC_H
+#define RINGREDUCE_IPC_H
+
+#include "schedule/ring.h"
+
+/* As rr_allreduce on device buffers, with the host ring's bits, where every
+ * rank of the ring agreed on the IPC path (each one's device opens every
+ * other's windows; ringreduce/core/device_ipc.py). dst may be src. A rank's
+ * device failure fails the operation on every rank, naming that rank. */
+int rr_allreduce_ipc(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype,
+                     rr_op op, rr_error *err);
+/* The same for the other collectives, as their rr_* namesakes in ring.h
+ * (reduce-scatter: chunk `rank` of dst; allgather and broadcast in place):
+ * each reads its peers' windows, device to device. */
+int rr_reduce_scatter_ipc(rr_ring *ring, rr_device *dev, const void *src, void *dst, size_t count, rr_dtype dtype,
+                          rr_op op, rr_error *err);
+int rr_allgather_ipc(rr_ring *ring, rr_device *dev, void *buf, const size_t *nbytes, rr_error *err);
+int rr_broadcast_ipc(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int root, rr_error *err);
+
+#endif

@@ -1,0 +1,119 @@
+"""GPU arrays device to device through CUDA IPC (csrc/schedule/ipc.c): the
+IPC path of the collectives on the ring (allreduce, reduce_scatter,
+allgather, broadcast), beside the staged path (the host ring on a pinned
+mirror, csrc/schedule/ring.c).
+
+Which path a ring takes is agreed once, the first time every rank of it
+runs a collective on a device (each rank's header says so: a ring with a
+host rank keeps the staged path), in two blob passes. In the first every
+rank gives its host, its RINGREDUCE_CUDA_IPC setting, its device's IPC
+identity (the GPU's UUID) and its window's handle (none where the device
+or driver refuses IPC or cannot export memory). Where every rank is on one
+host with the setting on, each rank checks that its device reaches every
+peer's (the same GPU, or another with peer access) and opens every peer's
+window (and keeps it open: the first operation needs no opening); the
+second pass says whether every rank succeeded. Every rank takes the
+IPC path when it did; otherwise every rank takes the staged path, which is
+never an error. Every rank sees the same blobs, so every rank decides
+alike; the decision is kept on the ring (Ring.ipc).
+
+A rank that later runs on a device its peers cannot reach makes the next
+IPC collective fail on every rank (its new window does not open on its
+peers; the handshake tells every rank, naming the rank whose open failed),
+never silently."""
+from __future__ import annotations
+
+import json
+
+from . import shm as _shm
+from ..errors import RingReduceError
+from .communicator import current as _state
+
+AGREE_HEAD = b"RRIPC1"  # the agreement's blobs: a pass that met anything else fails, naming the rank
+
+
+def wanted() -> bool:
+    """This rank's RINGREDUCE_CUDA_IPC (the world's config; on by default)."""
+    world = _state.world
+    return bool(getattr(world.config, "cuda_ipc", True)) if world is not None else True
+
+
+def offer(device, want: bool) -> dict:
+    """What this rank gives in the agreement's first pass."""
+    got = device.ipc_offer() if want else None
+    identity, handle = got if got is not None else (None, b"")
+    return {"host": _shm.host_identity(), "pidns": _shm.pid_namespace(), "want": want, "device": identity,
+            "handle": handle.hex()}
+
+
+def candidates(offers: list[dict]) -> bool:
+    """Whether every rank may take the IPC path, from every rank's offer (the
+    same list on every rank): all on one host (and pid namespace: the
+    handles name processes), all willing and able to export."""
+    first = offers[0]
+    return all(o["want"] and o["device"] and o["host"] == first["host"] and o["pidns"] == first["pidns"]
+               for o in offers)
+
+
+def agreement_payloads(blobs) -> list[bytes]:
+    """The agreement's blobs without their head; RingReduceError on every
+    rank naming the first rank whose blob is no agreement blob (its
+    collectives are out of step with the others')."""
+    for q, b in enumerate(blobs):
+        if bytes(b[:len(AGREE_HEAD)]) != AGREE_HEAD:
+            raise RingReduceError(f"the GPU path's agreement met something else from rank {q}: "
+                                  "the ranks' collectives are out of step")
+    return [bytes(b[len(AGREE_HEAD):]) for b in blobs]
+
+
+def agree(ring, device) -> bool:
+    """The ring's path for device collectives, agreed by every rank on its first
+    one (collective: every rank calls it at the same point, under the ring's
+    lock), then kept."""
+    if ring.ipc is None:
+        mine = json.dumps(offer(device, wanted())).encode()
+        offers = [json.loads(p) for p in agreement_payloads(ring.comm.exchange_blobs(AGREE_HEAD, mine))]
+        able = candidates(offers) and all(device.ipc_probe(bytes.fromhex(o["handle"]), o["device"])
+                                          for q, o in enumerate(offers) if q != ring.rank)
+        votes = ring.comm.exchange_blobs(AGREE_HEAD, b"1" if able else b"0")
+        ring.ipc = all(v == b"1" for v in agreement_payloads(votes))
+    return ring.ipc
+
+
+def takes_ipc(ring, device, all_device: bool) -> bool:
+    """Whether this allreduce takes the IPC path: a ring of two or more ranks,
+    every one on a device (all_device: every header of its pass says so,
+    protocol.all_device), that agreed on it."""
+    return ring.size > 1 and all_device and agree(ring, device)
+
+
+def allreduce(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int, all_device: bool) -> bool:
+    """The ring allreduce of device memory src into dst (pointers) on
+    `device` (ringreduce._core.Device), after a header pass in which every
+    rank said it runs on a device (all_device) or not: the IPC path where
+    the ring agreed on it, else the staged path. Returns whether it took
+    the IPC path. The collectives below choose alike."""
+    ipc = takes_ipc(ring, device, all_device)
+    (ring.comm.allreduce_ipc if ipc else ring.comm.allreduce_device)(device, src, dst, nbytes, code, opc)
+    return ipc
+
+
+def reduce_scatter(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int, all_device: bool) -> bool:
+    """Chunk `rank` of dst gets the reduction (ring.c's chunks)."""
+    ipc = takes_ipc(ring, device, all_device)
+    (ring.comm.reduce_scatter_ipc if ipc else ring.comm.reduce_scatter_device)(device, src, dst, nbytes, code, opc)
+    return ipc
+
+
+def allgather(ring, device, buf: int, nbytes: list, all_device: bool) -> bool:
+    """In place: block i of buf (nbytes[i] bytes) is rank i's."""
+    ipc = takes_ipc(ring, device, all_device)
+    (ring.comm.allgather_ipc if ipc else ring.comm.allgather_device)(device, buf, nbytes)
+    return ipc
+
+
+def broadcast(ring, device, buf: int, nbytes: int, root: int, all_device: bool) -> bool:
+    """In place: root's nbytes at buf on every rank."""
+    ipc = takes_ipc(ring, device, all_device)
+    (ring.comm.broadcast_ipc if ipc else ring.comm.broadcast_device)(device, buf, nbytes, root)
+    return ipc

@@ -1,0 +1,507 @@
+"""The IPC path for device buffers (csrc/schedule/ipc.c, ringreduce/core/device_ipc.py):
+ranks whose devices open each other's memory allreduce device to device, with
+the host ring's bits, exchanging window handles once and caching them; the
+path is agreed by every rank, and anything that refuses it (the setting off
+on one rank, a device that refuses IPC, another GPU, a host rank in the ring)
+makes every rank take the staged path instead, never an error.
+
+Each case runs on the emulated device (its IPC windows are memfd mappings,
+its work runs late, its pointers fault on the host) and on the CUDA device
+(csrc/device/cuda_device.c) over the host CUDA driver (tests/hostcuda.py), whose
+cuIpc* calls share memfd-backed device memory between processes and whose
+streams run late too: a window read before its owner's work ran gives wrong
+bits.
+"""
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+from ranks import run_ranks
+
+SETUP = """
+import os
+from cases import DTYPES, OPS, make_input, np_dtype
+from ringreduce import _core
+from ringreduce.core import collectives, device_ipc
+from ringreduce.core.protocol import ALLREDUCE, all_device, exchange, header
+ring = collectives.communicator().ring
+comm = ring.comm
+if kind == "emulated":
+    dev = memory = _core.Device.emulated(patience, identity)
+else:
+    from hostcuda import HostCuda
+    memory = HostCuda()  # the driver libcuda.so.1 that the CUDA device opens too
+    dev = memory.ring_device(rr.rank() % int(os.environ.get("HOSTCUDA_DEVICES", "1")))  # ranks across its GPUs
+codes = {d: collectives.dtype_code(np_dtype(d)) for d in DTYPES}
+opcodes = collectives.OPS
+
+class Buf:
+    # An array's bytes in device memory.
+    def __init__(self, a):
+        self.nbytes, self.ptr = a.nbytes, memory.alloc(max(a.nbytes, 1))
+        memory.write(self.ptr, a.tobytes())
+    def get(self, dtype):
+        return np.frombuffer(memory.read(self.ptr, self.nbytes), dtype=dtype).copy()
+
+NAN_BITS = {2: 0x7E00, 4: 0x7FC00000, 8: 0x7FF8000000000000}
+UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+def rough_input(rank, count, dtype, op):
+    # Floats whose sums, products and means round, so another fold order or
+    # operand role gives other bits; NaNs with this rank's payload, alone or
+    # meeting other ranks' (x86 keeps the first operand's payload). Integers
+    # as make_input (exact: wrapping is the same in any order).
+    x = make_input(rank, (count,), dtype, op)
+    if dtype not in ("float16", "bfloat16", "float32", "float64"):
+        return x
+    rng = np.random.default_rng([rank, count, 7])
+    v = rng.standard_normal(count) * np.exp2(rng.integers(-6, 6, count))
+    if op == "prod":
+        v = 1 + rng.standard_normal(count) / 8
+    x = v.astype(np_dtype(dtype))
+    bits = x.view(UINT[x.itemsize])
+    nan = NAN_BITS[x.itemsize] if dtype != "bfloat16" else 0x7FC0
+    i = np.arange(count)
+    bits[(i % 101 == rank) | (i % 211 == 0)] = nan | (rank + 1)
+    return x
+
+def same_bits(got, want, dtype, op):
+    # The host ring's bits. On the CUDA device a sum or product of NaNs may
+    # be another NaN (CUDA's canonical one; x86 keeps whichever operand the
+    # compiler put first): which NaN it is may differ there, nothing else
+    # (tests/test_cuda.py holds the kernels to the same rule). The emulated
+    # device reduces with the host kernels: every bit.
+    if kind == "emulated" or op in ("min", "max") or dtype not in ("float16", "bfloat16", "float32", "float64"):
+        return got.tobytes() == want.tobytes()
+    nan = np.isnan(want.astype(np.float64))
+    return np.array_equal(np.isnan(got.astype(np.float64)), nan) and got[~nan].tobytes() == want[~nan].tobytes()
+
+def host_allreduce(x, dtype, op):
+    out = np.empty_like(x)
+    comm.allreduce(x.view(np.uint8), out.view(np.uint8), codes[dtype], opcodes[op])
+    return out
+
+def device_allreduce(x, dtype, op, in_place, on_device=True):
+    # As collectives' GPU allreduce does it: the header pass, then the path the ring agreed on.
+    head = header(ALLREDUCE, opcodes[op], codes[dtype], x.shape, None, False, device=on_device)
+    blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+    if not on_device:
+        return host_allreduce(x, dtype, op), False
+    src = Buf(x)
+    dst = src if in_place else Buf(np.zeros_like(x))
+    ipc = device_ipc.allreduce(ring, dev, src.ptr, dst.ptr, x.nbytes, codes[dtype], opcodes[op], all_device(blobs))
+    if not in_place:
+        assert src.get(x.dtype).tobytes() == x.tobytes(), "input changed"
+    got = dst.get(x.dtype)
+    memory.free(src.ptr)
+    if not in_place:
+        memory.free(dst.ptr)
+    return got, ipc
+"""
+
+
+def job(body: str, kind: str, patience: int = 2, identity: str = "emulated", pre: str = "") -> str:
+    """A rank's code: pre (run before the device is made), SETUP, then body."""
+    return (f"kind, patience, identity = {kind!r}, {patience}, {identity!r}\n" + pre + SETUP
+            + textwrap.dedent(body))
+
+
+@pytest.fixture(params=["emulated", "hostcuda"])
+def device(request):
+    """(kind, environment) for the ranks: the CUDA kind finds the host driver
+    through LD_LIBRARY_PATH."""
+    if request.param == "emulated":
+        return "emulated", {}
+    folder = request.getfixturevalue("hostcuda_dir")
+    return "hostcuda", {"LD_LIBRARY_PATH": f"{folder}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+
+
+def env_for(device, patience=2, **extra):
+    return {**device[1], "HOSTCUDA_PATIENCE": str(patience), **extra}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("patience", [0, 2])
+def test_ipc_allreduce_equals_the_host_ring(tmp_path, device, n, patience):
+    """Every dtype and op (avg included: sum then divide, 16-bit floats as
+    running means), sizes of 0, 1, fewer elements than ranks, not divisible
+    by N and a few MiB, in place and out of place: the bits of the host ring
+    (same_bits), the same bits on every rank, and the IPC path taken, with no
+    trip through the host. Queued work runs late (patience 2: after a few
+    queries; 0: only when waited for), so a window read before its owner's
+    work ran gives other bits."""
+    ranks = run_ranks(n, job("""
+        import hashlib
+        bad, paths, digest = [], set(), hashlib.sha256()
+        before = dev.counts()
+        N = rr.size()
+        for dtype in DTYPES:
+            for op in OPS:
+                for count in [0, 1, N - 1, 2 * N + 1, 5_003]:
+                    x = rough_input(rr.rank(), count, dtype, op)
+                    want = host_allreduce(x, dtype, op)  # checked against numpy in test_allreduce.py
+                    got, ipc = device_allreduce(x, dtype, op, in_place=count % 2 == 1)
+                    paths.add(ipc)
+                    digest.update(got.tobytes())
+                    if not same_bits(got, want, dtype, op):
+                        bad.append((dtype, op, count))
+        for dtype, op in [("float32", "sum"), ("bfloat16", "avg")]:  # a few MiB
+            x = rough_input(rr.rank(), (3 << 20) // 4 + 3, dtype, op)
+            got, ipc = device_allreduce(x, dtype, op, in_place=False)
+            paths.add(ipc)
+            digest.update(got.tobytes())
+            if not same_bits(got, host_allreduce(x, dtype, op), dtype, op):
+                bad.append((dtype, op, x.size))
+        after = dev.counts()
+        result = bad, paths, {k: after[k] - before[k] for k in after}, digest.hexdigest()
+    """, device[0], patience), tmp_path, env=env_for(device, patience, RINGREDUCE_SEGMENT_BYTES="4096"), timeout=400)
+    assert len({r.result[3] for r in ranks}) == 1, "ranks differ"  # each chunk reduced once, then copied
+    for r in ranks:
+        bad, paths, counts, _ = r.result
+        assert bad == [], f"rank {r.rank}: {sorted(set(b[:2] for b in bad))}"
+        assert paths == {True}, paths
+        assert counts["host_copies"] == 0, counts  # device to device only
+        assert counts["kernels"] > 0 and counts["ipc_opens"] >= n - 1, counts
+
+
+def test_handles_are_exchanged_once_and_again_when_a_window_grows(tmp_path, device):
+    """A peer's window is opened once and cached across calls; when a rank's
+    window grows (a larger tensor), its peers open the new one, once."""
+    ranks = run_ranks(3, job("""
+        def opens():
+            return dev.counts()["ipc_opens"], dev.counts()["ipc_exports"]
+        x = make_input(rr.rank(), (10_000,), "float32", "sum")
+        steps = []
+        for _ in range(4):
+            got, ipc = device_allreduce(x, "float32", "sum", in_place=False)
+            assert ipc and got.tobytes() == host_allreduce(x, "float32", "sum").tobytes()
+            steps.append(opens())
+        y = make_input(rr.rank(), (400_000,), "float32", "sum")  # larger than every window: all grow
+        for _ in range(3):
+            got, ipc = device_allreduce(y, "float32", "sum", in_place=True)
+            assert ipc and got.tobytes() == host_allreduce(y, "float32", "sum").tobytes()
+            steps.append(opens())
+        result = steps
+    """, device[0]), tmp_path, env=env_for(device), timeout=120)
+    for r in ranks:
+        steps = r.result
+        # the agreement exported a first window and opened the peers'; the first allreduce grew every window
+        # and opened each peer's new one, once; later calls open nothing
+        assert steps[:4] == [(4, 2)] * 4, steps
+        assert steps[4:] == [(6, 3)] * 3, steps  # a larger tensor: each window grows, each opened once more
+
+
+REFUSALS = ["setting", "device", "other_gpu"]
+
+
+@pytest.mark.parametrize("refusal", REFUSALS)
+def test_one_refusing_rank_sends_every_rank_to_the_staged_path(tmp_path, device, refusal):
+    """RINGREDUCE_CUDA_IPC=0 on one rank, a device that refuses IPC on one
+    rank (it cannot export memory), or one rank on a GPU the others cannot
+    reach (no peer access; not visible to them): every rank takes the staged
+    path (the same bits), none raises."""
+    run_with_one_refusing_rank(tmp_path, device, refusal)
+
+
+def test_a_rank_that_cannot_open_its_peers_memory_sends_every_rank_to_the_staged_path(tmp_path, hostcuda_dir):
+    """IPC not permitted (cuIpcOpenMemHandle fails on rank 1, as in a
+    container that cannot reach its peers' processes; the host CUDA driver
+    refuses on request, the emulated device cannot): the agreement's opens
+    fail there, and every rank takes the staged path."""
+    run_with_one_refusing_rank(tmp_path, ("hostcuda", {"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}),
+                       "open")
+
+
+@pytest.mark.parametrize("peer_access", ["1", "0"])
+def test_ranks_on_two_gpus_take_the_ipc_path_where_they_have_peer_access(tmp_path, hostcuda_dir, peer_access):
+    """Ranks spread over two GPUs of one host (the host CUDA driver's): device
+    to device where the GPUs have peer access, else (HOSTCUDA_PEER_ACCESS=0)
+    every rank takes the staged path; the host ring's bits either way."""
+    ranks = run_ranks(4, job("""
+        out = []
+        for dtype, op in [("float32", "sum"), ("float16", "avg"), ("int64", "max")]:
+            x = rough_input(rr.rank(), 70_001, dtype, op)
+            got, ipc = device_allreduce(x, dtype, op, in_place=False)
+            out.append((ipc, same_bits(got, host_allreduce(x, dtype, op), dtype, op)))
+        result = out
+    """, "hostcuda"), tmp_path, timeout=120,
+        env={"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}", "HOSTCUDA_DEVICES": "2",
+             "HOSTCUDA_PEER_ACCESS": peer_access})
+    for r in ranks:
+        assert r.result == [(peer_access == "1", True)] * 3, (r.rank, r.result)
+
+
+def run_with_one_refusing_rank(tmp_path, device, refusal):
+    if refusal == "setting":
+        pre = "if os.environ['RINGREDUCE_RANK'] == '1':\n    os.environ['RINGREDUCE_CUDA_IPC'] = '0'\nrr.init()\n"
+    elif device[0] == "emulated":
+        pre = "rr.init()\nidentity = {'device': None, 'other_gpu': 'emulated-1'}[refusal] if rr.rank() == 1 else identity\n"
+    else:
+        var = {"device": "HOSTCUDA_IPC", "other_gpu": "HOSTCUDA_UUID_SALT", "open": "HOSTCUDA_IPC_OPEN"}[refusal]
+        value = {"device": "0", "other_gpu": "1", "open": "0"}[refusal]
+        pre = f"if os.environ['RINGREDUCE_RANK'] == '1':\n    os.environ[{var!r}] = {value!r}\nrr.init()\n"
+    body = job("""
+        out = []
+        for count in [7, 100_003]:
+            x = make_input(rr.rank(), (count,), "float64", "sum")
+            got, ipc = device_allreduce(x, "float64", "sum", in_place=False)
+            out.append((ipc, got.tobytes() == host_allreduce(x, "float64", "sum").tobytes()))
+        result = out, dev.counts()["host_copies"] > 0
+    """, device[0], pre=f"refusal = {refusal!r}\n" + pre)
+    ranks = run_ranks(3, body, tmp_path, env=env_for(device), timeout=120, init=False)
+    for r in ranks:
+        out, staged = r.result
+        assert out == [(False, True), (False, True)], (r.rank, out)
+        assert staged
+
+
+def test_a_ring_with_a_host_rank_stays_staged(tmp_path, device):
+    """A host rank among device ranks: no agreement is even run, the device
+    ranks take the staged path, every rank gets the host ring's bits."""
+    ranks = run_ranks(3, job("""
+        x = make_input(rr.rank(), (50_001,), "float32", "avg")
+        got, ipc = device_allreduce(x, "float32", "avg", in_place=False, on_device=rr.rank() != 2)
+        result = ipc, got.tobytes() == host_allreduce(x, "float32", "avg").tobytes(), ring.ipc
+    """, device[0]), tmp_path, env=env_for(device), timeout=120)
+    for r in ranks:
+        assert r.result == (False, True, None), (r.rank, r.result)
+
+
+def test_a_peer_lost_during_the_ipc_path_fails_every_rank(tmp_path):
+    """A rank that dies between two IPC allreduces: the others raise
+    PeerLostError naming it, none hangs."""
+    ranks = run_ranks(3, job("""
+        x = make_input(rr.rank(), (100_000,), "float32", "sum")
+        got, ipc = device_allreduce(x, "float32", "sum", in_place=False)
+        assert ipc
+        if rr.rank() == 1:
+            os._exit(0)
+        try:
+            device_allreduce(x, "float32", "sum", in_place=False)
+            result = "no error"
+        except rr.RingReduceError as exc:
+            result = (type(exc).__name__, str(exc))
+    """, "emulated"), tmp_path, timeout=120, check=False)
+    for r in (ranks[0], ranks[2]):
+        assert r.result != "no error"
+        assert r.result[0] == "PeerLostError" and "rank 1" in r.result[1], r.result
+
+
+def test_a_device_failing_on_one_rank_fails_every_rank_naming_it(tmp_path):
+    """Rank 1 hands the IPC path a host pointer: its device refuses the copy,
+    and every rank raises naming rank 1, in the same handshake (no hang)."""
+    ranks = run_ranks(3, job("""
+        x = make_input(rr.rank(), (100_000,), "float32", "sum")
+        head = header(ALLREDUCE, opcodes["sum"], codes["float32"], x.shape, None, False, device=True)
+        blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+        src = Buf(x)
+        ptr = x.ctypes.data if rr.rank() == 1 else src.ptr
+        try:
+            device_ipc.allreduce(ring, dev, ptr, src.ptr, x.nbytes, codes["float32"], opcodes["sum"], all_device(blobs))
+            result = "no error"
+        except rr.RingReduceError as exc:
+            result = (type(exc).__name__, str(exc))
+    """, "emulated"), tmp_path, timeout=60)
+    assert "host pointer" in ranks[1].result[1], ranks[1].result
+    for r in (ranks[0], ranks[2]):
+        assert r.result[0] == "RingReduceError" and "rank 1" in r.result[1] and "host pointer" in r.result[1], r.result
+
+
+def test_the_cuda_device_frees_its_window_and_closes_its_peers(tmp_path, hostcuda_dir):
+    """On the host CUDA driver: the IPC path copies nothing through pageable
+    memory, and dropping the device frees its window (cuMemFree) and closes
+    every peer's (cuIpcCloseMemHandle), so nothing stays mapped."""
+    ranks = run_ranks(3, job("""
+        import gc
+        x = make_input(rr.rank(), (30_000,), "int32", "sum")
+        for n in (30_000, 300_000):
+            x = make_input(rr.rank(), (n,), "int32", "sum")
+            got, ipc = device_allreduce(x, "int32", "sum", in_place=False)
+            assert ipc and got.tobytes() == host_allreduce(x, "int32", "sum").tobytes()
+        during = memory.stats()
+        del dev
+        gc.collect()
+        result = during, memory.stats()
+    """, "hostcuda"), tmp_path, env={"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"},
+        timeout=120)
+    for r in ranks:
+        during, after = r.result
+        assert during["ipc_open"] == 2 and during["device_blocks"] == 1, during  # peers' windows; its own
+        assert during["pageable_copies"] == 0 and during["sticky_error"] == 0, during
+        assert after["ipc_open"] == 0 and after["device_blocks"] == 0 and after["contexts"] == 0, after
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_reduce_scatter_allgather_broadcast_take_the_ipc_path(tmp_path, device, n):
+    """reduce_scatter (this rank's chunk, the host ring's bits), allgather of
+    uneven blocks (some empty) and broadcast from every root, device to
+    device, with no trip through the host."""
+    ranks = run_ranks(n, job("""
+        N, r = rr.size(), rr.rank()
+        out, paths = {}, set()
+        before = dev.counts()
+        for count in [1, N - 1, 3 * N + 2, 30_011]:
+            x = rough_input(r, count, "float32", "sum")
+            head = header(ALLREDUCE, opcodes["sum"], codes["float32"], x.shape, None, False, device=True)
+            blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+            src, dst = Buf(x), Buf(np.zeros_like(x))
+            paths.add(device_ipc.reduce_scatter(ring, dev, src.ptr, dst.ptr, x.nbytes, codes["float32"],
+                                                opcodes["sum"], all_device(blobs)))
+            lo, hi = collectives.chunk_bounds(count, N, r)
+            want = host_allreduce(x, "float32", "sum")[lo:hi]
+            out[("rs", count)] = same_bits(dst.get(x.dtype)[lo:hi], want, "float32", "sum")
+
+            rows = [(count + i * 7) % 50_000 if i != 1 else 0 for i in range(N)]  # uneven, one empty
+            full = np.zeros(sum(rows), dtype=np.int16)
+            at = sum(rows[:r])
+            full[at:at + rows[r]] = np.arange(rows[r], dtype=np.int16) + r
+            buf = Buf(full)
+            paths.add(device_ipc.allgather(ring, dev, buf.ptr, [k * 2 for k in rows], True))
+            want = np.concatenate([np.arange(k, dtype=np.int16) + i for i, k in enumerate(rows)])
+            out[("ag", count)] = np.array_equal(buf.get(np.int16), want)
+
+            for root in range(N):
+                b = np.arange(count, dtype=np.int64) * (root + 1) if r == root else np.zeros(count, np.int64)
+                buf = Buf(b)
+                paths.add(device_ipc.broadcast(ring, dev, buf.ptr, b.nbytes, root, True))
+                out[("bc", count, root)] = np.array_equal(buf.get(np.int64), np.arange(count, dtype=np.int64) * (root + 1))
+        after = dev.counts()
+        result = out, paths, after["host_copies"] - before["host_copies"]
+    """, device[0]), tmp_path, env=env_for(device), timeout=180)
+    for r in ranks:
+        out, paths, host_copies = r.result
+        assert all(out.values()), (r.rank, [k for k, v in out.items() if not v])
+        assert paths == {True} and host_copies == 0, (paths, host_copies)
+
+
+# A device array family (as ringreduce/core/cuda.py DeviceArrays) over the
+# emulated device: the public collectives then run on its device paths.
+EMULATED_FAMILY = """
+import contextlib
+from ringreduce import _core
+from ringreduce.core import arrays as core_arrays, collectives as C, cuda, device_ipc
+device = _core.Device.emulated(2)
+
+class Dev(np.ndarray):
+    pass
+
+def on_device(sizes, fill, run, read_into):
+    # device buffers for the C call, the host arrays copied in and out
+    ptrs = [device.alloc(max(n, 1)) for n in sizes]
+    for p, a in zip(ptrs, fill):
+        device.write(p, a.tobytes())
+    run(*ptrs)
+    for p, a in zip(ptrs, read_into):
+        if a is not None:
+            a.view(np.uint8).reshape(-1)[:] = np.frombuffer(device.read(p, a.nbytes), np.uint8)
+    for p in ptrs:
+        device.free(p)
+
+class Emulated:
+    xp = np
+    asarray = staticmethod(lambda x: x)
+    on = staticmethod(lambda x: contextlib.nullcontext())
+    to_host = staticmethod(lambda x: np.asarray(x))
+    from_host = staticmethod(lambda a, like: a.view(Dev))
+    ready = staticmethod(lambda x: None)
+    small_trip = staticmethod(lambda x, down=True: core_arrays._HostTrip(x))
+    result = staticmethod(lambda trip, a, like: a.view(Dev))
+    def allreduce(self, ring, src, dst, code, opc, all_device):
+        on_device([src.nbytes, dst.nbytes], [src],
+                  lambda s, d: device_ipc.allreduce(ring, device, s, d, src.nbytes, code, opc, all_device), [None, dst])
+    def reduce_scatter(self, ring, src, dst, code, opc, all_device):
+        on_device([src.nbytes, dst.nbytes], [src],
+                  lambda s, d: device_ipc.reduce_scatter(ring, device, s, d, src.nbytes, code, opc, all_device),
+                  [None, dst])
+    def allgather(self, ring, flat, nbytes, all_device):
+        on_device([flat.nbytes], [flat], lambda b: device_ipc.allgather(ring, device, b, nbytes, all_device), [flat])
+    def broadcast(self, ring, buf, root, all_device):
+        on_device([buf.nbytes], [buf], lambda b: device_ipc.broadcast(ring, device, b, buf.nbytes, root, all_device),
+                  [buf])
+
+cuda.is_device_array = lambda x: isinstance(x, Dev)
+C.cuda.is_device_array = cuda.is_device_array
+core_arrays.device_arrays = Emulated
+"""
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_the_public_collectives_take_the_ipc_path_where_agreed(tmp_path, setting):
+    """rr.allreduce, reduce_scatter, allgather and broadcast on device arrays
+    of every rank: device to device with the setting on (the ring agreed once,
+    no host copy), the staged path with RINGREDUCE_CUDA_IPC=0; the same
+    results either way."""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        r, N = rr.rank(), rr.size()
+        x = ((np.arange(300_001) % 13) * (r + 1)).astype(np.float32)
+        before = device.counts()
+        y = rr.allreduce(x.view(Dev), op="avg")
+        s = rr.reduce_scatter(x.view(Dev))
+        g = rr.allgather((np.arange(100_003) + r).astype(np.int32).view(Dev))
+        b = rr.broadcast((np.arange(200_000) * (r + 1)).astype(np.int64).view(Dev), root=2)
+        after = device.counts()
+        lo, hi = C.chunk_bounds(x.size, N, r)
+        want = (np.arange(300_001) % 13).astype(np.float32) * 6
+        ok = (np.array_equal(np.asarray(y), want / 3), np.array_equal(np.asarray(s), want[lo:hi]),
+              np.array_equal(np.asarray(g), np.concatenate([np.arange(100_003) + k for k in range(N)]).astype(np.int32)),
+              np.array_equal(np.asarray(b), np.arange(200_000) * 3))
+        result = ok, C.communicator().ring.ipc, after["host_copies"] - before["host_copies"]
+    """), tmp_path, timeout=120, env={"RINGREDUCE_CUDA_IPC": setting})
+    for k in ranks:
+        ok, ipc, host_copies = k.result
+        assert ok == (True, True, True, True), (k.rank, ok)
+        assert ipc is (setting == "1")
+        assert (host_copies == 0) is (setting == "1"), host_copies
+
+
+def test_the_agreement_reads_only_its_own_blobs():
+    """Every rank's agreement blob carries its head; a blob without it (a rank
+    whose collectives are out of step) fails the agreement naming that rank,
+    never parsed as an offer."""
+    from ringreduce import RingReduceError
+    from ringreduce.core import device_ipc
+    head = device_ipc.AGREE_HEAD
+    assert device_ipc.agreement_payloads([head + b"1", head + b"0"]) == [b"1", b"0"]
+    with pytest.raises(RingReduceError, match="rank 1"):
+        device_ipc.agreement_payloads([head + b"1", b"RRIPC0junk", head + b"1"])
+
+
+def test_the_agreement_asks_every_rank_to_be_on_one_host_willing_and_able():
+    """The first pass's verdict, the same on every rank from the same offers:
+    every rank willing (RINGREDUCE_CUDA_IPC), able to export (an identity),
+    on one host and pid namespace; whether the GPUs reach each other is each
+    rank's probe, in the second pass."""
+    from ringreduce.core import device_ipc
+
+    def offer(**changes):
+        return {"host": "h", "pidns": 1, "want": True, "device": "cuda:00", "handle": "", **changes}
+
+    assert device_ipc.candidates([offer(), offer(device="cuda:11")])
+    for bad in [{"want": False}, {"device": None}, {"host": "other"}, {"pidns": 2}]:
+        assert not device_ipc.candidates([offer(), offer(**bad)]), bad
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_an_ipc_allreduce_costs_what_the_docs_say(tmp_path, device, n):
+    """Once the peers' windows are open, an allreduce costs each rank N + 1
+    copies on the device (in, and every chunk out), none to or from the host,
+    N - 1 kernels (N for a sum-average: the division), 3 host waits and no
+    opens (docs/api.md's counts)."""
+    ranks = run_ranks(n, job("""
+        costs = {}
+        for op in ["sum", "avg"]:
+            x = rough_input(rr.rank(), 100_003, "float32", op)
+            device_allreduce(x, "float32", op, in_place=False)  # the windows grow and open
+            before = dev.counts()
+            got, ipc = device_allreduce(x, "float32", op, in_place=False)
+            after = dev.counts()
+            costs[op] = {k: after[k] - before[k] for k in after}
+        result = costs
+    """, device[0]), tmp_path, env=env_for(device), timeout=120)
+    for r in ranks:
+        for op, kernels in [("sum", n - 1), ("avg", n)]:
+            c = r.result[op]
+            assert (c["copies"], c["host_copies"], c["kernels"], c["waits"], c["ipc_opens"], c["ipc_exports"]) == \
+                (n + 1, 0, kernels, 3, 0, 0), (r.rank, op, c)
