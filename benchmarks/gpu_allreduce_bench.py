@@ -268,6 +268,9 @@ def main(argv=None) -> None:
                               args.repeats, bar)
         if not ipc_known():
             notes.append(f"IPC: this build does not read {IPC_VARIABLE}: the IPC column ran the staged path")
+        elif getattr(rr.core.communicator().ring, "ipc", None) is not True:  # the ring's agreement (core/device_ipc.py)
+            notes.append("IPC: the ranks agreed on the staged path (fallback: IPC refused or not permitted here): "
+                         "the IPC column ran staged")
     bar.close()
     if lead:
         title = (f"allreduce float32 sum, N={n} ranks sharing {gpu}, {platform.node()}, {os.cpu_count()} cores, "
