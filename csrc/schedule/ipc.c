@@ -23,8 +23,10 @@
  * rank c+1's input, rank c+j folds its own input into it as reduce3(dst,
  * own, partial) (16-bit averages: mean_fold(dst, own, partial, k = j)),
  * the last fold is rank c's, and a sum-average divides at the end. Device
- * kernels give the host kernels' bits, so every rank ends with the bits the
- * host ring gives, NaN payloads included.
+ * kernels give the host kernels' bits except which NaN a sum or product of
+ * NaNs is (CUDA's canonical one), so every rank ends with the host ring's
+ * bits up to that, and every rank with the same bits (each chunk is reduced
+ * once, then only copied).
  *
  * reduce-scatter is the allreduce without its gather (this rank's chunk
  * copied out of its window; two handshakes), allgather copies this rank's
