@@ -18,6 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from emulated_family import emulated_family
 from ranks import run_ranks
 
 SETUP = """
@@ -376,55 +377,7 @@ def test_reduce_scatter_allgather_broadcast_take_the_ipc_path(tmp_path, device, 
         assert paths == {True} and host_copies == 0, (paths, host_copies)
 
 
-# A device array family (as ringreduce/core/cuda.py DeviceArrays) over the
-# emulated device: the public collectives then run on its device paths.
-EMULATED_FAMILY = """
-import contextlib
-from ringreduce import _core
-from ringreduce.core import arrays as core_arrays, collectives as C, cuda, device_ipc
-device = _core.Device.emulated(2)
-
-class Dev(np.ndarray):
-    pass
-
-def on_device(sizes, fill, run, read_into):
-    # device buffers for the C call, the host arrays copied in and out
-    ptrs = [device.alloc(max(n, 1)) for n in sizes]
-    for p, a in zip(ptrs, fill):
-        device.write(p, a.tobytes())
-    run(*ptrs)
-    for p, a in zip(ptrs, read_into):
-        if a is not None:
-            a.view(np.uint8).reshape(-1)[:] = np.frombuffer(device.read(p, a.nbytes), np.uint8)
-    for p in ptrs:
-        device.free(p)
-
-class Emulated:
-    xp = np
-    asarray = staticmethod(lambda x: x)
-    on = staticmethod(lambda x: contextlib.nullcontext())
-    to_host = staticmethod(lambda x: np.asarray(x))
-    from_host = staticmethod(lambda a, like: a.view(Dev))
-    ready = staticmethod(lambda x: None)
-    small_trip = staticmethod(lambda x, down=True: core_arrays._HostTrip(x))
-    result = staticmethod(lambda trip, a, like: a.view(Dev))
-    def allreduce(self, ring, src, dst, code, opc, all_device):
-        on_device([src.nbytes, dst.nbytes], [src],
-                  lambda s, d: device_ipc.allreduce(ring, device, s, d, src.nbytes, code, opc, all_device), [None, dst])
-    def reduce_scatter(self, ring, src, dst, code, opc, all_device):
-        on_device([src.nbytes, dst.nbytes], [src],
-                  lambda s, d: device_ipc.reduce_scatter(ring, device, s, d, src.nbytes, code, opc, all_device),
-                  [None, dst])
-    def allgather(self, ring, flat, nbytes, all_device):
-        on_device([flat.nbytes], [flat], lambda b: device_ipc.allgather(ring, device, b, nbytes, all_device), [flat])
-    def broadcast(self, ring, buf, root, all_device):
-        on_device([buf.nbytes], [buf], lambda b: device_ipc.broadcast(ring, device, b, buf.nbytes, root, all_device),
-                  [buf])
-
-cuda.is_device_array = lambda x: isinstance(x, Dev)
-C.cuda.is_device_array = cuda.is_device_array
-core_arrays.device_arrays = Emulated
-"""
+EMULATED_FAMILY = emulated_family(2)
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])

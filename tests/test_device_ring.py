@@ -20,6 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from emulated_family import emulated_family
 from ranks import run_ranks
 
 SETUP = """
@@ -274,47 +275,7 @@ def test_16_bit_average_on_device_keeps_the_range(tmp_path, device, mode):
         assert r.result == [], f"rank {r.rank}: {r.result[:5]}"
 
 
-# A device array family (as ringreduce/core/cuda.py DeviceArrays) over the emulated
-# device (csrc/device/device_emulated.c): the public collectives then run this
-# rank's large operations on the ring's staged device path.
-EMULATED_FAMILY = """
-import contextlib
-from ringreduce import _core
-from ringreduce.core import arrays as core_arrays, collectives as C, cuda, device_ipc
-device = _core.Device.emulated(0)
-
-class Dev(np.ndarray):
-    pass
-
-def staged(src_nbytes, fill, run, read_into):
-    # device buffers for the C call, the host arrays copied in and out
-    ptrs = [device.alloc(max(n, 1)) for n in src_nbytes]
-    for p, a in zip(ptrs, fill):
-        device.write(p, a.tobytes())
-    run(*ptrs)
-    for p, a in zip(ptrs, read_into):
-        if a is not None:
-            a.view(np.uint8).reshape(-1)[:] = np.frombuffer(device.read(p, a.nbytes), np.uint8)
-
-class Emulated:
-    xp = np
-    asarray = staticmethod(lambda x: x)
-    on = staticmethod(lambda x: contextlib.nullcontext())
-    to_host = staticmethod(lambda x: np.asarray(x))
-    from_host = staticmethod(lambda a, like: a.view(Dev))
-    def allreduce(self, ring, src, dst, code, opc, all_device):
-        staged([src.nbytes, dst.nbytes], [src],
-               lambda s, d: device_ipc.allreduce(ring, device, s, d, src.nbytes, code, opc, all_device), [None, dst])
-    def allgather(self, ring, flat, nbytes, all_device):
-        staged([flat.nbytes], [flat], lambda b: device_ipc.allgather(ring, device, b, nbytes, all_device), [flat])
-    small_trip = staticmethod(lambda x, down=True: core_arrays._HostTrip(x))
-    ready = staticmethod(lambda x: None)
-    result = staticmethod(lambda trip, a, like: a.view(Dev))
-
-cuda.is_device_array = lambda x: isinstance(x, Dev)
-C.cuda.is_device_array = cuda.is_device_array
-core_arrays.device_arrays = Emulated
-"""
+EMULATED_FAMILY = emulated_family(0)
 
 
 def test_a_device_rank_beside_host_ranks_on_zero_copy_links_gets_the_right_sums(tmp_path):
