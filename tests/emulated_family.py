@@ -43,6 +43,26 @@ class Emulated:
     def allreduce(self, ring, src, dst, code, opc, all_device):
         on_device([src.nbytes, dst.nbytes], [src],
                   lambda s, d: device_ipc.allreduce(ring, device, s, d, src.nbytes, code, opc, all_device), [None, dst])
+    def allreduce_small(self, x, out, reduce):
+        # the small path through one of the device's pinned bounce buffers (cuda.through_bounce)
+        a = np.ascontiguousarray(x)
+        got = np.empty_like(a)
+        went = []
+        work = lambda view: reduce(np.frombuffer(view, dtype=a.dtype).reshape(a.shape))
+        on_device([a.nbytes, a.nbytes], [a],
+                  lambda s, d: went.append(cuda.through_bounce(device, s, d, a.nbytes, work)), [None, got])
+        return got.view(Dev) if went[0] else None
+    def allreduce_small_ipc(self, ring, head, src, dst, code, opc):
+        ptrs = [device.alloc(max(src.nbytes, 1)), device.alloc(max(dst.nbytes, 1))]
+        try:
+            device.write(ptrs[0], src.tobytes())
+            blobs = device_ipc.allreduce_small(ring, device, head, ptrs[0], ptrs[1], src.nbytes, code, opc)
+            if blobs is None:  # reduced: dst holds the result
+                dst.reshape(-1).view(np.uint8)[:] = np.frombuffer(device.read(ptrs[1], dst.nbytes), np.uint8)
+            return blobs
+        finally:
+            for p in ptrs:
+                device.free(p)
     def reduce_scatter(self, ring, src, dst, code, opc, all_device):
         on_device([src.nbytes, dst.nbytes], [src],
                   lambda s, d: device_ipc.reduce_scatter(ring, device, s, d, src.nbytes, code, opc, all_device),

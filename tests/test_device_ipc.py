@@ -100,6 +100,26 @@ def device_allreduce(x, dtype, op, in_place, on_device=True):
     if not in_place:
         memory.free(dst.ptr)
     return got, ipc
+
+def small_ipc_allreduce(x, dtype, op, in_place, name=None, src_ptr=None):
+    # The one-pass small allreduce as collectives' GPU allreduce calls it on a ring that agreed on IPC:
+    # (result, None), or (None, every rank's blob) where headers differed.
+    head = header(ALLREDUCE, opcodes[op], codes[dtype], x.shape, name, True, device=True)
+    src = Buf(x)
+    dst = src if in_place else Buf(np.zeros_like(x))
+    try:
+        blobs = device_ipc.allreduce_small(ring, dev, head, src.ptr if src_ptr is None else src_ptr, dst.ptr,
+                                           x.nbytes, codes[dtype], opcodes[op])
+        return (dst.get(x.dtype) if blobs is None else None), blobs
+    finally:
+        memory.free(src.ptr)
+        if not in_place:
+            memory.free(dst.ptr)
+
+def rank_order(xs, dtype, op):
+    # The host small paths' bits: every rank's input folded in rank order (collectives._reduce_blobs).
+    return collectives._reduce_blobs([a.tobytes() for a in xs], np_dtype(dtype), codes[dtype], opcodes[op],
+                                     (xs[0].size,))
 """
 
 
@@ -458,3 +478,181 @@ def test_an_ipc_allreduce_costs_what_the_docs_say(tmp_path, device, n):
             c = r.result[op]
             assert (c["copies"], c["host_copies"], c["kernels"], c["waits"], c["ipc_opens"], c["ipc_exports"]) == \
                 (n + 1, 0, kernels, 3, 0, 0), (r.rank, op, c)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_small_ipc_allreduce_is_one_pass_with_the_small_paths_bits(tmp_path, device, n):
+    """On a ring that agreed on IPC, a small allreduce is one pass: every
+    dtype and op, sizes 0, 1, fewer elements than ranks, not divisible by N
+    and past the ring's small window (it grows), in place and out of place,
+    give the host small paths' bits (every rank's input folded in rank order)
+    and the same bits on every rank; queued work runs late, so a slot read
+    before its owner's copy ran, or overwritten while a peer still reads it,
+    gives other bits. Once the window is open an allreduce costs one device
+    copy, N - 1 kernels (N for a sum-average), 2 host waits, no host copy
+    and no open."""
+    ranks = run_ranks(n, job("""
+        import hashlib
+        N, r = rr.size(), rr.rank()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]  # agreed on IPC
+        bad, digest = [], hashlib.sha256()
+        limit = ring.allreduce_limit
+        for dtype in DTYPES:
+            for op in OPS:
+                for count in [0, 1, N - 1, 2 * N + 1, 5_003]:
+                    x = rough_input(r, count, dtype, op)
+                    want = rank_order([rough_input(q, count, dtype, op) for q in range(N)], dtype, op)
+                    got, blobs = small_ipc_allreduce(x, dtype, op, in_place=count % 2 == 1)
+                    assert blobs is None, "headers differ"
+                    digest.update(got.tobytes())
+                    if not same_bits(got, want, dtype, op):
+                        bad.append((dtype, op, count))
+        costs = {}
+        for op in ["sum", "avg"]:
+            x = rough_input(r, 1000, "float32", op)
+            small_ipc_allreduce(x, "float32", op, in_place=False)
+            before = dev.counts()
+            got, _ = small_ipc_allreduce(x, "float32", op, in_place=False)
+            after = dev.counts()
+            costs[op] = {k: after[k] - before[k] for k in after}
+        big = rough_input(r, limit // 4 * 3, "float32", "sum")  # past the window made for the limit: it grows
+        before = dev.counts()
+        for _ in range(3):
+            got, _ = small_ipc_allreduce(big, "float32", "sum", in_place=False)
+            if got.tobytes() != rank_order([rough_input(q, big.size, "float32", "sum") for q in range(N)],
+                                           "float32", "sum").tobytes():
+                bad.append("grown")
+        grown = dev.counts()["ipc_exports"] - before["ipc_exports"], dev.counts()["ipc_opens"] - before["ipc_opens"]
+        result = bad, digest.hexdigest(), costs, grown
+    """, device[0]), tmp_path, env=env_for(device), timeout=300)
+    assert len({r.result[1] for r in ranks}) == 1, "ranks differ"
+    for r in ranks:
+        bad, _, costs, grown = r.result
+        assert bad == [], (r.rank, bad)
+        for op, kernels in [("sum", n - 1), ("avg", n)]:
+            c = costs[op]
+            assert (c["copies"], c["host_copies"], c["kernels"], c["waits"], c["ipc_opens"], c["ipc_exports"]) == \
+                (1, 0, kernels, 2, 0, 0), (r.rank, op, c)
+        assert grown == (1, n - 1), grown  # one new window each, each peer's opened once
+
+
+def test_a_small_ipc_window_that_grows_frees_the_old_one(tmp_path, hostcuda_dir):
+    """On the host CUDA driver: a ring's small window that grows keeps the
+    old one only until that operation's pass (no peer reads it after it),
+    then frees it: device memory holds the large window and one small
+    window, however often it grew."""
+    ranks = run_ranks(3, job("""
+        N, r = rr.size(), rr.rank()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        blocks, exports = [], dev.counts()["ipc_exports"]
+        for count in [100, 100, ring.allreduce_limit, 10 * ring.allreduce_limit, 100]:
+            x = make_input(r, (count,), "int32", "sum")
+            got, _ = small_ipc_allreduce(x, "int32", "sum", in_place=False)
+            assert got.tobytes() == rank_order([make_input(q, (count,), "int32", "sum") for q in range(N)],
+                                               "int32", "sum").tobytes()
+            blocks.append(memory.stats()["device_blocks"])
+        result = blocks, dev.counts()["ipc_exports"] - exports
+    """, "hostcuda"), tmp_path, env={"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"},
+        timeout=120)
+    for r in ranks:
+        assert r.result == ([2] * 5, 3), r.result  # made, grown twice; the large window beside it
+
+
+def test_a_small_ipc_allreduce_whose_headers_differ_reduces_nothing(tmp_path):
+    """A rank whose header differs (another shape; a host rank's small path)
+    makes the pass give every rank every blob and reduce nothing, and the
+    caller's agreement raises MismatchError on every rank for a real
+    mismatch. A device failing on one rank before the pass (here: a host
+    pointer) fails every rank, naming it."""
+    ranks = run_ranks(3, job("""
+        from ringreduce.core.protocol import agree
+        r = rr.rank()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        x = make_input(r, (10 if r != 2 else 11,), "float32", "sum")
+        got, blobs = small_ipc_allreduce(x, "float32", "sum", in_place=False)
+        try:
+            agree(blobs, header(ALLREDUCE, opcodes["sum"], codes["float32"], x.shape, None, True, device=True),
+                  ("op", "dtype", "shape", "name"), "allreduce", ring)
+            mismatch = "agreed"
+        except rr.MismatchError as exc:
+            mismatch = str(exc)
+        x = make_input(r, (10,), "float32", "sum")
+        try:
+            small_ipc_allreduce(x, "float32", "sum", in_place=False, src_ptr=x.ctypes.data if r == 1 else None)
+            failed = "no error"
+        except rr.RingReduceError as exc:
+            failed = str(exc)
+        result = got is None and len(blobs) == 3, mismatch, failed
+    """, "emulated"), tmp_path, timeout=60)
+    for r in ranks:
+        nothing, mismatch, failed = r.result
+        assert nothing, r.rank
+        assert "shape" in mismatch and "rank 2" in mismatch, mismatch
+        assert "rank 1" in failed and "host pointer" in failed, failed
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_small_public_allreduces_of_device_arrays_take_one_ipc_pass(tmp_path, setting):
+    """rr.allreduce of small device arrays: the first on a ring not yet
+    agreed takes the ring's device path, which agrees; later ones take one
+    IPC pass (one device copy, two waits) with the setting on, the bounce
+    buffer with it off. A rank passing a host array and a rank with another
+    small limit make every rank take the ring, with the right sums; another
+    name raises MismatchError on every rank."""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        r, N = rr.rank(), rr.size()
+        want = lambda k, c: sum(((np.arange(c) % 5) * (q + 1) + k).astype(np.float32) for q in range(N))
+        x = lambda k, c: ((np.arange(c) % 5) * (r + 1) + k).astype(np.float32)
+        ok = []
+        ok.append(np.array_equal(np.asarray(rr.allreduce(x(0, 1000).view(Dev))), want(0, 1000)))
+        agreed = C.communicator().ring.ipc
+        before = device.counts()
+        for k in range(5):
+            ok.append(np.array_equal(np.asarray(rr.allreduce(x(k, 1000).view(Dev))), want(k, 1000)))
+        after = device.counts()
+        per_op = {key: (after[key] - before[key]) / 5 for key in ("copies", "waits", "host_copies")}
+        y = x(7, 333)
+        ok.append(np.array_equal(np.asarray(rr.allreduce(y if r == 1 else y.view(Dev))), want(7, 333)))
+        ring = C.communicator().ring
+        limit = ring.small_limit
+        if r == 0:
+            ring.small_limit = 0  # this rank's header says the ring, the others' one IPC pass
+        ok.append(np.array_equal(np.asarray(rr.allreduce(y.view(Dev))), want(7, 333)))
+        ring.small_limit = limit
+        try:
+            rr.allreduce(x(1, 10).view(Dev), name="b" if r == 2 else "a")
+            ok.append("no error")
+        except rr.MismatchError as exc:
+            ok.append("rank 2" in str(exc))
+        ok.append(np.array_equal(np.asarray(rr.allreduce(x(3, 10).view(Dev), op="avg")), want(3, 10) / N))
+        result = ok, agreed, per_op
+    """), tmp_path, timeout=120, env={"RINGREDUCE_CUDA_IPC": setting})
+    for k in ranks:
+        ok, agreed, per_op = k.result
+        assert ok == [True] * len(ok), (k.rank, ok)
+        assert agreed is (setting == "1")
+        if setting == "1":
+            assert per_op == {"copies": 1, "waits": 2, "host_copies": 0}, per_op
+        else:  # the bounce buffer: one copy down, one up
+            assert per_op["host_copies"] == 2, per_op
+
+
+def test_small_device_allreduces_beside_a_host_rank_stop_asking_for_ipc(tmp_path):
+    """A ring with a host rank: the first small device allreduce takes the
+    ring's device path (it would agree), meets the host rank, and the ring
+    stops asking: later ones take the bounce buffer. The sums are right."""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        r, N = rr.rank(), rr.size()
+        want = lambda k: sum(((np.arange(100) % 5) * (q + 1) + k).astype(np.float32) for q in range(N))
+        ok, asks = [], []
+        for k in range(3):
+            x = ((np.arange(100) % 5) * (r + 1) + k).astype(np.float32)
+            ok.append(np.array_equal(np.asarray(rr.allreduce(x.view(Dev) if r != 1 else x)), want(k)))
+            asks.append(C.communicator().ring.small_asks_ipc)
+        result = ok, asks, C.communicator().ring.ipc
+    """), tmp_path, timeout=120)
+    for k in ranks:
+        ok, asks, ipc = k.result
+        assert ok == [True] * 3 and ipc is None, k.result
+        if k.rank != 1:
+            assert asks == [False] * 3, asks

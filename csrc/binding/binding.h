@@ -134,6 +134,7 @@ PyObject *Comm_broadcast(CommObject *self, PyObject *args);
 PyObject *Comm_alltoall(CommObject *self, PyObject *args);
 PyObject *Comm_allreduce_device(CommObject *self, PyObject *args);
 PyObject *Comm_allreduce_ipc(CommObject *self, PyObject *args);
+PyObject *Comm_allreduce_small_ipc(CommObject *self, PyObject *args);
 PyObject *Comm_reduce_scatter_ipc(CommObject *self, PyObject *args);
 PyObject *Comm_allgather_ipc(CommObject *self, PyObject *args);
 PyObject *Comm_broadcast_ipc(CommObject *self, PyObject *args);

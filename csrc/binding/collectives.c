@@ -287,6 +287,49 @@ done:
     return result;
 }
 
+/* allreduce_small_ipc(head, device, src, dst, nbytes, dtype, op, slot_bytes): the one-pass small
+ * allreduce of device memory over IPC (rr_allreduce_small_ipc), where the ring agreed on that path
+ * (core/device_ipc.py); None when every header matched ours (dst holds the result), else every rank's
+ * blob for Python to explain. */
+PyObject *Comm_allreduce_small_ipc(CommObject *self, PyObject *args)
+{
+    PyObject *dev_obj, *src_obj, *dst_obj;
+    Py_buffer head;
+    Py_ssize_t nbytes, slot_bytes;
+    int dtype, op;
+    void *src, *dst;
+    if (!PyArg_ParseTuple(args, "y*OOOniin", &head, &dev_obj, &src_obj, &dst_obj, &nbytes, &dtype, &op, &slot_bytes))
+        return NULL;
+    PyObject *result = NULL;
+    size_t *lens = NULL;
+    void *all = NULL;
+    int agreed = 0, N = 0;
+    DeviceObject *d = NULL;
+    if (!valid_dtype_op(dtype, op) || pointer(src_obj, &src) || pointer(dst_obj, &dst)) goto done;
+    if (nbytes < 0 || slot_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "nbytes and slot_bytes must be >= 0");
+        goto done;
+    }
+    if (!(d = device_arg(dev_obj)) || check_usable(self)) goto done;
+    size_t count = (size_t)nbytes / rr_dtype_size((rr_dtype)dtype);
+    rr_error err = {0};
+    rr_device *dv = d->dev;
+    RUN_ON_DEVICE(self, d, err,
+                  N = self->ring->size;
+                  if (!(lens = malloc(sizeof *lens * (size_t)N))) rr_set_error(&err, RR_E_SYSTEM, -1, "out of memory");
+                  else rr_allreduce_small_ipc(self->ring, dv, head.buf, (size_t)head.len, src, dst, count,
+                                              (size_t)slot_bytes, (rr_dtype)dtype, (rr_op)op, &agreed, &all, lens,
+                                              &err));
+    if (err.code != RR_OK) finish(self, &err);
+    else if (agreed) { Py_INCREF(Py_None); result = Py_None; }
+    else result = blob_list(all, lens, N);
+done:
+    free(all);
+    free(lens);
+    PyBuffer_Release(&head);
+    return result;
+}
+
 static int same_shape(const Py_buffer *a, const Py_buffer *b)
 {
     return a->ndim == b->ndim && (a->ndim == 0 || !memcmp(a->shape, b->shape, sizeof *a->shape * (size_t)a->ndim));

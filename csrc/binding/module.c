@@ -59,6 +59,9 @@ static PyMethodDef Comm_methods[] = {
      "allreduce_ipc(device, src, dst, nbytes, dtype, op): allreduce of device memory, device to device (IPC path)"},
     {"reduce_scatter_ipc", (PyCFunction)Comm_reduce_scatter_ipc, METH_VARARGS,
      "reduce_scatter_ipc(device, src, dst, nbytes, dtype, op): reduce_scatter_device's IPC path"},
+    {"allreduce_small_ipc", (PyCFunction)Comm_allreduce_small_ipc, METH_VARARGS,
+     "allreduce_small_ipc(head, device, src, dst, nbytes, dtype, op, slot_bytes) -> None, or every rank's blob "
+     "when headers differ: the one-pass small allreduce of device memory over IPC"},
     {"allgather_ipc", (PyCFunction)Comm_allgather_ipc, METH_VARARGS,
      "allgather_ipc(device, buf, nbytes): allgather_device's IPC path"},
     {"broadcast_ipc", (PyCFunction)Comm_broadcast_ipc, METH_VARARGS,

@@ -44,36 +44,87 @@ void rr_device_bounce_release(rr_device *d, int slot)
     if (slot >= 0 && slot < RR_BOUNCE_SLOTS) d->bounce[slot].busy = 0;
 }
 
-/* This process's devices, numbered: with the pid, an IPC owner no other
- * device on the host has. */
+/* This process's windows, numbered: with the pid, an IPC owner no other
+ * window on the host has. */
 static uint64_t next_serial;
 
-int rr_device_ipc_window(rr_device *d, size_t bytes, rr_error *err)
+static void unexport(rr_device *d, rr_ipc_window *w)
+{
+    if (w->ptr) d->ops->ipc_unexport(d, w->ptr, &w->handle);
+    w->ptr = NULL;
+}
+
+/* Replaces w's allocation with one of `bytes` (a new generation of the same
+ * owner; the first gets an owner). The old one is freed once this device's
+ * queued work is done, or handed to *keep where keep is given. */
+static int window_remake(rr_device *d, rr_ipc_window *w, size_t bytes, rr_ipc_window *keep, rr_error *err)
 {
     if (!d->ops->ipc_export) {
         rr_set_error(err, RR_E_DEVICE, -1, "this device has no IPC");
         return err->code;
     }
-    if (d->window.ptr && d->window.handle.bytes >= bytes) return RR_OK;
-    rr_ipc_handle h = d->window.handle;
-    if (d->window.ptr) {
-        rr_device_sync(d, err); /* nothing of ours still reads or writes the old one */
-        d->ops->ipc_unexport(d, d->window.ptr, &d->window.handle);
-        d->window.ptr = NULL;
-    } else {
+    rr_ipc_handle h = w->handle;
+    if (!w->ptr && !h.owner)
         h.owner = ((uint64_t)getpid() << 20) | (__atomic_fetch_add(&next_serial, 1, __ATOMIC_RELAXED) & 0xfffff);
+    if (w->ptr && keep) {
+        *keep = *w;
+    } else if (w->ptr) {
+        rr_device_sync(d, err); /* nothing of ours still reads or writes the old one */
+        unexport(d, w);
     }
+    w->ptr = NULL;
     h.generation++;
-    h.bytes = bytes + bytes / 2; /* grown by half again, as the mirror */
+    h.bytes = bytes;
     memset(h.data, 0, sizeof h.data);
     d->counts.ipc_exports++;
-    if (!(d->window.ptr = d->ops->ipc_export(d, h.bytes, &h, err))) {
-        d->window.handle = h;
-        d->window.handle.bytes = 0;
+    w->handle = h;
+    if (!(w->ptr = d->ops->ipc_export(d, h.bytes, &w->handle, err))) {
+        w->handle.bytes = 0;
         return err->code;
     }
-    d->window.handle = h;
     return RR_OK;
+}
+
+int rr_device_ipc_window(rr_device *d, size_t bytes, rr_error *err)
+{
+    if (d->window.ptr && d->window.handle.bytes >= bytes) return RR_OK;
+    return window_remake(d, &d->window, bytes + bytes / 2, NULL, err); /* grown by half again, as the mirror */
+}
+
+rr_ipc_small *rr_device_ipc_small(rr_device *d, uint64_t ring, size_t slot_bytes, rr_error *err)
+{
+    rr_ipc_small *s = NULL;
+    for (int i = 0; i < d->nsmall && !s; i++)
+        if (d->small[i].ring == ring) s = &d->small[i];
+    if (!s) {
+        rr_ipc_small *more = realloc(d->small, sizeof *more * (size_t)(d->nsmall + 1));
+        if (!more) {
+            rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+            return NULL;
+        }
+        d->small = more;
+        s = &d->small[d->nsmall++];
+        memset(s, 0, sizeof *s);
+        s->ring = ring;
+    }
+    slot_bytes = (slot_bytes ? slot_bytes + 255 : 256) / 256 * 256; /* each slot aligned for any kernel */
+    if (s->window.ptr && s->slot >= slot_bytes) return s;
+    if (s->retired.ptr) { /* grown twice without a pass between (a failed one): wait, then free it */
+        rr_device_sync(d, err);
+        unexport(d, &s->retired);
+    }
+    s->slot = 0;
+    if (window_remake(d, &s->window, 2 * slot_bytes, &s->retired, err)) return NULL;
+    s->slot = slot_bytes;
+    return s;
+}
+
+void rr_device_ipc_small_passed(rr_device *d, rr_ipc_small *s)
+{
+    if (!s->retired.ptr) return;
+    rr_error ignored;
+    rr_device_sync(d, &ignored); /* and none of this device's own work on it is left */
+    unexport(d, &s->retired);
 }
 
 void *rr_device_ipc_peer(rr_device *d, const rr_ipc_handle *h, rr_error *err)
@@ -114,7 +165,12 @@ void rr_device_destroy(rr_device *d)
     if (d->ops->begin(d, &ignored) == RR_OK) rr_device_sync(d, &ignored);
     for (int i = 0; i < d->npeers; i++) d->ops->ipc_close(d, d->peers[i].ptr, &d->peers[i].handle);
     free(d->peers);
-    if (d->window.ptr) d->ops->ipc_unexport(d, d->window.ptr, &d->window.handle);
+    unexport(d, &d->window);
+    for (int i = 0; i < d->nsmall; i++) {
+        unexport(d, &d->small[i].window);
+        unexport(d, &d->small[i].retired);
+    }
+    free(d->small);
     d->ops->host_free(d, d->mirror);
     for (int i = 0; i < RR_BOUNCE_SLOTS; i++) d->ops->host_free(d, d->bounce[i].buf);
     d->ops->destroy(d);

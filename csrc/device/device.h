@@ -42,6 +42,23 @@ typedef struct rr_ipc_handle {
     unsigned char data[64];
 } rr_ipc_handle;
 
+/* An exported allocation of this device and its handle (ptr NULL: none). */
+typedef struct rr_ipc_window {
+    void *ptr;
+    rr_ipc_handle handle;
+} rr_ipc_window;
+
+/* A ring's window for the one-pass small allreduce over IPC (ipc.c,
+ * rr_allreduce_small_ipc): two slots of `slot` bytes, used in turn, one per
+ * operation (ops counts them). A window that had to grow stays `retired`
+ * until the ring's next pass shows that no peer reads it any more. */
+typedef struct rr_ipc_small {
+    uint64_t ring;          /* rr_ring.id */
+    size_t slot;
+    unsigned long long ops;
+    rr_ipc_window window, retired;
+} rr_ipc_small;
+
 /* The longest device identity (rr_device_ops.ipc_identity), NUL included. */
 #define RR_IPC_IDENTITY 128
 
@@ -115,10 +132,9 @@ struct rr_device {
         int busy;
     } bounce[RR_BOUNCE_SLOTS];
     rr_device_counts counts;
-    struct {              /* the IPC path (ipc.c): this device's window, grown only */
-        void *ptr;
-        rr_ipc_handle handle;
-    } window;
+    rr_ipc_window window; /* the IPC path (ipc.c): this device's window, grown only */
+    rr_ipc_small *small;  /* the one-pass small allreduces' windows, one per ring (ipc.c) */
+    int nsmall;
     struct rr_ipc_peer {  /* peers' windows open here, one per owner (ipc.c) */
         rr_ipc_handle handle;
         void *ptr;
@@ -139,6 +155,14 @@ void rr_device_bounce_release(rr_device *d, int slot);
  * at least bytes (grown only, a new generation each time; the old one is
  * freed once this device's queued work is done). */
 int rr_device_ipc_window(rr_device *d, size_t bytes, rr_error *err);
+/* Ring `ring`'s small window (rr_ipc_small) with slots of at least
+ * slot_bytes: made on first use, replaced when too small (the old one
+ * retired, freed by rr_device_ipc_small_passed). NULL with err filled when
+ * it cannot be made. */
+rr_ipc_small *rr_device_ipc_small(rr_device *d, uint64_t ring, size_t slot_bytes, rr_error *err);
+/* A pass of the small window's ring has completed: every peer has finished
+ * the operations before it, so the retired window goes. */
+void rr_device_ipc_small_passed(rr_device *d, rr_ipc_small *s);
 /* A peer's window mapped here: opened once per owner and generation and
  * cached (a new generation closes the owner's old mapping). NULL with err
  * filled when it cannot be opened. */

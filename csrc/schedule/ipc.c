@@ -34,6 +34,18 @@
  * broadcast copies the root's buffer into the root's window and out of it
  * on every other rank.
  *
+ * A small allreduce (rr_allreduce_small_ipc) takes one pass instead of
+ * three handshakes: its blobs are the operation's headers, each with where
+ * that rank's input lies (its ring's small window, rr_ipc_small: a slot of
+ * two, used in turn). Each rank copies its input into its slot and waits,
+ * then, in the pass, learns every rank's slot, and folds every rank's input
+ * in rank order straight into its dst (the host small paths' fold and bits:
+ * rr_reduce_in_order). No pass is needed after the fold: a rank writes a
+ * slot again two operations later, after a pass that every peer entered
+ * only once done reading it; a window that grows is kept until the next
+ * pass. A failure before the pass fails every rank alike, naming the rank;
+ * one in the fold fails that rank, whose peers' results do not depend on it.
+ *
  * The waits are host waits on this device's stream before each handshake,
  * so a peer never reads a window before its owner's work on it has run.
  * A rank whose device fails says so in the next handshake: every rank then
@@ -280,4 +292,104 @@ int rr_broadcast_ipc(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, in
     if (rc != RR_OK) return frame_end(dev, &f, rc);
     if (r != root && f.local.code == RR_OK) rr_dev_copy(dev, buf, f.win[root], nbytes, &f.local);
     return frame_end(dev, &f, phase_end(ring, dev, &f, err));
+}
+
+/* The small allreduce's blob after its header: this rank's status and
+ * where its input lies (window and offset). */
+typedef struct {
+    int32_t code;
+    char message[MESSAGE];
+    rr_ipc_handle handle;
+    uint64_t offset;
+} small_shake;
+
+/* out = in[0] OP ... OP in[n-1] on the device, as rr_reduce_in_order on the
+ * host (the same operand roles, 16-bit averages as running means). */
+static int fold_in_rank_order(rr_device *dev, char *out, char *const *in, int n, size_t count, rr_dtype dtype,
+                              rr_op op, rr_error *err)
+{
+    const int mean = op == RR_AVG && rr_avg_is_mean(dtype);
+    int rc = n == 1 ? rr_dev_copy(dev, out, in[0], count * rr_dtype_size(dtype), err) : RR_OK;
+    for (int i = 1; i < n && rc == RR_OK; i++) {
+        const char *acc = i == 1 ? in[0] : out;
+        rc = mean ? rr_dev_mean_fold(dev, out, in[i], acc, count, dtype, i + 1, err)
+                  : rr_dev_reduce3(dev, out, acc, in[i], count, dtype, op, err);
+    }
+    if (rc == RR_OK && op == RR_AVG && !mean) rc = rr_dev_divide(dev, out, count, dtype, n, err);
+    return rc;
+}
+
+int rr_allreduce_small_ipc(rr_ring *ring, rr_device *dev, const void *head, size_t hlen, const void *src, void *dst,
+                           size_t count, size_t slot_bytes, rr_dtype dtype, rr_op op, int *agreed, void **all,
+                           size_t *lens, rr_error *err)
+{
+    *agreed = 0;
+    *all = NULL;
+    if (check_reduction(dtype, op, err)) return err->code;
+    const int N = ring->size, r = ring->rank;
+    const size_t bytes = count * rr_dtype_size(dtype);
+    rr_error local = {0};
+    rr_ipc_small *w = NULL;
+    small_shake mine;
+    memset(&mine, 0, sizeof mine);
+    if (dev->ops->begin(dev, &local) == RR_OK &&
+        (w = rr_device_ipc_small(dev, ring->id, bytes > slot_bytes ? bytes : slot_bytes, &local))) {
+        mine.handle = w->window.handle;
+        mine.offset = (w->ops & 1) * w->slot;
+        if ((!bytes || rr_dev_copy(dev, (char *)w->window.ptr + mine.offset, src, bytes, &local) == RR_OK))
+            rr_device_sync(dev, &local);
+    }
+    mine.code = local.code;
+    if (local.code) snprintf(mine.message, sizeof mine.message, "%.*s", MESSAGE - 1, local.msg);
+    int rc = rr_exchange_blobs(ring, head, hlen, &mine, sizeof mine, all, lens, err);
+    if (rc != RR_OK) return rc;
+    if (w) rr_device_ipc_small_passed(dev, w);
+    small_shake *got = calloc((size_t)N, sizeof *got);
+    char **in = calloc((size_t)N, sizeof *in);
+    if (!got || !in) {
+        free(got);
+        free(in);
+        rr_set_error(err, RR_E_SYSTEM, -1, "out of memory");
+        return err->code;
+    }
+    size_t at = 0;
+    int same = 1;
+    for (int q = 0; q < N; q++) {
+        const char *blob = (const char *)*all + at;
+        if (lens[q] != hlen + sizeof mine || memcmp(blob, head, hlen)) same = 0;
+        else memcpy(&got[q], blob + hlen, sizeof mine); /* blobs lie back to back, unaligned */
+        at += lens[q];
+    }
+    if (!same) { /* another collective or path on some rank: the caller says which, nothing was read */
+        free(got);
+        free(in);
+        return RR_OK;
+    }
+    *agreed = 1;
+    free(*all);
+    *all = NULL;
+    for (int q = 0; q < N && rc == RR_OK; q++) {
+        if (!got[q].code) continue;
+        if (q == r) *err = local;
+        else rr_set_error(err, RR_E_DEVICE, q, "the IPC collective failed on rank %d: %.*s", q, MESSAGE - 1,
+                          got[q].message);
+        rc = err->code;
+    }
+    for (int q = 0; q < N && rc == RR_OK && local.code == RR_OK; q++) {
+        char *base = q == r ? w->window.ptr : rr_device_ipc_peer(dev, &got[q].handle, &local);
+        in[q] = base ? base + got[q].offset : NULL;
+    }
+    if (rc == RR_OK && local.code == RR_OK && count) fold_in_rank_order(dev, dst, in, N, count, dtype, op, &local);
+    if (rc == RR_OK) {
+        rr_error ignored;
+        rr_device_sync(dev, local.code ? &ignored : &local);
+        w->ops++;
+        if (local.code) {
+            *err = local;
+            rc = err->code;
+        }
+    }
+    free(got);
+    free(in);
+    return rc;
 }

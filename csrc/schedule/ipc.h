@@ -19,4 +19,16 @@ int rr_reduce_scatter_ipc(rr_ring *ring, rr_device *dev, const void *src, void *
 int rr_allgather_ipc(rr_ring *ring, rr_device *dev, void *buf, const size_t *nbytes, rr_error *err);
 int rr_broadcast_ipc(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, int root, rr_error *err);
 
+/* The small allreduce over IPC: as rr_allreduce_small (ring.h), in one
+ * pass whose blobs carry the header and where each rank's input lies on
+ * the device; every rank then folds every rank's input in rank order
+ * (rr_reduce_in_order's bits: the host's small paths') straight into dst.
+ * If any header differs from ours, *agreed is 0, nothing is reduced, and
+ * *all/lens hold every rank's blob (caller frees *all; each is a header
+ * with this path's status after it). slot_bytes: the size the ring's small
+ * window is made for at first (its small limit), so it need not grow. */
+int rr_allreduce_small_ipc(rr_ring *ring, rr_device *dev, const void *head, size_t hlen, const void *src, void *dst,
+                           size_t count, size_t slot_bytes, rr_dtype dtype, rr_op op, int *agreed, void **all,
+                           size_t *lens, rr_error *err);
+
 #endif

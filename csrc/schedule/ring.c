@@ -59,10 +59,13 @@ static double monotonic_s(void)
 
 static int mod(int a, int n) { return ((a % n) + n) % n; }
 
+static uint64_t next_ring_id;
+
 rr_ring *rr_ring_create(rr_transport *t, size_t segment_bytes)
 {
     rr_ring *ring = calloc(1, sizeof *ring);
     if (!ring) return NULL;
+    ring->id = __atomic_add_fetch(&next_ring_id, 1, __ATOMIC_RELAXED);
     segment_bytes = (segment_bytes + 63) / 64 * 64;
     if (segment_bytes < 64) segment_bytes = 64;
     ring->staging = malloc(segment_bytes);

@@ -23,6 +23,7 @@ typedef enum { RR_SMALL_AUTO = 0, RR_SMALL_RING = 1 } rr_small_algorithm;
 typedef struct rr_stage rr_stage;
 
 typedef struct rr_ring {
+    uint64_t id;             /* unique in this process: the key of what others keep per ring (device.h) */
     rr_transport *transport; /* owned */
     int rank, size;
     size_t segment;          /* pipeline segment, bytes (a multiple of 64) */

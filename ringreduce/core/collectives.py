@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import _core
 from ..errors import RingReduceError
-from . import cuda
+from . import cuda, device_ipc
 from .arrays import (DTYPES, OPS, HostArrays, arrays_for, as_bytes, as_raw, check_name, chunk_bounds, deliver,
                      dtype_code, native, op_code, read_splits)
 from .flight_recorder import recorded
@@ -337,7 +337,10 @@ def _allreduce_device(x, op, out, name, process_set=None):
         refuse(ALLREDUCE, exc, process_set)
         raise
     ring = lookup(process_set)
-    if x.nbytes <= ring.allreduce_limit:  # outside the ring's lock, which allreduce() takes after _state.lock
+    small = x.nbytes <= ring.allreduce_limit
+    if small and device_ipc.small_takes_ipc(ring):
+        return _allreduce_device_small_ipc(g, x, code, opc, out, name, ring, process_set)
+    if small and not device_ipc.small_agrees_first(ring):  # outside the ring's lock, which allreduce() takes
         # Latency-bound: one copy each way through a pinned bounce buffer and
         # the host path in place there (host kernels: the host ring's bits).
         met = []  # whether this rank's host allreduce began: from there the others have met it
@@ -372,8 +375,35 @@ def _allreduce_device(x, op, out, name, process_set=None):
     with ring.lock, g.on(x):
         head = header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
         blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+        if small and not all_device(blobs):  # a host rank: this ring's small GPU allreduces take the bounce buffer
+            ring.small_asks_ipc = False
         g.allreduce(ring, src, dst, code, opc, all_device(blobs))  # device to device, or staged (core/device_ipc.py)
         _note_phases(ring.comm)
+        return deliver(dst, out, g.xp)
+
+
+def _allreduce_device_small_ipc(g, x, code, opc, out, name, ring, process_set):
+    """A small allreduce of GPU arrays on a ring that agreed on the IPC path:
+    one pass (device_ipc.allreduce_small), whose headers say so. Where a
+    rank's differs (a host array, another small limit, joined ranks) every
+    rank takes the ring, as after any header pass that agrees."""
+    try:
+        with g.on(x):
+            src = g.xp.ascontiguousarray(x)
+            dst = out if out is not None and out.flags.c_contiguous else g.xp.empty_like(src)
+    except Exception as exc:  # out of GPU memory: the others raise at once, naming this rank
+        refuse(ALLREDUCE, exc, process_set)
+        raise
+    with ring.lock, g.on(x):
+        head = header(ALLREDUCE, opc, code, x.shape, name, True, device=True)
+        blobs = g.allreduce_small_ipc(ring, head, src, dst, code, opc)
+        while blobs is not None and voided(blobs, ring):  # joined members' engines run it: again, with them
+            blobs = g.allreduce_small_ipc(ring, head, src, dst, code, opc)
+        if blobs is not None:
+            agree(blobs, head, ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
+            if dst is not src and g.xp.may_share_memory(dst, src):
+                src = src.copy()
+            g.allreduce(ring, src, dst, code, opc, all_device(blobs))
         return deliver(dst, out, g.xp)
 
 

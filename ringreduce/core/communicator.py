@@ -32,6 +32,9 @@ class Ring:
     # whether this ring's GPU allreduces go device to device (core/device_ipc.py), agreed by every rank on its
     # first one; None: not yet agreed
     ipc: object = field(default=None, repr=False, compare=False)
+    # whether a small GPU allreduce, while ipc is None, takes the ring's device path so that the ring agrees;
+    # False once such a pass met a host rank (core/device_ipc.py: small_agrees_first)
+    small_asks_ipc: bool = field(default=True, repr=False, compare=False)
 
     def __setattr__(self, attr, value):
         if attr == "small_limit" and "plans" in self.__dict__:  # autotune moved the limit: decide afresh

@@ -471,6 +471,12 @@ class DeviceArrays:
         with staged(self._ready(src)) as device:
             device_ipc.allreduce(ring, device, src.data.ptr, dst.data.ptr, src.nbytes, code, opc, all_device)
 
+    def allreduce_small_ipc(self, ring, head, src, dst, code, opc):
+        """The one-pass small allreduce over IPC (device_ipc.allreduce_small):
+        None when it ran, else every rank's blob (nothing reduced)."""
+        with staged(self._ready(src)) as device:
+            return device_ipc.allreduce_small(ring, device, head, src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+
     def reduce_scatter(self, ring, src, dst, code, opc, all_device):
         with staged(self._ready(src)) as device:
             device_ipc.reduce_scatter(ring, device, src.data.ptr, dst.data.ptr, src.nbytes, code, opc, all_device)

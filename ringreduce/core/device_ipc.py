@@ -17,6 +17,15 @@ IPC path when it did; otherwise every rank takes the staged path, which is
 never an error. Every rank sees the same blobs, so every rank decides
 alike; the decision is kept on the ring (Ring.ipc).
 
+Small allreduces (the ring's small limit) on a ring that agreed on the IPC
+path take one pass (allreduce_small): the pass carries the headers and
+where each rank's input lies on its device, and every rank folds every
+rank's input in rank order (the host small paths' bits). A small one on a
+ring whose path is not agreed yet takes the ring's device path once, which
+agrees; where that pass meets a host rank, the ring stops asking
+(Ring.small_asks_ipc) and its small GPU allreduces take the pinned bounce
+buffer.
+
 A rank that later runs on a device its peers cannot reach makes the next
 IPC collective fail on every rank (its new window does not open on its
 peers; the handshake tells every rank, naming the rank whose open failed),
@@ -96,6 +105,29 @@ def allreduce(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int
     ipc = takes_ipc(ring, device, all_device)
     (ring.comm.allreduce_ipc if ipc else ring.comm.allreduce_device)(device, src, dst, nbytes, code, opc)
     return ipc
+
+
+def small_takes_ipc(ring) -> bool:
+    """Whether a small allreduce of device memory takes the one-pass IPC
+    path (allreduce_small): the ring agreed on IPC. Alike on every rank."""
+    return ring.size > 1 and bool(ring.ipc)
+
+
+def small_agrees_first(ring) -> bool:
+    """Whether a small allreduce of device memory takes the ring's device
+    path (header pass, then allreduce) instead of the bounce buffer, so that
+    the ring agrees on its path: not agreed yet, and no pass of such an
+    allreduce has met a host rank."""
+    return ring.size > 1 and ring.ipc is None and ring.small_asks_ipc
+
+
+def allreduce_small(ring, device, head: bytes, src: int, dst: int, nbytes: int, code: int, opc: int):
+    """The one-pass small allreduce of device memory src into dst on a ring
+    that agreed on IPC: None when every rank's header is head (dst holds the
+    result), else every rank's blob (nothing reduced: the caller agrees on
+    them and takes the ring). The ring's small window is made for its
+    allreduce limit, so it never grows."""
+    return ring.comm.allreduce_small_ipc(head, device, src, dst, nbytes, code, opc, ring.allreduce_limit)
 
 
 def reduce_scatter(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int, all_device: bool) -> bool:
