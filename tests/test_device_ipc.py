@@ -101,15 +101,16 @@ def device_allreduce(x, dtype, op, in_place, on_device=True):
         memory.free(dst.ptr)
     return got, ipc
 
-def small_ipc_allreduce(x, dtype, op, in_place, name=None, src_ptr=None):
+def small_ipc_allreduce(x, dtype, op, in_place, name=None, src_ptr=None, dst_ptr=None):
     # The one-pass small allreduce as collectives' GPU allreduce calls it on a ring that agreed on IPC:
     # (result, None), or (None, every rank's blob) where headers differed.
     head = header(ALLREDUCE, opcodes[op], codes[dtype], x.shape, name, True, device=True)
     src = Buf(x)
     dst = src if in_place else Buf(np.zeros_like(x))
     try:
-        blobs = device_ipc.allreduce_small(ring, dev, head, src.ptr if src_ptr is None else src_ptr, dst.ptr,
-                                           x.nbytes, codes[dtype], opcodes[op])
+        blobs = device_ipc.allreduce_small(ring, dev, head, src.ptr if src_ptr is None else src_ptr,
+                                           dst.ptr if dst_ptr is None else dst_ptr, x.nbytes, codes[dtype],
+                                           opcodes[op])
         return (dst.get(x.dtype) if blobs is None else None), blobs
     finally:
         memory.free(src.ptr)
@@ -589,6 +590,67 @@ def test_a_small_ipc_allreduce_whose_headers_differ_reduces_nothing(tmp_path):
         assert nothing, r.rank
         assert "shape" in mismatch and "rank 2" in mismatch, mismatch
         assert "rank 1" in failed and "host pointer" in failed, failed
+
+
+def test_a_small_ipc_window_a_peer_cannot_open_fails_every_rank_naming_it(tmp_path, hostcuda_dir):
+    """A ring's small window is opened by its peers at its first operation
+    (and after it grows); a rank that cannot open its peers' (IPC no longer
+    permitted there) makes every rank raise, naming it, in a handshake that
+    follows the pass of a window not yet opened: none waits for it, and none
+    goes on alone."""
+    ranks = run_ranks(3, job("""
+        import time
+        r = rr.rank()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        if r == 2:
+            os.environ["HOSTCUDA_IPC_OPEN"] = "0"
+        start = time.monotonic()
+        try:
+            small_ipc_allreduce(make_input(r, (100,), "int64", "sum"), "int64", "sum", in_place=False)
+            result = "no error"
+        except rr.RingReduceError as exc:
+            result = type(exc).__name__, str(exc), exc.rank, time.monotonic() - start < 10
+    """, "hostcuda"), tmp_path, env={"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+                                     "RINGREDUCE_TIMEOUT": "30"}, timeout=120)
+    for r in ranks:
+        assert r.result != "no error", r.rank
+        kind, message, at_fault, quick = r.result
+        assert at_fault == 2 and "rank 2" in message and quick, r.result
+
+
+def test_a_rank_whose_fold_fails_after_the_pass_is_named_by_its_peers_next_collective(tmp_path):
+    """A failure after the small pass (here rank 1's dst is a host pointer:
+    its fold fails) is that rank's: it raises; its peers' results are whole
+    (they read its slot, not its dst), and their next collective raises
+    PeerLostError naming it at once, instead of waiting for a rank that
+    stopped."""
+    ranks = run_ranks(3, job("""
+        import time
+        r, N = rr.rank(), rr.size()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        x = make_input(r, (100,), "int32", "sum")
+        want = rank_order([make_input(q, (100,), "int32", "sum") for q in range(N)], "int32", "sum")
+        host = np.zeros(100, np.int32)
+        try:
+            got, _ = small_ipc_allreduce(x, "int32", "sum", in_place=False,
+                                         dst_ptr=host.ctypes.data if r == 1 else None)
+            first = got.tobytes() == want.tobytes()
+        except rr.RingReduceError as exc:
+            first = type(exc).__name__, str(exc), exc.rank
+        start = time.monotonic()
+        try:
+            small_ipc_allreduce(x, "int32", "sum", in_place=False)
+            second = "no error"
+        except rr.RingReduceError as exc:
+            second = type(exc).__name__, str(exc), exc.rank, time.monotonic() - start < 10
+        result = first, second
+    """, "emulated"), tmp_path, env={"RINGREDUCE_TIMEOUT": "30"}, timeout=120)
+    first, second = ranks[1].result
+    assert first[0] == "RingReduceError" and "host pointer" in first[1] and first[2] == 1, first
+    for r in (ranks[0], ranks[2]):
+        first, second = r.result
+        assert first is True, r.result
+        assert second[0] == "PeerLostError" and second[2] == 1 and "rank 1" in second[1] and second[3], second
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])

@@ -48,6 +48,15 @@ class Buf:
 def on_device(mode):
     return mode == "device" or (mode == "mixed" and rr.rank() % 2 == 0)
 
+def ring_device_allreduce(family, ring, src, dst, code, opc, all_device):
+    # A device family's allreduce after its header pass: the ring's device path on dev (device_ipc.allreduce).
+    from ringreduce.core import device_ipc
+    s, d = Buf(np.asarray(src)), Buf(np.asarray(dst))
+    device_ipc.allreduce(ring, dev, s.ptr, d.ptr, s.nbytes, code, opc, all_device)
+    np.asarray(dst).reshape(-1).view(np.uint8)[:] = d.get(np.uint8)
+    memory.free(s.ptr)
+    memory.free(d.ptr)
+
 def host_allreduce(x, dtype, op):
     out = np.empty_like(x)
     comm.allreduce(x.view(np.uint8), out.view(np.uint8), codes[dtype], opcodes[op])
@@ -487,7 +496,10 @@ def test_a_small_device_allreduce_goes_through_a_bounce_buffer_beside_host_ranks
     a bounce buffer (here: through_bounce on the emulated device, as
     ringreduce.core.cuda.DeviceArrays does with cupy pointers), beside host ranks,
     repeated so the planned fast path runs too; with no bounce buffer to be
-    had it goes through the host instead. The sums are right either way."""
+    had it goes through the host instead. The sums are right either way. The
+    first takes the ring's device path (where every rank is on a device it
+    would agree on IPC, device_ipc.small_agrees_first), and meeting a host
+    rank the ring stops asking."""
     ranks = run_ranks(3, job("""
         import contextlib
         from ringreduce.core import cuda
@@ -504,6 +516,8 @@ def test_a_small_device_allreduce_goes_through_a_bounce_buffer_beside_host_ranks
             on = staticmethod(lambda x: contextlib.nullcontext())
             to_host = staticmethod(lambda x: np.asarray(x).copy())
             from_host = staticmethod(lambda a, like: np.asarray(a).view(Dev))
+            ready = staticmethod(lambda x: None)
+            allreduce = ring_device_allreduce
 
             def allreduce_small(self, x, out, reduce):
                 Family.calls += 1
@@ -527,12 +541,14 @@ def test_a_small_device_allreduce_goes_through_a_bounce_buffer_beside_host_ranks
             x = (np.arange(1000) % 7 + r).astype(np.float32)
             y = rr.allreduce(x.view(Dev) if r % 2 == 0 else x, op="sum")
             got.append(bool(np.array_equal(np.asarray(y), (np.arange(1000) % 7 * 3 + 3).astype(np.float32))))
-        result = got, Family.calls
+        result = got, Family.calls, collectives.communicator().ring.small_asks_ipc
     """), tmp_path, env=env_for(("emulated", {}), 2), timeout=60)
     for r in ranks:
-        sums, calls = r.result
+        sums, calls, asks = r.result
         assert sums == [True] * 4, (r.rank, sums)
-        assert calls == (4 if r.rank % 2 == 0 else 0), (r.rank, calls)
+        # the first took the ring's device path (it would agree on IPC) and met the host rank: no more asking
+        assert calls == (3 if r.rank % 2 == 0 else 0), (r.rank, calls)
+        assert asks is (r.rank % 2 != 0), (r.rank, asks)
 
 
 def test_a_small_message_from_a_fresh_thread_gets_its_pinned_buffer(tmp_path, hostcuda_dir):
@@ -660,6 +676,8 @@ def test_a_small_device_allreduce_whose_gpu_fails_first_is_refused(tmp_path):
             on = staticmethod(lambda x: contextlib.nullcontext())
             to_host = staticmethod(lambda x: np.asarray(x).copy())
             from_host = staticmethod(lambda a, like: np.asarray(a).view(Dev))
+            ready = staticmethod(lambda x: None)
+            allreduce = ring_device_allreduce
 
             def allreduce_small(self, x, out, reduce):
                 a = np.asarray(x)
@@ -680,6 +698,7 @@ def test_a_small_device_allreduce_whose_gpu_fails_first_is_refused(tmp_path):
         r = rr.rank()
         x = (np.arange(1000) % 7 + r).astype(np.float32)
         want = (np.arange(1000) % 7 * 3 + 3).astype(np.float32)
+        rr.allreduce(x.view(Dev) if r == 0 else x)  # the ring's device path once: a host rank, so the bounce buffer
         out = []
         for fail in ("down", "up", None):
             Family.fail = fail if r == 0 else None

@@ -114,6 +114,7 @@ rr_ipc_small *rr_device_ipc_small(rr_device *d, uint64_t ring, size_t slot_bytes
         unexport(d, &s->retired);
     }
     s->slot = 0;
+    s->announced = 0;
     if (window_remake(d, &s->window, 2 * slot_bytes, &s->retired, err)) return NULL;
     s->slot = slot_bytes;
     return s;

@@ -56,6 +56,7 @@ typedef struct rr_ipc_small {
     uint64_t ring;          /* rr_ring.id */
     size_t slot;
     unsigned long long ops;
+    int announced;          /* the peers have opened this window (an operation on it succeeded) */
     rr_ipc_window window, retired;
 } rr_ipc_small;
 

@@ -43,8 +43,11 @@
  * rr_reduce_in_order). No pass is needed after the fold: a rank writes a
  * slot again two operations later, after a pass that every peer entered
  * only once done reading it; a window that grows is kept until the next
- * pass. A failure before the pass fails every rank alike, naming the rank;
- * one in the fold fails that rank, whose peers' results do not depend on it.
+ * pass. A failure before the pass fails every rank alike, naming the rank.
+ * A window not yet opened by the peers says so in the pass: every rank opens
+ * it and a handshake follows, so an open that fails fails every rank. One
+ * in the fold fails that rank, whose peers' results do not depend on it; it
+ * aborts its transport, so their next operation names it.
  *
  * The waits are host waits on this device's stream before each handshake,
  * so a peer never reads a window before its owner's work on it has run.
@@ -298,6 +301,7 @@ int rr_broadcast_ipc(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, in
  * where its input lies (window and offset). */
 typedef struct {
     int32_t code;
+    int32_t fresh; /* a window its peers have not opened yet: every rank opens, then a handshake */
     char message[MESSAGE];
     rr_ipc_handle handle;
     uint64_t offset;
@@ -336,6 +340,7 @@ int rr_allreduce_small_ipc(rr_ring *ring, rr_device *dev, const void *head, size
         (w = rr_device_ipc_small(dev, ring->id, bytes > slot_bytes ? bytes : slot_bytes, &local))) {
         mine.handle = w->window.handle;
         mine.offset = (w->ops & 1) * w->slot;
+        mine.fresh = !w->announced;
         if ((!bytes || rr_dev_copy(dev, (char *)w->window.ptr + mine.offset, src, bytes, &local) == RR_OK))
             rr_device_sync(dev, &local);
     }
@@ -375,17 +380,25 @@ int rr_allreduce_small_ipc(rr_ring *ring, rr_device *dev, const void *head, size
                           got[q].message);
         rc = err->code;
     }
-    for (int q = 0; q < N && rc == RR_OK && local.code == RR_OK; q++) {
-        char *base = q == r ? w->window.ptr : rr_device_ipc_peer(dev, &got[q].handle, &local);
+    int fresh = 0;
+    for (int q = 0; q < N && rc == RR_OK; q++) {
+        char *base = q == r ? w->window.ptr : local.code ? NULL : rr_device_ipc_peer(dev, &got[q].handle, &local);
         in[q] = base ? base + got[q].offset : NULL;
+        fresh |= got[q].fresh;
     }
+    /* A window opened for the first time may fail to open (another GPU, IPC
+     * refused): every rank hears it and fails alike, naming the rank. */
+    if (rc == RR_OK && fresh) rc = handshake(ring, &local, NULL, NULL, err);
     if (rc == RR_OK && local.code == RR_OK && count) fold_in_rank_order(dev, dst, in, N, count, dtype, op, &local);
     if (rc == RR_OK) {
         rr_error ignored;
         rr_device_sync(dev, local.code ? &ignored : &local);
         w->ops++;
-        if (local.code) {
+        w->announced = !local.code;
+        if (local.code) { /* the peers' results are whole; their next operation hears of this rank */
+            if (local.rank < 0) local.rank = r;
             *err = local;
+            if (ring->transport) ring->transport->ops->abort(ring->transport, err);
             rc = err->code;
         }
     }
