@@ -287,6 +287,15 @@ done:
     return result;
 }
 
+/* A small allreduce's answer: None when every header matched ours (reduced),
+ * else every rank's blob; NULL with the error raised. */
+static PyObject *small_result(CommObject *self, rr_error *err, int agreed, const void *all, const size_t *lens, int N)
+{
+    if (err->code != RR_OK) return finish(self, err);
+    if (agreed) Py_RETURN_NONE;
+    return blob_list(all, lens, N);
+}
+
 /* allreduce_small_ipc(head, device, src, dst, nbytes, dtype, op, slot_bytes): the one-pass small
  * allreduce of device memory over IPC (rr_allreduce_small_ipc), where the ring agreed on that path
  * (core/device_ipc.py); None when every header matched ours (dst holds the result), else every rank's
@@ -320,9 +329,7 @@ PyObject *Comm_allreduce_small_ipc(CommObject *self, PyObject *args)
                   else rr_allreduce_small_ipc(self->ring, dv, head.buf, (size_t)head.len, src, dst, count,
                                               (size_t)slot_bytes, (rr_dtype)dtype, (rr_op)op, &agreed, &all, lens,
                                               &err));
-    if (err.code != RR_OK) finish(self, &err);
-    else if (agreed) { Py_INCREF(Py_None); result = Py_None; }
-    else result = blob_list(all, lens, N);
+    result = small_result(self, &err, agreed, all, lens, N);
 done:
     free(all);
     free(lens);
@@ -372,9 +379,7 @@ static PyObject *small_allreduce(CommObject *self, PyObject *const *args, Py_ssi
                if (!(lens = malloc(sizeof *lens * (size_t)N))) rr_set_error(&err, RR_E_SYSTEM, -1, "out of memory");
                else rr_allreduce_small(self->ring, head.buf, (size_t)head.len, data.buf, (size_t)data.len, out.buf,
                                        (rr_dtype)dtype, (rr_op)op, &agreed, &all, lens, &err));
-    if (err.code != RR_OK) finish(self, &err);
-    else if (agreed) { Py_INCREF(Py_None); result = Py_None; }
-    else result = blob_list(all, lens, N);
+    result = small_result(self, &err, agreed, all, lens, N);
 done:
     free(all);
     free(lens);
