@@ -1106,3 +1106,33 @@ def test_a_device_rank_whose_ring_device_cannot_be_made_refuses_a_large_allreduc
         assert took < 10, took
     for k in ranks:
         assert k.result[2], (k.rank, "wrong sums after the refusal")
+
+
+def test_an_out_on_another_gpu_than_x_is_refused_on_every_rank(tmp_path):
+    """rr.allreduce(x, out=out) with out on another GPU than x: the result is
+    made on x's GPU, so that rank refuses with a ValueError saying so and its
+    peers raise MismatchError naming it, before any data moves; the next
+    allreduce runs."""
+    ranks = run_ranks(3, emulated_family(2) + textwrap.dedent("""
+        import types
+        class OnGpu0(Dev):
+            device = types.SimpleNamespace(id=0)
+        class OnGpu1(Dev):
+            device = types.SimpleNamespace(id=1)
+        r = rr.rank()
+        x = np.arange(300_000, dtype=np.float32).view(OnGpu0)
+        out = np.empty(300_000, np.float32).view(OnGpu1 if r == 1 else OnGpu0)
+        try:
+            rr.allreduce(x, out=out)
+            first = "no error"
+        except (ValueError, rr.MismatchError) as exc:
+            first = type(exc).__name__, str(exc)
+        again = np.array_equal(np.asarray(rr.allreduce(x)), np.arange(300_000, dtype=np.float32) * 3)
+        result = first, again
+    """), tmp_path, timeout=60)
+    first, again = ranks[1].result
+    assert first[0] == "ValueError" and "GPU 1" in first[1] and "GPU 0" in first[1], first
+    for r in ranks:
+        assert r.result[1] is True, r.result
+    for r in (ranks[0], ranks[2]):
+        assert r.result[0][0] == "MismatchError" and "rank 1" in r.result[0][1], r.result

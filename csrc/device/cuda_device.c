@@ -8,6 +8,7 @@
  * primary context, the context cupy uses; tickets are events recorded on it.
  */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,24 +78,26 @@ typedef struct {
 
 static driver cu;
 static const char *cu_missing; /* why the driver could not be loaded, once tried */
-static int cu_loaded;
+static pthread_once_t cu_once = PTHREAD_ONCE_INIT; /* devices are made without the GIL: one thread loads */
+
+static void load_once(void)
+{
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) cu_missing = "libcuda.so.1 not found (no NVIDIA driver)";
+#define LOAD(name, args)                                                        \
+    if (lib && !cu_missing && !(cu.name = (CUresult(*) args)dlsym(lib, #name))) \
+        cu_missing = "libcuda.so.1 lacks " #name;
+    DRIVER_FUNCTIONS(LOAD)
+#undef LOAD
+#define LOAD_IPC(name, args) if (lib) cu.name = (CUresult(*) args)dlsym(lib, #name);
+    IPC_FUNCTIONS(LOAD_IPC)
+#undef LOAD_IPC
+    if (!cu_missing && cu.cuInit(0) != CUDA_SUCCESS) cu_missing = "cuInit failed (no usable GPU)";
+}
 
 static int load_driver(rr_error *err)
 {
-    if (!cu_loaded) {
-        void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-        if (!lib) cu_missing = "libcuda.so.1 not found (no NVIDIA driver)";
-#define LOAD(name, args)                                                        \
-        if (lib && !cu_missing && !(cu.name = (CUresult(*) args)dlsym(lib, #name))) \
-            cu_missing = "libcuda.so.1 lacks " #name;
-        DRIVER_FUNCTIONS(LOAD)
-#undef LOAD
-#define LOAD_IPC(name, args) if (lib) cu.name = (CUresult(*) args)dlsym(lib, #name);
-        IPC_FUNCTIONS(LOAD_IPC)
-#undef LOAD_IPC
-        if (!cu_missing && cu.cuInit(0) != CUDA_SUCCESS) cu_missing = "cuInit failed (no usable GPU)";
-        cu_loaded = 1;
-    }
+    pthread_once(&cu_once, load_once);
     if (cu_missing) rr_set_error(err, RR_E_DEVICE, -1, "CUDA: %s", cu_missing);
     return cu_missing ? RR_E_DEVICE : RR_OK;
 }

@@ -333,6 +333,9 @@ def _allreduce_device(x, op, out, name, process_set=None):
         check_name(name)
         if out is not None and (not cuda.is_device_array(out) or out.shape != x.shape or out.dtype != x.dtype):
             raise ValueError(f"out must be a GPU array of shape {x.shape} and dtype {x.dtype}")
+        if out is not None and cuda.device_id(out) != cuda.device_id(x):
+            raise ValueError(f"out is on GPU {cuda.device_id(out)}, x on GPU {cuda.device_id(x)}: the result is "
+                             "made on x's GPU, out must be there too")
     except (TypeError, ValueError) as exc:
         refuse(ALLREDUCE, exc, process_set)
         raise

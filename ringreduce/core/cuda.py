@@ -152,6 +152,12 @@ def is_device_array(x) -> bool:
     return not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__")
 
 
+def device_id(x):
+    """The ordinal of the GPU a GPU array lives on (cupy's x.device.id; None
+    for arrays that do not say)."""
+    return getattr(getattr(x, "device", None), "id", None)
+
+
 @functools.lru_cache(maxsize=None)
 def ring_device(ordinal: int):
     """The ring's handle on GPU `ordinal` (ringreduce._core.Device): its stream,
