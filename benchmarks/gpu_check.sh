@@ -11,6 +11,9 @@
 #      and N = 4 ranks sharing the GPU: rr on cupy (staged, RINGREDUCE_CUDA_IPC=0,
 #      and IPC, =1), torch's gloo on CUDA tensors in the same run, rr on numpy,
 #      the mixed CPU/GPU ring; ratios, 64 KiB latency, #wrong
+#   6. where a 64 KiB GPU allreduce's time goes (benchmarks/gpu_small_latency.py,
+#      N = 2): the public call, the IPC pass alone, the bounce path, and the
+#      cupy calls around them
 #
 #   bash benchmarks/gpu_check.sh                        # with the python3 that has cupy
 #   PYTHON=/path/to/python bash benchmarks/gpu_check.sh
@@ -108,6 +111,7 @@ stage tests 150 --tail 30 $PY -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_cuda.py tests/test_gpu_collectives.py
 stage bench-N2 90 --tail 40 $PY -m ringreduce.launch.ringrun -np 2 $PY benchmarks/gpu_allreduce_bench.py --no-progress $DRY
 stage bench-N4 120 --tail 40 $PY -m ringreduce.launch.ringrun -np 4 $PY benchmarks/gpu_allreduce_bench.py --no-progress $DRY
+stage latency-N2 40 --tail 20 $PY -m ringreduce.launch.ringrun -np 2 $PY benchmarks/gpu_small_latency.py $DRY
 
 echo
 echo "# done in ${SECONDS}s; $failed stage(s) failed, timed out or skipped"

@@ -79,6 +79,20 @@ def test_a_dry_run_on_two_ranks_prints_every_row_right():
     assert "WRONG" not in out.stdout
 
 
+def test_the_small_latency_breakdown_runs_its_host_row_without_a_gpu():
+    """benchmarks/gpu_small_latency.py --dry on two ranks: the numpy row is
+    measured and checked (#wrong 0), every GPU row says n/a."""
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable,
+                          str(REPO / "benchmarks" / "gpu_small_latency.py"), "--dry", "--iters", "50"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = dict(tuple(c.strip() for c in line[line.index("|"):].strip().strip("|").split("|"))
+                for line in out.stdout.splitlines() if "| " in line and "---" not in line and "what" not in line)
+    assert float(rows["numpy"]) > 0, rows
+    assert all(rows[k] == "n/a" for k in rows if k != "numpy") and len(rows) == 8, rows
+    assert "#wrong: 0" in out.stdout
+
+
 def test_the_gpu_check_keeps_to_its_time_budget():
     """benchmarks/gpu_check.sh with too little time for any stage: it prints
     its header, says each stage was skipped (never starts one it cannot
@@ -90,6 +104,6 @@ def test_the_gpu_check_keeps_to_its_time_budget():
     assert lines[0].startswith("# ringreduce GPU check") and any(line.startswith("$ ") for line in lines[:4])
     skipped = [line for line in lines if line.startswith("skipped: ")]
     stages = [line[3:] for line in lines if line.startswith("## ")]
-    assert {"build", "limits", "tests", "bench-N2", "bench-N4"} <= set(stages), stages
+    assert {"build", "limits", "tests", "bench-N2", "bench-N4", "latency-N2"} <= set(stages), stages
     assert len(skipped) == len(stages) == out.returncode, out.stdout
     assert lines[-1].startswith("# done in") and f"{len(stages)} stage(s) failed, timed out or skipped" in lines[-1]
