@@ -92,10 +92,11 @@ if command -v nvcc >/dev/null; then
     arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
     export RINGREDUCE_CUDA=1 RINGREDUCE_CUDA_ARCHS=${RINGREDUCE_CUDA_ARCHS:-${arch:-80,90}}
 fi
-if ! stage build 180 --tail 15 $PY setup.py -q build_ext --inplace && [ -n "${RINGREDUCE_CUDA:-}" ]; then
+# scripts/build_inplace.sh builds with this Python's setuptools, however old
+if ! stage build 180 --tail 15 bash scripts/build_inplace.sh $PY && [ -n "${RINGREDUCE_CUDA:-}" ]; then
     # the fatbin failed to build, say: without it cupy compiles the kernels with NVRTC at run time
     unset RINGREDUCE_CUDA
-    stage build-without-fatbin 120 --tail 15 $PY setup.py -q build_ext --inplace
+    stage build-without-fatbin 120 --tail 15 bash scripts/build_inplace.sh $PY
 fi
 # cupy compiles its own elementwise kernels with NVRTC: check that works before the rest leans on it.
 [ -n "$DRY" ] || stage sanity 60 $PY -c "
