@@ -11,11 +11,31 @@
 # license string) before compiling anything. The extensions need none of
 # that metadata: with such a setuptools the build runs in a scratch folder
 # that links the sources and the package but holds no pyproject.toml, and
-# the built files land in ./ringreduce all the same.
+# the built files land in ./ringreduce all the same. Without setuptools the
+# core alone is compiled directly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-python3}
 case $PY in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # still this Python from the scratch folder
+if ! "$PY" -c "import setuptools" 2>/dev/null; then
+    # No setuptools at all (a bare Python 3.12+ environment): the core alone,
+    # compiled as setup.py would (its sources and flags read from it), without
+    # the MPI transport and the fatbin (cupy then compiles the kernels itself).
+    echo "no setuptools: compiling ringreduce._core with the C compiler alone" >&2
+    exec "$PY" - <<'BUILD'
+import ast, subprocess, sys, sysconfig
+found = {}
+for node in ast.parse(open("setup.py").read()).body:
+    if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+        if node.targets[0].id in ("FLAGS", "CORE_SOURCES"):
+            found[node.targets[0].id] = ast.literal_eval(node.value)
+cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+cmd = [cc, "-shared", "-fPIC", *found["FLAGS"], "-Icsrc", "-I" + sysconfig.get_paths()["include"],
+       *found["CORE_SOURCES"], "-o", "ringreduce/_core" + sysconfig.get_config_var("EXT_SUFFIX"), "-lpthread", "-ldl"]
+print(" ".join(cmd), file=sys.stderr)
+subprocess.run(cmd, check=True)
+BUILD
+fi
 if "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)"; then
     exec "$PY" setup.py -q build_ext --inplace
 fi
