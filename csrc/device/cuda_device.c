@@ -226,20 +226,26 @@ static uint64_t mark(rr_device *d, rr_error *err)
  * driver's own mappings that cuMemHostAlloc hands out. The registered pages
  * are not inherited by a fork: copy-on-write could otherwise move this
  * process's pages away from the ones the GPU copies to. A page in front,
- * inherited, keeps the mapping's length for the unmap, so a forked child
- * can still let go of the mapping (host_free). */
+ * inherited, keeps the mapping's length and whether it was registered, so a
+ * forked child can still let go of the mapping (host_free). Where the driver
+ * refuses to register them (some sandboxes do), the pages stay pageable:
+ * CUDA's copies to and from them are slower but as correct, and the ring's
+ * paths all still read them; the device counts them (counts.unpinned). */
+typedef struct {
+    size_t len;     /* the header page and the block */
+    int registered; /* with cuMemHostRegister */
+} host_block;
+
 static void *host_alloc(rr_device *d, size_t n)
 {
-    (void)d;
     const size_t page = (size_t)sysconf(_SC_PAGESIZE), len = page + (n ? n : 1);
     char *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) return NULL;
-    memcpy(base, &len, sizeof len);
     madvise(base + page, len - page, MADV_DONTFORK);
-    if (cu.cuMemHostRegister_v2(base + page, len - page, CU_MEMHOSTREGISTER_PORTABLE) != CUDA_SUCCESS) {
-        munmap(base, len);
-        return NULL;
-    }
+    host_block head = {len, cu.cuMemHostRegister_v2(base + page, len - page, CU_MEMHOSTREGISTER_PORTABLE) ==
+                                CUDA_SUCCESS};
+    if (!head.registered) d->counts.unpinned++;
+    memcpy(base, &head, sizeof head);
     return base + page;
 }
 
@@ -247,10 +253,10 @@ static void host_free(rr_device *d, void *p)
 {
     if (!p) return;
     char *base = (char *)p - (size_t)sysconf(_SC_PAGESIZE);
-    size_t len;
-    memcpy(&len, base, sizeof len);
-    if (!forked_away(d)) cu.cuMemHostUnregister(p);
-    munmap(base, len);
+    host_block head;
+    memcpy(&head, base, sizeof head);
+    if (head.registered && !forked_away(d)) cu.cuMemHostUnregister(p);
+    munmap(base, head.len);
 }
 
 static void *dev_alloc(rr_device *d, size_t n)

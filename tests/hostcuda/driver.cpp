@@ -28,6 +28,8 @@
  *   HOSTCUDA_IPC_OPEN=0 cuIpcOpenMemHandle (CUDA_ERROR_NOT_SUPPORTED: IPC not
  *   permitted, as in a container without the peer's processes), and
  *   HOSTCUDA_UUID_SALT changes cuDeviceGetUuid's answer: another "GPU".
+ *   HOSTCUDA_HOST_REGISTER=0 (read at each call) makes cuMemHostRegister
+ *   refuse (CUDA_ERROR_NOT_SUPPORTED), as sandboxed drivers may.
  *   Devices (HOSTCUDA_DEVICES) have peer access to each other unless
  *   HOSTCUDA_PEER_ACCESS=0.
  * - hostcuda_stats() counts what is alive, so tests catch leaks.
@@ -508,6 +510,7 @@ CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags)
     std::lock_guard<std::recursive_mutex> lock(mu);
     (void)flags;
     if (CUresult r = need_context()) return r;
+    if (env_int("HOSTCUDA_HOST_REGISTER", 1) == 0) return CUDA_ERROR_NOT_SUPPORTED; /* some sandboxes refuse */
     if (n == 0 || (uintptr_t)p % 4096 || pinned_blocks.count((uintptr_t)p) || touches_device(p, n))
         return CUDA_ERROR_INVALID_VALUE;
     pinned_blocks[(uintptr_t)p] = n;
@@ -713,7 +716,7 @@ void hostcuda_free(CUdeviceptr p)
 /* What is alive and what happened: retained contexts, streams, events,
  * cuMemAlloc blocks, pinned blocks (allocated or registered), pageable async copies, kernel
  * launches, the sticky error (0: none), and other processes' memory open by IPC. */
-void hostcuda_stats(long long out[9])
+void hostcuda_stats(long long out[10])
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
     long long retained = 0, api_blocks = 0, opened = 0;
@@ -722,8 +725,9 @@ void hostcuda_stats(long long out[9])
         api_blocks += kv.second.api;
         opened += kv.second.opened;
     }
-    long long v[9] = {retained, (long long)streams.size(), (long long)events.size(), api_blocks,
-                      (long long)pinned_blocks.size(), pageable_copies, launches, sticky, opened};
+    long long v[10] = {retained, (long long)streams.size(), (long long)events.size(), api_blocks,
+                       (long long)pinned_blocks.size(), pageable_copies, launches, sticky, opened,
+                       (long long)registered.size()};
     memcpy(out, v, sizeof v);
 }
 
