@@ -271,6 +271,12 @@ def main(argv=None) -> None:
         elif getattr(rr.core.communicator().ring, "ipc", None) is not True:  # the ring's agreement (core/device_ipc.py)
             notes.append("IPC: the ranks agreed on the staged path (fallback: IPC refused or not permitted here): "
                          "the IPC column ran staged")
+    if xp is not np:
+        from ringreduce.core import cuda
+        unpinned = cuda.ring_device(xp.cuda.Device().id).counts().get("unpinned", 0)
+        if int(rr.allreduce(np.array([unpinned], np.int64), op="max")[0]):
+            notes.append("the driver would not pin host memory (cuMemHostRegister refused): the staged path's "
+                         "copies ran from and to pageable memory")
     bar.close()
     if lead:
         title = (f"allreduce float32 sum, N={n} ranks sharing {gpu}, {platform.node()}, {os.cpu_count()} cores, "

@@ -237,6 +237,45 @@ def test_the_cuda_device_uses_its_driver_as_a_gpu_needs(tmp_path, hostcuda_dir):
             dict(contexts=0, streams=0, events=0, device_blocks=0, pinned_blocks=0), after
 
 
+def test_a_driver_that_will_not_pin_host_memory_leaves_it_pageable_and_the_results_right(tmp_path, hostcuda_dir):
+    """On the host CUDA driver refusing cuMemHostRegister (as some sandboxed
+    drivers do): the mirror and the bounce buffers stay pageable (the device
+    counts them: counts()["unpinned"]), CUDA's copies to and from them run
+    the pageable way, and the staged allreduce (Cross Memory Attach on, two
+    ranks) and the small trip give the host ring's bits; dropping the device
+    unmaps them."""
+    env = {"LD_LIBRARY_PATH": str(hostcuda_dir), "HOSTCUDA_HOST_REGISTER": "0", "RINGREDUCE_SHM_CMA": "1"}
+    ranks = run_ranks(2, job("""
+        import gc
+        ok = []
+        for count in [100_003, 3 << 20]:  # 3 Mi floats: chunks past Cross Memory Attach's 1 MiB
+            x = make_input(rr.rank(), (count,), "float32", "sum")
+            src, dst = Buf(x), Buf(np.zeros_like(x))
+            comm.allreduce_device(dev, src.ptr, dst.ptr, x.nbytes, codes["float32"], opcodes["sum"])
+            ok.append(dst.get(np.float32).tobytes() == host_allreduce(x, "float32", "sum").tobytes())
+            memory.free(src.ptr)
+            memory.free(dst.ptr)
+        small = Buf(make_input(rr.rank(), (10,), "int32", "sum"))
+        got = dev.bounce_down(small.ptr, 40)
+        ok.append(got is not None)
+        if got is not None:
+            slot, view = got
+            ok.append(bytes(view[:40]) == make_input(rr.rank(), (10,), "int32", "sum").tobytes())
+            view.release()
+            dev.bounce_release(slot)
+        during, unpinned = memory.stats(), dev.counts()["unpinned"]
+        del dev
+        gc.collect()
+        result = ok, during, unpinned, memory.stats()
+    """, kind="hostcuda"), tmp_path, env=env, timeout=120)
+    for r in ranks:
+        ok, during, unpinned, after = r.result
+        assert ok == [True] * 4, ok
+        assert unpinned > 0 and during["registered"] == 0 and during["pageable_copies"] > 0, (unpinned, during)
+        assert during["sticky_error"] == 0, during
+        assert after["pinned_blocks"] == 0 and after["contexts"] == 0, after
+
+
 @pytest.mark.parametrize("devices, ordinal, why", [(0, 0, "cuInit failed"), (1, 1, "invalid device ordinal")])
 def test_no_usable_gpu_is_a_clear_error(tmp_path, hostcuda_dir, devices, ordinal, why):
     [rank] = run_ranks(1, f"""

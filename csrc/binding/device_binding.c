@@ -300,9 +300,9 @@ static PyObject *Device_counts(DeviceObject *self, PyObject *Py_UNUSED(ignored))
     c = self->dev->counts;
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{sKsKsKsKsKsKsK}", "copies", c.copies, "events", c.events, "waits", c.waits,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "copies", c.copies, "events", c.events, "waits", c.waits,
                          "host_copies", c.host_copies, "kernels", c.kernels, "ipc_opens", c.ipc_opens,
-                         "ipc_exports", c.ipc_exports);
+                         "ipc_exports", c.ipc_exports, "unpinned", c.unpinned);
 }
 
 static void Device_dealloc(DeviceObject *self)
@@ -340,8 +340,9 @@ static PyMethodDef Device_methods[] = {
     {"bounce_release", (PyCFunction)Device_bounce_release, METH_VARARGS,
      "bounce_release(slot): frees a bounce slot without copying"},
     {"counts", (PyCFunction)Device_counts, METH_NOARGS,
-     "counts() -> {'copies', 'events', 'waits', 'host_copies', 'kernels', 'ipc_opens', 'ipc_exports'}: device "
-     "operations queued since the device was made (testing hook)"},
+     "counts() -> {'copies', 'events', 'waits', 'host_copies', 'kernels', 'ipc_opens', 'ipc_exports', "
+     "'unpinned'}: device operations queued since the device was made, and host blocks the driver would not "
+     "pin (testing hook)"},
     {NULL, NULL, 0, NULL},
 };
 

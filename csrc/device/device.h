@@ -116,6 +116,7 @@ typedef struct rr_device_counts {
     unsigned long long kernels; /* reduce3, mean_fold, divide */
     unsigned long long ipc_opens; /* ipc_open: a peer's window mapped here */
     unsigned long long ipc_exports; /* ipc_export: this device's window (re)made */
+    unsigned long long unpinned; /* host_alloc blocks the driver would not pin: pageable, slower copies */
 } rr_device_counts;
 
 /* Small messages in flight at once through one device (threads, process
