@@ -26,10 +26,15 @@ res = {}
 
 # Headers built by the checked path: the fast path builds none.
 built = []
+heads = []  # (inline, root) of each allreduce header: a small one says its data rides inline; none names a root
 _real_header = C.header
 def _counting(*a, **k):
     built.append(a[:5])
-    return _real_header(*a, **k)
+    head = _real_header(*a, **k)
+    if a[0] == C.ALLREDUCE:
+        parsed = C.parse(head)
+        heads.append((parsed["inline"], parsed["root"]))
+    return head
 C.header = _counting
 
 def inputs(shape, dt, k):
@@ -59,6 +64,7 @@ for it in range(3):
             wrong.append((it, shape, np.dtype(dt).name, op, name))
 res["wrong"] = wrong
 res["built"] = len(built)  # the first round only
+res["heads"] = sorted(set(heads))
 res["plans"] = len(getattr(ring, "plans", ()))
 
 # 2. out= and in place, valid but unusable as given (the C call declines): the checked path, same results.
@@ -128,6 +134,7 @@ def _check(ranks, n):
         assert got["wrong"] == [], f"rank {i}: {got['wrong']}"
         assert got["built"] == 9, f"rank {i}: {got['built']} headers built for 9 variants x 3 rounds"
         assert got["plans"] >= 9
+        assert got["heads"] == [(True, 0)], f"rank {i}: small allreduce headers (inline, root) {got['heads']}"
         for case, oks in got["cases"].items():
             assert all(oks), f"rank {i}: {case} {oks}"
         assert got["after"] == [n * (n + 1) / 2] * 32

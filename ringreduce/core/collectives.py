@@ -249,7 +249,7 @@ def allreduce_checked(x, op, out, name, process_set):
     with ring.lock:
         rounds = ring.comm.small_rounds if ring.size > 1 else None
         small = x.nbytes <= ring.allreduce_limit
-        head = header(ALLREDUCE, opc, code, x.shape, name, small)
+        head = header(ALLREDUCE, opc, code, x.shape, name, inline=small)
         # out is written in place only where it is x itself or apart from x: a partial overlap would let
         # the small path's early rounds overwrite x before a mismatch sends it to the ring.
         in_place = (out is not None and out.flags.c_contiguous and out.flags.writeable and out.dtype == x.dtype
@@ -376,7 +376,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
         refuse(ALLREDUCE, exc, process_set)
         raise
     with ring.lock, g.on(x):
-        head = header(ALLREDUCE, opc, code, x.shape, name, False, device=True)
+        head = header(ALLREDUCE, opc, code, x.shape, name, device=True)
         blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
         if small and not all_device(blobs):  # a host rank: this ring's small GPU allreduces take the bounce buffer
             ring.small_asks_ipc = False
@@ -398,7 +398,7 @@ def _allreduce_device_small_ipc(g, x, code, opc, out, name, ring, process_set):
         refuse(ALLREDUCE, exc, process_set)
         raise
     with ring.lock, g.on(x):
-        head = header(ALLREDUCE, opc, code, x.shape, name, True, device=True)
+        head = header(ALLREDUCE, opc, code, x.shape, name, inline=True, device=True)
         blobs = g.allreduce_small_ipc(ring, head, src, dst, code, opc)
         while blobs is not None and voided(blobs, ring):  # joined members' engines run it: again, with them
             blobs = g.allreduce_small_ipc(ring, head, src, dst, code, opc)
