@@ -19,16 +19,18 @@ from ranks import REPO
 
 SOURCES = Path(__file__).resolve().parent / "hostcuda"
 STATS = ("contexts", "streams", "events", "device_blocks", "pinned_blocks", "pageable_copies", "launches",
-         "sticky_error", "ipc_open", "registered")
+         "sticky_error", "ipc_open", "registered", "ipc_open_calls")
 
 
 def why_not_buildable() -> str | None:
     return None if shutil.which("g++") else "g++ is not on PATH"
 
 
-def build(folder: Path) -> Path:
-    """Compiles the driver and the kernels into folder/libcuda.so.1; returns folder."""
-    cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Wno-unknown-pragmas", "-Werror",
+def build(folder: Path, defines: tuple[str, ...] = ()) -> Path:
+    """Compiles the driver and the kernels into folder/libcuda.so.1; returns
+    folder. defines: the driver's build variants (-D<name>, e.g.
+    HOSTCUDA_NO_UUID_V2: a driver without cuDeviceGetUuid_v2)."""
+    cmd = ["g++", *[f"-D{d}" for d in defines], "-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Wno-unknown-pragmas", "-Werror",
            "-Wl,-soname,libcuda.so.1", "-include", str(SOURCES / "cuda_builtins.h"),
            "-x", "c++", str(REPO / "csrc" / "kernels" / "cuda" / "reduce.cu"), "-x", "none", str(SOURCES / "driver.cpp"),
            "-o", str(folder / "libcuda.so.1"), "-ldl", "-pthread"]

@@ -255,6 +255,104 @@ def test_ranks_on_two_gpus_take_the_ipc_path_where_they_have_peer_access(tmp_pat
         assert r.result == [(peer_access == "1", True)] * 3, (r.rank, r.result)
 
 
+def hostcuda_env(folder, **extra):
+    return {"LD_LIBRARY_PATH": f"{folder}:{os.environ.get('LD_LIBRARY_PATH', '')}", **extra}
+
+
+@pytest.fixture(scope="module")
+def hostcuda_without_uuid_v2(tmp_path_factory):
+    """The host CUDA driver as drivers before CUDA 11.4 are: no cuDeviceGetUuid_v2."""
+    import hostcuda
+    why = hostcuda.why_not_buildable()
+    if why:
+        pytest.skip(f"the host CUDA driver cannot be built: {why}")
+    return hostcuda.build(tmp_path_factory.mktemp("hostcuda_no_v2"), ("HOSTCUDA_NO_UUID_V2",))
+
+
+UUIDS = """
+import ctypes
+def uuid(name):
+    raw = ctypes.create_string_buffer(16)
+    assert getattr(memory.lib, name)(raw, 0) == 0
+    return "cuda:" + raw.raw.hex()
+identity = dev.ipc_offer()[0]
+"""
+
+
+def test_ranks_on_two_mig_instances_of_one_gpu_take_the_staged_path(tmp_path, hostcuda_dir):
+    """Two ranks on two MIG instances of one GPU (HOSTCUDA_MIG: the whole
+    GPU's UUID from cuDeviceGetUuid, each instance's own from _v2, no peer
+    access, no IPC across instances): their IPC identities are the
+    instances' UUIDs, so neither takes the other's device for its own; every
+    rank takes the staged path, with the host ring's bits, without trying to
+    open a peer's memory."""
+    pre = "os.environ['HOSTCUDA_MIG'] = str(int(os.environ['RINGREDUCE_RANK']) + 1)\nrr.init()\n"
+    ranks = run_ranks(2, job(UUIDS + textwrap.dedent("""
+        out = []
+        for count in [7, 100_003]:
+            x = make_input(rr.rank(), (count,), "float32", "sum")
+            got, ipc = device_allreduce(x, "float32", "sum", in_place=False)
+            out.append((ipc, got.tobytes() == host_allreduce(x, "float32", "sum").tobytes()))
+        result = out, identity, uuid("cuDeviceGetUuid_v2"), uuid("cuDeviceGetUuid"), memory.stats()["ipc_open_calls"]
+    """), "hostcuda", pre=pre), tmp_path, env=hostcuda_env(hostcuda_dir), timeout=120, init=False)
+    gpu = {r.result[3] for r in ranks}
+    assert len(gpu) == 1  # one GPU ...
+    assert len({r.result[1] for r in ranks}) == 2  # ... two devices
+    for r in ranks:
+        out, identity, v2, _, open_calls = r.result
+        assert identity == v2, (r.rank, identity, v2)
+        assert out == [(False, True), (False, True)], (r.rank, out)
+        assert open_calls == 0, r.rank
+
+
+def test_without_cuda_11_4s_uuid_call_the_identity_is_cuda_device_get_uuids(tmp_path, hostcuda_without_uuid_v2):
+    """A driver without cuDeviceGetUuid_v2: the IPC identity is
+    cuDeviceGetUuid's, and ranks on one GPU still take the IPC path."""
+    ranks = run_ranks(2, job(UUIDS + textwrap.dedent("""
+        assert not hasattr(memory.lib, "cuDeviceGetUuid_v2")
+        x = make_input(rr.rank(), (100_003,), "float32", "sum")
+        got, ipc = device_allreduce(x, "float32", "sum", in_place=False)
+        result = identity == uuid("cuDeviceGetUuid"), ipc, got.tobytes() == host_allreduce(x, "float32", "sum").tobytes()
+    """), "hostcuda"), tmp_path, env=hostcuda_env(hostcuda_without_uuid_v2), timeout=120)
+    for r in ranks:
+        assert r.result == (True, True, True), (r.rank, r.result)
+
+
+def test_the_host_driver_takes_only_the_flags_cuda_h_documents(hostcuda_dir):
+    """The host CUDA driver checks flags as cuda.h documents them (so the CUDA
+    device's flags are checked wherever it runs on it): streams take
+    CU_STREAM_NON_BLOCKING (1) or none, events BLOCKING_SYNC (1),
+    DISABLE_TIMING (2) and INTERPROCESS (4, only with DISABLE_TIMING),
+    cuIpcOpenMemHandle exactly CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS (1)."""
+    import ctypes
+    from hostcuda import HostCuda
+    h = HostCuda(hostcuda_dir / "libcuda.so.1")
+    h.make_current()
+    lib, made = h.lib, ctypes.c_void_p()
+    INVALID_VALUE = 1
+    for flags, want in [(0, 0), (1, 0), (2, INVALID_VALUE), (4, INVALID_VALUE)]:
+        assert lib.cuStreamCreate(ctypes.byref(made), flags) == want, flags
+        if want == 0:
+            lib.cuStreamDestroy_v2(made)
+    for flags, want in [(0, 0), (1, 0), (2, 0), (3, 0), (6, 0), (7, 0), (4, INVALID_VALUE), (5, INVALID_VALUE),
+                        (8, INVALID_VALUE)]:
+        assert lib.cuEventCreate(ctypes.byref(made), flags) == want, flags
+        if want == 0:
+            lib.cuEventDestroy_v2(made)
+    class Handle(ctypes.Structure):  # CUipcMemHandle, passed by value
+        _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    ptr, handle = ctypes.c_uint64(), Handle()
+    assert lib.cuMemAlloc_v2(ctypes.byref(ptr), 4096) == 0
+    assert lib.cuIpcGetMemHandle(ctypes.byref(handle), ptr) == 0
+    for flags in (0, 2, 3):
+        assert lib.cuIpcOpenMemHandle_v2(ctypes.byref(made), handle, flags) == INVALID_VALUE, flags
+    INVALID_CONTEXT = 201  # the flag taken; CUDA opens no handle of the process's own
+    assert lib.cuIpcOpenMemHandle_v2(ctypes.byref(made), handle, 1) == INVALID_CONTEXT
+    assert lib.cuMemFree_v2(ptr) == 0
+    assert h.stats()["streams"] == h.stats()["events"] == h.stats()["device_blocks"] == 0
+
+
 def run_with_one_refusing_rank(tmp_path, device, refusal):
     if refusal == "setting":
         pre = "if os.environ['RINGREDUCE_RANK'] == '1':\n    os.environ['RINGREDUCE_CUDA_IPC'] = '0'\nrr.init()\n"

@@ -60,9 +60,12 @@ typedef struct { char bytes[16]; } CUuuid;
                        unsigned, CUstream, void **, void **))
 
 /* The IPC path's (ipc.c), loaded where the driver has them: without them
- * the device refuses IPC and the staged path runs. */
+ * the device refuses IPC and the staged path runs. Of the two UUID calls
+ * one is enough: cuDeviceGetUuid_v2 (CUDA 11.4 on) where the driver has it,
+ * else cuDeviceGetUuid (see device_uuid). */
 #define IPC_FUNCTIONS(X)                                                    \
     X(cuDeviceGetUuid, (CUuuid *, CUdevice))                                \
+    X(cuDeviceGetUuid_v2, (CUuuid *, CUdevice))                             \
     X(cuDeviceGetCount, (int *))                                            \
     X(cuDeviceCanAccessPeer, (int *, CUdevice, CUdevice))                   \
     X(cuIpcGetMemHandle, (CUipcMemHandle *, CUdeviceptr))                   \
@@ -282,8 +285,8 @@ static void destroy(rr_device *d)
 
 static int ipc_loaded(rr_error *err)
 {
-    if (cu.cuDeviceGetUuid && cu.cuDeviceGetCount && cu.cuDeviceCanAccessPeer && cu.cuIpcGetMemHandle &&
-        cu.cuIpcOpenMemHandle_v2 && cu.cuIpcCloseMemHandle)
+    if ((cu.cuDeviceGetUuid_v2 || cu.cuDeviceGetUuid) && cu.cuDeviceGetCount && cu.cuDeviceCanAccessPeer &&
+        cu.cuIpcGetMemHandle && cu.cuIpcOpenMemHandle_v2 && cu.cuIpcCloseMemHandle)
         return RR_OK;
     rr_set_error(err, RR_E_DEVICE, -1, "CUDA: the driver has no IPC (cuIpc*)");
     return err->code;
@@ -295,11 +298,23 @@ static void uuid_text(const CUuuid *id, char out[RR_IPC_IDENTITY])
     for (int i = 0; i < 16; i++) at += snprintf(out + at, RR_IPC_IDENTITY - (size_t)at, "%02x", (unsigned char)id->bytes[i]);
 }
 
-/* The GPU's UUID: ranks on one GPU open each other's memory. */
+/* The device's UUID as IPC identity: cuDeviceGetUuid_v2's, which names each
+ * MIG instance apart, where the driver has it; else cuDeviceGetUuid's, which
+ * gives every MIG instance the whole GPU's UUID (drivers before CUDA 11.4,
+ * which have no MIG). Every rank and every peer lookup (ipc_reaches) takes
+ * the same one, so ranks on two MIG instances of one GPU never take each
+ * other for one device. */
+static CUresult device_uuid(CUuuid *id, CUdevice dev)
+{
+    return cu.cuDeviceGetUuid_v2 ? cu.cuDeviceGetUuid_v2(id, dev) : cu.cuDeviceGetUuid(id, dev);
+}
+
+/* The device's UUID: ranks on one device open each other's memory. */
 static int ipc_identity(rr_device *d, char out[RR_IPC_IDENTITY], rr_error *err)
 {
     CUuuid id;
-    if (ipc_loaded(err) || check(cu.cuDeviceGetUuid(&id, ((cuda_device *)d)->dev), "cuDeviceGetUuid", err))
+    if (ipc_loaded(err) || check(device_uuid(&id, ((cuda_device *)d)->dev),
+                                     cu.cuDeviceGetUuid_v2 ? "cuDeviceGetUuid_v2" : "cuDeviceGetUuid", err))
         return err->code;
     uuid_text(&id, out);
     return RR_OK;
@@ -317,7 +332,7 @@ static int ipc_reaches(rr_device *d, const char *identity)
         char text[RR_IPC_IDENTITY];
         CUdevice other;
         int can = 0;
-        if (cu.cuDeviceGet(&other, i) != CUDA_SUCCESS || cu.cuDeviceGetUuid(&id, other) != CUDA_SUCCESS) continue;
+        if (cu.cuDeviceGet(&other, i) != CUDA_SUCCESS || device_uuid(&id, other) != CUDA_SUCCESS) continue;
         uuid_text(&id, text);
         if (strcmp(text, identity)) continue;
         if (other == c->dev) return 1;

@@ -7,8 +7,8 @@ Which path a ring takes is agreed once, the first time every rank of it
 runs a collective on a device (each rank's header says so: a ring with a
 host rank keeps the staged path), in two blob passes. In the first every
 rank gives its host, its RINGREDUCE_CUDA_IPC setting, its device's IPC
-identity (the GPU's UUID) and its window's handle (none where the device
-or driver refuses IPC or cannot export memory). Where every rank is on one
+identity (the device's UUID: a MIG instance's own) and its window's handle
+(none where the device or driver refuses IPC or cannot export memory). Where every rank is on one
 host with the setting on, each rank checks that its device reaches every
 peer's (the same GPU, or another with peer access) and opens every peer's
 window (and keeps it open: the first operation needs no opening); the

@@ -32,6 +32,23 @@
  *   refuse (CUDA_ERROR_NOT_SUPPORTED), as sandboxed drivers may.
  *   Devices (HOSTCUDA_DEVICES) have peer access to each other unless
  *   HOSTCUDA_PEER_ACCESS=0.
+ * - MIG: HOSTCUDA_MIG=k (k >= 1; read at each call) makes this process's
+ *   devices MIG instances of one GPU, device d being instance k + d (so
+ *   processes given other k sit on other instances, as CUDA_VISIBLE_DEVICES
+ *   set to MIG UUIDs does). As on a GPU in MIG mode, cuDeviceGetUuid_v2
+ *   gives each instance its own UUID while cuDeviceGetUuid gives every
+ *   instance the GPU's, no instance has peer access to another, and
+ *   cuIpcOpenMemHandle refuses (CUDA_ERROR_NOT_SUPPORTED) memory of
+ *   another instance (IPC across GPU instances is not supported).
+ *   Built with -DHOSTCUDA_NO_UUID_V2 it lacks cuDeviceGetUuid_v2, as
+ *   drivers before CUDA 11.4 do.
+ * - Flags are checked as cuda.h documents them: cuInit takes 0,
+ *   cuStreamCreate CU_STREAM_DEFAULT or CU_STREAM_NON_BLOCKING,
+ *   cuEventCreate CU_EVENT_{BLOCKING_SYNC,DISABLE_TIMING,INTERPROCESS}
+ *   (INTERPROCESS only with DISABLE_TIMING), cuMemHostAlloc and
+ *   cuMemHostRegister their CU_MEMHOST* bits, and cuIpcOpenMemHandle
+ *   exactly CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS; anything else is
+ *   CUDA_ERROR_INVALID_VALUE.
  * - hostcuda_stats() counts what is alive, so tests catch leaks.
  * Every entry point takes one lock: work runs in the order it was queued.
  */
@@ -76,6 +93,22 @@ enum : CUresult {
 
 typedef struct { char reserved[64]; } CUipcMemHandle;
 typedef struct { char bytes[16]; } CUuuid;
+
+/* cuda.h's flags */
+enum : unsigned {
+    CU_STREAM_NON_BLOCKING = 0x1,
+    CU_EVENT_BLOCKING_SYNC = 0x1,
+    CU_EVENT_DISABLE_TIMING = 0x2,
+    CU_EVENT_INTERPROCESS = 0x4,
+    CU_MEMHOSTALLOC_PORTABLE = 0x1,
+    CU_MEMHOSTALLOC_DEVICEMAP = 0x2,
+    CU_MEMHOSTALLOC_WRITECOMBINED = 0x4,
+    CU_MEMHOSTREGISTER_PORTABLE = 0x1,
+    CU_MEMHOSTREGISTER_DEVICEMAP = 0x2,
+    CU_MEMHOSTREGISTER_IOMEMORY = 0x4,
+    CU_MEMHOSTREGISTER_READ_ONLY = 0x8,
+    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1,
+};
 
 namespace {
 
@@ -135,6 +168,7 @@ struct Block {
 struct IpcHandle {
     uint32_t magic;
     int32_t pid, fd;
+    int32_t instance; /* the exporting device's MIG instance (mig_instance) */
     uint64_t n;
 };
 const uint32_t IPC_MAGIC = 0x48434950; /* "HCIP" */
@@ -158,7 +192,7 @@ std::set<uintptr_t> registered;             /* of those, cuMemHostRegister'ed */
 std::set<CUstream_st *> streams;
 std::set<CUevent_st *> events;
 std::map<std::string, CUfunc_st> functions;
-long long pageable_copies, launches;
+long long pageable_copies, launches, ipc_open_calls;
 
 int env_int(const char *name, int fallback)
 {
@@ -187,6 +221,16 @@ bool touches_device(const void *p, size_t n)
     --it;
     return it->first + it->second.n > a;
 }
+
+/* Device d's MIG instance under HOSTCUDA_MIG (0: a whole GPU). */
+int mig_instance(CUdevice d)
+{
+    int k = env_int("HOSTCUDA_MIG", 0);
+    return k > 0 ? k + d : 0;
+}
+
+/* The device whose context is current (after need_context()). */
+CUdevice current_device() { return (CUdevice)(current - contexts); }
 
 CUresult need_context()
 {
@@ -380,8 +424,8 @@ CUresult cuCtxSetCurrent(CUcontext c)
 CUresult cuStreamCreate(CUstream *s, unsigned flags)
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
-    (void)flags;
     if (CUresult r = need_context()) return r;
+    if (flags & ~CU_STREAM_NON_BLOCKING) return CUDA_ERROR_INVALID_VALUE;
     *s = new CUstream_st;
     streams.insert(*s);
     return CUDA_SUCCESS;
@@ -409,8 +453,10 @@ CUresult cuStreamSynchronize(CUstream s)
 CUresult cuEventCreate(CUevent *e, unsigned flags)
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
-    (void)flags;
     if (CUresult r = need_context()) return r;
+    if (flags & ~(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS) ||
+        ((flags & CU_EVENT_INTERPROCESS) && !(flags & CU_EVENT_DISABLE_TIMING)))
+        return CUDA_ERROR_INVALID_VALUE;
     *e = new CUevent_st;
     events.insert(*e);
     return CUDA_SUCCESS;
@@ -486,9 +532,9 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags)
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
-    (void)flags;
     if (CUresult r = need_context()) return r;
-    if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (n == 0 || flags & ~(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED))
+        return CUDA_ERROR_INVALID_VALUE;
     if (!(*p = aligned_alloc(64, (n + 63) / 64 * 64))) return CUDA_ERROR_OUT_OF_MEMORY;
     pinned_blocks[(uintptr_t)*p] = n;
     return CUDA_SUCCESS;
@@ -508,8 +554,10 @@ CUresult cuMemFreeHost(void *p)
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags)
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
-    (void)flags;
     if (CUresult r = need_context()) return r;
+    if (flags & ~(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_IOMEMORY |
+                  CU_MEMHOSTREGISTER_READ_ONLY))
+        return CUDA_ERROR_INVALID_VALUE;
     if (env_int("HOSTCUDA_HOST_REGISTER", 1) == 0) return CUDA_ERROR_NOT_SUPPORTED; /* some sandboxes refuse */
     if (n == 0 || (uintptr_t)p % 4096 || pinned_blocks.count((uintptr_t)p) || touches_device(p, n))
         return CUDA_ERROR_INVALID_VALUE;
@@ -576,17 +624,37 @@ CUresult cuMemFree_v2(CUdeviceptr dp)
     return CUDA_SUCCESS;
 }
 
+/* A GPU's UUID names its device and HOSTCUDA_UUID_SALT; under MIG the GPU
+ * is device 0's, and an instance's UUID (instance > 0) names the instance. */
+static void make_uuid(CUuuid *uuid, int32_t device, int32_t instance)
+{
+    int32_t salt = env_int("HOSTCUDA_UUID_SALT", 0);
+    memcpy(uuid->bytes, instance ? "hostcMIG" : "hostcuda", 8);
+    memcpy(uuid->bytes + 8, instance ? &instance : &device, 4);
+    memcpy(uuid->bytes + 12, &salt, 4);
+}
+
+/* The GPU's UUID: under MIG every instance's is the whole GPU's. */
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice d)
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     if (d < 0 || d >= devices) return CUDA_ERROR_INVALID_DEVICE;
-    int32_t salt = env_int("HOSTCUDA_UUID_SALT", 0);
-    memcpy(uuid->bytes, "hostcuda", 8);
-    memcpy(uuid->bytes + 8, &d, 4);
-    memcpy(uuid->bytes + 12, &salt, 4);
+    make_uuid(uuid, mig_instance(d) ? 0 : d, 0);
     return CUDA_SUCCESS;
 }
+
+#ifndef HOSTCUDA_NO_UUID_V2
+/* The device's UUID: under MIG the instance's own. */
+CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice d)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (d < 0 || d >= devices) return CUDA_ERROR_INVALID_DEVICE;
+    make_uuid(uuid, d, mig_instance(d));
+    return CUDA_SUCCESS;
+}
+#endif
 
 CUresult cuDeviceGetCount(int *n)
 {
@@ -601,7 +669,7 @@ CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer)
     std::lock_guard<std::recursive_mutex> lock(mu);
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     if (d < 0 || d >= devices || peer < 0 || peer >= devices) return CUDA_ERROR_INVALID_DEVICE;
-    *can = d != peer && env_int("HOSTCUDA_PEER_ACCESS", 1) != 0;
+    *can = d != peer && env_int("HOSTCUDA_PEER_ACCESS", 1) != 0 && !mig_instance(d) && !mig_instance(peer);
     return CUDA_SUCCESS;
 }
 
@@ -612,7 +680,7 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr dp)
     if (env_int("HOSTCUDA_IPC", 1) == 0) return CUDA_ERROR_NOT_SUPPORTED;
     auto it = device_blocks.find((uintptr_t)dp);
     if (it == device_blocks.end() || it->second.fd < 0) return CUDA_ERROR_INVALID_VALUE; /* a cuMemAlloc base only */
-    IpcHandle ih{IPC_MAGIC, (int32_t)getpid(), it->second.fd, it->second.n};
+    IpcHandle ih{IPC_MAGIC, (int32_t)getpid(), it->second.fd, mig_instance(current_device()), it->second.n};
     memset(h, 0, sizeof *h);
     memcpy(h->reserved, &ih, sizeof ih);
     return CUDA_SUCCESS;
@@ -622,10 +690,13 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dp, CUipcMemHandle h, unsigned flags
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
     if (CUresult r = need_context()) return r;
+    ipc_open_calls++;
     IpcHandle ih;
     memcpy(&ih, h.reserved, sizeof ih);
-    if (ih.magic != IPC_MAGIC || flags > 1 || ih.n == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (ih.magic != IPC_MAGIC || flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS || ih.n == 0)
+        return CUDA_ERROR_INVALID_VALUE;
     if (env_int("HOSTCUDA_IPC_OPEN", 1) == 0) return CUDA_ERROR_NOT_SUPPORTED;
+    if (ih.instance != mig_instance(current_device())) return CUDA_ERROR_NOT_SUPPORTED; /* across MIG instances */
     if (ih.pid == (int32_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT; /* CUDA opens no handle of its own process */
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)ih.pid, (int)ih.fd);
@@ -715,8 +786,9 @@ void hostcuda_free(CUdeviceptr p)
 
 /* What is alive and what happened: retained contexts, streams, events,
  * cuMemAlloc blocks, pinned blocks (allocated or registered), pageable async copies, kernel
- * launches, the sticky error (0: none), and other processes' memory open by IPC. */
-void hostcuda_stats(long long out[10])
+ * launches, the sticky error (0: none), other processes' memory open by IPC,
+ * registered host blocks, and cuIpcOpenMemHandle calls (refused ones too). */
+void hostcuda_stats(long long out[11])
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
     long long retained = 0, api_blocks = 0, opened = 0;
@@ -725,9 +797,9 @@ void hostcuda_stats(long long out[10])
         api_blocks += kv.second.api;
         opened += kv.second.opened;
     }
-    long long v[10] = {retained, (long long)streams.size(), (long long)events.size(), api_blocks,
+    long long v[11] = {retained, (long long)streams.size(), (long long)events.size(), api_blocks,
                        (long long)pinned_blocks.size(), pageable_copies, launches, sticky, opened,
-                       (long long)registered.size()};
+                       (long long)registered.size(), ipc_open_calls};
     memcpy(out, v, sizeof v);
 }
 
