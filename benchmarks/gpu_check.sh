@@ -106,7 +106,7 @@ why = cuda.available()
 assert why is None, why
 assert (cp.arange(3) * 2).tolist() == [0, 2, 4]
 cuda.kernels()
-print('ringreduce GPU kernels:', 'fatbin' if cuda.FATBIN.exists() else 'NVRTC', '; NVRTC', cp.cuda.nvrtc.getVersion())"
+print('ringreduce GPU kernels:', cuda.kernel_origin(), '; NVRTC', cp.cuda.nvrtc.getVersion())"
 stage limits 45 $PY benchmarks/gpu_limits.py --bytes 256M --seconds 0.5 $DRY
 stage tests 150 --tail 30 $PY -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_cuda.py tests/test_gpu_collectives.py

@@ -8,6 +8,7 @@ and sm_90."""
 import ctypes
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
 import ml_dtypes
@@ -102,6 +103,92 @@ def test_without_a_gpu_the_loader_says_why_and_import_costs_nothing():
         pytest.skip("a GPU is here")
     with pytest.raises(Exception, match="cupy|CUDA"):
         cuda.kernels()
+
+
+class FakeCupy:
+    """cupy's RawModule over the host CUDA driver (HostCuda): a module given a
+    path loads that file at its first get_function, one given code compiles
+    it then with "NVRTC" for the device's compute capability, as cupy does;
+    driver errors raise as cupy's CUDADriverError does."""
+
+    class DriverError(Exception):
+        pass
+
+    def __init__(self, h: HostCuda):
+        self.h, self.compiled = h, []
+        cupy = self
+
+        class RawModule:
+            def __init__(self, code=None, path=None, options=()):
+                self.code, self.path, self.options, self.handle = code, path, options, None
+
+            def _load(self):
+                if self.handle is None:
+                    cupy.h.make_current()
+                    handle = ctypes.c_void_p()
+                    if self.path:
+                        cupy.check(cupy.h.lib.cuModuleLoad(ctypes.byref(handle), self.path.encode()))
+                    else:
+                        assert self.code == KERNEL.read_text() and "-std=c++17" in self.options  # reduce.cu
+                        cc = [ctypes.c_int(), ctypes.c_int()]
+                        for attribute, value in zip((75, 76), cc):  # compute capability major, minor
+                            cupy.check(cupy.h.lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, 0))
+                        image = f"hostcuda-module sm_{cc[0].value}{cc[1].value}".encode()
+                        cupy.compiled.append(image)
+                        cupy.check(cupy.h.lib.cuModuleLoadData(ctypes.byref(handle), image))
+                    self.handle = handle
+                return self.handle
+
+            def get_function(self, name):
+                f = ctypes.c_void_p()
+                cupy.check(cupy.h.lib.cuModuleGetFunction(ctypes.byref(f), self._load(), name.encode()))
+                return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=f.value))
+
+        self.RawModule = RawModule
+
+    def check(self, rc):
+        if rc:
+            text = ctypes.c_char_p()
+            self.h.lib.cuGetErrorString(rc, ctypes.byref(text))
+            raise self.DriverError(f"CUDA_ERROR {rc}: {text.value.decode()}")
+
+
+@pytest.mark.parametrize("fatbin, arch, origin", [
+    ("sm_80 sm_90 compute_90", 90, "fatbin"),
+    ("sm_80 sm_90 compute_90", 100, "fatbin"),  # a newer GPU compiles the fatbin's PTX as it loads
+    ("sm_80 sm_90", 100, "NVRTC"),  # nothing for it: reduce.cu compiled for it
+    (None, 90, "NVRTC"),  # no fatbin built
+])
+def test_kernels_come_from_the_fatbin_where_it_loads_else_from_nvrtc(monkeypatch, tmp_path, hostcuda_dir, fatbin,
+                                                                     arch, origin):
+    """cuda.kernels() loads the fatbin on the GPU where it holds code for it;
+    where it holds none (built for other architectures, without PTX for
+    this one: the driver refuses it with CUDA_ERROR_NO_BINARY_FOR_GPU) or
+    where none was built, it compiles reduce.cu with NVRTC through cupy for
+    this GPU. cuda.kernel_origin() says which, and why NVRTC; every kernel
+    the ring's device takes is there either way."""
+    cupy = FakeCupy(HostCuda(hostcuda_dir / "libcuda.so.1"))
+    monkeypatch.setenv("HOSTCUDA_ARCH", str(arch))
+    monkeypatch.setattr(cuda, "cupy_or_none", lambda: cupy)
+    monkeypatch.setattr(cuda, "available", lambda: None)
+    monkeypatch.setattr(cuda, "FATBIN", tmp_path / "reduce_kernels.fatbin")
+    if fatbin:
+        cuda.FATBIN.write_text(f"hostcuda-module {fatbin}")
+    cuda._loaded.cache_clear()
+    try:
+        said = cuda.kernel_origin()
+        assert said.startswith(origin), said
+        if origin == "NVRTC":
+            assert cupy.compiled == [f"hostcuda-module sm_{arch}".encode()]
+            assert ("no kernel image is available" in said) == bool(fatbin), said
+            assert ("no fatbin was built" in said) == (not fatbin), said
+        else:
+            assert cupy.compiled == []
+        reduce, divide, mean = cuda.kernel_table(lambda name: cuda.kernels().get_function(name).kernel.ptr)
+        assert all(reduce[i][j] for i in range(len(reduce)) for j in range(len(cuda.OPS)))
+        assert all(divide) and all(mean)
+    finally:
+        cuda._loaded.cache_clear()
 
 
 def sample(name, count, seed):

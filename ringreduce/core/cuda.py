@@ -2,8 +2,10 @@
 
 The kernels come from a fatbin that setup.py builds with nvcc when asked
 (RINGREDUCE_CUDA=1, for sm_80 and sm_90), or else are compiled at run time
-from the same source by cupy.RawModule. Nothing here runs without cupy and a
-GPU; importing this module never needs either.
+from the same source by cupy.RawModule (NVRTC): where no fatbin was built,
+and where the fatbin does not load on this GPU (code for other
+architectures only). kernel_origin() says which. Nothing here runs without
+cupy and a GPU; importing this module never needs either.
 
     from ringreduce import cuda
     cuda.reduce3(dst, a, b, "sum")       # cupy arrays, on the current device and stream
@@ -53,19 +55,49 @@ def available() -> str | None:
     return None
 
 
+# A kernel every build has: getting it loads a module on the current GPU.
+PROBE_KERNEL = "rr_reduce_float32_sum"
+
+
 @functools.lru_cache(maxsize=None)
-def kernels():
-    """The compiled kernels (a cupy.RawModule: the fatbin, else reduce.cu
-    compiled now); RingReduceError without cupy and a CUDA device."""
+def _loaded():
+    """(module, origin): kernels() and kernel_origin()."""
     cp = cupy_or_none()
     why = available()
     if why:
         raise RingReduceError(f"GPU arrays need cupy and a CUDA device: {why}")
+    fatbin_why = "no fatbin was built"
     if FATBIN.exists():
-        return cp.RawModule(path=str(FATBIN))
+        module = cp.RawModule(path=str(FATBIN))
+        try:
+            module.get_function(PROBE_KERNEL)  # loads the fatbin: one without code for this GPU fails here
+            return module, f"fatbin {FATBIN.name}"
+        except Exception as exc:  # cupy's CUDADriverError, e.g. CUDA_ERROR_NO_BINARY_FOR_GPU
+            fatbin_why = f"the fatbin did not load on this GPU: {exc}"
     src = kernel_source()
     d = src.parent.parent
-    return cp.RawModule(code=src.read_text(), options=("-std=c++17", f"-I{d}", f"-I{d / 'cuda'}"))
+    module = cp.RawModule(code=src.read_text(), options=("-std=c++17", f"-I{d}", f"-I{d / 'cuda'}"))
+    try:
+        module.get_function(PROBE_KERNEL)  # compiles and loads now, not in the first collective
+    except Exception as exc:
+        raise RingReduceError(f"ringreduce's CUDA kernels: compiling reduce.cu with NVRTC failed ({fatbin_why}): "
+                              f"{exc}") from exc
+    return module, f"NVRTC ({fatbin_why})"
+
+
+def kernels():
+    """The compiled kernels (a cupy.RawModule), loaded on the current GPU: the
+    fatbin where it loads here, else reduce.cu compiled now with NVRTC
+    (kernel_origin() says which); RingReduceError without cupy and a CUDA
+    device, or where neither loads."""
+    return _loaded()[0]
+
+
+def kernel_origin() -> str:
+    """Where kernels() came from: "fatbin reduce_kernels.fatbin", or
+    "NVRTC (why: no fatbin was built, or the fatbin's load error)"; loads
+    the kernels if need be (RingReduceError as kernels())."""
+    return _loaded()[1]
 
 
 def kernel_source() -> Path:

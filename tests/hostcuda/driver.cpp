@@ -42,6 +42,13 @@
  *   another instance (IPC across GPU instances is not supported).
  *   Built with -DHOSTCUDA_NO_UUID_V2 it lacks cuDeviceGetUuid_v2, as
  *   drivers before CUDA 11.4 do.
+ * - Modules: the device has compute capability HOSTCUDA_ARCH (default 90:
+ *   9.0; cuDeviceGetAttribute says so). A module image (cuModuleLoadData,
+ *   cuModuleLoad) is text, "hostcuda-module" and the code it holds: sm_XY
+ *   (a cubin, which loads on compute capability X.Y alone) and compute_XY
+ *   (PTX, which loads on X.Y and newer). An image with nothing for this
+ *   device fails with CUDA_ERROR_NO_BINARY_FOR_GPU, as a fatbin built for
+ *   another GPU does. Its kernels are reduce.cu's (cuModuleGetFunction).
  * - Flags are checked as cuda.h documents them: cuInit takes 0,
  *   cuStreamCreate CU_STREAM_DEFAULT or CU_STREAM_NON_BLOCKING,
  *   cuEventCreate CU_EVENT_{BLOCKING_SYNC,DISABLE_TIMING,INTERPROCESS}
@@ -85,7 +92,11 @@ enum : CUresult {
     CUDA_ERROR_NO_DEVICE = 100,
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_IMAGE = 200,
+    CUDA_ERROR_NO_BINARY_FOR_GPU = 209,
+    CUDA_ERROR_FILE_NOT_FOUND = 301,
     CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_NOT_SUPPORTED = 801,
@@ -142,6 +153,9 @@ struct CUevent_st {
     CUstream_st *stream = nullptr;
     uint64_t at = 0; /* the stream's work up to here */
 };
+struct CUmod_st {
+    int arch; /* the code it loaded: sm_<arch> or compute_<arch> */
+};
 struct CUfunc_st {
     Kind kind;
     size_t dst_size, src_size; /* element sizes */
@@ -152,6 +166,7 @@ typedef CUctx_st *CUcontext;
 typedef CUstream_st *CUstream;
 typedef CUevent_st *CUevent;
 typedef CUfunc_st *CUfunction;
+typedef CUmod_st *CUmodule;
 
 namespace {
 
@@ -191,6 +206,7 @@ std::map<uintptr_t, size_t> pinned_blocks; /* cuMemHostAlloc'ed and registered *
 std::set<uintptr_t> registered;             /* of those, cuMemHostRegister'ed */
 std::set<CUstream_st *> streams;
 std::set<CUevent_st *> events;
+std::set<CUmod_st *> modules;
 std::map<std::string, CUfunc_st> functions;
 long long pageable_copies, launches, ipc_open_calls;
 
@@ -373,7 +389,11 @@ CUresult cuGetErrorString(CUresult r, const char **s)
         {CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected"},
         {CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"},
         {CUDA_ERROR_INVALID_CONTEXT, "invalid device context"},
+        {CUDA_ERROR_INVALID_IMAGE, "device kernel image is invalid"},
+        {CUDA_ERROR_NO_BINARY_FOR_GPU, "no kernel image is available for execution on the device"},
+        {CUDA_ERROR_FILE_NOT_FOUND, "file not found"},
         {CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"},
+        {CUDA_ERROR_NOT_FOUND, "named symbol not found"},
         {CUDA_ERROR_NOT_READY, "device not ready"},
         {CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"},
         {CUDA_ERROR_NOT_SUPPORTED, "operation not supported"},
@@ -747,6 +767,77 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     }
     launches++;
     return enqueue(s, w);
+}
+
+/* Compute capability (major 75, minor 76) of every device: HOSTCUDA_ARCH. */
+CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice d)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (d < 0 || d >= devices) return CUDA_ERROR_INVALID_DEVICE;
+    int arch = env_int("HOSTCUDA_ARCH", 90);
+    if (attribute == 75) *value = arch / 10;
+    else if (attribute == 76) *value = arch % 10;
+    else return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleLoadData(CUmodule *m, const void *image)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    const char *text = (const char *)image;
+    const char head[] = "hostcuda-module";
+    if (!text || strncmp(text, head, sizeof head - 1)) return CUDA_ERROR_INVALID_IMAGE;
+    const int arch = env_int("HOSTCUDA_ARCH", 90);
+    int found = 0;
+    for (const char *at = text + sizeof head - 1; *at;) {
+        int code = 0, n = 0;
+        if (sscanf(at, " sm_%d%n", &code, &n) == 1 && code == arch) found = code;
+        else if (n == 0 && sscanf(at, " compute_%d%n", &code, &n) == 1 && code <= arch && !found) found = code;
+        if (n == 0) {
+            while (*at && *at != ' ') at++; /* a word this driver does not know */
+            while (*at == ' ' || *at == '\n') at++;
+        } else {
+            at += n;
+        }
+    }
+    if (!found) return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    *m = new CUmod_st{found};
+    modules.insert(*m);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleLoad(CUmodule *m, const char *path)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    FILE *f = fopen(path, "rb");
+    if (!f) return CUDA_ERROR_FILE_NOT_FOUND;
+    std::string image;
+    char chunk[4096];
+    for (size_t n; (n = fread(chunk, 1, sizeof chunk, f)) > 0;) image.append(chunk, n);
+    fclose(f);
+    return cuModuleLoadData(m, image.c_str());
+}
+
+CUresult cuModuleUnload(CUmodule m)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!modules.erase(m)) return CUDA_ERROR_INVALID_HANDLE;
+    delete m;
+    return CUDA_SUCCESS;
+}
+
+CUfunction hostcuda_function(const char *name);
+
+CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
+{
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (CUresult r = need_context()) return r;
+    if (!modules.count(m)) return CUDA_ERROR_INVALID_HANDLE;
+    return (*f = hostcuda_function(name)) ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
 }
 
 /* ------------------------------------------------------------- for the tests */
