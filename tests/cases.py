@@ -26,6 +26,17 @@ def np_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def dtypes_every_rank_holds(rr, holds, dtypes=DTYPES) -> list:
+    """The dtypes of `dtypes` that holds(name) is true for on every rank
+    (collective: every rank calls it at the same point, over the host ring),
+    in order: a case one rank leaves out and another runs would put the
+    ranks' collectives out of step, so every rank leaves out what any
+    rank's array library cannot hold (cupy without bfloat16, say)."""
+    mine = np.array([1 if holds(name) else 0 for name in dtypes], dtype=np.int32)
+    every = rr.allreduce(mine, op="min")
+    return [name for name, held in zip(dtypes, every) if held]
+
+
 def any_bytes(shape, dtype: str, seed) -> np.ndarray:
     """Arbitrary bytes of dtype (bools kept 0/1): byte-moving ops must carry
     every bit, NaN payloads and padding included."""
