@@ -26,6 +26,14 @@ Every result is compared with numpy's (the inputs are exact in float32:
 --dry numpy arrays stand in for cupy and gloo runs on CPU tensors: the script
 and its tables, not the GPU, are checked. Rank 0 prints; a progress bar goes
 to stderr.
+
+--seconds S (default: GPU_CHECK_STAGE_SECONDS less STARTUP_SECONDS where
+benchmarks/gpu_check.sh sets it, else no limit): the measuring keeps to
+about S seconds so the tables print before a time limit kills the run: the
+staged phase takes up to STAGED_SHARE of them, the IPC phase runs until
+LAST_SHARE, and a size whose estimated time (the previous size's, scaled by
+the bytes it moves) would not fit is left out with every size after it, on
+every rank alike (rank 0's clock decides), and a note names them.
 """
 from __future__ import annotations
 
@@ -47,6 +55,8 @@ from harness import parse_bytes  # noqa: E402
 import ringreduce as rr  # noqa: E402
 
 DEFAULT_SIZES = "64K,1M,16M,64M,256M"
+STARTUP_SECONDS = 25  # of a gpu_check stage's: ringrun, imports, gloo, the tables
+STAGED_SHARE, LAST_SHARE = 0.55, 0.9
 IPC_VARIABLE = "RINGREDUCE_CUDA_IPC"
 # Columns of the tables, in order: implementation -> header.
 BUSBW_COLUMNS = {"staged": "rr cupy staged", "ipc": "rr cupy IPC", "gloo": "gloo CUDA", "numpy": "rr numpy",
@@ -71,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-ipc", action="store_true", help="leave out the RINGREDUCE_CUDA_IPC=1 phase")
     p.add_argument("--no-mixed", action="store_true", help="leave out the mixed CPU/GPU ring")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    stage = float(os.environ.get("GPU_CHECK_STAGE_SECONDS") or 0)
+    p.add_argument("--seconds", type=float, default=max(stage - STARTUP_SECONDS, 1.0) if stage else 0.0,
+                   help="keep the measuring to about this long, leaving out sizes that would not fit "
+                        "(default: GPU_CHECK_STAGE_SECONDS less %d where set, else 0: no limit)" % STARTUP_SECONDS)
     return p.parse_args(argv)
 
 
@@ -193,17 +207,43 @@ def report(rows: list[harness.Row], title: str, notes: list[str], columns: dict 
     return "\n".join(lines)
 
 
-def measure_phase(impls_for, sizes, repeats: int, bar) -> list[harness.Row]:
+def work(nbytes: int, repeats: int) -> float:
+    """Bytes one implementation moves measuring a size (harness.measure: two warm-ups, then the repeats)."""
+    return float(nbytes) * (2 + repeats * harness.iterations(nbytes))
+
+
+def starts(until: float | None, estimate: float) -> bool:
+    """Whether a size estimated to take `estimate` seconds fits before
+    `until` (time.monotonic() on rank 0, None: no limit): rank 0's verdict,
+    the same on every rank."""
+    if until is None:
+        return True
+    fits = 1 if rr.rank() != 0 or time.monotonic() + estimate < until else 0
+    return bool(int(rr.broadcast(np.array([fits], dtype=np.int32), root=0)[0]))
+
+
+def measure_phase(impls_for, sizes, repeats: int, bar, until: float | None = None,
+                  left_out: list | None = None) -> list[harness.Row]:
     """Every implementation at every size, size by size: impls_for(nbytes)
-    gives [(Impl, barrier)]; each is dropped before the next size."""
+    gives [(Impl, barrier)]; each is dropped before the next size. With
+    `until` (starts()), a size that would not fit is left out with every
+    size after it (appended to left_out)."""
     rows = []
-    for nbytes in sizes:
+    last = None  # (bytes moved, seconds) of the size before
+    for i, nbytes in enumerate(sizes):
+        estimate = 0.0 if last is None else last[1] * work(nbytes, repeats) / last[0]
+        if not starts(until, estimate):
+            if left_out is not None:
+                left_out.extend(sizes[i:])
+            break
+        began = time.monotonic()
         for impl, barrier in impls_for(nbytes):
             bar.set_description(f"{impl.name} {size_name(nbytes)}")
             rows.append(harness.measure(impl, "allreduce", nbytes, nbytes // 4, "float32", "sum", barrier,
                                         repeats=repeats))
             bar.update()
         free_device_memory()
+        last = (work(nbytes, repeats), time.monotonic() - began)
     return rows
 
 
@@ -259,13 +299,17 @@ def main(argv=None) -> None:
 
     per_size = 2 + (not gloo_why) + (not args.no_mixed) + (not args.no_ipc)
     bar = harness.progress(len(args.sizes) * per_size, lead and not args.no_progress)
-    rows = measure_phase(phase_staged, args.sizes, args.repeats, bar)
+    began = time.monotonic()
+    shares = (STAGED_SHARE if not args.no_ipc else LAST_SHARE, LAST_SHARE)
+    until = [began + share * args.seconds if args.seconds > 0 else None for share in shares]
+    left_out = {"staged": [], "ipc": []}
+    rows = measure_phase(phase_staged, args.sizes, args.repeats, bar, until[0], left_out["staged"])
     if not args.no_ipc:
         rr.shutdown()
         os.environ[IPC_VARIABLE] = "1"
         rr.init()
         rows += measure_phase(lambda nbytes: [(rr_impl("ipc", xp, nbytes // 4), rr.barrier)], args.sizes,
-                              args.repeats, bar)
+                              args.repeats, bar, until[1], left_out["ipc"])
         if not ipc_known():
             notes.append(f"IPC: this build does not read {IPC_VARIABLE}: the IPC column ran the staged path")
         elif getattr(rr.core.communicator().ring, "ipc", None) is not True:  # the ring's agreement (core/device_ipc.py)
@@ -277,6 +321,10 @@ def main(argv=None) -> None:
         if int(rr.allreduce(np.array([unpinned], np.int64), op="max")[0]):
             notes.append("the driver would not pin host memory (cuMemHostRegister refused): the staged path's "
                          "copies ran from and to pageable memory")
+    for phase, sizes in left_out.items():
+        if sizes:
+            notes.append(f"time: the {phase} phase left out {', '.join(size_name(b) for b in sizes)} "
+                         f"(--seconds {args.seconds:g}: they would not have fitted)")
     bar.close()
     if lead:
         title = (f"allreduce float32 sum, N={n} ranks sharing {gpu}, {platform.node()}, {os.cpu_count()} cores, "

@@ -79,6 +79,30 @@ def test_a_dry_run_on_two_ranks_prints_every_row_right():
     assert "WRONG" not in out.stdout
 
 
+def test_the_benchmark_takes_its_time_limit_from_the_gpu_check_stage(monkeypatch):
+    assert bench.parse_args([]).seconds == 0  # no limit
+    monkeypatch.setenv("GPU_CHECK_STAGE_SECONDS", "100")
+    assert bench.parse_args([]).seconds == 100 - bench.STARTUP_SECONDS
+    assert bench.parse_args(["--seconds", "7"]).seconds == 7
+
+
+def test_a_benchmark_short_of_time_leaves_sizes_out_and_still_prints_its_tables():
+    """--seconds too short for more than the first size: every rank leaves
+    the later sizes out alike (no hang, no mismatch), the tables print what
+    ran, and a note names what was left out."""
+    out = subprocess.run([sys.executable, "-m", "ringreduce.launch.ringrun", "-np", "2", sys.executable,
+                          str(REPO / "benchmarks" / "gpu_allreduce_bench.py"), "--dry", "--sizes", "64K,1M,16M",
+                          "--repeats", "1", "--no-gloo", "--seconds", "0.001"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line[line.index("|"):] for line in out.stdout.splitlines() if "|" in line]
+    shown = {line.split("|")[1].strip() for line in lines if line.split("|")[1].strip().endswith(("KiB", "MiB"))}
+    assert shown == {"64 KiB"}, out.stdout
+    assert "the staged phase left out 1 MiB, 16 MiB" in out.stdout, out.stdout
+    assert "the ipc phase left out 64 KiB, 1 MiB, 16 MiB" in out.stdout, out.stdout
+    assert "WRONG" not in out.stdout
+
+
 def test_the_small_latency_breakdown_runs_its_host_row_without_a_gpu():
     """benchmarks/gpu_small_latency.py --dry on two ranks: the numpy row is
     measured and checked (#wrong 0), every GPU row says n/a."""
