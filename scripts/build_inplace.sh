@@ -11,17 +11,20 @@
 # license string) before compiling anything. The extensions need none of
 # that metadata: with such a setuptools the build runs in a scratch folder
 # that links the sources and the package but holds no pyproject.toml, and
-# the built files land in ./ringreduce all the same. Without setuptools the
+# the built files land in ./ringreduce all the same. Without setuptools, or
+# with RINGREDUCE_BUILD_CORE_ONLY=1 (where the setuptools build failed), the
 # core alone is compiled directly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-python3}
 case $PY in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # still this Python from the scratch folder
-if ! "$PY" -c "import setuptools" 2>/dev/null; then
-    # No setuptools at all (a bare Python 3.12+ environment): the core alone,
-    # compiled as setup.py would (its sources and flags read from it), without
-    # the MPI transport and the fatbin (cupy then compiles the kernels itself).
-    echo "no setuptools: compiling ringreduce._core with the C compiler alone" >&2
+if [ -n "${RINGREDUCE_BUILD_CORE_ONLY:-}" ] || ! "$PY" -c "import setuptools" 2>/dev/null; then
+    # No setuptools at all (a bare Python 3.12+ environment), or asked: the
+    # core alone, compiled as setup.py would (its sources and flags read from
+    # it), without the MPI transport and the fatbin (cupy then compiles the
+    # kernels itself).
+    why=${RINGREDUCE_BUILD_CORE_ONLY:+RINGREDUCE_BUILD_CORE_ONLY=$RINGREDUCE_BUILD_CORE_ONLY}
+    echo "${why:-no setuptools}: compiling ringreduce._core with the C compiler alone" >&2
     exec "$PY" - <<'BUILD'
 import ast, subprocess, sys, sysconfig
 found = {}

@@ -62,3 +62,18 @@ def test_a_python_without_setuptools_builds_the_core_alone(tmp_path):
             "m = u.module_from_spec(s); s.loader.exec_module(m); print(m.Comm)")  # the package needs numpy: not here
     got = subprocess.run([python, "-c", load, str(built)], capture_output=True, text=True, timeout=60)
     assert got.returncode == 0 and "Comm" in got.stdout, got.stderr[-2000:]
+
+
+def test_asked_for_the_core_alone_it_builds_without_setuptools(tmp_path):
+    """RINGREDUCE_BUILD_CORE_ONLY=1 (benchmarks/gpu_check.sh's last resort
+    where the setuptools build failed): the core compiled with the C
+    compiler alone, even with setuptools here, and the package imports it."""
+    tree = checkout(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("MPICC", "RINGREDUCE_CUDA")}
+    out = subprocess.run(["bash", "scripts/build_inplace.sh", sys.executable], cwd=tree, capture_output=True,
+                         text=True, timeout=600, env={**env, "RINGREDUCE_BUILD_CORE_ONLY": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RINGREDUCE_BUILD_CORE_ONLY=1: compiling ringreduce._core with the C compiler alone" in out.stderr
+    assert [p.name.split(".")[0] for p in (tree / "ringreduce").glob("*.so")] == ["_core"]
+    ok, why = imports_from(tree, sys.executable, tmp_path, env)
+    assert ok, why

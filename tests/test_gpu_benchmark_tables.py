@@ -4,6 +4,7 @@ did not run says n/a, never crashes the report; ratios and wrong results
 show), and a --dry run end to end on two ranks, numpy standing in for cupy
 and gloo on CPU tensors where torch is installed (n/a where not)."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -128,6 +129,34 @@ def test_the_gpu_check_keeps_to_its_time_budget():
     assert lines[0].startswith("# ringreduce GPU check") and any(line.startswith("$ ") for line in lines[:4])
     skipped = [line for line in lines if line.startswith("skipped: ")]
     stages = [line[3:] for line in lines if line.startswith("## ")]
-    assert {"build", "limits", "tests", "bench-N2", "bench-N4", "latency-N2"} <= set(stages), stages
+    assert {"build", "limits", "tests", "tests-collectives", "bench-N2", "bench-N4", "latency-N2"} <= set(stages), stages
     assert len(skipped) == len(stages) == out.returncode, out.stdout
     assert lines[-1].startswith("# done in") and f"{len(stages)} stage(s) failed, timed out or skipped" in lines[-1]
+
+
+@pytest.mark.slow
+def test_a_dry_gpu_check_runs_every_stage_past_a_failing_one(tmp_path):
+    """GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh end to end, in a copy of
+    the checkout (no git there; its build in place touches nothing here)
+    whose limits stage fails: the header names the machine and the
+    versions, that stage says FAILED, every later stage still runs and
+    prints its table, and the exit status counts the one failure."""
+    tree = tmp_path / "tree"
+    for name in ("csrc", "ringreduce", "scripts", "benchmarks", "tests"):
+        shutil.copytree(REPO / name, tree / name, ignore=shutil.ignore_patterns("*.so", "__pycache__", "*.fatbin"))
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy(REPO / name, tree / name)
+    (tree / "benchmarks" / "gpu_limits.py").write_text("raise SystemExit(3)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MPICC", "RINGREDUCE_CUDA", "PYTHONPATH")}
+    out = subprocess.run(["bash", "benchmarks/gpu_check.sh"], capture_output=True, text=True, timeout=400, cwd=tree,
+                         env={**env, "GPU_CHECK_DRY": "1", "PYTHON": sys.executable})
+    text = out.stdout
+    assert "commit unknown (no git checkout here)" in text, text[:2000]
+    assert "python " in text and "numpy " in text and "ml_dtypes " in text and "setuptools " in text, text[:2000]
+    stages = [line[3:] for line in text.splitlines() if line.startswith("## ")]
+    assert stages == ["build", "limits", "tests", "tests-collectives", "bench-N2", "bench-N4", "latency-N2"], stages
+    assert "FAILED (exit 3): limits" in text
+    assert text.count("| 256 MiB |") == 4, text[-4000:]  # both tables of both benchmarks
+    assert "| numpy |" in text and "#wrong: 0" in text, text[-2000:]
+    assert not any(line.startswith("skipped: ") for line in text.splitlines()), text[-4000:]  # no stage starved
+    assert out.returncode == 1 and text.splitlines()[-1].endswith("1 stage(s) failed, timed out or skipped"), text[-2000:]
