@@ -51,6 +51,9 @@ LOGS=${GPU_CHECK_LOGS:-}
 DRY=${GPU_CHECK_DRY:+--dry}
 [ -n "$LOGS" ] && mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# cupy's compiled kernels (its own and NVRTC's reduce.cu) in a folder of this
+# run, shared by its stages: writable whatever HOME is, and no stale cache
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_cupy.XXXXXX")}
 failed=0
 
 # The stages in running order, and the seconds each needs at least to print
@@ -199,7 +202,7 @@ cuda.kernels()
 print('ringreduce GPU kernels:', cuda.kernel_origin(), '; NVRTC', cp.cuda.nvrtc.getVersion())"
 stage limits 45 $PY benchmarks/gpu_limits.py --bytes 256M --seconds 0.5 $DRY
 # -rfEs: every failure, error and skip named on one line each, whatever the tail shows
-stage tests 60 --tail 30 $PY -m pytest -q -rfEs -m gpu -p no:cacheprovider --timeout 45 tests/test_cuda.py
+stage tests 90 --tail 30 $PY -m pytest -q -rfEs -m gpu -p no:cacheprovider --timeout 45 tests/test_cuda.py
 stage tests-collectives 150 --tail 30 $PY -m pytest -q -rfEs -m gpu -p no:cacheprovider --timeout 100 \
     tests/test_gpu_collectives.py
 stage bench-N2 90 --tail 40 $PY -m ringreduce.launch.ringrun -np 2 $PY benchmarks/gpu_allreduce_bench.py --no-progress $DRY
