@@ -300,10 +300,11 @@ static void uuid_text(const CUuuid *id, char out[RR_IPC_IDENTITY])
 
 /* The device's UUID as IPC identity: cuDeviceGetUuid_v2's, which names each
  * MIG instance apart, where the driver has it; else cuDeviceGetUuid's, which
- * gives every MIG instance the whole GPU's UUID (drivers before CUDA 11.4,
- * which have no MIG). Every rank and every peer lookup (ipc_reaches) takes
- * the same one, so ranks on two MIG instances of one GPU never take each
- * other for one device. */
+ * gives every MIG instance the whole GPU's UUID (drivers before CUDA 11.4:
+ * there ranks on two MIG instances look alike, and the agreement's opens
+ * of each other's windows decide). Every rank and every peer lookup
+ * (ipc_reaches) takes the same one, so with _v2 ranks on two MIG instances
+ * of one GPU never take each other for one device. */
 static CUresult device_uuid(CUuuid *id, CUdevice dev)
 {
     return cu.cuDeviceGetUuid_v2 ? cu.cuDeviceGetUuid_v2(id, dev) : cu.cuDeviceGetUuid(id, dev);
@@ -314,7 +315,7 @@ static int ipc_identity(rr_device *d, char out[RR_IPC_IDENTITY], rr_error *err)
 {
     CUuuid id;
     if (ipc_loaded(err) || check(device_uuid(&id, ((cuda_device *)d)->dev),
-                                     cu.cuDeviceGetUuid_v2 ? "cuDeviceGetUuid_v2" : "cuDeviceGetUuid", err))
+                                 cu.cuDeviceGetUuid_v2 ? "cuDeviceGetUuid_v2" : "cuDeviceGetUuid", err))
         return err->code;
     uuid_text(&id, out);
     return RR_OK;
