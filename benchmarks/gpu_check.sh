@@ -124,9 +124,9 @@ echo "# ringreduce GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo
 echo "\$ ${PYTHON:+PYTHON=$PYTHON }bash benchmarks/gpu_check.sh   (GPU_CHECK_SECONDS=$BUDGET)"
 if git rev-parse --git-dir >/dev/null 2>&1; then
-    echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- 2>/dev/null || echo ' + local changes'), $(hostname), $(nproc) cores"
+    echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- 2>/dev/null || echo ' + local changes'), $(uname -n), $(nproc) cores"
 else
-    echo "commit unknown (no git checkout here), $(hostname), $(nproc) cores"
+    echo "commit unknown (no git checkout here), $(uname -n), $(nproc) cores"
 fi
 echo
 if command -v nvidia-smi >/dev/null; then
