@@ -15,7 +15,8 @@
  * Where every rank's device opens every other's memory (CUDA IPC), an
  * allreduce runs device to device instead (csrc/schedule/ipc.c): each device
  * keeps an exported window (rr_device_ipc_window) and the peers' windows it
- * opened (rr_device_ipc_peer), and reduces with its own kernels.
+ * opened (rr_device_ipc_peer), and reduces with its own kernels; which are
+ * freed or closed when is ipc_windows.c's.
  *
  * Two implementations: CUDA through the driver API (cuda_device.c, loaded at
  * run time, so the package needs no CUDA to build or import), and an emulated
