@@ -26,6 +26,12 @@ agrees; where that pass meets a host rank, the ring stops asking
 (Ring.small_asks_ipc) and its small GPU allreduces take the pinned bounce
 buffer.
 
+A ring that agreed on IPC ends with release (before a process set's
+removal and at shutdown): each rank closes the peers' windows it opened
+for the ring, a handshake, then each frees its small window for the ring,
+so no window goes while a peer has it open or still reads it (the last
+small allreduce's slots included).
+
 A rank that later runs on a device its peers cannot reach makes the next
 IPC collective fail on every rank (its new window does not open on its
 peers; the handshake tells every rank, naming the rank whose open failed),
