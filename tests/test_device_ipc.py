@@ -904,3 +904,19 @@ def test_shutdown_frees_no_window_a_slower_peer_still_has_open(tmp_path, hostcud
         stats = r.result
         assert stats["ipc_freed_while_open"] == 0, (r.rank, stats)
         assert stats["ipc_open"] == 0 and stats["device_blocks"] == 0, (r.rank, stats)
+
+
+def test_the_small_ipc_allreduce_of_gpu_arrays_holds_no_device_gate_through_its_pass(monkeypatch):
+    """cupy arrays' small IPC allreduce (cuda.DeviceArrays) holds no gate of
+    its device while it runs: its pass lets the device go in C, and a gate
+    held through it would keep another ring's collective on the same GPU
+    (another thread) waiting on this ring's peers all the same."""
+    from types import SimpleNamespace
+    from ringreduce.core import cuda, device_ipc
+    g, device, seen = object.__new__(cuda.DeviceArrays), object(), []
+    g._ready = lambda array: device
+    monkeypatch.setattr(device_ipc, "allreduce_small",
+                        lambda ring, dev, *args: seen.append(cuda._gate(dev).lock.locked()))
+    buf = SimpleNamespace(data=SimpleNamespace(ptr=64), nbytes=8)
+    g.allreduce_small_ipc(None, b"head", buf, buf, 0, 0)
+    assert seen == [False]
