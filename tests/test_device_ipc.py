@@ -920,3 +920,31 @@ def test_the_small_ipc_allreduce_of_gpu_arrays_holds_no_device_gate_through_its_
     buf = SimpleNamespace(data=SimpleNamespace(ptr=64), nbytes=8)
     g.allreduce_small_ipc(None, b"head", buf, buf, 0, 0)
     assert seen == [False]
+
+
+def test_a_small_window_grown_twice_before_its_peers_opened_it_frees_only_the_unopened_one(tmp_path, hostcuda_dir):
+    """A small window that grows in a pass whose headers differ (nothing
+    read: no peer opens the new window) and grows again in the next keeps
+    the one its peers still have open and frees the one none opened; the
+    first pass its peers do open frees the rest. Nothing is freed while a
+    peer has it open, and the sums are right."""
+    ranks = run_ranks(3, job("""
+        N, r = rr.size(), rr.rank()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        x = make_input(r, (100,), "int32", "sum")
+        small_ipc_allreduce(x, "int32", "sum", in_place=False)  # every peer opens this rank's small window
+        big = 4 * ring.allreduce_limit
+        x = make_input(r, (big + (r == 2),), "int32", "sum")  # rank 2's shape differs: nothing read
+        got, blobs = small_ipc_allreduce(x, "int32", "sum", in_place=False)
+        assert got is None and blobs is not None
+        ok = []
+        for count in [10 * ring.allreduce_limit, 100]:
+            x = make_input(r, (count,), "int32", "sum")
+            got, _ = small_ipc_allreduce(x, "int32", "sum", in_place=False)
+            ok.append(got.tobytes() == rank_order([make_input(q, (count,), "int32", "sum") for q in range(N)],
+                                                  "int32", "sum").tobytes())
+        stats = memory.stats()
+        result = ok, stats["ipc_freed_while_open"], stats["device_blocks"]
+    """, "hostcuda"), tmp_path, env=hostcuda_env(hostcuda_dir), timeout=120)
+    for r in ranks:
+        assert r.result == ([True, True], 0, 2), (r.rank, r.result)  # the large window and one small one

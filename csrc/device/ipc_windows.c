@@ -160,10 +160,10 @@ rr_ipc_small *rr_device_ipc_small(rr_device *d, uint64_t ring, size_t slot_bytes
     }
     slot_bytes = (slot_bytes ? slot_bytes + 255 : 256) / 256 * 256; /* each slot aligned for any kernel */
     if (s->window.ptr && s->slot >= slot_bytes) return s;
-    if (s->retired.ptr) { /* grown twice without the peers opening the first: none of them has it open */
-        rr_error ignored;
+    if (s->retired.ptr) { /* grown again before the peers opened it (headers differed): only the retired */
+        rr_error ignored;  /* one is open on peers; this one goes now */
         rr_device_sync(d, &ignored);
-        unexport(d, &s->retired);
+        unexport(d, &s->window);
     }
     rr_ipc_window old;
     s->slot = 0;
