@@ -948,3 +948,35 @@ def test_a_small_window_grown_twice_before_its_peers_opened_it_frees_only_the_un
     """, "hostcuda"), tmp_path, env=hostcuda_env(hostcuda_dir), timeout=120)
     for r in ranks:
         assert r.result == ([True, True], 0, 2), (r.rank, r.result)  # the large window and one small one
+
+
+def test_a_window_grown_on_a_process_set_waits_for_the_worlds_peers_too(tmp_path, hostcuda_dir):
+    """The large window is the device's, shared by its rings: grown in a
+    process set's allreduce, its old one is still open on a world rank
+    outside the set, so it is freed only after a world handshake after
+    which that rank opened the new one, not at the set's handshake."""
+    ranks = run_ranks(3, job("""
+        from ringreduce.core import process_sets
+        world, r = ring, rr.rank()
+        x = make_input(r, (1_000,), "int32", "sum")
+        assert device_allreduce(x, "int32", "sum", in_place=False)[1]
+        ps = rr.add_process_set([0, 1])
+        blocks = []
+        if r < 2:
+            ring = process_sets.lookup(ps)
+            y = make_input(r, (1_000_000,), "int32", "sum")  # the members' windows grow
+            got, ipc = device_allreduce(y, "int32", "sum", in_place=False)
+            want = rank_order([make_input(q, (1_000_000,), "int32", "sum") for q in range(2)], "int32", "sum")
+            assert ipc and got.tobytes() == want.tobytes()  # integers: any order gives the ring's bits
+            blocks.append(memory.stats()["device_blocks"])  # the old one kept: rank 2 still has it open
+            ring = world
+        got, ipc = device_allreduce(x, "int32", "sum", in_place=False)
+        assert ipc and got.tobytes() == host_allreduce(x, "int32", "sum").tobytes()
+        stats = memory.stats()
+        blocks.append(stats["device_blocks"])
+        result = blocks, stats["ipc_freed_while_open"]
+    """, "hostcuda"), tmp_path, env=hostcuda_env(hostcuda_dir), timeout=120)
+    for r in ranks:
+        blocks, freed_while_open = r.result
+        assert freed_while_open == 0, (r.rank, freed_while_open)
+        assert blocks == ([2, 1] if r.rank < 2 else [1]), (r.rank, blocks)
