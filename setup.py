@@ -28,7 +28,7 @@ FLAGS = ["-O3", "-std=gnu11", "-fno-trapping-math", "-Wall", "-Wextra", "-Wno-mi
 # (docs/architecture.md, "The C core"); includes name paths from csrc/.
 CORE_SOURCES = ["csrc/common/error.c",
                 "csrc/kernels/reduce.c", "csrc/kernels/reduce16_x86.c",
-                "csrc/device/device.c", "csrc/device/device_emulated.c", "csrc/device/cuda_device.c",
+                "csrc/device/device.c", "csrc/device/ipc_windows.c", "csrc/device/device_emulated.c", "csrc/device/cuda_device.c",
                 "csrc/transport/tcp.c", "csrc/transport/control_star.c", "csrc/transport/shm_link.c",
                 "csrc/memory/shared_region.c", "csrc/memory/peer_map.c",
                 "csrc/schedule/ring.c", "csrc/schedule/recursive_doubling.c", "csrc/schedule/alltoall.c",

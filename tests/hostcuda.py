@@ -19,7 +19,7 @@ from ranks import REPO
 
 SOURCES = Path(__file__).resolve().parent / "hostcuda"
 STATS = ("contexts", "streams", "events", "device_blocks", "pinned_blocks", "pageable_copies", "launches",
-         "sticky_error", "ipc_open", "registered", "ipc_open_calls")
+         "sticky_error", "ipc_open", "registered", "ipc_open_calls", "ipc_freed_while_open")
 
 
 def why_not_buildable() -> str | None:

@@ -816,3 +816,265 @@ def test_small_device_allreduces_beside_a_host_rank_stop_asking_for_ipc(tmp_path
         assert ok == [True] * 3 and ipc is None, k.result
         if k.rank != 1:
             assert asks == [False] * 3, asks
+
+
+
+def hostcuda_env(hostcuda_dir, **extra):
+    return {"LD_LIBRARY_PATH": f"{hostcuda_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}", **extra}
+
+
+def test_removing_a_process_set_frees_its_small_ipc_window_and_closes_its_peers(tmp_path, hostcuda_dir):
+    """A ring's small window lives with the ring, not the device: removing a
+    process set closes the peers' small windows each rank opened for it and
+    (after a handshake, so no peer has it open) frees its own; the world's
+    ring and its windows are untouched and keep working."""
+    ranks = run_ranks(3, job("""
+        from ringreduce.core import process_sets
+        world, r = ring, rr.rank()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        small_ipc_allreduce(make_input(r, (100,), "int32", "sum"), "int32", "sum", in_place=False)  # the world's
+        ps = rr.add_process_set([0, 1])
+        before = memory.stats()
+        if r < 2:
+            ring = process_sets.lookup(ps)
+            assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+            for _ in range(3):
+                x = make_input(r, (100,), "int32", "sum")
+                got, _ = small_ipc_allreduce(x, "int32", "sum", in_place=False)
+                assert got.tobytes() == rank_order([make_input(q, (100,), "int32", "sum") for q in range(2)],
+                                                   "int32", "sum").tobytes()
+            ring = world
+        during = memory.stats()
+        rr.remove_process_set(ps)
+        after = memory.stats()
+        x = make_input(r, (100,), "int32", "sum")
+        got, _ = small_ipc_allreduce(x, "int32", "sum", in_place=False)
+        still = got.tobytes() == rank_order([make_input(q, (100,), "int32", "sum") for q in range(3)],
+                                            "int32", "sum").tobytes()
+        result = before, during, after, still
+    """, "hostcuda"), tmp_path, env=hostcuda_env(hostcuda_dir), timeout=120)
+    for r in ranks:
+        before, during, after, still = r.result
+        if r.rank < 2:
+            assert during["device_blocks"] == before["device_blocks"] + 1, (before, during)  # the set's small window
+            assert during["ipc_open"] == before["ipc_open"] + 1, (before, during)  # the other member's
+        for key in ("device_blocks", "ipc_open"):
+            assert after[key] == before[key], (r.rank, key, before, after)
+        assert after["ipc_freed_while_open"] == 0, after
+        assert still, r.rank
+
+
+def test_two_rings_on_one_device_run_small_ipc_allreduces_from_two_threads(tmp_path):
+    """The world's ring and a process set's, one thread each, on one device,
+    started in opposite orders on ranks 0 and 1: each small IPC pass lets
+    the device go while it waits on its peers, so neither thread waits on
+    the other's ring (holding the device through the pass, each rank's first
+    thread would keep its second one from the ring the other rank's first
+    thread waits on). The sums are right, nothing times out."""
+    ranks = run_ranks(3, job("""
+        import threading, time
+        from ringreduce.core import process_sets
+        world, r = ring, rr.rank()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        ps = rr.add_process_set([0, 1])
+        if r < 2:
+            ring = process_sets.lookup(ps)
+            assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        rings = {"world": (world, 3), "set": (ring, 2)}
+        out, errors = {}, []
+
+        def run(name):
+            on, size = rings[name]
+            try:
+                x = make_input(r, (100,), "int64", "sum")
+                want = rank_order([make_input(q, (100,), "int64", "sum") for q in range(size)], "int64", "sum")
+                head = header(ALLREDUCE, opcodes["sum"], codes["int64"], x.shape, None, True, device=True)
+                ok = []
+                for _ in range(5):
+                    src, dst = Buf(x), Buf(np.zeros_like(x))
+                    blobs = device_ipc.allreduce_small(on, dev, head, src.ptr, dst.ptr, x.nbytes, codes["int64"],
+                                                       opcodes["sum"])
+                    ok.append(blobs is None and dst.get(x.dtype).tobytes() == want.tobytes())
+                    memory.free(src.ptr)
+                    memory.free(dst.ptr)
+                out[name] = ok
+            except Exception as exc:
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+
+        order = {0: ["world", "set"], 1: ["set", "world"], 2: ["world"]}[r]
+        threads = []
+        for name in order:
+            threads.append(threading.Thread(target=run, args=(name,)))
+            threads[-1].start()
+            time.sleep(0.5)  # the first thread is in its pass, waiting on the other rank's first thread's ring
+        for t in threads:
+            t.join()
+        ring = world
+        result = out, errors
+    """, "emulated"), tmp_path, env={"RINGREDUCE_TIMEOUT": "15"}, timeout=120)
+    for r in ranks:
+        out, errors = r.result
+        assert errors == [], (r.rank, errors)
+        assert out == ({"world": [True] * 5, "set": [True] * 5} if r.rank < 2 else {"world": [True] * 5}), out
+
+
+def test_a_peer_window_with_its_owner_and_generation_but_other_handle_bytes_is_opened_afresh(tmp_path):
+    """The peers' cache keys a window by its whole handle: a process that
+    reuses a dead rank's pid (a restarted rank) can export a window with the
+    same owner and generation as one still cached, and must get its own
+    mapping, not the stale one. Here rank 0 forges that handle: another
+    device's window under the first one's owner and generation."""
+    ranks = run_ranks(2, job("""
+        import struct
+        other = _core.Device.emulated(patience, identity)
+        mine = [bytes(d.ipc_offer()[1]) if rr.rank() == 0 else b"" for d in (dev, other)]
+        forged = mine[0][:24] + mine[1][24:] if rr.rank() == 0 else b""
+        blobs = comm.exchange_blobs(b"H", mine[0] + forged)
+        first, second = blobs[0][1:1 + len(blobs[0]) // 2], blobs[0][1 + len(blobs[0]) // 2:]
+        opens = []
+        if rr.rank() == 1:
+            assert struct.unpack("QQ", first[:16]) == struct.unpack("QQ", second[:16]) and first != second
+            for h in (first, first, second):
+                assert dev.ipc_probe(h, "emulated", comm.ring_id)
+                opens.append(dev.counts()["ipc_opens"])
+        comm.exchange_blobs(b"done")  # rank 0 keeps its windows until rank 1 has opened them
+        result = opens
+    """, "emulated"), tmp_path, timeout=60)
+    assert ranks[1].result == [1, 1, 2], ranks[1].result  # the first cached; the forged one opened anew
+
+
+def test_windows_that_grow_are_freed_only_after_every_peer_closed_them(tmp_path, hostcuda_dir):
+    """The large IPC window and a ring's small window that grow keep the old
+    one until a handshake after which every peer has opened the new one (and
+    so closed the old one), then free it: the host CUDA driver never sees
+    memory freed while another process has it open, and device memory
+    holds one large and one small window however often they grew."""
+    ranks = run_ranks(3, job("""
+        N, r = rr.size(), rr.rank()
+        blocks = []
+        for count in [1_000, 100_000, 1_000_000, 1_000, 3_000_000]:
+            x = make_input(r, (count,), "int32", "sum")
+            got, ipc = device_allreduce(x, "int32", "sum", in_place=False)
+            assert ipc and got.tobytes() == host_allreduce(x, "int32", "sum").tobytes()
+            blocks.append(memory.stats()["device_blocks"])
+        for count in [100, ring.allreduce_limit, 10 * ring.allreduce_limit, 100, 40 * ring.allreduce_limit]:
+            x = make_input(r, (count,), "int32", "sum")
+            got, _ = small_ipc_allreduce(x, "int32", "sum", in_place=False)
+            assert got.tobytes() == rank_order([make_input(q, (count,), "int32", "sum") for q in range(N)],
+                                               "int32", "sum").tobytes()
+            blocks.append(memory.stats()["device_blocks"])
+        result = blocks, memory.stats()["ipc_freed_while_open"]
+    """, "hostcuda"), tmp_path, env=hostcuda_env(hostcuda_dir), timeout=180)
+    for r in ranks:
+        blocks, freed_while_open = r.result
+        assert freed_while_open == 0, (r.rank, freed_while_open)
+        assert blocks == [1] * 5 + [2] * 5, (r.rank, blocks)
+
+
+@pytest.mark.parametrize("last", ["small", "large"])
+def test_shutdown_frees_no_window_a_slower_peer_still_has_open(tmp_path, hostcuda_dir, last):
+    """The last collective before shutdown a small IPC allreduce (whose
+    slots the peers read after it returned here) or a large one: rank 0
+    shuts down and drops its device at once, its peers a second later. Its
+    shutdown waits for its peers' (a handshake after each closed the windows
+    it opened for the ring), so no window of its goes while a peer still has
+    it open or reads it; every window and mapping is gone after."""
+    ranks = run_ranks(3, job(f"""
+        import gc, time
+        N, r = rr.size(), rr.rank()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        x = make_input(r, (100,), "int32", "sum")
+        small_ipc_allreduce(x, "int32", "sum", in_place=False)
+        if {last!r} == "large":
+            device_allreduce(make_input(r, (100_000,), "int32", "sum"), "int32", "sum", in_place=False)
+        else:
+            got, _ = small_ipc_allreduce(x, "int32", "sum", in_place=False)
+            assert got.tobytes() == rank_order([make_input(q, (100,), "int32", "sum") for q in range(N)],
+                                               "int32", "sum").tobytes()
+        if r != 0:
+            time.sleep(1)
+        rr.shutdown()
+        del dev
+        gc.collect()
+        result = memory.stats()
+    """, "hostcuda"), tmp_path, env=hostcuda_env(hostcuda_dir), timeout=120)
+    for r in ranks:
+        stats = r.result
+        assert stats["ipc_freed_while_open"] == 0, (r.rank, stats)
+        assert stats["ipc_open"] == 0 and stats["device_blocks"] == 0, (r.rank, stats)
+
+
+def test_the_small_ipc_allreduce_of_gpu_arrays_holds_no_device_gate_through_its_pass(monkeypatch):
+    """cupy arrays' small IPC allreduce (cuda.DeviceArrays) holds no gate of
+    its device while it runs: its pass lets the device go in C, and a gate
+    held through it would keep another ring's collective on the same GPU
+    (another thread) waiting on this ring's peers all the same."""
+    from types import SimpleNamespace
+    from ringreduce.core import cuda, device_ipc
+    g, device, seen = object.__new__(cuda.DeviceArrays), object(), []
+    g._ready = lambda array: device
+    monkeypatch.setattr(device_ipc, "allreduce_small",
+                        lambda ring, dev, *args: seen.append(cuda._gate(dev).lock.locked()))
+    buf = SimpleNamespace(data=SimpleNamespace(ptr=64), nbytes=8)
+    g.allreduce_small_ipc(None, b"head", buf, buf, 0, 0)
+    assert seen == [False]
+
+
+def test_a_small_window_grown_twice_before_its_peers_opened_it_frees_only_the_unopened_one(tmp_path, hostcuda_dir):
+    """A small window that grows in a pass whose headers differ (nothing
+    read: no peer opens the new window) and grows again in the next keeps
+    the one its peers still have open and frees the one none opened; the
+    first pass its peers do open frees the rest. Nothing is freed while a
+    peer has it open, and the sums are right."""
+    ranks = run_ranks(3, job("""
+        N, r = rr.size(), rr.rank()
+        assert device_allreduce(np.ones(8, np.float32), "float32", "sum", in_place=False)[1]
+        x = make_input(r, (100,), "int32", "sum")
+        small_ipc_allreduce(x, "int32", "sum", in_place=False)  # every peer opens this rank's small window
+        big = 4 * ring.allreduce_limit
+        x = make_input(r, (big + (r == 2),), "int32", "sum")  # rank 2's shape differs: nothing read
+        got, blobs = small_ipc_allreduce(x, "int32", "sum", in_place=False)
+        assert got is None and blobs is not None
+        ok = []
+        for count in [10 * ring.allreduce_limit, 100]:
+            x = make_input(r, (count,), "int32", "sum")
+            got, _ = small_ipc_allreduce(x, "int32", "sum", in_place=False)
+            ok.append(got.tobytes() == rank_order([make_input(q, (count,), "int32", "sum") for q in range(N)],
+                                                  "int32", "sum").tobytes())
+        stats = memory.stats()
+        result = ok, stats["ipc_freed_while_open"], stats["device_blocks"]
+    """, "hostcuda"), tmp_path, env=hostcuda_env(hostcuda_dir), timeout=120)
+    for r in ranks:
+        assert r.result == ([True, True], 0, 2), (r.rank, r.result)  # the large window and one small one
+
+
+def test_a_window_grown_on_a_process_set_waits_for_the_worlds_peers_too(tmp_path, hostcuda_dir):
+    """The large window is the device's, shared by its rings: grown in a
+    process set's allreduce, its old one is still open on a world rank
+    outside the set, so it is freed only after a world handshake after
+    which that rank opened the new one, not at the set's handshake."""
+    ranks = run_ranks(3, job("""
+        from ringreduce.core import process_sets
+        world, r = ring, rr.rank()
+        x = make_input(r, (1_000,), "int32", "sum")
+        assert device_allreduce(x, "int32", "sum", in_place=False)[1]
+        ps = rr.add_process_set([0, 1])
+        blocks = []
+        if r < 2:
+            ring = process_sets.lookup(ps)
+            y = make_input(r, (1_000_000,), "int32", "sum")  # the members' windows grow
+            got, ipc = device_allreduce(y, "int32", "sum", in_place=False)
+            want = rank_order([make_input(q, (1_000_000,), "int32", "sum") for q in range(2)], "int32", "sum")
+            assert ipc and got.tobytes() == want.tobytes()  # integers: any order gives the ring's bits
+            blocks.append(memory.stats()["device_blocks"])  # the old one kept: rank 2 still has it open
+            ring = world
+        got, ipc = device_allreduce(x, "int32", "sum", in_place=False)
+        assert ipc and got.tobytes() == host_allreduce(x, "int32", "sum").tobytes()
+        stats = memory.stats()
+        blocks.append(stats["device_blocks"])
+        result = blocks, stats["ipc_freed_while_open"]
+    """, "hostcuda"), tmp_path, env=hostcuda_env(hostcuda_dir), timeout=120)
+    for r in ranks:
+        blocks, freed_while_open = r.result
+        assert freed_while_open == 0, (r.rank, freed_while_open)
+        assert blocks == ([2, 1] if r.rank < 2 else [1]), (r.rank, blocks)

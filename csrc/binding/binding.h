@@ -135,6 +135,8 @@ PyObject *Comm_alltoall(CommObject *self, PyObject *args);
 PyObject *Comm_allreduce_device(CommObject *self, PyObject *args);
 PyObject *Comm_allreduce_ipc(CommObject *self, PyObject *args);
 PyObject *Comm_allreduce_small_ipc(CommObject *self, PyObject *args);
+PyObject *Comm_release_ipc(CommObject *self, PyObject *args);
+PyObject *Comm_get_ring_id(CommObject *self, void *closure);
 PyObject *Comm_reduce_scatter_ipc(CommObject *self, PyObject *args);
 PyObject *Comm_allgather_ipc(CommObject *self, PyObject *args);
 PyObject *Comm_broadcast_ipc(CommObject *self, PyObject *args);

@@ -323,17 +323,52 @@ PyObject *Comm_allreduce_small_ipc(CommObject *self, PyObject *args)
     size_t count = (size_t)nbytes / rr_dtype_size((rr_dtype)dtype);
     rr_error err = {0};
     rr_device *dv = d->dev;
+    const rr_device_hold hold = device_hold(d); /* let go while it waits on peers */
     RUN_ON_DEVICE(self, d, err,
                   N = self->ring->size;
                   if (!(lens = malloc(sizeof *lens * (size_t)N))) rr_set_error(&err, RR_E_SYSTEM, -1, "out of memory");
                   else rr_allreduce_small_ipc(self->ring, dv, head.buf, (size_t)head.len, src, dst, count,
-                                              (size_t)slot_bytes, (rr_dtype)dtype, (rr_op)op, &agreed, &all, lens,
-                                              &err));
+                                              (size_t)slot_bytes, (rr_dtype)dtype, (rr_op)op, &hold, &agreed, &all,
+                                              lens, &err));
     result = small_result(self, &err, agreed, all, lens, N);
 done:
     free(all);
     free(lens);
     PyBuffer_Release(&head);
+    return result;
+}
+
+/* release_ipc(devices): the IPC path's end on this ring (rr_ipc_release),
+ * before it closes: collective, every rank of a ring that agreed on IPC
+ * calls it with the devices it ran the ring's IPC collectives on. */
+PyObject *Comm_release_ipc(CommObject *self, PyObject *args)
+{
+    PyObject *list;
+    if (!PyArg_ParseTuple(args, "O", &list)) return NULL;
+    PyObject *seq = PySequence_Fast(list, "devices must be a sequence");
+    if (!seq) return NULL;
+    const int n = (int)PySequence_Fast_GET_SIZE(seq);
+    rr_device **devs = PyMem_Calloc((size_t)n + 1, sizeof *devs);
+    rr_device_hold *holds = PyMem_Calloc((size_t)n + 1, sizeof *holds);
+    PyObject *result = NULL;
+    if (!devs || !holds) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int i = 0; i < n; i++) {
+        DeviceObject *d = device_arg(PySequence_Fast_GET_ITEM(seq, i));
+        if (!d) goto done;
+        devs[i] = d->dev;
+        holds[i] = device_hold(d);
+    }
+    if (check_usable(self)) goto done;
+    rr_error err = {0};
+    RUN_LOCKED(self, err, rr_ipc_release(self->ring, devs, n, holds, &err));
+    result = finish(self, &err);
+done:
+    PyMem_Free(devs);
+    PyMem_Free(holds);
+    Py_DECREF(seq);
     return result;
 }
 

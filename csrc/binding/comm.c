@@ -182,6 +182,12 @@ PyObject *Comm_get_busy(CommObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(atomic_load(&self->callers) > 0);
 }
 
+PyObject *Comm_get_ring_id(CommObject *self, void *Py_UNUSED(closure))
+{
+    rr_ring *ring = self->closed ? NULL : self->ring;
+    return PyLong_FromUnsignedLongLong(ring ? ring->id : 0);
+}
+
 PyObject *Comm_get_broken(CommObject *self, void *Py_UNUSED(closure))
 {
     if (self->broken.code == RR_OK) Py_RETURN_NONE;

@@ -13,6 +13,7 @@ static PyObject *wrap(rr_device *dev, int emulated)
     if (!self) { rr_device_destroy(dev); return NULL; }
     self->dev = dev;
     self->emulated = emulated;
+    self->weakrefs = NULL;
     pthread_mutex_init(&self->mu, NULL);
     return (PyObject *)self;
 }
@@ -238,12 +239,25 @@ static PyObject *Device_bounce_release(DeviceObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* Device.ipc_offer() -> (identity, handle) or None: what this rank gives in
- * the IPC path's agreement (core/device_ipc.py): its device's identity (the
- * GPU's UUID) and its window's handle (bytes), the window made now if need
- * be; None where the device refuses IPC or cannot export a window. */
-static PyObject *Device_ipc_offer(DeviceObject *self, PyObject *Py_UNUSED(ignored))
+static void hold_mutex(void *ctx, int hold)
 {
+    pthread_mutex_t *mu = ctx;
+    if (hold) pthread_mutex_lock(mu);
+    else pthread_mutex_unlock(mu);
+}
+
+rr_device_hold device_hold(DeviceObject *d) { return (rr_device_hold){hold_mutex, &d->mu}; }
+
+/* Device.ipc_offer(ring_id) -> (identity, handle) or None: what this rank
+ * gives in the IPC path's agreement of ring ring_id (Comm.ring_id;
+ * core/device_ipc.py): its device's identity (the GPU's UUID) and its
+ * window's handle (bytes), the window made now if need be (the ring's peers
+ * may open it from now on); None where the device refuses IPC or cannot
+ * export a window. */
+static PyObject *Device_ipc_offer(DeviceObject *self, PyObject *args)
+{
+    unsigned long long ring = 0;
+    if (!PyArg_ParseTuple(args, "|K", &ring)) return NULL;
     char id[RR_IPC_IDENTITY] = {0};
     rr_ipc_handle h;
     rr_error err = {0};
@@ -252,7 +266,7 @@ static PyObject *Device_ipc_offer(DeviceObject *self, PyObject *Py_UNUSED(ignore
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
     if (d->ops->ipc_identity && d->ops->begin(d, &err) == RR_OK && d->ops->ipc_identity(d, id, &err) == RR_OK)
-        rc = rr_device_ipc_window(d, 1, &err);
+        rc = rr_device_ipc_window(d, (uint64_t)ring, 1, &err);
     h = d->window.handle;
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
@@ -262,15 +276,16 @@ static PyObject *Device_ipc_offer(DeviceObject *self, PyObject *Py_UNUSED(ignore
                          (Py_ssize_t)sizeof h);
 }
 
-/* Device.ipc_probe(handle, identity) -> bool: whether this device reaches
- * the peer's device (identity: its ipc_offer's; the same GPU, or another
- * with peer access) and the peer's window (its handle) opens here; kept
- * open (cached) when it does. */
+/* Device.ipc_probe(handle, identity, ring_id) -> bool: whether this device
+ * reaches the peer's device (identity: its ipc_offer's; the same GPU, or
+ * another with peer access) and the peer's window (its handle) opens here;
+ * kept open (cached) for ring ring_id when it does. */
 static PyObject *Device_ipc_probe(DeviceObject *self, PyObject *args)
 {
     Py_buffer b;
     const char *identity;
-    if (!PyArg_ParseTuple(args, "y*s", &b, &identity)) return NULL;
+    unsigned long long ring = 0;
+    if (!PyArg_ParseTuple(args, "y*s|K", &b, &identity, &ring)) return NULL;
     rr_ipc_handle h;
     int ok = b.len == (Py_ssize_t)sizeof h;
     if (ok) memcpy(&h, b.buf, sizeof h);
@@ -284,7 +299,7 @@ static PyObject *Device_ipc_probe(DeviceObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
     ok = d->ops->ipc_open && d->ops->begin(d, &err) == RR_OK && d->ops->ipc_reaches(d, identity) &&
-         rr_device_ipc_peer(d, &h, &err) != NULL;
+         rr_device_ipc_peer(d, &h, (uint64_t)ring, &err) != NULL;
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(ok);
@@ -307,6 +322,7 @@ static PyObject *Device_counts(DeviceObject *self, PyObject *Py_UNUSED(ignored))
 
 static void Device_dealloc(DeviceObject *self)
 {
+    if (self->weakrefs) PyObject_ClearWeakRefs((PyObject *)self);
     if (self->dev) {
         Py_BEGIN_ALLOW_THREADS
         rr_device_destroy(self->dev);
@@ -321,11 +337,12 @@ static PyMethodDef Device_methods[] = {
      "emulated(patience=2, ipc='emulated') -> a device in host memory whose work runs late (tests; "
      "csrc/device/device_emulated.c); ipc: its identity for the IPC path (devices of equal identity open each "
      "other's windows), None to refuse IPC"},
-    {"ipc_offer", (PyCFunction)Device_ipc_offer, METH_NOARGS,
-     "ipc_offer() -> (identity, handle) or None: this device's part in the IPC path's agreement; None: it refuses"},
+    {"ipc_offer", (PyCFunction)Device_ipc_offer, METH_VARARGS,
+     "ipc_offer(ring_id=0) -> (identity, handle) or None: this device's part in ring ring_id's IPC agreement; "
+     "None: it refuses"},
     {"ipc_probe", (PyCFunction)Device_ipc_probe, METH_VARARGS,
-     "ipc_probe(handle, identity) -> bool: whether this device reaches the peer's (the same GPU, or peer access) "
-     "and the peer's IPC window opens here (kept open when it does)"},
+     "ipc_probe(handle, identity, ring_id=0) -> bool: whether this device reaches the peer's (the same GPU, or peer "
+     "access) and the peer's IPC window opens here (kept open for ring ring_id when it does)"},
     {"cuda", (PyCFunction)Device_cuda, METH_VARARGS | METH_STATIC,
      "cuda(ordinal, reduce, divide, mean) -> the CUDA device, with the kernels' CUfunction handles"},
     {"alloc", (PyCFunction)Device_alloc, METH_VARARGS, "alloc(nbytes) -> pointer (emulated device)"},
@@ -350,6 +367,7 @@ PyTypeObject DeviceType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "ringreduce._core.Device",
     .tp_basicsize = sizeof(DeviceObject),
+    .tp_weaklistoffset = offsetof(DeviceObject, weakrefs),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A device the collectives run on: Device.cuda(...) or Device.emulated()",
     .tp_dealloc = (destructor)Device_dealloc,

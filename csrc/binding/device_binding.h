@@ -14,6 +14,7 @@ typedef struct {
     rr_device *dev;
     pthread_mutex_t mu; /* one operation at a time: the device's buffers are shared */
     int emulated;
+    PyObject *weakrefs; /* a ring keeps weak references to the devices it ran on (core/device_ipc.py) */
 } DeviceObject;
 
 extern PyTypeObject DeviceType;
@@ -23,5 +24,9 @@ PyObject *error_class(const char *name);
 
 /* Sets a TypeError and returns NULL unless obj is a usable Device. */
 DeviceObject *device_arg(PyObject *obj);
+
+/* An rr_device_hold over a Device's lock (taken and let go with the GIL
+ * released), for an operation that waits on peers holding it. */
+rr_device_hold device_hold(DeviceObject *d);
 
 #endif

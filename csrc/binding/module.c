@@ -62,6 +62,9 @@ static PyMethodDef Comm_methods[] = {
     {"allreduce_small_ipc", (PyCFunction)Comm_allreduce_small_ipc, METH_VARARGS,
      "allreduce_small_ipc(head, device, src, dst, nbytes, dtype, op, slot_bytes) -> None, or every rank's blob "
      "when headers differ: the one-pass small allreduce of device memory over IPC"},
+    {"release_ipc", (PyCFunction)Comm_release_ipc, METH_VARARGS,
+     "release_ipc(devices): collective, before close on a ring that agreed on IPC: the peers' windows this ring "
+     "used closed on each device, a handshake, then the ring's own small windows freed"},
     {"allgather_ipc", (PyCFunction)Comm_allgather_ipc, METH_VARARGS,
      "allgather_ipc(device, buf, nbytes): allgather_device's IPC path"},
     {"broadcast_ipc", (PyCFunction)Comm_broadcast_ipc, METH_VARARGS,
@@ -95,6 +98,8 @@ static PyMethodDef Comm_methods[] = {
 static PyGetSetDef Comm_getset[] = {
     {"broken", (getter)Comm_get_broken, NULL, "why the communicator is unusable, or None", NULL},
     {"busy", (getter)Comm_get_busy, NULL, "whether a thread is inside an operation on this communicator", NULL},
+    {"ring_id", (getter)Comm_get_ring_id, NULL,
+     "the ring's id, unique in this process (what a Device keeps IPC state for); 0 once closed", NULL},
     {"small_algorithm", (getter)Comm_get_small_algorithm, NULL,
      "the small operations' algorithm in effect: 'doubling' or 'ring'", NULL},
     {"small_rounds", (getter)Comm_get_small_rounds, NULL,

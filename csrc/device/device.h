@@ -15,7 +15,8 @@
  * Where every rank's device opens every other's memory (CUDA IPC), an
  * allreduce runs device to device instead (csrc/schedule/ipc.c): each device
  * keeps an exported window (rr_device_ipc_window) and the peers' windows it
- * opened (rr_device_ipc_peer), and reduces with its own kernels.
+ * opened (rr_device_ipc_peer), and reduces with its own kernels; which are
+ * freed or closed when is ipc_windows.c's.
  *
  * Two implementations: CUDA through the driver API (cuda_device.c, loaded at
  * run time, so the package needs no CUDA to build or import), and an emulated
@@ -48,10 +49,16 @@ typedef struct rr_ipc_window {
     rr_ipc_handle handle;
 } rr_ipc_window;
 
+/* The rings (rr_ring.id) something of a device's IPC state is kept for. */
+typedef struct rr_ring_set {
+    uint64_t *id;
+    int n;
+} rr_ring_set;
+
 /* A ring's window for the one-pass small allreduce over IPC (ipc.c,
  * rr_allreduce_small_ipc): two slots of `slot` bytes, used in turn, one per
  * operation (ops counts them). A window that had to grow stays `retired`
- * until the ring's next pass shows that no peer reads it any more. */
+ * until every peer has opened the new one (and so closed the old one). */
 typedef struct rr_ipc_small {
     uint64_t ring;          /* rr_ring.id */
     size_t slot;
@@ -59,6 +66,18 @@ typedef struct rr_ipc_small {
     int announced;          /* the peers have opened this window (an operation on it succeeded) */
     rr_ipc_window window, retired;
 } rr_ipc_small;
+
+/* How an operation that waits on its peers lets the device go meanwhile
+ * (fn(ctx, 0)) and takes it back (fn(ctx, 1)), so that another thread's
+ * operation on another ring of the same device runs in between. fn NULL:
+ * the caller keeps the device throughout. */
+typedef struct rr_device_hold {
+    void (*fn)(void *ctx, int hold);
+    void *ctx;
+} rr_device_hold;
+
+static inline void rr_device_let_go(const rr_device_hold *h) { if (h && h->fn) h->fn(h->ctx, 0); }
+static inline void rr_device_take(const rr_device_hold *h) { if (h && h->fn) h->fn(h->ctx, 1); }
 
 /* The longest device identity (rr_device_ops.ipc_identity), NUL included. */
 #define RR_IPC_IDENTITY 128
@@ -134,12 +153,26 @@ struct rr_device {
         int busy;
     } bounce[RR_BOUNCE_SLOTS];
     rr_device_counts counts;
-    rr_ipc_window window; /* the IPC path (ipc.c): this device's window, grown only */
-    rr_ipc_small *small;  /* the one-pass small allreduces' windows, one per ring (ipc.c) */
+    /* The IPC path (ipc_windows.c). This device's window (grown only) and
+     * the rings whose peers may have it open; a window replaced by a larger
+     * one stays retired until each of the rings it waits for has shown that
+     * its peers closed it (rr_device_ipc_passed, rr_device_ipc_release_ring). */
+    rr_ipc_window window;
+    rr_ring_set window_rings;
+    struct rr_ipc_retired {
+        rr_ipc_window window;
+        rr_ring_set waiting;
+    } *retired;
+    int nretired;
+    rr_ipc_small **small; /* the one-pass small allreduces' windows, one per ring (ipc.c) */
     int nsmall;
-    struct rr_ipc_peer {  /* peers' windows open here, one per owner (ipc.c) */
+    /* peers' windows open here, one per owner, with the rings whose
+     * operations opened or used it: closed when the owner's window is
+     * replaced or when every one of those rings is released */
+    struct rr_ipc_peer {
         rr_ipc_handle handle;
         void *ptr;
+        rr_ring_set rings;
     } *peers;
     int npeers;
 };
@@ -153,22 +186,40 @@ int rr_device_reserve(rr_device *d, size_t mirror_bytes, rr_error *err);
  * serializes calls on one device. */
 int rr_device_bounce(rr_device *d, size_t bytes, rr_error *err);
 void rr_device_bounce_release(rr_device *d, int slot);
-/* The IPC path's window (ipc.c): makes this device's exported window hold
- * at least bytes (grown only, a new generation each time; the old one is
- * freed once this device's queued work is done). */
-int rr_device_ipc_window(rr_device *d, size_t bytes, rr_error *err);
+/* The IPC path's windows and peers (ipc_windows.c). Not thread safe: the
+ * caller holds the device.
+ *
+ * rr_device_ipc_window makes this device's exported window hold at least
+ * bytes for ring `ring` (whose peers will open it): grown only, a new
+ * generation each time; the old one retired, waiting for every ring whose
+ * peers may have it open. */
+int rr_device_ipc_window(rr_device *d, uint64_t ring, size_t bytes, rr_error *err);
+/* A handshake of `ring` after one in which its peers learned this device's
+ * window: every peer of the ring has opened the current window, so closed
+ * any older one; retired windows no other ring waits for are freed. */
+void rr_device_ipc_passed(rr_device *d, uint64_t ring);
 /* Ring `ring`'s small window (rr_ipc_small) with slots of at least
  * slot_bytes: made on first use, replaced when too small (the old one
- * retired, freed by rr_device_ipc_small_passed). NULL with err filled when
- * it cannot be made. */
+ * retired, freed by rr_device_ipc_small_passed). The pointer stays valid
+ * until the ring is released. NULL with err filled when it cannot be made. */
 rr_ipc_small *rr_device_ipc_small(rr_device *d, uint64_t ring, size_t slot_bytes, rr_error *err);
-/* A pass of the small window's ring has completed: every peer has finished
- * the operations before it, so the retired window goes. */
+/* Every peer of the small window's ring has opened its current window
+ * (a handshake after the pass that announced it): the retired one goes. */
 void rr_device_ipc_small_passed(rr_device *d, rr_ipc_small *s);
-/* A peer's window mapped here: opened once per owner and generation and
- * cached (a new generation closes the owner's old mapping). NULL with err
+/* A peer's window mapped here for ring `ring`: opened once per handle (its
+ * owner, generation and the implementation's bytes: a restarted process
+ * that reuses a pid never gets another's mapping) and cached; another
+ * handle of the same owner closes the old mapping first. NULL with err
  * filled when it cannot be opened. */
-void *rr_device_ipc_peer(rr_device *d, const rr_ipc_handle *h, rr_error *err);
+void *rr_device_ipc_peer(rr_device *d, const rr_ipc_handle *h, uint64_t ring, rr_error *err);
+/* A ring's end, in two steps around a handshake of the ring (ipc.c,
+ * rr_ipc_release): close_ring closes the peers' windows only that ring
+ * used; after the handshake (every peer closed ours) release_ring frees
+ * the ring's small window and the retired windows only it waited for. */
+void rr_device_ipc_close_ring(rr_device *d, uint64_t ring);
+void rr_device_ipc_release_ring(rr_device *d, uint64_t ring);
+/* Everything of the IPC path's, closed and freed (rr_device_destroy). */
+void rr_device_ipc_destroy(rr_device *d);
 
 /* Frees the buffers, then the device. */
 void rr_device_destroy(rr_device *d);

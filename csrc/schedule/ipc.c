@@ -6,7 +6,9 @@
  * Every device keeps a window (rr_device_ipc_window): device memory it
  * allocated and exported itself, grown only, so its handle stays valid
  * across operations whatever memory pool the caller's buffers come from.
- * Peers open it once per generation and cache it (rr_device_ipc_peer).
+ * Peers open it once per generation and cache it (rr_device_ipc_peer); a
+ * grown window's old one is freed once every ring whose peers may have it
+ * open has had a handshake after the new one's (device/ipc_windows.c).
  *
  *   copy in    src -> own window (one device copy); wait
  *   handshake  every rank's window handle and status (a blob pass over
@@ -42,12 +44,19 @@
  * in rank order straight into its dst (the host small paths' fold and bits:
  * rr_reduce_in_order). No pass is needed after the fold: a rank writes a
  * slot again two operations later, after a pass that every peer entered
- * only once done reading it; a window that grows is kept until the next
- * pass. A failure before the pass fails every rank alike, naming the rank.
- * A window not yet opened by the peers says so in the pass: every rank opens
- * it and a handshake follows, so an open that fails fails every rank. One
- * in the fold fails that rank, whose peers' results do not depend on it; it
- * aborts its transport, so their next operation names it.
+ * only once done reading it. The last operation's slots are still read
+ * after it returns: a ring's small windows are freed only with the ring, by
+ * rr_ipc_release, whose handshake comes after every peer closed them. A
+ * failure before the pass fails every rank alike, naming the rank.
+ * A window not yet opened by the peers (new, or grown) says so in the pass:
+ * every rank opens it and a handshake follows, so an open that fails fails
+ * every rank, and after which a grown window's old one (which every peer
+ * closed on opening the new) is freed. One in the fold fails that rank,
+ * whose peers' results do not depend on it; it aborts its transport, so
+ * their next operation names it. While it waits on its peers (the pass,
+ * that handshake) the operation lets its device go (rr_device_hold): two
+ * rings on one device, run by two threads in either order on different
+ * ranks, never wait on each other.
  *
  * The waits are host waits on this device's stream before each handshake,
  * so a peer never reads a window before its owner's work on it has run.
@@ -152,6 +161,7 @@ typedef struct {
     size_t *off, *len;
     char **win;
     rr_error local;
+    int passed; /* a handshake after the first: every peer opened this rank's window */
 } frame;
 
 static int frame_init(rr_ring *ring, frame *f, rr_error *err)
@@ -177,21 +187,26 @@ static int open_phase(rr_ring *ring, rr_device *dev, frame *f, size_t need, cons
 {
     shake *all = NULL;
     int rc = dev->ops->begin(dev, &f->local);
-    if (rc == RR_OK) rc = rr_device_ipc_window(dev, need ? need : 1, &f->local);
+    if (rc == RR_OK) rc = rr_device_ipc_window(dev, ring->id, need ? need : 1, &f->local);
     if (rc == RR_OK && n) rc = rr_dev_copy(dev, (char *)dev->window.ptr + at, src + at, n, &f->local);
     if (rc == RR_OK) rc = rr_device_sync(dev, &f->local);
     if ((rc = handshake(ring, &f->local, &dev->window.handle, &all, err)) != RR_OK) return rc;
     for (int q = 0; q < ring->size && f->local.code == RR_OK; q++)
-        f->win[q] = q == ring->rank ? dev->window.ptr : rr_device_ipc_peer(dev, &all[q].handle, &f->local);
+        f->win[q] = q == ring->rank ? dev->window.ptr : rr_device_ipc_peer(dev, &all[q].handle, ring->id, &f->local);
     free(all);
     return RR_OK;
 }
 
-/* A phase's end: this rank's queued work waited for, then a handshake. */
+/* A phase's end: this rank's queued work waited for, then a handshake.
+ * The first one tells this rank that every peer opened its window (and
+ * closed any older one it had open: rr_device_ipc_passed). */
 static int phase_end(rr_ring *ring, rr_device *dev, frame *f, rr_error *err)
 {
     if (f->local.code == RR_OK) rr_device_sync(dev, &f->local);
-    return handshake(ring, &f->local, NULL, NULL, err);
+    int rc = handshake(ring, &f->local, NULL, NULL, err);
+    if (rc == RR_OK && !f->passed) rr_device_ipc_passed(dev, ring->id);
+    f->passed = 1;
+    return rc;
 }
 
 static int frame_end(rr_device *dev, frame *f, int rc)
@@ -324,8 +339,8 @@ static int fold_in_rank_order(rr_device *dev, char *out, char *const *in, int n,
 }
 
 int rr_allreduce_small_ipc(rr_ring *ring, rr_device *dev, const void *head, size_t hlen, const void *src, void *dst,
-                           size_t count, size_t slot_bytes, rr_dtype dtype, rr_op op, int *agreed, void **all,
-                           size_t *lens, rr_error *err)
+                           size_t count, size_t slot_bytes, rr_dtype dtype, rr_op op, const rr_device_hold *hold,
+                           int *agreed, void **all, size_t *lens, rr_error *err)
 {
     *agreed = 0;
     *all = NULL;
@@ -346,9 +361,10 @@ int rr_allreduce_small_ipc(rr_ring *ring, rr_device *dev, const void *head, size
     }
     mine.code = local.code;
     if (local.code) snprintf(mine.message, sizeof mine.message, "%.*s", MESSAGE - 1, local.msg);
+    rr_device_let_go(hold); /* another ring's operation on this device may run while this one waits */
     int rc = rr_exchange_blobs(ring, head, hlen, &mine, sizeof mine, all, lens, err);
+    rr_device_take(hold);
     if (rc != RR_OK) return rc;
-    if (w) rr_device_ipc_small_passed(dev, w);
     small_shake *got = calloc((size_t)N, sizeof *got);
     char **in = calloc((size_t)N, sizeof *in);
     if (!got || !in) {
@@ -382,13 +398,19 @@ int rr_allreduce_small_ipc(rr_ring *ring, rr_device *dev, const void *head, size
     }
     int fresh = 0;
     for (int q = 0; q < N && rc == RR_OK; q++) {
-        char *base = q == r ? w->window.ptr : local.code ? NULL : rr_device_ipc_peer(dev, &got[q].handle, &local);
+        char *base = q == r ? w->window.ptr : local.code ? NULL : rr_device_ipc_peer(dev, &got[q].handle, ring->id,
+                                                                                    &local);
         in[q] = base ? base + got[q].offset : NULL;
         fresh |= got[q].fresh;
     }
     /* A window opened for the first time may fail to open (another GPU, IPC
      * refused): every rank hears it and fails alike, naming the rank. */
-    if (rc == RR_OK && fresh) rc = handshake(ring, &local, NULL, NULL, err);
+    if (rc == RR_OK && fresh) {
+        rr_device_let_go(hold);
+        rc = handshake(ring, &local, NULL, NULL, err);
+        rr_device_take(hold);
+        if (rc == RR_OK) rr_device_ipc_small_passed(dev, w); /* every peer opened the new window, closed the old */
+    }
     if (rc == RR_OK && local.code == RR_OK && count) fold_in_rank_order(dev, dst, in, N, count, dtype, op, &local);
     if (rc == RR_OK) {
         rr_error ignored;
@@ -405,4 +427,23 @@ int rr_allreduce_small_ipc(rr_ring *ring, rr_device *dev, const void *head, size
     free(got);
     free(in);
     return rc;
+}
+
+int rr_ipc_release(rr_ring *ring, rr_device *const *devs, int ndevs, const rr_device_hold *holds, rr_error *err)
+{
+    rr_error mine = {0};
+    for (int i = 0; i < ndevs; i++) {
+        rr_device_take(&holds[i]);
+        if (devs[i]->ops->begin(devs[i], &mine) == RR_OK) rr_device_ipc_close_ring(devs[i], ring->id);
+        rr_device_let_go(&holds[i]);
+    }
+    int rc = ring->size > 1 ? handshake(ring, &mine, NULL, NULL, err) : RR_OK;
+    if (rc != RR_OK) return rc; /* a peer may still have them open: they go with the device */
+    for (int i = 0; i < ndevs; i++) {
+        rr_device_take(&holds[i]);
+        rr_error ignored;
+        if (devs[i]->ops->begin(devs[i], &ignored) == RR_OK) rr_device_ipc_release_ring(devs[i], ring->id);
+        rr_device_let_go(&holds[i]);
+    }
+    return RR_OK;
 }

@@ -26,9 +26,21 @@ int rr_broadcast_ipc(rr_ring *ring, rr_device *dev, void *buf, size_t nbytes, in
  * If any header differs from ours, *agreed is 0, nothing is reduced, and
  * *all/lens hold every rank's blob (caller frees *all; each is a header
  * with this path's status after it). slot_bytes: the size the ring's small
- * window is made for at first (its small limit), so it need not grow. */
+ * window is made for at first (its small limit), so it need not grow.
+ * Called holding the device; lets it go (hold) while it waits on peers. */
 int rr_allreduce_small_ipc(rr_ring *ring, rr_device *dev, const void *head, size_t hlen, const void *src, void *dst,
-                           size_t count, size_t slot_bytes, rr_dtype dtype, rr_op op, int *agreed, void **all,
-                           size_t *lens, rr_error *err);
+                           size_t count, size_t slot_bytes, rr_dtype dtype, rr_op op, const rr_device_hold *hold,
+                           int *agreed, void **all, size_t *lens, rr_error *err);
+
+/* The IPC path's end on a ring (its close; collective: every rank of the
+ * ring calls it, a ring that agreed on IPC): on each of the devices this
+ * rank ran the ring's IPC collectives on, the peers' windows only this ring
+ * used are closed; a handshake; then this rank's small window for the ring
+ * goes, and the retired windows only it waited for. So no window is freed
+ * while a peer has it open or reads it, the last small allreduce's
+ * included. Called without the devices: holds[i] takes and lets go
+ * devs[i]. Fails, freeing nothing of the ring's (the devices free it when
+ * they go), where the handshake fails. */
+int rr_ipc_release(rr_ring *ring, rr_device *const *devs, int ndevs, const rr_device_hold *holds, rr_error *err);
 
 #endif

@@ -35,6 +35,9 @@ class Ring:
     # whether a small GPU allreduce, while ipc is None, takes the ring's device path so that the ring agrees;
     # False once such a pass met a host rank (core/device_ipc.py: small_agrees_first)
     small_asks_ipc: bool = field(default=True, repr=False, compare=False)
+    # weak references to the devices (ringreduce._core.Device) this rank ran the ring's IPC collectives on: each keeps windows for
+    # the ring until device_ipc.release, collective, before the ring closes
+    ipc_devices: list = field(default_factory=list, repr=False, compare=False)
 
     def __setattr__(self, attr, value):
         if attr == "small_limit" and "plans" in self.__dict__:  # autotune moved the limit: decide afresh

@@ -511,9 +511,12 @@ class DeviceArrays:
 
     def allreduce_small_ipc(self, ring, head, src, dst, code, opc):
         """The one-pass small allreduce over IPC (device_ipc.allreduce_small):
-        None when it ran, else every rank's blob (nothing reduced)."""
-        with staged(self._ready(src)) as device:
-            return device_ipc.allreduce_small(ring, device, head, src.data.ptr, dst.data.ptr, src.nbytes, code, opc)
+        None when it ran, else every rank's blob (nothing reduced). It lets
+        the device go while it waits on peers (in C), so it holds no gate:
+        another ring's collective on this device, and small trips, run
+        meanwhile."""
+        return device_ipc.allreduce_small(ring, self._ready(src), head, src.data.ptr, dst.data.ptr, src.nbytes, code,
+                                          opc)
 
     def reduce_scatter(self, ring, src, dst, code, opc, all_device):
         with staged(self._ready(src)) as device:

@@ -26,6 +26,12 @@ agrees; where that pass meets a host rank, the ring stops asking
 (Ring.small_asks_ipc) and its small GPU allreduces take the pinned bounce
 buffer.
 
+A ring that agreed on IPC ends with release (before a process set's
+removal and at shutdown): each rank closes the peers' windows it opened
+for the ring, a handshake, then each frees its small window for the ring,
+so no window goes while a peer has it open or still reads it (the last
+small allreduce's slots included).
+
 A rank that later runs on a device its peers cannot reach makes the next
 IPC collective fail on every rank (its new window does not open on its
 peers; the handshake tells every rank, naming the rank whose open failed),
@@ -33,6 +39,7 @@ never silently."""
 from __future__ import annotations
 
 import json
+import weakref
 
 from . import shm as _shm
 from ..errors import RingReduceError
@@ -47,9 +54,9 @@ def wanted() -> bool:
     return bool(getattr(world.config, "cuda_ipc", True)) if world is not None else True
 
 
-def offer(device, want: bool) -> dict:
+def offer(ring, device, want: bool) -> dict:
     """What this rank gives in the agreement's first pass."""
-    got = device.ipc_offer() if want else None
+    got = device.ipc_offer(ring.comm.ring_id) if want else None
     identity, handle = got if got is not None else (None, b"")
     return {"host": _shm.host_identity(), "pidns": _shm.pid_namespace(), "want": want, "device": identity,
             "handle": handle.hex()}
@@ -80,13 +87,38 @@ def agree(ring, device) -> bool:
     one (collective: every rank calls it at the same point, under the ring's
     lock), then kept."""
     if ring.ipc is None:
-        mine = json.dumps(offer(device, wanted())).encode()
+        uses(ring, device)
+        mine = json.dumps(offer(ring, device, wanted())).encode()
         offers = [json.loads(p) for p in agreement_payloads(ring.comm.exchange_blobs(AGREE_HEAD, mine))]
-        able = candidates(offers) and all(device.ipc_probe(bytes.fromhex(o["handle"]), o["device"])
+        able = candidates(offers) and all(device.ipc_probe(bytes.fromhex(o["handle"]), o["device"],
+                                                           ring.comm.ring_id)
                                           for q, o in enumerate(offers) if q != ring.rank)
         votes = ring.comm.exchange_blobs(AGREE_HEAD, b"1" if able else b"0")
         ring.ipc = all(v == b"1" for v in agreement_payloads(votes))
     return ring.ipc
+
+
+def uses(ring, device) -> None:
+    """Records that this rank runs ring's IPC collectives on device (its
+    windows and its peers' are kept there for the ring until release)."""
+    if not any(ref() is device for ref in ring.ipc_devices):
+        ring.ipc_devices.append(weakref.ref(device))  # a device dropped meanwhile has closed and freed it all
+
+
+def release(ring) -> None:
+    """The IPC path's end on ring, before it closes (Comm.release_ipc):
+    every peer closes the windows it opened for the ring, a handshake, then
+    each rank frees its small windows of the ring. So no window, the last
+    small allreduce's included, goes while a peer still has it open or
+    reads it. Collective where the ring agreed on IPC (alike on every rank),
+    nothing otherwise; a ring already broken, or a peer gone, frees nothing
+    (the devices free it when they go), and raises nothing."""
+    if ring.ipc and ring.size > 1 and ring.comm is not None and ring.comm.broken is None:
+        try:
+            ring.comm.release_ipc([d for d in (ref() for ref in ring.ipc_devices) if d is not None])
+        except RingReduceError:
+            pass
+    ring.ipc_devices = []
 
 
 def takes_ipc(ring, device, all_device: bool) -> bool:
@@ -103,6 +135,8 @@ def allreduce(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int
     the ring agreed on it, else the staged path. Returns whether it took
     the IPC path. The collectives below choose alike."""
     ipc = takes_ipc(ring, device, all_device)
+    if ipc:
+        uses(ring, device)
     (ring.comm.allreduce_ipc if ipc else ring.comm.allreduce_device)(device, src, dst, nbytes, code, opc)
     return ipc
 
@@ -127,12 +161,15 @@ def allreduce_small(ring, device, head: bytes, src: int, dst: int, nbytes: int, 
     result), else every rank's blob (nothing reduced: the caller agrees on
     them and takes the ring). The ring's small window is made for its
     allreduce limit, so it never grows."""
+    uses(ring, device)
     return ring.comm.allreduce_small_ipc(head, device, src, dst, nbytes, code, opc, ring.allreduce_limit)
 
 
 def reduce_scatter(ring, device, src: int, dst: int, nbytes: int, code: int, opc: int, all_device: bool) -> bool:
     """Chunk `rank` of dst gets the reduction (ring.c's chunks)."""
     ipc = takes_ipc(ring, device, all_device)
+    if ipc:
+        uses(ring, device)
     (ring.comm.reduce_scatter_ipc if ipc else ring.comm.reduce_scatter_device)(device, src, dst, nbytes, code, opc)
     return ipc
 
@@ -140,6 +177,8 @@ def reduce_scatter(ring, device, src: int, dst: int, nbytes: int, code: int, opc
 def allgather(ring, device, buf: int, nbytes: list, all_device: bool) -> bool:
     """In place: block i of buf (nbytes[i] bytes) is rank i's."""
     ipc = takes_ipc(ring, device, all_device)
+    if ipc:
+        uses(ring, device)
     (ring.comm.allgather_ipc if ipc else ring.comm.allgather_device)(device, buf, nbytes)
     return ipc
 
@@ -147,5 +186,7 @@ def allgather(ring, device, buf: int, nbytes: list, all_device: bool) -> bool:
 def broadcast(ring, device, buf: int, nbytes: int, root: int, all_device: bool) -> bool:
     """In place: root's nbytes at buf on every rank."""
     ipc = takes_ipc(ring, device, all_device)
+    if ipc:
+        uses(ring, device)
     (ring.comm.broadcast_ipc if ipc else ring.comm.broadcast_device)(device, buf, nbytes, root)
     return ipc

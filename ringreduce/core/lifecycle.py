@@ -10,6 +10,7 @@ from .. import _core
 from ..errors import RingReduceError
 from . import (autotune as _autotune, config as _config, host_rings as _host_rings, mpi_backend, rendezvous_client,
                shm as _shm, world as _world)
+from . import device_ipc as _device_ipc
 from . import listeners as _listeners
 from . import flight_recorder as _flight_recorder
 from .communicator import Ring, current as _state
@@ -127,12 +128,15 @@ def shutdown() -> None:
                 comm.interrupt()
         for ring in _state.sets.values():
             if ring.comm is not None:
+                _device_ipc.release(ring)  # a handshake where the ring agreed on IPC: peers close first
                 ring.comm.close()
             for ps in ring.owners:
                 ps.invalidate()
         _state.sets.clear()
         if _state.ring is not None and _state.ring.hierarchy is not None:
             _state.ring.hierarchy.close()
+        if _state.ring is not None:
+            _device_ipc.release(_state.ring)
         if _state.comm is not None:
             _state.comm.close()
         _state.comm = _state.world = _state.ring = None

@@ -56,16 +56,21 @@
  *   cuMemHostRegister their CU_MEMHOST* bits, and cuIpcOpenMemHandle
  *   exactly CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS; anything else is
  *   CUDA_ERROR_INVALID_VALUE.
- * - hostcuda_stats() counts what is alive, so tests catch leaks.
+ * - hostcuda_stats() counts what is alive, so tests catch leaks, and the
+ *   cuMemFree's of memory another process still has open by IPC (a use
+ *   after free waiting to happen on a GPU): each open holds a shared flock
+ *   on the memfd until it is closed, which the exporter's cuMemFree tests.
  * Every entry point takes one lock: work runs in the order it was queued.
  */
 #include "cuda_builtins.h"
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -175,7 +180,8 @@ const int MAX_DEVICES = 8;
 struct Block {
     size_t n;
     bool api;          /* from cuMemAlloc, not hostcuda_alloc */
-    int fd = -1;       /* cuMemAlloc's: the memfd it maps, for IPC */
+    int fd = -1;       /* cuMemAlloc's: the memfd it maps, for IPC; an opened one's: its own descriptor of the
+                        * exporter's memfd, holding a shared flock while open (see ipc_freed_while_open) */
     bool opened = false; /* another process's, mapped by cuIpcOpenMemHandle */
 };
 
@@ -209,6 +215,7 @@ std::set<CUevent_st *> events;
 std::set<CUmod_st *> modules;
 std::map<std::string, CUfunc_st> functions;
 long long pageable_copies, launches, ipc_open_calls;
+long long freed_while_open; /* cuMemFree of memory another process had open by IPC */
 
 int env_int(const char *name, int fallback)
 {
@@ -639,6 +646,9 @@ CUresult cuMemFree_v2(CUdeviceptr dp)
     if (CUresult r = need_context()) return r;
     auto it = device_blocks.find((uintptr_t)dp);
     if (it == device_blocks.end() || !it->second.api) return CUDA_ERROR_INVALID_VALUE;
+    /* On a GPU, memory freed while another process has it open is a use
+     * after free there: counted, for tests to hold at 0. */
+    if (flock(it->second.fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) freed_while_open++;
     release(it->first, it->second);
     device_blocks.erase(it);
     return CUDA_SUCCESS;
@@ -699,7 +709,7 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr dp)
     if (CUresult r = need_context()) return r;
     if (env_int("HOSTCUDA_IPC", 1) == 0) return CUDA_ERROR_NOT_SUPPORTED;
     auto it = device_blocks.find((uintptr_t)dp);
-    if (it == device_blocks.end() || it->second.fd < 0) return CUDA_ERROR_INVALID_VALUE; /* a cuMemAlloc base only */
+    if (it == device_blocks.end() || !it->second.api) return CUDA_ERROR_INVALID_VALUE; /* a cuMemAlloc base only */
     IpcHandle ih{IPC_MAGIC, (int32_t)getpid(), it->second.fd, mig_instance(current_device()), it->second.n};
     memset(h, 0, sizeof *h);
     memcpy(h->reserved, &ih, sizeof ih);
@@ -723,9 +733,13 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dp, CUipcMemHandle h, unsigned flags
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0) return CUDA_ERROR_INVALID_HANDLE;
     void *p = mmap(nullptr, mapped_size(ih.n), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (p == MAP_FAILED) {
+        close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    flock(fd, LOCK_SH); /* open here until cuIpcCloseMemHandle (or this process ends) closes fd */
     Block b{ih.n, false};
+    b.fd = fd;
     b.opened = true;
     device_blocks[(uintptr_t)p] = b;
     *dp = (CUdeviceptr)p;
@@ -877,9 +891,10 @@ void hostcuda_free(CUdeviceptr p)
 
 /* What is alive and what happened: retained contexts, streams, events,
  * cuMemAlloc blocks, pinned blocks (allocated or registered), pageable async copies, kernel
- * launches, the sticky error (0: none), other processes' memory open by IPC,
- * registered host blocks, and cuIpcOpenMemHandle calls (refused ones too). */
-void hostcuda_stats(long long out[11])
+ * launches, the sticky error (0: none), other processes' memory open by IPC, registered
+ * host blocks, cuIpcOpenMemHandle calls (refused ones too), and cuMemFree's of memory
+ * another process still had open by IPC. */
+void hostcuda_stats(long long out[12])
 {
     std::lock_guard<std::recursive_mutex> lock(mu);
     long long retained = 0, api_blocks = 0, opened = 0;
@@ -888,9 +903,9 @@ void hostcuda_stats(long long out[11])
         api_blocks += kv.second.api;
         opened += kv.second.opened;
     }
-    long long v[11] = {retained, (long long)streams.size(), (long long)events.size(), api_blocks,
+    long long v[12] = {retained, (long long)streams.size(), (long long)events.size(), api_blocks,
                        (long long)pinned_blocks.size(), pageable_copies, launches, sticky, opened,
-                       (long long)registered.size(), ipc_open_calls};
+                       (long long)registered.size(), ipc_open_calls, freed_while_open};
     memcpy(out, v, sizeof v);
 }
 
