@@ -86,7 +86,7 @@ def host_allreduce(x, dtype, op):
 
 def device_allreduce(x, dtype, op, in_place, on_device=True):
     # As collectives' GPU allreduce does it: the header pass, then the path the ring agreed on.
-    head = header(ALLREDUCE, opcodes[op], codes[dtype], x.shape, None, False, device=on_device)
+    head = header(ALLREDUCE, opcodes[op], codes[dtype], x.shape, None, device=on_device)
     blobs = exchange(head, b"", ("op", "dtype", "shape", "name"), "allreduce", ring, beside_joined=True)
     if not on_device:
         return host_allreduce(x, dtype, op), False
@@ -104,7 +104,7 @@ def device_allreduce(x, dtype, op, in_place, on_device=True):
 def small_ipc_allreduce(x, dtype, op, in_place, name=None, src_ptr=None, dst_ptr=None):
     # The one-pass small allreduce as collectives' GPU allreduce calls it on a ring that agreed on IPC:
     # (result, None), or (None, every rank's blob) where headers differed.
-    head = header(ALLREDUCE, opcodes[op], codes[dtype], x.shape, name, True, device=True)
+    head = header(ALLREDUCE, opcodes[op], codes[dtype], x.shape, name, inline=True, device=True)
     src = Buf(x)
     dst = src if in_place else Buf(np.zeros_like(x))
     try:
@@ -1078,3 +1078,37 @@ def test_a_window_grown_on_a_process_set_waits_for_the_worlds_peers_too(tmp_path
         blocks, freed_while_open = r.result
         assert freed_while_open == 0, (r.rank, freed_while_open)
         assert blocks == ([2, 1] if r.rank < 2 else [1]), (r.rank, blocks)
+
+
+@pytest.mark.parametrize("size", [100, 100_000])
+def test_a_rank_shutting_down_while_its_peers_run_a_collective_is_named_lost_by_them(tmp_path, size):
+    """On a ring that agreed on IPC, shutdown starts with a pass its peers
+    must hear (device_ipc.release): a peer that meets it in an allreduce of
+    its own, small (the one IPC pass) or large (the header pass), raises
+    PeerLostError naming the rank that shut down, at once; that rank's
+    shutdown returns at once, freeing nothing a peer may still read."""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent(f"""
+        import time
+        r, N = rr.rank(), rr.size()
+        x = ((np.arange({size}) % 5) * (r + 1)).astype(np.float32)
+        rr.allreduce(x.view(Dev))
+        assert C.communicator().ring.ipc
+        start = time.monotonic()
+        if r == 1:
+            rr.shutdown()
+            result = "shut down", time.monotonic() - start
+        else:
+            try:
+                time.sleep(0.5)
+                rr.allreduce(x.view(Dev))
+                result = "no error", time.monotonic() - start
+            except rr.RingReduceError as exc:
+                result = type(exc).__name__, str(exc), exc.rank, time.monotonic() - start
+    """), tmp_path, timeout=120, env={"RINGREDUCE_TIMEOUT": "30"})
+    for k in ranks:
+        if k.rank == 1:
+            assert k.result[0] == "shut down" and k.result[1] < 10, k.result
+        else:
+            kind, message, rank, took = k.result
+            assert kind == "PeerLostError" and rank == 1 and "rank 1 closed the ring" in message, k.result
+            assert took < 10, k.result

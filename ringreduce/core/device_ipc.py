@@ -105,17 +105,21 @@ def uses(ring, device) -> None:
         ring.ipc_devices.append(weakref.ref(device))  # a device dropped meanwhile has closed and freed it all
 
 
-def release(ring) -> None:
+def release(ring, closing: bytes) -> None:
     """The IPC path's end on ring, before it closes (Comm.release_ipc):
     every peer closes the windows it opened for the ring, a handshake, then
     each rank frees its small windows of the ring. So no window, the last
     small allreduce's included, goes while a peer still has it open or
     reads it. Collective where the ring agreed on IPC (alike on every rank),
-    nothing otherwise; a ring already broken, or a peer gone, frees nothing
-    (the devices free it when they go), and raises nothing."""
+    nothing otherwise. It starts with a pass of `closing` (protocol.closing_header):
+    a peer that meets it in a collective of its own raises PeerLostError
+    naming this rank, and this rank frees nothing. A ring already broken, or
+    a peer gone, frees nothing (the devices free it when they go), and
+    raises nothing."""
     if ring.ipc and ring.size > 1 and ring.comm is not None and ring.comm.broken is None:
         try:
-            ring.comm.release_ipc([d for d in (ref() for ref in ring.ipc_devices) if d is not None])
+            if all(blob == closing for blob in ring.comm.exchange_blobs(closing, b"")):
+                ring.comm.release_ipc([d for d in (ref() for ref in ring.ipc_devices) if d is not None])
         except RingReduceError:
             pass
     ring.ipc_devices = []

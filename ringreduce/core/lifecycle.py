@@ -14,6 +14,7 @@ from . import device_ipc as _device_ipc
 from . import listeners as _listeners
 from . import flight_recorder as _flight_recorder
 from .communicator import Ring, current as _state
+from .protocol import closing_header
 
 
 def init(backend: str | None = None, comm=None) -> None:
@@ -128,7 +129,7 @@ def shutdown() -> None:
                 comm.interrupt()
         for ring in _state.sets.values():
             if ring.comm is not None:
-                _device_ipc.release(ring)  # a handshake where the ring agreed on IPC: peers close first
+                _device_ipc.release(ring, closing_header())  # where the ring agreed on IPC: peers close first
                 ring.comm.close()
             for ps in ring.owners:
                 ps.invalidate()
@@ -136,7 +137,7 @@ def shutdown() -> None:
         if _state.ring is not None and _state.ring.hierarchy is not None:
             _state.ring.hierarchy.close()
         if _state.ring is not None:
-            _device_ipc.release(_state.ring)
+            _device_ipc.release(_state.ring, closing_header())
         if _state.comm is not None:
             _state.comm.close()
         _state.comm = _state.world = _state.ring = None

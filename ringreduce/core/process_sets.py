@@ -27,7 +27,7 @@ from ..errors import MismatchError
 from . import device_ipc as _device_ipc, mpi_backend, shm as _shm, traffic as _traffic, world as _world
 from .arrays import DTYPES
 from .communicator import Ring, current as _state
-from .protocol import ALLGATHER, exchange, header, parse
+from .protocol import ALLGATHER, closing_header, exchange, header, parse
 from ..errors import MismatchError, RingReduceError
 
 
@@ -169,7 +169,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         if ring.comm is not None:
             with ring.lock:  # a collective on the set from another thread ends first, as it did under _state.lock
                 _traffic.retire(ring.comm)  # its bytes sent still count in rr.stats()
-                _device_ipc.release(ring)  # collective: every peer closes what it opened of ours first
+                _device_ipc.release(ring, closing_header())  # collective: the peers close what they opened of ours first
                 ring.comm.close()
         for ps in ring.owners:
             ps.invalidate()

@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from ..errors import MismatchError, RingReduceError, StaleGenerationError
+from ..errors import MismatchError, PeerLostError, RingReduceError, StaleGenerationError
 from .arrays import BFLOAT16, DTYPE_NAMES, DTYPES, OP_NAMES, as_raw
 from .communicator import Ring, current as _state
 from .hierarchy import run_allreduce
@@ -115,6 +115,14 @@ AUTOTUNE_PREFIX = "ringreduce.autotune"  # the names of autotune's collectives (
 # a collective named so stands for one this rank refuses (bad input of its own): the others then raise,
 # naming it and the reason, instead of waiting for it (ringreduce/compression/base.py)
 REFUSED_PREFIX = "ringreduce.refused:"
+# the barrier of a rank closing a ring whose peers must hear it first (device_ipc.release): the others'
+# collectives that meet it raise PeerLostError naming that rank, never pair with it
+CLOSING_NAME = "ringreduce.closing"
+
+
+def closing_header() -> bytes:
+    """The header of a rank's last pass on a ring it closes (CLOSING_NAME)."""
+    return header(BARRIER, 0, 0, (), CLOSING_NAME)
 
 
 def check_agreement(heads, fields, what: str, ranks=None) -> None:
@@ -153,6 +161,7 @@ def agree(blobs, head: bytes, fields, what, ring: Ring | None = None, beside_joi
     raises here on every rank that called it, and the joined ranks stay
     joined."""
     if "trailing" in fields or any(b[:len(head)] != head for b in blobs):
+        _check_none_closing(blobs, what, ring)
         found = _joined_in(blobs)
         if found is not None:
             problem = _beside_joined(*found, _world_ranks(ring))
@@ -162,6 +171,20 @@ def agree(blobs, head: bytes, fields, what, ring: Ring | None = None, beside_joi
                 raise RingReduceError(f"{what} met joined ranks where only an allreduce can go on")
             return
         check_agreement([parse(b) for b in blobs], fields, what, _rank_names(ring))
+
+
+def _check_none_closing(blobs, what, ring) -> None:
+    """Raises PeerLostError, naming the rank, where a rank's header in this
+    pass is its last one on the ring (closing_header): it is closing the
+    ring (rr.shutdown(), remove_process_set) while this rank runs `what`."""
+    closing = closing_header()
+    at = next((q for q, b in enumerate(blobs) if b == closing), None)
+    if at is not None:
+        world = _world_ranks(ring)
+        names = _rank_names(ring)
+        raise PeerLostError(f"{names[at] if names else f'rank {at}'} closed the ring (rr.shutdown() or "
+                            f"remove_process_set) while this rank's {what} waited for it",
+                            rank=at if world is None else world[at])
 
 
 def _joined_in(blobs):
