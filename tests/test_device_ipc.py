@@ -1112,3 +1112,42 @@ def test_a_rank_shutting_down_while_its_peers_run_a_collective_is_named_lost_by_
             kind, message, rank, took = k.result
             assert kind == "PeerLostError" and rank == 1 and "rank 1 closed the ring" in message, k.result
             assert took < 10, k.result
+
+
+def test_a_rank_shutting_down_beside_a_process_set_is_named_lost_at_once_on_either_ring(tmp_path):
+    """Shutdown's closing passes (device_ipc.release) run on every ring that
+    agreed on IPC at once, the world's and each process set's: rank 1, in a
+    set with rank 0, shuts down while ranks 0 and 2 run an allreduce on the
+    world. They raise PeerLostError naming rank 1 at once, as on a ring with
+    no set, instead of waiting out RINGREDUCE_TIMEOUT while rank 1's closing
+    pass on the set's ring waits for rank 0."""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        import time
+        from ringreduce.core import process_sets
+        r, N = rr.rank(), rr.size()
+        x = ((np.arange(100) % 5) * (r + 1)).astype(np.float32)
+        rr.allreduce(x.view(Dev))
+        ps = rr.add_process_set([0, 1])
+        if r < 2:
+            rr.allreduce(x.view(Dev), process_set=ps)
+            assert process_sets.lookup(ps).ipc
+        assert C.communicator().ring.ipc
+        start = time.monotonic()
+        if r == 1:
+            rr.shutdown()
+            result = "shut down", time.monotonic() - start
+        else:
+            try:
+                time.sleep(0.5)
+                rr.allreduce(x.view(Dev))
+                result = "no error", time.monotonic() - start
+            except rr.RingReduceError as exc:
+                result = type(exc).__name__, str(exc), exc.rank, time.monotonic() - start
+    """), tmp_path, timeout=120, env={"RINGREDUCE_TIMEOUT": "30"})
+    for k in ranks:
+        if k.rank == 1:
+            assert k.result[0] == "shut down" and k.result[1] < 20, k.result
+        else:
+            kind, message, rank, took = k.result
+            assert kind == "PeerLostError" and rank == 1 and "rank 1 closed the ring" in message, k.result
+            assert took < 10, k.result

@@ -39,6 +39,7 @@ never silently."""
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 
 from . import shm as _shm
@@ -123,6 +124,39 @@ def release(ring, closing: bytes) -> None:
         except RingReduceError:
             pass
     ring.ipc_devices = []
+
+
+def release_all(rings, closing: bytes) -> None:
+    """release() of every ring of this rank (shutdown: the world's and the
+    process sets'), the closing passes of those that agreed on IPC at once,
+    a thread each: a peer waiting in a collective on any of them meets this
+    rank's closing pass there at once (PeerLostError naming this rank),
+    whichever ring it waits on, instead of waiting out RINGREDUCE_TIMEOUT
+    while this rank's pass on another ring waits for it. The first error
+    other than a peer's (release raises none of those) is raised once every
+    pass has ended."""
+    agreed = [ring for ring in rings if ring.ipc and ring.size > 1 and ring.comm is not None]
+    errors = []
+
+    def run(ring):
+        try:
+            release(ring, closing)
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every pass has ended
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(ring,), name="ringreduce-release", daemon=True)
+               for ring in agreed[1:]]
+    for t in threads:
+        t.start()
+    for ring in agreed[:1]:
+        run(ring)
+    for t in threads:
+        t.join()
+    for ring in rings:
+        if not any(ring is a for a in agreed):
+            release(ring, closing)  # nothing to pass: forgets its devices
+    if errors:
+        raise errors[0]
 
 
 def takes_ipc(ring, device, all_device: bool) -> bool:

@@ -127,17 +127,18 @@ def shutdown() -> None:
         for comm in _state.comms():
             if comm.busy:  # a Comm call on a thread that took no lock (or took it first)
                 comm.interrupt()
+        # Where a ring agreed on IPC its peers close first (device_ipc.release): every ring's closing pass
+        # at once, so a peer waiting on any of them hears this rank at once, whichever ring it waits on.
+        rings = [ring for ring in _state.sets.values() if ring.comm is not None]
+        _device_ipc.release_all(rings + ([_state.ring] if _state.ring is not None else []), closing_header())
         for ring in _state.sets.values():
             if ring.comm is not None:
-                _device_ipc.release(ring, closing_header())  # where the ring agreed on IPC: peers close first
                 ring.comm.close()
             for ps in ring.owners:
                 ps.invalidate()
         _state.sets.clear()
         if _state.ring is not None and _state.ring.hierarchy is not None:
             _state.ring.hierarchy.close()
-        if _state.ring is not None:
-            _device_ipc.release(_state.ring, closing_header())
         if _state.comm is not None:
             _state.comm.close()
         _state.comm = _state.world = _state.ring = None
