@@ -126,16 +126,23 @@ def release(ring, closing: bytes) -> None:
     ring.ipc_devices = []
 
 
+def closes_with_pass(ring) -> bool:
+    """Whether closing ring starts with release's closing pass: it agreed on
+    IPC, has peers, and is neither closed nor broken."""
+    return bool(ring.ipc) and ring.size > 1 and ring.comm is not None and ring.comm.broken is None
+
+
 def release_all(rings, closing: bytes) -> None:
     """release() of every ring of this rank (shutdown: the world's and the
-    process sets'), the closing passes of those that agreed on IPC at once,
-    a thread each: a peer waiting in a collective on any of them meets this
-    rank's closing pass there at once (PeerLostError naming this rank),
-    whichever ring it waits on, instead of waiting out RINGREDUCE_TIMEOUT
-    while this rank's pass on another ring waits for it. The first error
-    other than a peer's (release raises none of those) is raised once every
-    pass has ended."""
-    agreed = [ring for ring in rings if ring.ipc and ring.size > 1 and ring.comm is not None]
+    process sets'), the closing passes (closes_with_pass) at once, a thread
+    each: a peer waiting in a collective on any of them meets this rank's
+    closing pass there at once (PeerLostError naming this rank), whichever
+    ring it waits on, instead of waiting out RINGREDUCE_TIMEOUT while this
+    rank's pass on another ring waits for it. (A ring without a closing
+    pass is best closed before: a peer waiting on it then hears at once
+    that this rank left.) The first error other than a peer's (release
+    raises none of those) is raised once every pass has ended."""
+    passing = [ring for ring in rings if closes_with_pass(ring)]
     errors = []
 
     def run(ring):
@@ -145,16 +152,16 @@ def release_all(rings, closing: bytes) -> None:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(ring,), name="ringreduce-release", daemon=True)
-               for ring in agreed[1:]]
+               for ring in passing[1:]]
     for t in threads:
         t.start()
-    for ring in agreed[:1]:
+    for ring in passing[:1]:
         run(ring)
     for t in threads:
         t.join()
     for ring in rings:
-        if not any(ring is a for a in agreed):
-            release(ring, closing)  # nothing to pass: forgets its devices
+        if not any(ring is p for p in passing):
+            ring.ipc_devices = []  # nothing to pass: its devices free what they hold when they go
     if errors:
         raise errors[0]
 

@@ -127,18 +127,24 @@ def shutdown() -> None:
         for comm in _state.comms():
             if comm.busy:  # a Comm call on a thread that took no lock (or took it first)
                 comm.interrupt()
-        # Where a ring agreed on IPC its peers close first (device_ipc.release): every ring's closing pass
-        # at once, so a peer waiting on any of them hears this rank at once, whichever ring it waits on.
+        # A peer waiting in a collective on any ring of this rank hears at once that this rank leaves,
+        # whichever ring it waits on: the rings with no closing pass close first (the peer's collective
+        # fails there at once), then the others run their closing passes at once (device_ipc.release_all:
+        # where a ring agreed on IPC its peers close what they opened of this rank's first).
         rings = [ring for ring in _state.sets.values() if ring.comm is not None]
-        _device_ipc.release_all(rings + ([_state.ring] if _state.ring is not None else []), closing_header())
+        rings += [_state.ring] if _state.ring is not None else []
+        if _state.ring is not None and _state.ring.hierarchy is not None:
+            _state.ring.hierarchy.close()
+        for ring in rings:
+            if not _device_ipc.closes_with_pass(ring):
+                ring.comm.close()
+        _device_ipc.release_all(rings, closing_header())
         for ring in _state.sets.values():
             if ring.comm is not None:
                 ring.comm.close()
             for ps in ring.owners:
                 ps.invalidate()
         _state.sets.clear()
-        if _state.ring is not None and _state.ring.hierarchy is not None:
-            _state.ring.hierarchy.close()
         if _state.comm is not None:
             _state.comm.close()
         _state.comm = _state.world = _state.ring = None
