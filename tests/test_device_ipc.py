@@ -1157,3 +1157,34 @@ def test_a_rank_shutting_down_beside_a_process_set_is_named_lost_at_once_on_eith
             assert kind == "PeerLostError" and rank == 1 and "rank 1" in message, k.result
             assert "closed the ring" in message or not world_ipc, k.result
             assert took < 10, k.result
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_a_0d_device_array_allreduces_to_a_0d_array_on_every_path(tmp_path, setting):
+    """rr.allreduce of a 0-d GPU array returns a 0-d array, as numpy's does,
+    whichever path it takes: the ring's device path (the first, which
+    agrees), then one IPC pass (setting on) or the bounce buffer (off), and
+    the ring's device path again where this rank's small limit says large.
+    (ascontiguousarray makes a 0-d array 1-d, in numpy as in cupy.)"""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        r, N = rr.rank(), rr.size()
+        got = []
+        for k in range(3):
+            x = np.array(r + k, np.float32).view(Dev)
+            y = rr.allreduce(x)
+            out = np.array(-1, np.float32).view(Dev)
+            z = rr.allreduce(x, out=out)
+            got.append((np.asarray(y).shape, np.asarray(y).tolist(), z is out, np.asarray(out).shape,
+                         np.asarray(out).tolist()))
+        ring = C.communicator().ring
+        ring.small_limit = -1  # the small limit says large: the ring's device path
+        y = rr.allreduce(np.array(r, np.float32).view(Dev))
+        got.append((np.asarray(y).shape, np.asarray(y).tolist()))
+        result = got, ring.ipc
+    """), tmp_path, timeout=120, env={"RINGREDUCE_CUDA_IPC": setting})
+    total = lambda k: float(sum(q + k for q in range(3)))  # noqa: E731
+    for r in ranks:
+        got, ipc = r.result
+        assert ipc is (setting == "1"), r.result
+        assert got[:3] == [((), total(k), True, (), total(k)) for k in range(3)], (r.rank, got)
+        assert got[3] == ((), total(0)), (r.rank, got)

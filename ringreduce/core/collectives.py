@@ -326,6 +326,13 @@ def _note_phases(comm) -> None:
         log.append(comm.last_phases())
 
 
+def _shaped(result, x):
+    """A GPU allreduce's result in x's shape: the buffers it runs on are
+    ascontiguousarray(x)'s, which is 1-d for a 0-d x (in numpy as in cupy),
+    and the result has x's shape, as numpy's allreduce."""
+    return result if result.shape == x.shape else result.reshape(x.shape)
+
+
 def _allreduce_device(x, op, out, name, process_set=None):
     try:
         g, x = arrays_for(x)
@@ -361,7 +368,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
                 raise
             if got is None:
                 got = g.from_host(allreduce.__wrapped__(host, op, name=name, process_set=process_set), like=x)
-            return deliver(got, out, g.xp)
+            return deliver(_shaped(got, x), out, g.xp)
     try:
         # The ring's device and GPU memory are had before the header goes out:
         # a rank without them (cupy's OutOfMemoryError is a MemoryError) refuses, and the others
@@ -382,7 +389,7 @@ def _allreduce_device(x, op, out, name, process_set=None):
             ring.small_asks_ipc = False
         g.allreduce(ring, src, dst, code, opc, all_device(blobs))  # device to device, or staged (core/device_ipc.py)
         _note_phases(ring.comm)
-        return deliver(dst, out, g.xp)
+        return deliver(_shaped(dst, x), out, g.xp)
 
 
 def _allreduce_device_small_ipc(g, x, code, opc, out, name, ring, process_set):
@@ -407,7 +414,7 @@ def _allreduce_device_small_ipc(g, x, code, opc, out, name, ring, process_set):
             if dst is not src and g.xp.may_share_memory(dst, src):
                 src = src.copy()
             g.allreduce(ring, src, dst, code, opc, all_device(blobs))
-        return deliver(dst, out, g.xp)
+        return deliver(_shaped(dst, x), out, g.xp)
 
 
 def _prepared(g, x, kind, process_set, down: bool, host: bool, alloc=None):
