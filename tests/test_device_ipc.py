@@ -1188,3 +1188,56 @@ def test_a_0d_device_array_allreduces_to_a_0d_array_on_every_path(tmp_path, sett
         assert ipc is (setting == "1"), r.result
         assert got[:3] == [((), total(k), True, (), total(k)) for k in range(3)], (r.rank, got)
         assert got[3] == ((), total(0)), (r.rank, got)
+
+
+def test_a_barrier_named_as_the_closing_pass_is_refused_and_never_pairs_with_a_shutdown(tmp_path):
+    """The closing pass's name (protocol.CLOSING_NAME) is reserved: a barrier
+    so named would pair with a peer's shutdown on a ring that agreed on IPC,
+    returning as if that peer were there, and the next collective would meet
+    the peer's release handshake. It is refused (ValueError on the ranks that
+    called it); the next collective then names the rank that shut down."""
+    ranks = run_ranks(3, EMULATED_FAMILY + textwrap.dedent("""
+        import time
+        from ringreduce.core.protocol import CLOSING_NAME
+        r = rr.rank()
+        x = np.ones(100, np.float32)
+        rr.allreduce(x.view(Dev))
+        assert C.communicator().ring.ipc
+        got = []
+        if r == 1:
+            rr.shutdown()
+        else:
+            time.sleep(0.3)
+            for call in (lambda: rr.barrier(name=CLOSING_NAME), lambda: rr.allreduce(x.view(Dev))):
+                try:
+                    call()
+                    got.append("no error")
+                except (ValueError, rr.RingReduceError) as exc:
+                    got.append((type(exc).__name__, str(exc), getattr(exc, "rank", None)))
+        result = got
+    """), tmp_path, timeout=120, env={"RINGREDUCE_TIMEOUT": "30"})
+    for k in (ranks[0], ranks[2]):
+        barrier, after = k.result
+        assert barrier[0] == "ValueError" and "reserved" in barrier[1], k.result
+        assert after[0] == "PeerLostError" and after[2] == 1, k.result
+
+
+def test_a_header_pass_that_meets_no_header_names_the_rank_that_sent_it(tmp_path):
+    """A rank out of step, whose blob in another rank's header pass is no
+    header (a pass of its own: an IPC handshake, the agreement's), is named
+    by the ranks whose header pass met it, never "a peer"."""
+    ranks = run_ranks(3, """
+        from ringreduce.core import collectives
+        comm = collectives.communicator().ring.comm
+        try:
+            if rr.rank() == 1:
+                comm.exchange_blobs(b"XYZ", b"not a header")
+            else:
+                rr.barrier()
+            result = "no error"
+        except rr.RingReduceError as exc:
+            result = type(exc).__name__, str(exc), exc.rank
+    """, tmp_path, timeout=60, env={"RINGREDUCE_TIMEOUT": "30"})
+    for k in (ranks[0], ranks[2]):
+        kind, message, rank = k.result
+        assert kind == "RingReduceError" and rank == 1 and "rank 1" in message, k.result

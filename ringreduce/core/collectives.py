@@ -21,7 +21,7 @@ from .listeners import collective as _reported  # each call's time and error, to
 from .communicator import MAX_PLANS, Plan, Ring, communicator, current as _state  # noqa: F401  (Ring: callers)
 from .hierarchy import run_allreduce
 from .process_sets import lookup, ring_of
-from .protocol import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES, REDUCE_SCATTER,
+from .protocol import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, CLOSING_NAME, KIND_NAMES, REDUCE_SCATTER,
                        REFUSED_PREFIX, agree, all_device, all_inline, any_device, exchange, header, marks, parse,
                        payloads, voided)
 
@@ -641,6 +641,8 @@ def barrier(name: str | None = None, process_set=None) -> None:
     """Returns once every rank (of process_set) has entered the barrier."""
     try:
         check_name(name)
+        if name == CLOSING_NAME:  # a barrier so named would pair with a peer's closing pass (device_ipc.release)
+            raise ValueError(f"the name {CLOSING_NAME!r} is reserved for a rank's last pass on a ring it closes")
     except (TypeError, ValueError) as exc:
         refuse(BARRIER, exc, process_set)
         raise

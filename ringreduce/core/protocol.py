@@ -170,7 +170,21 @@ def agree(blobs, head: bytes, fields, what, ring: Ring | None = None, beside_joi
             if not beside_joined:  # every allreduce header is sent by a caller that runs the ring after it
                 raise RingReduceError(f"{what} met joined ranks where only an allreduce can go on")
             return
-        check_agreement([parse(b) for b in blobs], fields, what, _rank_names(ring))
+        check_agreement(_parse_all(blobs, what, ring), fields, what, _rank_names(ring))
+
+
+def _parse_all(blobs, what, ring) -> list:
+    """Every rank's header, parsed; RingReduceError naming the first rank
+    whose blob is no header: that rank is out of step with this one (it
+    runs a pass of its own, an IPC handshake or the agreement's, where this
+    one runs `what`'s header pass). Alike on every rank that parses them."""
+    for q, b in enumerate(blobs):
+        if bytes(b[:len(MAGIC)]) != MAGIC or len(b) < HEAD.size:
+            names, world = _rank_names(ring), _world_ranks(ring)
+            raise RingReduceError(f"{names[q] if names else f'rank {q}'} sent no header in this rank's {what} "
+                                  "header pass: its collectives are out of step with this rank's",
+                                  rank=q if world is None else world[q])
+    return [parse(b) for b in blobs]
 
 
 def _check_none_closing(blobs, what, ring) -> None:
